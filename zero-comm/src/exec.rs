@@ -1,0 +1,157 @@
+//! The per-rank progress thread that runs collectives in issue order.
+
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{unbounded, Sender};
+
+use crate::communicator::RawOp;
+use crate::work::{Completion, Work};
+use crate::{Error, Result};
+
+/// Runs one collective; called on the progress thread in sequence order.
+pub(crate) type Runner = Box<dyn FnMut(u64, &RawOp) -> Result<()> + Send>;
+
+type Payload = Box<dyn Any + Send>;
+
+struct Job {
+    seq: u64,
+    op: RawOp,
+    done: Arc<Completion<Payload>>,
+}
+
+/// Queue + progress thread of one rank.
+///
+/// Collectives run one at a time in the order they were issued, which is
+/// also their sequence number. The first error poisons the executor: every
+/// later collective fails at once with [`Error::Poisoned`], and `on_fail`
+/// tells the peers (so they fail fast instead of waiting for the timeout).
+pub(crate) struct Executor {
+    queue: Mutex<(u64, Option<Sender<Job>>)>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    poisoned: Arc<Mutex<Option<String>>>,
+}
+
+impl Executor {
+    pub(crate) fn spawn(
+        name: String,
+        rank: usize,
+        mut runner: Runner,
+        on_fail: Box<dyn Fn() + Send>,
+    ) -> Result<Self> {
+        let (tx, rx) = unbounded::<Job>();
+        let poisoned = Arc::new(Mutex::new(None::<String>));
+        let p2 = poisoned.clone();
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || {
+                for Job { seq, mut op, done } in rx {
+                    let name = op.desc.name();
+                    let first = p2.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                    let r = if let Some(first) = first {
+                        Err(Error::Poisoned {
+                            rank,
+                            op: name,
+                            seq,
+                            first,
+                        })
+                    } else if let Some(e) = op.error.take() {
+                        Err(e)
+                    } else {
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| runner(seq, &op)))
+                            .unwrap_or_else(|p| {
+                                Err(Error::RankPanicked {
+                                    rank,
+                                    msg: panic_message(&*p),
+                                })
+                            })
+                    };
+                    match r {
+                        Ok(()) => done.complete(Ok(Box::new(op.keep))),
+                        Err(e) => {
+                            let mut g = p2.lock().unwrap_or_else(|e| e.into_inner());
+                            if g.is_none() {
+                                *g = Some(e.to_string());
+                                drop(g);
+                                on_fail();
+                            }
+                            if matches!(e, Error::Timeout { .. } | Error::PeerFailed { .. }) {
+                                // A peer that arrives late may still read or
+                                // write these buffers: leak them rather than
+                                // free memory someone else can touch.
+                                std::mem::forget(std::mem::take(&mut op.keep));
+                            }
+                            done.complete(Err(e));
+                        }
+                    }
+                }
+            })
+            .map_err(|e| Error::Core(zero_core::Error::Cuda(Box::new(e))))?;
+        Ok(Self {
+            queue: Mutex::new((0, Some(tx))),
+            thread: Mutex::new(Some(thread)),
+            poisoned,
+        })
+    }
+
+    /// Queues `op`; its sequence number is its position in the queue.
+    pub(crate) fn submit(&self, op: RawOp) -> Work<Vec<Payload>> {
+        let name = op.desc.name();
+        let done = Completion::new();
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        q.0 += 1;
+        let seq = q.0;
+        let job = Job {
+            seq,
+            op,
+            done: done.clone(),
+        };
+        let sent = q.1.as_ref().map(|tx| tx.send(job));
+        drop(q);
+        if !matches!(sent, Some(Ok(()))) {
+            done.complete(Err(Error::Poisoned {
+                rank: 0,
+                op: name,
+                seq,
+                first: "the communicator is shutting down".into(),
+            }));
+        }
+        Work::new(done, name, seq, |p| {
+            *p.downcast::<Vec<Payload>>()
+                .expect("executor payload is Vec<Box<dyn Any>>")
+        })
+    }
+
+    /// The first error, if the executor is poisoned.
+    pub(crate) fn poisoned(&self) -> Option<String> {
+        self.poisoned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Runs what is queued, then stops the thread.
+    pub(crate) fn shutdown(&self) {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).1 = None;
+        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Executor {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+pub(crate) fn panic_message(p: &(dyn Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "<non-string panic payload>".into()
+    }
+}

@@ -1,0 +1,41 @@
+//! Collective communication for `zero`.
+//!
+//! One small trait, [`Communicator`], with asynchronous collectives
+//! (all-reduce, reduce-scatter, all-gather, broadcast, barrier) on f32,
+//! bf16 and f16 [`HostBuffer`](zero_core::HostBuffer)s, and backends:
+//!
+//! - [`ThreadGroup`] / [`ThreadComm`]: N ranks as threads of one process
+//!   (the embedded default). Collectives read the peers' memory directly.
+//! - MPI (feature `mpi`): ranks as processes started by `mpirun`/`srun`.
+//!   Within a node they use the same shared-memory algorithms through an
+//!   MPI-3 shared window; between nodes, MPI's own collectives.
+//!
+//! How a collective runs within a node (both backends): [`shm`] describes
+//! the two-phase protocol, and each algorithm has its own file with a
+//! diagram of its data movement.
+//!
+//! Failure behaviour: every wait has a timeout ([`CommOptions::timeout`]);
+//! a missing rank gives [`Error::Timeout`] naming the collective, its
+//! sequence number and the ranks that arrived; ranks that call different
+//! collectives get [`Error::Mismatch`] saying what each called; a failed or
+//! departed peer gives [`Error::PeerFailed`]. None of them hangs.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod communicator;
+mod counts;
+mod error;
+mod exec;
+mod op;
+mod options;
+mod reduce;
+pub mod shm;
+mod threads;
+mod work;
+
+pub use communicator::{Communicator, RawOp};
+pub use counts::{even_counts, offsets};
+pub use error::{Error, Result};
+pub use options::CommOptions;
+pub use reduce::{reference_reduce, ReduceOp};
+pub use threads::{ThreadComm, ThreadGroup};
+pub use work::Work;

@@ -1,0 +1,49 @@
+//! The error type of `zero-core`.
+
+/// Errors of `zero-core`: devices, dtypes and buffers.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A backend was asked for that this build does not contain.
+    #[error("zero was built without the `{0}` feature; rebuild with `--features {0}`")]
+    NotCompiledWith(&'static str),
+    /// The backend is compiled in, but the device cannot be used here.
+    #[error("no usable {kind} device {ordinal}: {reason}")]
+    NoDevice {
+        /// Device kind, e.g. `"cuda"`.
+        kind: &'static str,
+        /// The ordinal that was asked for.
+        ordinal: usize,
+        /// Why it cannot be used (no driver, no such GPU, ...).
+        reason: String,
+    },
+    /// A buffer of one dtype was used where another was required.
+    #[error("dtype mismatch in {op}: expected {expected}, got {got}")]
+    DTypeMismatch {
+        /// The operation that found the mismatch.
+        op: &'static str,
+        /// The dtype that was required.
+        expected: crate::DType,
+        /// The dtype that was given.
+        got: crate::DType,
+    },
+    /// A size or length argument is invalid.
+    #[error("invalid size in {op}: {msg}")]
+    InvalidSize {
+        /// The operation that rejected the size.
+        op: &'static str,
+        /// What is wrong, with the numbers.
+        msg: String,
+    },
+    /// A host allocation failed.
+    #[error("cannot allocate {bytes} bytes of host memory")]
+    OutOfHostMemory {
+        /// The size that was asked for.
+        bytes: usize,
+    },
+    /// An error from the CUDA driver, NVRTC or a CUDA library.
+    #[error("cuda: {0}")]
+    Cuda(Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

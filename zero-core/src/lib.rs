@@ -1,0 +1,29 @@
+//! Foundations of `zero`, the ZeRO-style sharded data-parallel training library.
+//!
+//! This crate knows nothing about MPI, NCCL or files. It provides what every
+//! other crate of the workspace builds on:
+//!
+//! - [`DType`] and the [`Element`] trait: the element types that parameters,
+//!   gradients and communication buffers use (`f32`, `bf16`, `f16`), with the
+//!   f32 conversions that reductions accumulate in.
+//! - [`Device`]: `Cpu` and `Cuda`. Both variants exist in every build; without
+//!   the `cuda` feature, or without a usable driver, creating a CUDA device
+//!   returns [`Error::NotCompiledWith`] or [`Error::NoDevice`] instead of
+//!   panicking.
+//! - [`HostBuffer`]: an aligned host allocation that owns its elements, the
+//!   unit of data that moves through collectives.
+//! - [`Error`] and [`Result`]: the one error type of this crate.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod buffer;
+mod device;
+mod dtype;
+mod error;
+
+pub use buffer::{HostBuffer, BUFFER_ALIGN};
+pub use device::{CudaDevice, Device};
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+
+/// Re-exported so that users name `bf16`/`f16` through one path.
+pub use half::{bf16, f16};
