@@ -9,3 +9,8 @@
 pub use zero_comm as comm;
 pub use zero_core as core;
 pub use zero_offload as offload;
+
+/// The README's examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Sets up and runs every test: the whole workspace (unit, integration and doc
+# tests) with the default features, which include MPI. The MPI integration
+# test (zero-comm/tests/mpi.rs) starts itself under `mpirun -n 2`, `-n 3` and
+# 4 ranks as two simulated nodes; missing MPI is a failure, not a skip.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+cargo test --workspace
