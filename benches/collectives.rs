@@ -36,7 +36,9 @@ struct Args {
 fn parse_args() -> Args {
     let mut a = Args {
         sizes_mib: vec![1, 2, 4, 8, 16, 32, 64, 128, 256],
-        ranks: std::thread::available_parallelism().map_or(2, |n| n.get()).max(2),
+        ranks: std::thread::available_parallelism()
+            .map_or(2, |n| n.get())
+            .max(2),
         reps: 5,
     };
     let mut it = std::env::args().skip(1);
@@ -93,6 +95,7 @@ struct Row {
     ours: [f64; 3],
 }
 
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 const NAMES: [&str; 3] = ["all_reduce", "reduce_scatter", "all_gather"];
 
 fn bus_factor(kind: usize, n: usize) -> f64 {
@@ -115,7 +118,11 @@ fn ours<C: Communicator>(comm: &C, bytes: usize, reps: usize) -> [f64; 3] {
     let mut buf = Some(comm.alloc::<f32>(len).expect("alloc"));
     let t = time_it(comm, reps, iters, || {
         let b = buf.take().expect("buffer");
-        buf = Some(comm.all_reduce(b, ReduceOp::Sum).wait().expect("all_reduce"));
+        buf = Some(
+            comm.all_reduce(b, ReduceOp::Sum)
+                .wait()
+                .expect("all_reduce"),
+        );
     });
     out[0] = gbps(bytes, t) * bus_factor(0, n);
     drop(buf);
@@ -148,10 +155,7 @@ fn print_table(title: &str, base_name: &str, rows: &[Row]) {
     println!("\n{title}");
     println!(
         "{:>9} | {:>28} | {:>28} | {:>28}",
-        "size",
-        "all_reduce busbw GB/s",
-        "reduce_scatter busbw GB/s",
-        "all_gather busbw GB/s"
+        "size", "all_reduce busbw GB/s", "reduce_scatter busbw GB/s", "all_gather busbw GB/s"
     );
     println!(
         "{:>9} | {:>28} | {:>28} | {:>28}",
@@ -263,7 +267,8 @@ fn mpi_suite(a: &Args) {
             });
             base[1] = gbps(bytes, t) * bus_factor(1, n);
             let t = time_it(&comm, a.reps, iters, || {
-                comm.native_all_gather(&small, &mut buf).expect("MPI_Allgather")
+                comm.native_all_gather(&small, &mut buf)
+                    .expect("MPI_Allgather")
             });
             base[2] = gbps(bytes, t) * bus_factor(2, n);
         }
@@ -280,7 +285,7 @@ fn mpi_suite(a: &Args) {
             "MPI",
             &rows,
         );
-        for k in 0..3 {
+        for (k, name) in NAMES.iter().enumerate() {
             let big = rows
                 .iter()
                 .filter(|r| r.mib >= 16)
@@ -292,7 +297,7 @@ fn mpi_suite(a: &Args) {
                 .fold(f64::INFINITY, f64::min);
             println!(
                 "target {:<14}: >= 3x MPI at >= 16 MiB: worst {:.2}x -> {}; never slower: worst {:.2}x -> {}",
-                NAMES[k],
+                name,
                 big,
                 if big >= 3.0 { "met" } else { "NOT met" },
                 all,

@@ -28,6 +28,7 @@ unsafe impl Send for RawOp {}
 
 impl RawOp {
     /// Elements of this rank's input and output.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn elems(&self, rank: usize) -> (usize, usize) {
         let d = &self.desc;
         match d.kind {

@@ -94,6 +94,14 @@ pub enum Error {
         /// The panic message.
         msg: String,
     },
+    /// A thread (a rank or its progress thread) could not be started.
+    #[error("cannot start {what}: {source}")]
+    Thread {
+        /// Which thread.
+        what: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
     /// An error from the MPI library or the MPI backend's setup.
     #[error("mpi: {0}")]
     Mpi(String),

@@ -31,6 +31,7 @@ pub(crate) struct Executor {
     queue: Mutex<(u64, Option<Sender<Job>>)>,
     thread: Mutex<Option<JoinHandle<()>>>,
     poisoned: Arc<Mutex<Option<String>>>,
+    rank: usize,
 }
 
 impl Executor {
@@ -76,10 +77,16 @@ impl Executor {
                                 drop(g);
                                 on_fail();
                             }
-                            if matches!(e, Error::Timeout { .. } | Error::PeerFailed { .. }) {
-                                // A peer that arrives late may still read or
-                                // write these buffers: leak them rather than
-                                // free memory someone else can touch.
+                            if matches!(
+                                e,
+                                Error::Timeout { .. }
+                                    | Error::PeerFailed { .. }
+                                    | Error::RankPanicked { .. }
+                            ) {
+                                // A peer that arrives late (or is still moving
+                                // data) may read or write these buffers: leak
+                                // them rather than free memory someone else
+                                // can touch. The communicator is dead anyway.
                                 std::mem::forget(std::mem::take(&mut op.keep));
                             }
                             done.complete(Err(e));
@@ -87,11 +94,15 @@ impl Executor {
                     }
                 }
             })
-            .map_err(|e| Error::Core(zero_core::Error::Cuda(Box::new(e))))?;
+            .map_err(|source| Error::Thread {
+                what: format!("the progress thread of rank {rank}"),
+                source,
+            })?;
         Ok(Self {
             queue: Mutex::new((0, Some(tx))),
             thread: Mutex::new(Some(thread)),
             poisoned,
+            rank,
         })
     }
 
@@ -107,11 +118,14 @@ impl Executor {
             op,
             done: done.clone(),
         };
-        let sent = q.1.as_ref().map(|tx| tx.send(job));
+        let sent = match &q.1 {
+            Some(tx) => tx.send(job).is_ok(),
+            None => false,
+        };
         drop(q);
-        if !matches!(sent, Some(Ok(()))) {
+        if !sent {
             done.complete(Err(Error::Poisoned {
-                rank: 0,
+                rank: self.rank,
                 op: name,
                 seq,
                 first: "the communicator is shutting down".into(),

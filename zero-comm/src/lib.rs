@@ -21,10 +21,13 @@
 //! departed peer gives [`Error::PeerFailed`]. None of them hangs.
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod bucket;
 mod communicator;
 mod counts;
 mod error;
 mod exec;
+mod launch;
+mod mpi;
 mod op;
 mod options;
 mod reduce;
@@ -32,9 +35,12 @@ pub mod shm;
 mod threads;
 mod work;
 
+pub use bucket::{shard_len, shard_range, Bucket, BucketLayout, BucketPlan, Bucketer};
 pub use communicator::{Communicator, RawOp};
 pub use counts::{even_counts, offsets};
 pub use error::{Error, Result};
+pub use launch::{launch, launched_by_mpi, Comm};
+pub use mpi::MpiComm;
 pub use options::CommOptions;
 pub use reduce::{reference_reduce, ReduceOp};
 pub use threads::{ThreadComm, ThreadGroup};

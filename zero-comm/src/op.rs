@@ -89,7 +89,7 @@ impl OpDesc {
         }
         match dtype {
             Some(d) => s.push_str(d.as_str()),
-            None => s.push_str("?"),
+            None => s.push('?'),
         }
         s.push_str(&format!(", {} elements", w[1]));
         if w[2] != 0 {

@@ -74,7 +74,7 @@ impl ThreadGroup {
     {
         let comms = Self::comms(n, opts)?;
         let f = &f;
-        let results: Vec<std::thread::Result<R>> = std::thread::scope(|s| {
+        let results: Vec<Result<R>> = std::thread::scope(|s| {
             let handles: Vec<_> = comms
                 .into_iter()
                 .enumerate()
@@ -88,22 +88,23 @@ impl ThreadGroup {
                 .collect();
             handles
                 .into_iter()
-                .map(|h| match h {
-                    Ok(h) => h.join().unwrap_or_else(Err),
-                    Err(e) => Err(Box::new(e.to_string()) as Box<dyn Any + Send>),
+                .enumerate()
+                .map(|(rank, h)| match h {
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(Err)
+                        .map_err(|p| Error::RankPanicked {
+                            rank,
+                            msg: panic_message(&*p),
+                        }),
+                    Err(source) => Err(Error::Thread {
+                        what: format!("rank {rank}"),
+                        source,
+                    }),
                 })
                 .collect()
         });
-        results
-            .into_iter()
-            .enumerate()
-            .map(|(rank, r)| {
-                r.map_err(|p| Error::RankPanicked {
-                    rank,
-                    msg: panic_message(&*p),
-                })
-            })
-            .collect()
+        results.into_iter().collect()
     }
 }
 

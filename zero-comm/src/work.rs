@@ -98,13 +98,12 @@ impl<R: 'static> Work<R> {
     pub fn map<S: 'static>(mut self, f: impl FnOnce(R) -> S + Send + 'static) -> Work<S> {
         let done = self.done.take();
         let inner = self.map.take();
-        let out = Work {
+        Work {
             done,
             map: inner.map(|g| -> Mapper<S> { Box::new(move |x| f(g(x))) }),
             op: self.op,
             seq: self.seq,
-        };
-        out
+        }
     }
 
     /// The collective's name, e.g. `"all_reduce"`.

@@ -21,10 +21,10 @@ use crate::reduce::copy;
 pub(crate) unsafe fn run<T: Element>(ctx: &Ctx<'_>) {
     let offs = offsets(ctx.counts);
     let dst = ctx.recv::<T>(ctx.rank);
-    for p in 0..ctx.peers.len() {
+    for (p, (&off, &count)) in offs.iter().zip(ctx.counts).enumerate() {
         // SAFETY: send p holds counts[p] elements; the destination range
         // lies in this rank's recv, which only this rank writes. In place,
         // the source of p == rank is that same range, and copy skips it.
-        unsafe { copy(ctx.send::<T>(p), dst.add(offs[p]), ctx.counts[p]) };
+        unsafe { copy(ctx.send::<T>(p), dst.add(off), count) };
     }
 }

@@ -2,7 +2,7 @@
 //! of one process, or the processes of one node through an MPI-3 shared
 //! window.
 //!
-//! Every rank has a [`ControlSlot`] (one cache line pair) in memory visible to
+//! Every rank has a `ControlSlot` (one cache line pair) in memory visible to
 //! all. A collective with sequence number `s` runs in two phases:
 //!
 //! ```text
@@ -26,6 +26,8 @@
 
 mod all_gather;
 mod all_reduce;
+#[cfg(feature = "mpi")]
+pub(crate) use all_reduce::chunk;
 mod broadcast;
 mod reduce_scatter;
 
@@ -39,8 +41,7 @@ use zero_core::{bf16, f16, DType, Element};
 use crate::op::{OpDesc, OpKind};
 use crate::{Error, Result};
 
-/// A rank's slot has not been initialised.
-pub(crate) const STATE_UNSET: u64 = 0;
+// State words: 0 means the slot has not been initialised yet.
 /// The rank is part of the group.
 pub(crate) const STATE_ALIVE: u64 = 1;
 /// The rank dropped its communicator.
@@ -63,6 +64,12 @@ pub(crate) struct ControlSlot {
 }
 
 impl ControlSlot {
+    /// The process id its rank stored when it joined (0 before that).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn pid(&self) -> u64 {
+        self.pid.load(Ordering::Relaxed)
+    }
+
     fn desc_words(&self) -> [u64; 3] {
         [0, 1, 2].map(|i| self.desc[i].load(Ordering::Relaxed))
     }
@@ -168,17 +175,14 @@ impl ShmGroup {
         self.slot(self.rank).state.store(state, Ordering::Release);
     }
 
-    /// The state word of local rank `r`.
-    pub(crate) fn state_of(&self, r: usize) -> u64 {
-        self.slot(r).state.load(Ordering::Acquire)
-    }
-
     /// Number of ranks in the group.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn size(&self) -> usize {
         self.size
     }
 
     /// This rank's index in the group.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn rank(&self) -> usize {
         self.rank
     }
@@ -195,6 +199,32 @@ impl ShmGroup {
         desc: &OpDesc,
         counts: &[usize],
         bufs: Bufs,
+    ) -> Result<()> {
+        // SAFETY: forwarded from the caller; `dispatch` is the algorithm
+        // that `desc` names, which stays within the published buffers.
+        unsafe {
+            self.run_with(seq, desc, counts, bufs, |ctx| {
+                dispatch_dtype(ctx);
+                Ok(())
+            })
+        }
+    }
+
+    /// [`ShmGroup::run`] with another data movement: `body` runs between the
+    /// entry and exit phases, with every rank's resolved buffers, instead of
+    /// the algorithm `desc` names. If it fails, this rank does not finish
+    /// the exit phase (its peers see it fail through its state word).
+    ///
+    /// # Safety
+    /// As for [`ShmGroup::run`]; in addition `body` must only touch ranges
+    /// of the peers' buffers that no other rank's `body` touches.
+    pub(crate) unsafe fn run_with(
+        &self,
+        seq: u64,
+        desc: &OpDesc,
+        counts: &[usize],
+        bufs: Bufs,
+        body: impl FnOnce(&Ctx<'_>) -> Result<()>,
     ) -> Result<()> {
         let me = self.slot(self.rank);
         for (w, v) in me.desc.iter().zip(desc.words()) {
@@ -228,16 +258,10 @@ impl ShmGroup {
             counts,
             desc,
         };
-        // SAFETY: every rank published buffers valid for the agreed sizes
+        // Every rank published buffers valid for the agreed sizes
         // (descriptors matched) and keeps them alive until the exit phase;
-        // each algorithm writes only ranges no other rank reads or writes.
-        unsafe {
-            match desc.dtype {
-                DType::F32 => dispatch::<f32>(&ctx),
-                DType::BF16 => dispatch::<bf16>(&ctx),
-                DType::F16 => dispatch::<f16>(&ctx),
-            }
-        }
+        // the body writes only ranges no other rank reads or writes.
+        body(&ctx)?;
 
         me.done.store(seq, Ordering::Release);
         self.wait_all(seq, desc, "exit", |s| &s.done)
@@ -354,11 +378,28 @@ pub(crate) struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn send<T>(&self, p: usize) -> *const T {
+    /// Rank `p`'s input, as `T`.
+    pub(crate) fn send<T>(&self, p: usize) -> *const T {
         self.peers[p].send.cast()
     }
-    fn recv<T>(&self, p: usize) -> *mut T {
+    /// Rank `p`'s output, as `T`.
+    pub(crate) fn recv<T>(&self, p: usize) -> *mut T {
         self.peers[p].recv.cast()
+    }
+}
+
+/// Runs the algorithm `ctx.desc` names, for its dtype.
+///
+/// # Safety
+/// See [`ShmGroup::run`].
+pub(crate) unsafe fn dispatch_dtype(ctx: &Ctx<'_>) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match ctx.desc.dtype {
+            DType::F32 => dispatch::<f32>(ctx),
+            DType::BF16 => dispatch::<bf16>(ctx),
+            DType::F16 => dispatch::<f16>(ctx),
+        }
     }
 }
 
