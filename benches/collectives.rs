@@ -91,12 +91,17 @@ fn iters_for(bytes: usize) -> usize {
 #[derive(Default)]
 struct Row {
     mib: usize,
-    base: [f64; 3],
-    ours: [f64; 3],
+    base: [f64; 4],
+    ours: [f64; 4],
 }
 
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
-const NAMES: [&str; 3] = ["all_reduce", "reduce_scatter", "all_gather"];
+const NAMES: [&str; 4] = [
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "all_gather_in_place",
+];
 
 fn bus_factor(kind: usize, n: usize) -> f64 {
     let n = n as f64;
@@ -107,13 +112,14 @@ fn bus_factor(kind: usize, n: usize) -> f64 {
     }
 }
 
-/// Our three collectives on buffers from `comm.alloc`; busbw in GB/s.
-fn ours<C: Communicator>(comm: &C, bytes: usize, reps: usize) -> [f64; 3] {
+/// Our collectives on buffers from `comm.alloc`; busbw in GB/s: all_reduce,
+/// reduce_scatter, all_gather, all_gather_in_place.
+fn ours<C: Communicator>(comm: &C, bytes: usize, reps: usize) -> [f64; 4] {
     let n = comm.world_size();
     let len = bytes / 4;
     let counts = even_counts(len, n);
     let iters = iters_for(bytes);
-    let mut out = [0.0; 3];
+    let mut out = [0.0; 4];
 
     let mut buf = Some(comm.alloc::<f32>(len).expect("alloc"));
     let t = time_it(comm, reps, iters, || {
@@ -148,38 +154,52 @@ fn ours<C: Communicator>(comm: &C, bytes: usize, reps: usize) -> [f64; 3] {
         bufs = Some(comm.all_gather(s, r, &counts).wait().expect("all_gather"));
     });
     out[2] = gbps(bytes, t) * bus_factor(2, n);
+    let (small, big) = bufs.take().expect("buffers");
+    drop(small);
+
+    let mut buf = Some(big);
+    let t = time_it(comm, reps, iters, || {
+        let b = buf.take().expect("buffer");
+        buf = Some(
+            comm.all_gather_in_place(b, &counts)
+                .wait()
+                .expect("all_gather_in_place"),
+        );
+    });
+    out[3] = gbps(bytes, t) * bus_factor(2, n);
     out
 }
 
 fn print_table(title: &str, base_name: &str, rows: &[Row]) {
     println!("\n{title}");
+    let names = [
+        "all_reduce",
+        "reduce_scatter",
+        "all_gather",
+        "all_gather in place",
+    ];
+    let head = names.map(|n| format!("{n} busbw GB/s"));
     println!(
-        "{:>9} | {:>28} | {:>28} | {:>28}",
-        "size", "all_reduce busbw GB/s", "reduce_scatter busbw GB/s", "all_gather busbw GB/s"
+        "{:>9} | {}",
+        "size",
+        head.map(|h| format!("{h:>28}")).join(" | ")
     );
+    let sub = format!("ours / {base_name} = ratio");
     println!(
-        "{:>9} | {:>28} | {:>28} | {:>28}",
+        "{:>9} | {}",
         "",
-        format!("ours / {base_name} = ratio"),
-        format!("ours / {base_name} = ratio"),
-        format!("ours / {base_name} = ratio")
+        [(); 4].map(|_| format!("{sub:>28}")).join(" | ")
     );
     for r in rows {
-        let cell = |k: usize| {
+        let cells = [0, 1, 2, 3].map(|k| {
             format!(
                 "{:>7.2} / {:>7.2} = {:>5.2}x",
                 r.ours[k],
                 r.base[k],
                 r.ours[k] / r.base[k]
             )
-        };
-        println!(
-            "{:>6} MiB | {:>28} | {:>28} | {:>28}",
-            r.mib,
-            cell(0),
-            cell(1),
-            cell(2)
-        );
+        });
+        println!("{:>6} MiB | {}", r.mib, cells.join(" | "));
     }
 }
 
@@ -206,7 +226,7 @@ fn threads_suite(a: &Args) {
                 let memcpy = gbps(bytes, t);
                 Row {
                     mib,
-                    base: [memcpy; 3],
+                    base: [memcpy; 4],
                     ours: ours(&comm, bytes, a.reps),
                 }
             })
@@ -253,7 +273,7 @@ fn mpi_suite(a: &Args) {
         let bytes = mib * MIB;
         let len = bytes / 4;
         let iters = iters_for(bytes);
-        let mut base = [0.0; 3];
+        let mut base = [0.0; 4];
         let mut buf = comm.alloc::<f32>(len).expect("alloc");
         let t = time_it(&comm, a.reps, iters, || {
             comm.native_all_reduce(&mut buf).expect("MPI_Allreduce")
@@ -271,6 +291,11 @@ fn mpi_suite(a: &Args) {
                     .expect("MPI_Allgather")
             });
             base[2] = gbps(bytes, t) * bus_factor(2, n);
+            let t = time_it(&comm, a.reps, iters, || {
+                comm.native_all_gather_in_place(&mut buf)
+                    .expect("MPI_Allgather(MPI_IN_PLACE)")
+            });
+            base[3] = gbps(bytes, t) * bus_factor(2, n);
         }
         drop(buf);
         rows.push(Row {

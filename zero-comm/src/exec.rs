@@ -47,7 +47,7 @@ impl Executor {
         let thread = std::thread::Builder::new()
             .name(name)
             .spawn(move || {
-                for Job { seq, mut op, done } in rx {
+                while let Some(Job { seq, mut op, done }) = next_job(&rx) {
                     let name = op.desc.name();
                     let first = p2.lock().unwrap_or_else(|e| e.into_inner()).clone();
                     let r = if let Some(first) = first {
@@ -157,6 +157,30 @@ impl Executor {
 impl Drop for Executor {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// The next job: polls (yielding) for a short while, since collectives
+/// usually come in bursts and a futex wake-up costs tens of microseconds,
+/// then sleeps until one arrives. `None` when the queue is closed and empty.
+fn next_job(rx: &crossbeam_channel::Receiver<Job>) -> Option<Job> {
+    let start = std::time::Instant::now();
+    let mut polls = 0u32;
+    loop {
+        match rx.try_recv() {
+            Ok(job) => return Some(job),
+            Err(crossbeam_channel::TryRecvError::Disconnected) => return None,
+            Err(crossbeam_channel::TryRecvError::Empty) => {}
+        }
+        polls += 1;
+        if polls % 16 == 0 {
+            if start.elapsed() >= std::time::Duration::from_micros(50) {
+                return rx.recv().ok();
+            }
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
     }
 }
 

@@ -358,6 +358,50 @@ impl MpiComm {
         }))
     }
 
+    /// Baseline: `MPI_Allgather` in place (`MPI_IN_PLACE`): `buf` holds
+    /// `world_size()` equal parts and rank r's part is already at part r.
+    /// Where this library's `MPI_IN_PLACE` is not known, the own part is
+    /// copied out and the out-of-place call is used. On the progress thread,
+    /// blocking; for comparing against [`Communicator::all_gather_in_place`].
+    pub fn native_all_gather_in_place(&self, buf: &mut HostBuffer<f32>) -> Result<()> {
+        if buf.len() % self.size != 0 {
+            return Err(Error::InvalidArgument {
+                rank: self.rank,
+                op: "native_all_gather_in_place",
+                msg: format!(
+                    "buffer has {} elements, not a multiple of {} ranks",
+                    buf.len(),
+                    self.size
+                ),
+            });
+        }
+        let part = buf.len() / self.size;
+        let n = raw::count(part, "MPI_Allgather")?;
+        let (p, rank) = (buf.as_mut_ptr() as usize, self.rank);
+        self.native(Box::new(move |e: &Engine| {
+            let (comm, rt) = (e.world.raw(), e.world.runtime());
+            match rt.in_place() {
+                Some(ip) => rt.call(|| {
+                    // SAFETY: `p` holds size * n f32 while the caller, which
+                    // holds `&mut buf`, waits for this job; `ip` is this
+                    // library's MPI_IN_PLACE.
+                    unsafe { raw::allgather_f32(ip.cast(), p as *mut f32, n, comm) }
+                }),
+                None => {
+                    // SAFETY: part `rank` lies within the buffer (checked).
+                    let own = unsafe {
+                        std::slice::from_raw_parts((p as *const f32).add(rank * part), part)
+                    }
+                    .to_vec();
+                    rt.call(|| {
+                        // SAFETY: `own` holds n f32, distinct from `p`.
+                        unsafe { raw::allgather_f32(own.as_ptr(), p as *mut f32, n, comm) }
+                    })
+                }
+            }
+        }))
+    }
+
     /// Runs `f` on the progress thread, in sequence, and waits for it.
     fn native(&self, f: NativeFn) -> Result<()> {
         let op = RawOp {

@@ -18,7 +18,7 @@
 use zero_core::Element;
 
 use super::Ctx;
-use crate::reduce::reduce_into;
+use crate::reduce::{reduce_in_place, reduce_into};
 
 /// The range of chunk `r` of `len` elements over `n` ranks, aligned to
 /// 64 bytes so that ranks never share a cache line.
@@ -42,12 +42,13 @@ pub(crate) unsafe fn run<T: Element>(ctx: &Ctx<'_>) {
     unsafe {
         let srcs: Vec<*const T> = (0..n).map(|p| ctx.send::<T>(p).add(range.start)).collect();
         let dsts: Vec<*mut T> = (0..n).map(|p| ctx.recv::<T>(p).add(range.start)).collect();
-        reduce_into(
-            &srcs,
-            &dsts,
-            range.len(),
-            ctx.desc.reduce.expect("all_reduce has an op"),
-        );
+        let op = ctx.desc.reduce.expect("all_reduce has an op");
+        if srcs.iter().zip(&dsts).all(|(&s, &d)| std::ptr::eq(s, d)) {
+            // In place on every rank (the public API): the fused kernel.
+            reduce_in_place(&dsts, range.len(), op);
+        } else {
+            reduce_into(&srcs, &dsts, range.len(), op);
+        }
     }
 }
 
