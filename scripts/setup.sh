@@ -12,6 +12,9 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libclang[-.0-9]*\.so' \
    && ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1; then
   missing+=(libclang-dev)
 fi
+# bindgen asks the clang driver for the system include paths (mpi.h
+# includes <stddef.h>).
+command -v clang >/dev/null 2>&1 || missing+=(clang)
 command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 
 if [ ${#missing[@]} -gt 0 ]; then

@@ -70,11 +70,9 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use zero_core::{DType, Element, HostBuffer};
+use zero_core::{Element, HostBuffer};
 
 use crate::communicator::RawOp;
-use crate::op::{OpDesc, OpKind};
-use crate::shm::Bufs;
 use crate::work::Work;
 use crate::{Communicator, Error, ReduceOp, Result};
 
@@ -629,23 +627,7 @@ fn fail<C: Communicator>(comm: &C, op: &'static str, msg: String) -> Error {
         op,
         msg: msg.clone(),
     };
-    let raw = RawOp {
-        desc: OpDesc {
-            kind: OpKind::Barrier,
-            reduce: None,
-            dtype: DType::F32,
-            len: 0,
-            counts_hash: 0,
-            root: 0,
-        },
-        counts: Vec::new(),
-        bufs: Bufs {
-            send: std::ptr::null(),
-            recv: std::ptr::null_mut(),
-        },
-        keep: Vec::new(),
-        error: Some(make()),
-    };
+    let raw = RawOp::barrier(Vec::new(), Some(make()));
     // The backend reports the error in sequence; if the communicator had
     // failed already it says Poisoned instead, but the caller gets the
     // argument error either way.

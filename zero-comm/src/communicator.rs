@@ -27,6 +27,21 @@ pub struct RawOp {
 unsafe impl Send for RawOp {}
 
 impl RawOp {
+    /// A barrier that carries `keep` (e.g. a job for the progress thread)
+    /// or, with `error`, reports an argument error in sequence.
+    pub(crate) fn barrier(keep: Vec<Box<dyn Any + Send>>, error: Option<Error>) -> Self {
+        RawOp {
+            desc: desc::<f32>(OpKind::Barrier, None, 0, &[]),
+            counts: Vec::new(),
+            bufs: Bufs {
+                send: std::ptr::null(),
+                recv: std::ptr::null_mut(),
+            },
+            keep,
+            error,
+        }
+    }
+
     /// Elements of this rank's input and output.
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn elems(&self, rank: usize) -> (usize, usize) {
@@ -317,17 +332,7 @@ pub trait Communicator: Send + Sync {
 
     /// Completes when every rank has reached it.
     fn barrier(&self) -> Work<()> {
-        let raw = RawOp {
-            desc: desc::<f32>(OpKind::Barrier, None, 0, &[]),
-            counts: Vec::new(),
-            bufs: Bufs {
-                send: std::ptr::null(),
-                recv: std::ptr::null_mut(),
-            },
-            keep: Vec::new(),
-            error: None,
-        };
-        self.submit(raw).map(|_| ())
+        self.submit(RawOp::barrier(Vec::new(), None)).map(|_| ())
     }
 }
 

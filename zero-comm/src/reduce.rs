@@ -294,6 +294,48 @@ fn fused<T: Element, const N: usize, const OP: u8>(mut b: [&mut [T]; N]) {
     }
 }
 
+/// Copies `src[..len]` into every destination, reading the source once:
+/// tile by tile, each tile is loaded from memory once and stored to every
+/// destination while it is in cache. A destination equal to `src` is
+/// skipped. Streams (non-temporal stores) when the bytes written reach
+/// [`STREAM_MIN_BYTES`].
+///
+/// # Safety
+/// `src` valid for reads and every destination for writes of `len`
+/// elements; destinations do not overlap each other or `src` (unless equal
+/// to it), and nobody else writes any of them during the call.
+pub(crate) unsafe fn copy_to_all<T: Element>(src: *const T, dsts: &[*mut T], len: usize) {
+    let others = dsts.iter().filter(|&&d| !std::ptr::eq(d, src)).count();
+    let bytes = len * std::mem::size_of::<T>();
+    if bytes * others < STREAM_MIN_BYTES {
+        for &d in dsts {
+            // SAFETY: forwarded; copy skips d == src.
+            unsafe { copy(src, d, len) };
+        }
+        return;
+    }
+    // 64 KiB tiles: stay in L2 between the stores to each destination.
+    let tile = (64 << 10) / std::mem::size_of::<T>();
+    let mut start = 0;
+    while start < len {
+        let n = tile.min(len - start);
+        for &d in dsts {
+            if !std::ptr::eq(d, src) {
+                // SAFETY: start + n <= len; ranges valid and disjoint (caller).
+                unsafe {
+                    stream_bytes(
+                        src.add(start).cast(),
+                        d.add(start).cast(),
+                        n * std::mem::size_of::<T>(),
+                    )
+                };
+            }
+        }
+        start += n;
+    }
+    stream_fence();
+}
+
 /// Copies `len` elements; the ranges must not overlap unless equal.
 ///
 /// # Safety

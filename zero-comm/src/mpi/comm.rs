@@ -15,8 +15,7 @@ use super::runtime::{Comm, Runtime};
 use super::window::Node;
 use crate::communicator::RawOp;
 use crate::exec::Executor;
-use crate::op::{OpDesc, OpKind};
-use crate::shm::{Bufs, ShmGroup, ShmMemory, STATE_FAILED, STATE_LEFT};
+use crate::shm::{ShmGroup, ShmMemory, STATE_FAILED, STATE_LEFT};
 use crate::work::Work;
 use crate::{CommOptions, Communicator, Error, Result};
 
@@ -404,23 +403,7 @@ impl MpiComm {
 
     /// Runs `f` on the progress thread, in sequence, and waits for it.
     fn native(&self, f: NativeFn) -> Result<()> {
-        let op = RawOp {
-            desc: OpDesc {
-                kind: OpKind::Barrier,
-                reduce: None,
-                dtype: zero_core::DType::F32,
-                len: 0,
-                counts_hash: 0,
-                root: 0,
-            },
-            counts: Vec::new(),
-            bufs: Bufs {
-                send: std::ptr::null(),
-                recv: std::ptr::null_mut(),
-            },
-            keep: vec![Box::new(NativeJob(Mutex::new(Some(f))))],
-            error: None,
-        };
+        let op = RawOp::barrier(vec![Box::new(NativeJob(Mutex::new(Some(f))))], None);
         self.exec.submit(op).wait().map(|_| ())
     }
 }
