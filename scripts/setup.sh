@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# Installs what zero needs to build and test on Debian/Ubuntu: a Rust
-# toolchain check, OpenMPI (runtime + headers, for the `mpi` feature) and
-# libclang (bindgen, used by the `mpi` crate). Installs with apt-get when run
-# as root; otherwise says exactly what to install and fails.
+# Installs what zero needs to build and test on Debian/Ubuntu: OpenMPI
+# (runtime + headers, for the `mpi` feature), libclang and clang (bindgen,
+# used by the `mpi` crate, loads libclang and asks clang for the system
+# include paths that mpi.h needs) and pkg-config. Installs with apt-get when
+# run as root; otherwise says exactly what to install and fails.
 set -euo pipefail
 
+packages=(openmpi-bin libopenmpi-dev libclang-dev clang pkg-config)
 missing=()
-command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
-command -v mpicc >/dev/null 2>&1 || missing+=(libopenmpi-dev)
-if ! ldconfig -p 2>/dev/null | grep -q 'libclang[-.0-9]*\.so' \
-   && ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1; then
-  missing+=(libclang-dev)
+if command -v dpkg >/dev/null 2>&1; then
+  for p in "${packages[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+  done
+else
+  # Not Debian: check for the tools themselves.
+  command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
+  command -v mpicc >/dev/null 2>&1 || missing+=(libopenmpi-dev)
+  command -v clang >/dev/null 2>&1 || missing+=(libclang-dev clang)
+  command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 fi
-# bindgen asks the clang driver for the system include paths (mpi.h
-# includes <stddef.h>).
-command -v clang >/dev/null 2>&1 || missing+=(clang)
-command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -26,6 +29,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   else
     echo "setup: missing ${missing[*]}." >&2
     echo "setup: install them with: sudo apt-get install -y ${missing[*]}" >&2
+    echo "setup: (other systems: an MPI implementation with mpicc, libclang, pkg-config)" >&2
     exit 1
   fi
 fi
@@ -34,7 +38,7 @@ if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: cargo not found; install Rust from https://rustup.rs" >&2
   exit 1
 fi
-command -v mpirun >/dev/null && command -v mpicc >/dev/null || {
-  echo "setup: MPI is still missing after install; the mpi feature cannot build" >&2
+if ! command -v mpirun >/dev/null 2>&1 || ! command -v mpicc >/dev/null 2>&1; then
+  echo "setup: mpirun/mpicc still missing after install; the mpi feature cannot build" >&2
   exit 1
-}
+fi
