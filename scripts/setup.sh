@@ -10,7 +10,10 @@ packages=(openmpi-bin libopenmpi-dev libclang-dev clang pkg-config)
 missing=()
 if command -v dpkg >/dev/null 2>&1; then
   for p in "${packages[@]}"; do
-    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+    # Removed packages keep their config files and dpkg -s still knows
+    # them: only "install ok installed" counts.
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' \
+      || missing+=("$p")
   done
 else
   # Not Debian: check for the tools themselves.
