@@ -26,7 +26,7 @@ struct Job {
 /// Collectives run one at a time in the order they were issued, which is
 /// also their sequence number. The first error poisons the executor: every
 /// later collective fails at once with [`Error::Poisoned`], and `on_fail`
-/// tells the peers (so they fail fast instead of waiting for the timeout).
+/// (given the failing collective's sequence number) tells the peers (so they fail fast instead of waiting for the timeout).
 pub(crate) struct Executor {
     queue: Mutex<(u64, Option<Sender<Job>>)>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -39,7 +39,7 @@ impl Executor {
         name: String,
         rank: usize,
         mut runner: Runner,
-        on_fail: Box<dyn Fn() + Send>,
+        on_fail: Box<dyn Fn(u64) + Send>,
     ) -> Result<Self> {
         let (tx, rx) = unbounded::<Job>();
         let poisoned = Arc::new(Mutex::new(None::<String>));
@@ -75,7 +75,7 @@ impl Executor {
                             if g.is_none() {
                                 *g = Some(e.to_string());
                                 drop(g);
-                                on_fail();
+                                on_fail(seq);
                             }
                             if matches!(
                                 e,

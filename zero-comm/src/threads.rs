@@ -128,7 +128,7 @@ impl ThreadComm {
                 // completes, and the caller cannot touch them meanwhile.
                 unsafe { g.run(seq, &op.desc, &op.counts, op.bufs) }
             }),
-            Box::new(move || g_fail.set_state(STATE_FAILED)),
+            Box::new(move |_seq| g_fail.set_state(STATE_FAILED)),
         )?;
         Ok(Self {
             rank,

@@ -195,6 +195,7 @@ impl MpiComm {
         };
 
         let current = Arc::new(AtomicU64::new(0));
+        let finished = Arc::new(AtomicU64::new(0));
         let mut engine = Engine::new(
             node.clone(),
             group.clone(),
@@ -202,21 +203,26 @@ impl MpiComm {
             net,
             opts.validate,
             current.clone(),
+            finished.clone(),
         );
         let on_fail = {
-            let (group, node, notices, current) = (
-                group.clone(),
-                node.clone(),
-                notices.clone(),
-                current.clone(),
-            );
-            move || {
+            let (group, node, notices) = (group.clone(), node.clone(), notices.clone());
+            move |seq: u64| {
                 group.set_state(STATE_FAILED);
                 node.mark_failed();
                 if let Some(n) = &notices {
+                    // The first collective the other nodes cannot count on
+                    // this rank for: the one that failed, unless this rank
+                    // did all of its MPI part before failing (see
+                    // Engine::finished).
+                    let doomed = if finished.load(Ordering::Relaxed) == seq {
+                        seq + 1
+                    } else {
+                        seq
+                    };
                     n.lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .announce(STATE_FAILED, current.load(Ordering::Relaxed));
+                        .announce(STATE_FAILED, doomed);
                 }
             }
         };

@@ -55,6 +55,12 @@ pub(crate) struct Engine {
     pub(crate) validate: bool,
     /// The sequence number of the collective running now (for notices).
     pub(crate) current: Arc<AtomicU64>,
+    /// The last collective whose MPI traffic this rank finished although it
+    /// failed: a mismatch found by the cross-node descriptor check, after
+    /// that check's all-gather completed. A failure notice then dooms only
+    /// later collectives, so the other nodes finish the check and report
+    /// the mismatch themselves instead of a failed peer.
+    pub(crate) finished: Arc<AtomicU64>,
     shm_seq: u64,
 }
 
@@ -66,6 +72,7 @@ impl Engine {
         net: Option<Net>,
         validate: bool,
         current: Arc<AtomicU64>,
+        finished: Arc<AtomicU64>,
     ) -> Self {
         Self {
             node,
@@ -74,6 +81,7 @@ impl Engine {
             net,
             validate,
             current,
+            finished,
             shm_seq: 0,
         }
     }
@@ -121,25 +129,36 @@ impl Engine {
         // descriptors matched within the node) all-gathers them over MPI.
         let validate = self.validate && self.net.is_some();
         let checked = Cell::new(false);
+        let cross_mismatch = Cell::new(false);
         let check = |net: Option<&mut Net>| match net {
             Some(net) if validate => {
                 checked.set(true);
-                net.validate(seq, &desc)
+                let r = net.validate(seq, &desc);
+                cross_mismatch.set(matches!(r, Err(Error::Mismatch { .. })));
+                r
             }
             _ => Ok(()),
         };
         let r = self.paths::<T>(seq, op, &check);
-        match r {
+        let r = match r {
             // The descriptors differed within this node, so round 0 ended
             // before its body; the other nodes are comparing descriptors over
             // MPI in theirs. Take part, so that every rank reports what every
             // rank called.
             Err(Error::Mismatch { .. }) if validate && !checked.get() => {
                 let net = self.net.as_mut().expect("validate implies several nodes");
-                net.validate(seq, &desc).and(r)
+                let v = net.validate(seq, &desc);
+                cross_mismatch.set(matches!(v, Ok(()) | Err(Error::Mismatch { .. })));
+                v.and(r)
             }
             r => r,
+        };
+        if cross_mismatch.get() && matches!(r, Err(Error::Mismatch { .. })) {
+            // The descriptor all-gather completed: it is all the MPI traffic
+            // a mismatched collective has.
+            self.finished.store(seq, Ordering::Relaxed);
         }
+        r
     }
 
     fn paths<T: Element>(
