@@ -36,7 +36,7 @@ use zero_core::Element;
 use super::raw::{self, MPI_Request};
 use super::runtime::{Comm, Retired, Runtime, UserOp};
 use super::upcast::{finish_into, nan_max, widen};
-use crate::counts::offsets;
+use crate::counts::{offsets, round_pieces};
 use crate::op::OpDesc;
 use crate::shm::STATE_FAILED;
 use crate::{Error, ReduceOp, Result};
@@ -433,13 +433,8 @@ impl Net {
         let (me, world) = (self.world.rank(), self.world.size());
         let offs = offsets(counts);
         let per = (NET_CHUNK / world).max(1);
-        let rounds = counts.iter().max().copied().unwrap_or(0).div_ceil(per);
         let members = self.world_members();
-        for k in 0..rounds {
-            let piece: Vec<usize> = counts
-                .iter()
-                .map(|&c| c.saturating_sub(k * per).min(per))
-                .collect();
+        for (k, piece) in round_pieces(counts, per).enumerate() {
             let total: usize = piece.iter().sum();
             self.scratch(total.max(1), 0);
             let mut at = 0;
@@ -492,13 +487,8 @@ impl Net {
         let size = std::mem::size_of::<T>();
         let offs = offsets(counts);
         let per = (NET_CHUNK / world).max(1);
-        let rounds = counts.iter().max().copied().unwrap_or(0).div_ceil(per);
         let members = self.world_members();
-        for k in 0..rounds {
-            let piece: Vec<usize> = counts
-                .iter()
-                .map(|&c| c.saturating_sub(k * per).min(per))
-                .collect();
+        for (k, piece) in round_pieces(counts, per).enumerate() {
             let total: usize = piece.iter().sum();
             self.scratch(0, total * size);
             let bcounts = piece

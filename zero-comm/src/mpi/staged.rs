@@ -25,7 +25,7 @@
 use zero_core::Element;
 
 use super::engine::Engine;
-use crate::counts::{counts_hash, offsets};
+use crate::counts::{counts_hash, offsets, round_pieces};
 use crate::op::{OpDesc, OpKind};
 use crate::reduce::copy;
 use crate::shm::Bufs;
@@ -99,13 +99,8 @@ pub(crate) unsafe fn run<T: Element>(
             }
             OpKind::ReduceScatter => {
                 let offs = offsets(counts);
-                let rounds = counts.iter().max().copied().unwrap_or(0).div_ceil(per);
                 let out = b.add(n * per);
-                for k in 0..rounds {
-                    let piece: Vec<usize> = counts
-                        .iter()
-                        .map(|&c| c.saturating_sub(k * per).min(per))
-                        .collect();
+                for (k, piece) in round_pieces(counts, per).enumerate() {
                     let mut at = 0;
                     for p in 0..n {
                         copy(send.add(offs[p] + k * per), b.add(at), piece[p]);
@@ -121,13 +116,8 @@ pub(crate) unsafe fn run<T: Element>(
             }
             OpKind::AllGather => {
                 let offs = offsets(counts);
-                let rounds = counts.iter().max().copied().unwrap_or(0).div_ceil(per);
                 let gathered = b.add(per);
-                for k in 0..rounds {
-                    let piece: Vec<usize> = counts
-                        .iter()
-                        .map(|&c| c.saturating_sub(k * per).min(per))
-                        .collect();
+                for (k, piece) in round_pieces(counts, per).enumerate() {
                     copy(send.add(k * per), b, piece[me]);
                     let total: usize = piece.iter().sum();
                     let bufs = Bufs {
