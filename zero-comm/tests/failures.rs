@@ -422,6 +422,29 @@ fn departed_rank_fails_peers_fast() {
     }
 }
 
+/// A rank that leaves right after its last collective completed is not a
+/// failure for peers still in that collective's exit phase (a race between
+/// reading a peer's counter and its state word; CI once hit it with 7
+/// ranks on 2 cores). Many short groups, more ranks than cores.
+#[test]
+fn leaving_after_the_last_collective_fails_nobody() {
+    let counts = even_counts(1730, 7);
+    for round in 0..400 {
+        let out = ThreadGroup::run_with(7, &long(), |comm| {
+            let b = HostBuffer::from_fn(1730, |i| bf16::from_f32((i % 97) as f32)).unwrap();
+            comm.reduce_scatter_in_place(b, &counts, ReduceOp::Max)
+                .wait()
+                .map(|_| ())
+        })
+        .unwrap();
+        for (rank, r) in out.into_iter().enumerate() {
+            if let Err(e) = r {
+                panic!("round {round}, rank {rank}: {e}");
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------
 // (d) poisoned
 

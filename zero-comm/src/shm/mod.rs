@@ -308,7 +308,14 @@ impl ShmGroup {
                     continue;
                 }
                 let state = s.state.load(Ordering::Acquire);
-                if state == STATE_FAILED || state == STATE_LEFT {
+                // The peer may have passed this point and then left between
+                // the two loads: it bumps its counter before it changes its
+                // state, so a second look at the counter, after the state,
+                // tells a peer that left after this phase from one that left
+                // before it.
+                if (state == STATE_FAILED || state == STATE_LEFT)
+                    && counter(s).load(Ordering::Acquire) < seq
+                {
                     return Err(Error::PeerFailed {
                         rank: self.labels[self.rank],
                         op: desc.name(),
