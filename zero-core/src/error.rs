@@ -40,6 +40,18 @@ pub enum Error {
         /// The size that was asked for.
         bytes: usize,
     },
+    /// A configuration value is invalid; `key` is its path, e.g.
+    /// `zero_optimization.stage`.
+    #[error("config key `{key}`: {msg}")]
+    Config {
+        /// The key path, dotted from the top of the JSON document.
+        key: String,
+        /// What is wrong and what is allowed.
+        msg: String,
+    },
+    /// A partition plan cannot be built from the given units.
+    #[error("partition plan: {0}")]
+    Plan(String),
     /// An error from the CUDA driver, NVRTC or a CUDA library.
     #[error("cuda: {0}")]
     Cuda(Box<dyn std::error::Error + Send + Sync>),

@@ -12,13 +12,24 @@
 //!   panicking.
 //! - [`HostBuffer`]: an aligned host allocation that owns its elements, the
 //!   unit of data that moves through collectives.
+//! - [`partition`]: the partition plan (units of named tensors, padded so
+//!   that each splits into `world_size` equal, aligned shards).
+//! - [`memory`]: the memory tracker (per tier and category, current and
+//!   peak bytes).
+//! - [`config`]: DeepSpeed-compatible configuration with validation.
+//! - [`optim`]: the reference AdamW, learning-rate schedules, gradient-norm
+//!   and clipping, and the dynamic loss scaler.
 //! - [`Error`] and [`Result`]: the one error type of this crate.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod buffer;
+pub mod config;
 mod device;
 mod dtype;
 mod error;
+pub mod memory;
+pub mod optim;
+pub mod partition;
 
 pub use buffer::{HostBuffer, BUFFER_ALIGN};
 pub use device::{CudaDevice, Device};
