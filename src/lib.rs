@@ -1,11 +1,22 @@
 //! `zero`: ZeRO-style sharded data-parallel training in Rust.
 //!
-//! The facade re-exports the workspace crates:
-//! - [`core`] (`zero-core`): dtypes, devices, buffers, errors;
+//! The [`Engine`] partitions parameters, gradients and AdamW state across
+//! the ranks of a [`comm::Communicator`] per ZeRO stage (0–3); see
+//! [`engine`] for the data flow and the arithmetic every stage shares.
+//!
+//! The facade also re-exports the workspace crates:
+//! - [`core`] (`zero-core`): dtypes, devices, buffers, partition plan,
+//!   memory tracker, DeepSpeed-compatible config, reference AdamW;
 //! - [`comm`] (`zero-comm`): the [`comm::Communicator`] trait and its threads
 //!   and MPI backends, bucketing, timeouts;
 //! - [`offload`] (`zero-offload`): memory tiers (lands with the offload issue).
+#![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod engine;
+mod error;
+
+pub use engine::{Engine, EngineBuilder, EngineStats, Init, StepOutcome, UnitId, UnitState};
+pub use error::{Error, Result};
 pub use zero_comm as comm;
 pub use zero_core as core;
 pub use zero_offload as offload;

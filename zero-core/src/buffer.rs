@@ -30,6 +30,8 @@ enum Storage {
 pub struct HostBuffer<T: Element> {
     ptr: NonNull<T>,
     len: usize,
+    /// Elements the memory holds; `len <= cap` (see [`HostBuffer::set_len`]).
+    cap: usize,
     storage: Storage,
 }
 
@@ -49,6 +51,7 @@ impl<T: Element> HostBuffer<T> {
             return Ok(Self {
                 ptr: aligned_dangling(),
                 len,
+                cap: len,
                 storage: Storage::Heap(Layout::new::<()>()),
             });
         }
@@ -60,6 +63,7 @@ impl<T: Element> HostBuffer<T> {
         Ok(Self {
             ptr,
             len,
+            cap: len,
             storage: Storage::Heap(layout),
         })
     }
@@ -94,8 +98,28 @@ impl<T: Element> HostBuffer<T> {
         Self {
             ptr,
             len,
+            cap: len,
             storage: Storage::External(owner),
         }
+    }
+
+    /// How many elements the memory holds (the length it was created with).
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    /// Changes the length to `len <= capacity()`, keeping the memory: pooled
+    /// buffers serve collectives of different sizes without reallocating.
+    /// Elements that come back into view hold whatever they held before.
+    pub fn set_len(&mut self, len: usize) -> Result<()> {
+        if len > self.cap {
+            return Err(Error::InvalidSize {
+                op: "HostBuffer::set_len",
+                msg: format!("length {len} exceeds the capacity {}", self.cap),
+            });
+        }
+        self.len = len;
+        Ok(())
     }
 
     /// The element type.

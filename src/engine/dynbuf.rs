@@ -1,0 +1,149 @@
+//! Buffers whose element type is chosen at run time (the parameter,
+//! accumulation and communication dtypes come from the config).
+
+use std::ops::Range;
+
+use zero_comm::{Communicator, ReduceOp, Work};
+use zero_core::{bf16, f16, DType, Element, HostBuffer};
+
+use crate::Result;
+
+/// A [`HostBuffer`] of f32, bf16 or f16.
+pub(crate) enum DynBuf {
+    F32(HostBuffer<f32>),
+    Bf16(HostBuffer<bf16>),
+    F16(HostBuffer<f16>),
+}
+
+/// Runs `$e` with `$x` bound to the typed buffer inside `$b`.
+macro_rules! with_buf {
+    ($b:expr, $x:ident => $e:expr) => {
+        match $b {
+            $crate::engine::dynbuf::DynBuf::F32($x) => $e,
+            $crate::engine::dynbuf::DynBuf::Bf16($x) => $e,
+            $crate::engine::dynbuf::DynBuf::F16($x) => $e,
+        }
+    };
+}
+pub(crate) use with_buf;
+
+impl DynBuf {
+    /// A zeroed buffer registered with `comm` (shared memory under MPI).
+    pub(crate) fn alloc<C: Communicator>(comm: &C, dtype: DType, len: usize) -> Result<Self> {
+        Ok(match dtype {
+            DType::F32 => DynBuf::F32(comm.alloc(len)?),
+            DType::BF16 => DynBuf::Bf16(comm.alloc(len)?),
+            DType::F16 => DynBuf::F16(comm.alloc(len)?),
+        })
+    }
+
+    pub(crate) fn dtype(&self) -> DType {
+        match self {
+            DynBuf::F32(_) => DType::F32,
+            DynBuf::Bf16(_) => DType::BF16,
+            DynBuf::F16(_) => DType::F16,
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        with_buf!(self, b => b.len())
+    }
+
+    pub(crate) fn capacity(&self) -> usize {
+        with_buf!(self, b => b.capacity())
+    }
+
+    pub(crate) fn set_len(&mut self, len: usize) -> Result<()> {
+        with_buf!(self, b => b.set_len(len)?);
+        Ok(())
+    }
+
+    /// Bytes of the whole allocation.
+    pub(crate) fn capacity_bytes(&self) -> u64 {
+        (self.capacity() * self.dtype().size_in_bytes()) as u64
+    }
+
+    /// The typed slice, if the dtype is `T`'s.
+    pub(crate) fn slice<T: Element>(&self) -> Option<&[T]> {
+        with_buf!(self, b => (b as &dyn std::any::Any)
+            .downcast_ref::<HostBuffer<T>>()
+            .map(|b| &b[..]))
+    }
+
+    pub(crate) fn fill_zero(&mut self) {
+        with_buf!(self, b => b.fill(Element::from_f32(0.0)));
+    }
+
+    /// Elements `range` converted to f32 and appended to `out`.
+    pub(crate) fn extend_f32(&self, range: Range<usize>, out: &mut Vec<f32>) {
+        with_buf!(self, b => out.extend(b[range].iter().map(|x| x.to_f32())));
+    }
+
+    /// Copies (converting) `len` elements from `src[s..]` to `self[d..]`;
+    /// with `add`, adds them instead: `d = D(f32(d) + f32(s))`.
+    pub(crate) fn store_from(&mut self, d: usize, src: &DynBuf, s: usize, len: usize, add: bool) {
+        with_buf!(self, dst => with_buf!(src, sb => {
+            store(&sb[s..s + len], &mut dst[d..d + len], add)
+        }))
+    }
+
+    /// Copies `src` (any dtype) into `self[d..]`, converting.
+    pub(crate) fn store_slice<S: Element>(&mut self, d: usize, src: &[S]) {
+        with_buf!(self, dst => store(src, &mut dst[d..d + src.len()], false))
+    }
+
+    /// Sum-reduces the whole buffer over all ranks.
+    pub(crate) fn all_reduce<C: Communicator>(self, comm: &C) -> Work<DynBuf> {
+        match self {
+            DynBuf::F32(b) => comm.all_reduce(b, ReduceOp::Sum).map(DynBuf::F32),
+            DynBuf::Bf16(b) => comm.all_reduce(b, ReduceOp::Sum).map(DynBuf::Bf16),
+            DynBuf::F16(b) => comm.all_reduce(b, ReduceOp::Sum).map(DynBuf::F16),
+        }
+    }
+
+    /// Sum-reduce-scatter in place with `counts`.
+    pub(crate) fn reduce_scatter<C: Communicator>(
+        self,
+        comm: &C,
+        counts: &[usize],
+    ) -> Work<DynBuf> {
+        match self {
+            DynBuf::F32(b) => comm
+                .reduce_scatter_in_place(b, counts, ReduceOp::Sum)
+                .map(DynBuf::F32),
+            DynBuf::Bf16(b) => comm
+                .reduce_scatter_in_place(b, counts, ReduceOp::Sum)
+                .map(DynBuf::Bf16),
+            DynBuf::F16(b) => comm
+                .reduce_scatter_in_place(b, counts, ReduceOp::Sum)
+                .map(DynBuf::F16),
+        }
+    }
+
+    /// All-gather in place with `counts`.
+    pub(crate) fn all_gather<C: Communicator>(self, comm: &C, counts: &[usize]) -> Work<DynBuf> {
+        match self {
+            DynBuf::F32(b) => comm.all_gather_in_place(b, counts).map(DynBuf::F32),
+            DynBuf::Bf16(b) => comm.all_gather_in_place(b, counts).map(DynBuf::Bf16),
+            DynBuf::F16(b) => comm.all_gather_in_place(b, counts).map(DynBuf::F16),
+        }
+    }
+}
+
+/// `dst = D(f32(src))`, or with `add` `dst = D(f32(dst) + f32(src))`. Same
+/// dtype without `add` is a plain copy.
+pub(crate) fn store<S: Element, D: Element>(src: &[S], dst: &mut [D], add: bool) {
+    debug_assert_eq!(src.len(), dst.len());
+    if add {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = D::from_f32(d.to_f32() + s.to_f32());
+        }
+    } else if S::DTYPE == D::DTYPE {
+        let s: &[u8] = bytemuck::cast_slice(src);
+        bytemuck::cast_slice_mut::<D, u8>(dst).copy_from_slice(s);
+    } else {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = D::from_f32(s.to_f32());
+        }
+    }
+}

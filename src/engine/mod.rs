@@ -1,0 +1,1369 @@
+//! The ZeRO engine: stages 0–3 over any [`Communicator`].
+//!
+//! A trainer registers its parameters as *units* (a layer, an embedding),
+//! each one flat buffer of named tensors, then drives every micro-batch:
+//!
+//! ```text
+//!  forward:   gather(u) → params(u) → … → release(u)        for each unit
+//!  backward:  gather(u) → grad_buffer(u) → write grads → release(u)
+//!             → grad_ready(u, grads)                        (reverse order)
+//!  step()     after every micro-batch; the optimizer runs on the
+//!             gradient_accumulation_steps-th
+//! ```
+//!
+//! What each stage keeps per rank (Ψ parameters, N ranks; P, A, C the
+//! parameter, gradient-accumulation and communication dtypes):
+//!
+//! | stage | params (P) | grads | fp32 master, m, v | gradient reduction |
+//! |---|---|---|---|---|
+//! | 0 | full | full P (+ full A) | full | all-reduce per bucket during backward |
+//! | 1 | full | full P (+ shard A) | shard | reduce-scatter after backward, in buckets |
+//! | 2 | full | shard A | shard | reduce-scatter per bucket during backward |
+//! | 3 | shard, units gathered on demand | shard A | shard | as stage 2 |
+//!
+//! The separate A buffer of stages 0 and 1 is not needed (the reduced
+//! gradient stays in the P buffer) when A = P and there is no gradient
+//! accumulation: then model states are exactly ZeRO's 16Ψ, 4Ψ+12Ψ/N,
+//! 2Ψ+14Ψ/N, 16Ψ/N for bf16, plus the padding of [`zero_core::partition`].
+//!
+//! # Arithmetic (identical in every stage)
+//! Per micro-batch, each unit's gradient is converted to C, summed over
+//! ranks in rank order with f32 accumulation (the communicator's reference
+//! reduction), and stored in A (the first micro-batch of a step writes,
+//! later ones add in f32). At the step, the gradient norm is the sum over
+//! ranks (in rank order) of each rank's [`sum_squares`] over its shard of
+//! every unit (in unit order); the AdamW update is
+//! [`adamw_reference`] with `grad_scale = clip / (loss_scale · N · GA)`.
+//! Every stage performs these operations on the same values in the same
+//! order, so all stages give bit-identical parameters and optimizer state
+//! at the same world size.
+
+mod dynbuf;
+mod init;
+mod stage3;
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use zero_comm::{Communicator, Work};
+use zero_core::config::{Precision, ResolvedConfig};
+use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier};
+use zero_core::optim::{adamw_reference, clip_coefficient, sum_squares, AdamWStep, LossScaler};
+use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
+use zero_core::{bf16, DType, Device, Element, HostBuffer};
+
+use crate::{Error, Result};
+use dynbuf::{with_buf, DynBuf};
+pub use init::Init;
+use init::{fnv1a, mix};
+use stage3::Stage3;
+
+/// A registered unit of one engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct UnitId {
+    engine: u64,
+    index: usize,
+}
+
+impl UnitId {
+    /// The unit's position in registration order.
+    pub fn index(self) -> usize {
+        self.index
+    }
+}
+
+/// What [`Engine::step`] did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    /// Whether this call ended a gradient-accumulation window (the
+    /// optimizer ran or was skipped); `false` for the other micro-batches.
+    pub boundary: bool,
+    /// Whether the update was skipped (fp16 overflow, or a non-finite
+    /// gradient norm in any precision): parameters are unchanged.
+    pub skipped: bool,
+    /// The global gradient norm (after unscaling, before clipping), at a
+    /// boundary.
+    pub grad_norm: Option<f64>,
+    /// The learning rate the update used (or would have used).
+    pub lr: f64,
+    /// The loss scale for the next micro-batch.
+    pub loss_scale: f32,
+    /// Optimizer steps applied so far.
+    pub steps: u64,
+}
+
+/// Time and traffic counters, for benchmarks and logs. Times are wall
+/// time this rank spent in each phase; bytes are what this rank sent, as a
+/// ring algorithm moves them ((N-1)/N of the buffer per reduce-scatter or
+/// all-gather, twice that per all-reduce).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    /// Waiting for, and storing, gradient reductions.
+    pub reduce_time: Duration,
+    /// Norm, clipping and AdamW.
+    pub optimizer_time: Duration,
+    /// Parameter all-gathers (stages 1–2 after the step; stage 3 gathers
+    /// the trainer waited for).
+    pub gather_time: Duration,
+    /// Bytes sent for gradient reductions.
+    pub reduce_bytes: u64,
+    /// Bytes sent for parameter all-gathers.
+    pub gather_bytes: u64,
+    /// Stage 3: most elements ever gathered at once (in use, kept for
+    /// reuse, prefetched or persistent).
+    pub peak_live_elems: usize,
+    /// Stage 3: all-gathers issued ahead of use.
+    pub prefetches: u64,
+    /// Stage 3: gathers that found their unit already resident or in flight.
+    pub prefetch_hits: u64,
+}
+
+/// The full (unsharded) state of one unit, read out for evaluation and
+/// tests; real elements only (no padding).
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnitState {
+    /// The parameters in their training dtype, as f32.
+    pub params: Vec<f32>,
+    /// fp32 master weights.
+    pub master: Vec<f32>,
+    /// AdamW first moment.
+    pub m: Vec<f32>,
+    /// AdamW second moment.
+    pub v: Vec<f32>,
+}
+
+/// Builds an [`Engine`]: register every unit, then [`EngineBuilder::build`].
+pub struct EngineBuilder<C: Communicator> {
+    cfg: ResolvedConfig,
+    comm: C,
+    device: Device,
+    seed: u64,
+    specs: Vec<(UnitSpec, Vec<Init>)>,
+    id: u64,
+}
+
+/// The per-unit state.
+struct Unit {
+    layout: UnitLayout,
+    /// Stage 0–2: the full padded unit; stage 3: this rank's shard. `None`
+    /// only while a collective holds it.
+    params: Option<DynBuf>,
+    /// fp32 master, m, v: full (stage 0) or shard.
+    master: HostBuffer<f32>,
+    m: HostBuffer<f32>,
+    v: HostBuffer<f32>,
+    /// Stage 0/1: the persistent full gradient buffer in P (`None` while
+    /// lent to the trainer or in a bucket). Stage 2/3: `None`.
+    grad: Option<DynBuf>,
+    /// The accumulated gradient in A: full (stage 0) or shard; `None` when
+    /// it lives in `grad` (A = P without accumulation, stages 0/1).
+    acc: Option<DynBuf>,
+    /// The trainer holds this unit's gradient buffer.
+    lent: bool,
+    /// `grad_ready` was called in this micro-batch.
+    ready: bool,
+    /// How many `gather`s are not yet `release`d.
+    gathers: usize,
+    _allocs: Vec<Allocation>,
+}
+
+/// A bucket of gradients being filled.
+struct OpenBucket {
+    units: Vec<(usize, DynBuf)>,
+    elems: usize,
+}
+
+/// A bucket whose reduction is in flight.
+struct InFlight {
+    work: Work<DynBuf>,
+    units: Vec<usize>,
+}
+
+/// The sharded data-parallel engine of one rank.
+pub struct Engine<C: Communicator> {
+    id: u64,
+    comm: C,
+    cfg: ResolvedConfig,
+    plan: PartitionPlan,
+    tracker: MemoryTracker,
+    rank: usize,
+    world: usize,
+    stage: u8,
+    pdt: DType,
+    cdt: DType,
+    units: Vec<Unit>,
+    // Gradient reduction.
+    bucket_cap: usize,
+    free_buckets: Vec<DynBuf>,
+    open: Option<OpenBucket>,
+    inflight: VecDeque<InFlight>,
+    deferred: Vec<usize>,
+    grad_pool: HashMap<usize, Vec<DynBuf>>,
+    _bucket_allocs: Vec<Allocation>,
+    // Steps.
+    micro: usize,
+    steps: u64,
+    scaler: Option<LossScaler>,
+    last: StepOutcome,
+    s3: Stage3,
+    stats: EngineStats,
+    warned: Vec<String>,
+}
+
+static NEXT_ENGINE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+impl<C: Communicator> Engine<C> {
+    /// Starts building an engine for `cfg` (resolved for this world size)
+    /// over `comm`. Parameters live on `Device::Cpu` until the CUDA backend
+    /// lands ([`EngineBuilder::device`]).
+    pub fn builder(cfg: ResolvedConfig, comm: C) -> EngineBuilder<C> {
+        EngineBuilder {
+            cfg,
+            comm,
+            device: Device::Cpu,
+            seed: 0,
+            specs: Vec::new(),
+            id: NEXT_ENGINE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+}
+
+impl<C: Communicator> EngineBuilder<C> {
+    /// The device for parameters, gradients and optimizer state.
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+
+    /// The seed of the deterministic initialisers (default 0).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Registers a unit with one initialiser per tensor. Every rank must
+    /// register the same units in the same order ([`EngineBuilder::build`]
+    /// checks).
+    pub fn register(&mut self, spec: UnitSpec, init: Vec<Init>) -> Result<UnitId> {
+        let rank = self.comm.rank();
+        let usage = |what: String| Error::Usage { rank, what };
+        if init.len() != spec.tensors.len() {
+            return Err(usage(format!(
+                "register(`{}`): {} initialisers for {} tensors (one per tensor)",
+                spec.name,
+                init.len(),
+                spec.tensors.len()
+            )));
+        }
+        for (t, i) in spec.tensors.iter().zip(&init) {
+            if let Init::Values(v) = i {
+                if v.len() != t.numel() {
+                    return Err(usage(format!(
+                        "register(`{}`): tensor `{}` has {} elements but Init::Values holds {}",
+                        spec.name,
+                        t.name,
+                        t.numel(),
+                        v.len()
+                    )));
+                }
+            }
+        }
+        if self.specs.iter().any(|(s, _)| s.name == spec.name) {
+            return Err(usage(format!(
+                "register(`{}`): a unit of that name is already registered",
+                spec.name
+            )));
+        }
+        self.specs.push((spec, init));
+        Ok(UnitId {
+            engine: self.id,
+            index: self.specs.len() - 1,
+        })
+    }
+
+    /// Checks that every rank registered the same units with the same
+    /// config (a collective), allocates every buffer of the memory plan and
+    /// initialises this rank's parameters.
+    pub fn build(self) -> Result<Engine<C>> {
+        let EngineBuilder {
+            cfg,
+            comm,
+            device,
+            seed,
+            specs,
+            id,
+        } = self;
+        let rank = comm.rank();
+        let world = comm.world_size();
+        if !matches!(device, Device::Cpu) {
+            return Err(Error::Unsupported {
+                what: format!("device {device:?}: the engine runs on the CPU for now"),
+            });
+        }
+        if cfg.world_size != world {
+            return Err(Error::Usage {
+                rank,
+                what: format!(
+                    "the config was resolved for world_size {} but the communicator has {world} ranks",
+                    cfg.world_size
+                ),
+            });
+        }
+        for (key, dev) in [
+            (
+                "zero_optimization.offload_optimizer.device",
+                cfg.zero.offload_optimizer.device,
+            ),
+            (
+                "zero_optimization.offload_param.device",
+                cfg.zero.offload_param.device,
+            ),
+        ] {
+            if dev != zero_core::config::OffloadDevice::None {
+                return Err(Error::Unsupported {
+                    what: format!(
+                        "config key `{key}`: {dev:?}: offloading is not implemented yet; use \"none\""
+                    ),
+                });
+            }
+        }
+        check_agreement(&comm, &cfg, seed, &specs)?;
+
+        let unit_specs: Vec<UnitSpec> = specs.iter().map(|(s, _)| s.clone()).collect();
+        let plan = PartitionPlan::new(&unit_specs, world)?;
+        let tracker = MemoryTracker::new(rank);
+        let stage = cfg.zero.stage;
+        let pdt = match cfg.precision {
+            Precision::Fp32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
+            Precision::Fp16 => DType::F16,
+        };
+        let adt = cfg.grad_accum_dtype;
+        let cdt = cfg.communication_data_type;
+        let ga = cfg.gradient_accumulation_steps;
+        let alias = stage <= 1 && adt == pdt && ga == 1;
+
+        let mut units = Vec::with_capacity(specs.len());
+        for ((spec, inits), layout) in specs.iter().zip(plan.units()) {
+            let key = fnv1a(spec.name.as_bytes());
+            let full = layout.padded_numel;
+            let shard = layout.shard_len;
+            let mut allocs = Vec::new();
+            let mut track = |cat: Category, bytes: u64| {
+                allocs.push(tracker.allocate(Tier::Device, cat, bytes));
+            };
+            // The element range this rank's optimizer state covers.
+            let (state_start, state_len) = if stage == 0 {
+                (0, full)
+            } else {
+                (rank * shard, shard)
+            };
+            let (p_start, p_len) = if stage == 3 {
+                (rank * shard, shard)
+            } else {
+                (0, full)
+            };
+            let mut master = HostBuffer::<f32>::zeros(state_len)?;
+            let mut params = DynBuf::alloc(&comm, pdt, p_len)?;
+            // Initialise only what this rank stores: the union of its
+            // master and parameter ranges.
+            let lo = state_start.min(p_start);
+            let hi = (state_start + state_len).max(p_start + p_len);
+            let mut values = vec![0f32; hi - lo];
+            for (ti, t) in layout.tensors.iter().enumerate() {
+                let r = t.offset.max(lo)..(t.offset + t.numel).min(hi);
+                for i in r {
+                    values[i - lo] = inits[ti].value(seed, key, ti, i - t.offset);
+                }
+            }
+            master.copy_from_slice(&values[state_start - lo..state_start - lo + state_len]);
+            params.store_slice(0, &values[p_start - lo..p_start - lo + p_len]);
+            track(Category::Master, (state_len * 4) as u64);
+            track(Category::Moments, (state_len * 8) as u64);
+            track(Category::Params, params.capacity_bytes());
+            let grad = if stage <= 1 {
+                let g = DynBuf::alloc(&comm, pdt, full)?;
+                track(Category::Grads, g.capacity_bytes());
+                Some(g)
+            } else {
+                None
+            };
+            let acc = if alias {
+                None
+            } else {
+                let len = if stage == 0 { full } else { shard };
+                let a = DynBuf::alloc(&comm, adt, len)?;
+                track(Category::Grads, a.capacity_bytes());
+                Some(a)
+            };
+            units.push(Unit {
+                layout: layout.clone(),
+                params: Some(params),
+                master,
+                m: HostBuffer::zeros(state_len)?,
+                v: HostBuffer::zeros(state_len)?,
+                grad,
+                acc,
+                lent: false,
+                ready: false,
+                gathers: 0,
+                _allocs: allocs,
+            });
+        }
+
+        // Bucket buffers: as large as reduce_bucket_size (no larger than
+        // the model) and at least the largest unit; two when reductions
+        // overlap the backward pass.
+        let largest = plan
+            .units()
+            .iter()
+            .map(|u| u.padded_numel)
+            .max()
+            .unwrap_or(0);
+        let bucket_cap = cfg
+            .zero
+            .reduce_bucket_size
+            .min(plan.padded_numel())
+            .max(largest);
+        let n_buckets = if overlaps(&cfg) { 2 } else { 1 };
+        let mut free_buckets = Vec::new();
+        let mut bucket_allocs = Vec::new();
+        for _ in 0..n_buckets {
+            let b = DynBuf::alloc(&comm, cdt, bucket_cap)?;
+            bucket_allocs.push(tracker.allocate(
+                Tier::Device,
+                Category::CommBuffers,
+                b.capacity_bytes(),
+            ));
+            free_buckets.push(b);
+        }
+        let scaler = cfg.loss_scale.map(LossScaler::new);
+        let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
+        let lr = cfg.scheduler.lr_at(0);
+        let s3 = Stage3::new(&cfg, &plan);
+        let mut engine = Engine {
+            id,
+            comm,
+            plan,
+            tracker,
+            rank,
+            world,
+            stage,
+            pdt,
+            cdt,
+            units,
+            bucket_cap,
+            free_buckets,
+            open: None,
+            inflight: VecDeque::new(),
+            deferred: Vec::new(),
+            grad_pool: HashMap::new(),
+            _bucket_allocs: bucket_allocs,
+            micro: 0,
+            steps: 0,
+            scaler,
+            last: StepOutcome {
+                boundary: false,
+                skipped: false,
+                grad_norm: None,
+                lr,
+                loss_scale,
+                steps: 0,
+            },
+            s3,
+            stats: EngineStats::default(),
+            warned: Vec::new(),
+            cfg,
+        };
+        if engine.stage == 3 {
+            engine.gather_persistent()?;
+        }
+        Ok(engine)
+    }
+}
+
+/// Whether gradient reductions overlap the backward pass: stage 0 always
+/// (as DDP), stages 2–3 with `overlap_comm`; stage 1 reduces after it.
+fn overlaps(cfg: &ResolvedConfig) -> bool {
+    match cfg.zero.stage {
+        0 => true,
+        1 => false,
+        _ => cfg.zero.overlap_comm,
+    }
+}
+
+/// Every rank must register the same units (names, tensors, shapes) with
+/// the same config and seed. All ranks learn the verdict, so all fail
+/// together instead of hanging in a later collective.
+fn check_agreement<C: Communicator>(
+    comm: &C,
+    cfg: &ResolvedConfig,
+    seed: u64,
+    specs: &[(UnitSpec, Vec<Init>)],
+) -> Result<()> {
+    let rank = comm.rank();
+    let world = comm.world_size();
+    let cfg_digest = fnv1a(cfg.to_json_pretty().as_bytes()) ^ mix(seed);
+    let digests: Vec<u64> = specs
+        .iter()
+        .map(|(s, _)| {
+            let mut text = s.name.clone();
+            for t in &s.tensors {
+                text.push_str(&format!("|{}:{:?}", t.name, t.shape));
+            }
+            fnv1a(text.as_bytes())
+        })
+        .collect();
+    // Round 1: counts (as exact small floats) and the config digest.
+    let mut head = vec![specs.len() as u64, cfg_digest];
+    let all = exchange_words(comm, &head)?;
+    let counts: Vec<u64> = all.iter().map(|w| w[0]).collect();
+    if let Some(r) = (0..world).find(|&r| all[r][1] != cfg_digest) {
+        return Err(Error::Disagreement {
+            rank,
+            what: format!(
+                "rank {r} resolved a different config or seed than rank {rank} \
+                 (compare the resolved configs the ranks print)"
+            ),
+        });
+    }
+    let max = counts.iter().copied().max().unwrap_or(0) as usize;
+    head.clear();
+    let mut mine = digests.clone();
+    mine.resize(max, 0);
+    let all = exchange_words(comm, &mine)?;
+    for i in 0..max {
+        if let Some(r) = (0..world).find(|&r| all[r][i] != mine[i]) {
+            let here = specs
+                .get(i)
+                .map_or("nothing".to_string(), |(s, _)| format!("`{}`", s.name));
+            let there = if (i as u64) < counts[r] {
+                "a different unit (name, tensors or shapes)"
+            } else {
+                "nothing"
+            };
+            return Err(Error::Disagreement {
+                rank,
+                what: format!(
+                    "unit #{i}: rank {rank} registered {here}, rank {r} registered {there} \
+                     (ranks registered {counts:?} units)"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// All-gathers `words.len()` u64 per rank (the same length on every rank),
+/// bit-exactly (carried as bf16 bit patterns, which collectives copy).
+fn exchange_words<C: Communicator>(comm: &C, words: &[u64]) -> Result<Vec<Vec<u64>>> {
+    let n = words.len() * 4;
+    let world = comm.world_size();
+    let send = HostBuffer::from_fn(n, |i| {
+        bf16::from_bits((words[i / 4] >> (16 * (i % 4))) as u16)
+    })?;
+    let recv = HostBuffer::<bf16>::zeros(n * world)?;
+    let (_, recv) = comm.all_gather(send, recv, &vec![n; world]).wait()?;
+    Ok((0..world)
+        .map(|r| {
+            (0..words.len())
+                .map(|w| {
+                    (0..4).fold(0u64, |acc, k| {
+                        acc | (u64::from(recv[r * n + w * 4 + k].to_bits()) << (16 * k))
+                    })
+                })
+                .collect()
+        })
+        .collect())
+}
+
+impl<C: Communicator> Engine<C> {
+    // ------------------------------------------------------------------
+    // Introspection
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// The communicator (for the trainer's own collectives, e.g. averaging
+    /// the loss for logging).
+    pub fn comm(&self) -> &C {
+        &self.comm
+    }
+
+    /// The resolved config.
+    pub fn config(&self) -> &ResolvedConfig {
+        &self.cfg
+    }
+
+    /// The partition plan.
+    pub fn plan(&self) -> &PartitionPlan {
+        &self.plan
+    }
+
+    /// The dtype of parameters and of the gradients the trainer writes.
+    pub fn param_dtype(&self) -> DType {
+        self.pdt
+    }
+
+    /// The unit registered as `name`.
+    pub fn unit_id(&self, name: &str) -> Option<UnitId> {
+        self.plan.find(name).map(|index| UnitId {
+            engine: self.id,
+            index,
+        })
+    }
+
+    /// Every unit, in registration order.
+    pub fn unit_ids(&self) -> Vec<UnitId> {
+        (0..self.units.len())
+            .map(|index| UnitId {
+                engine: self.id,
+                index,
+            })
+            .collect()
+    }
+
+    /// The layout of a unit (its tensors' names, shapes and offsets).
+    pub fn layout(&self, unit: UnitId) -> Result<&UnitLayout> {
+        let i = self.check(unit, "layout")?;
+        Ok(&self.units[i].layout)
+    }
+
+    /// The memory tracker (the trainer reports activations through it).
+    pub fn tracker(&self) -> &MemoryTracker {
+        &self.tracker
+    }
+
+    /// The memory report of this rank.
+    pub fn memory_report(&self) -> MemoryReport {
+        self.tracker.report()
+    }
+
+    /// Time and traffic counters since the start (or the last reset).
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// Resets [`Engine::stats`] (the live-parameter peak included).
+    pub fn reset_stats(&mut self) {
+        self.stats = EngineStats::default();
+        self.stats.peak_live_elems = self.s3.live;
+    }
+
+    /// The loss scale the trainer multiplies its loss by (1 unless fp16).
+    pub fn loss_scale(&self) -> f32 {
+        self.scaler.as_ref().map_or(1.0, |s| s.scale())
+    }
+
+    /// The learning rate of the next optimizer step.
+    pub fn lr(&self) -> f64 {
+        self.cfg.scheduler.lr_at(self.steps)
+    }
+
+    /// Optimizer steps applied so far (skipped steps not counted).
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// What the last [`Engine::step`] did.
+    pub fn last_step(&self) -> StepOutcome {
+        self.last
+    }
+
+    /// Warnings given so far (each once), e.g. a stage-3 gather order that
+    /// differs from the recorded one.
+    pub fn warnings(&self) -> &[String] {
+        &self.warned
+    }
+
+    fn warn(&mut self, msg: String) {
+        if !self.warned.contains(&msg) {
+            if self.rank == 0 {
+                eprintln!("zero: warning: {msg}");
+            }
+            self.warned.push(msg);
+        }
+    }
+
+    fn usage(&self, what: String) -> Error {
+        Error::Usage {
+            rank: self.rank,
+            what,
+        }
+    }
+
+    fn check(&self, unit: UnitId, call: &str) -> Result<usize> {
+        if unit.engine != self.id || unit.index >= self.units.len() {
+            return Err(self.usage(format!(
+                "{call}: unknown unit #{} (it was not registered with this engine)",
+                unit.index
+            )));
+        }
+        Ok(unit.index)
+    }
+
+    fn name(&self, i: usize) -> &str {
+        &self.units[i].layout.name
+    }
+
+    // ------------------------------------------------------------------
+    // Parameters
+
+    /// Makes a unit's full parameters available (stage 3: all-gathers
+    /// them, or waits for the prefetch; stages 0–2 hold them anyway).
+    /// Every `gather` needs a matching [`Engine::release`] before `step`.
+    pub fn gather(&mut self, unit: UnitId) -> Result<()> {
+        let i = self.check(unit, "gather")?;
+        if self.stage == 3 {
+            let t = Instant::now();
+            self.s3_gather(i)?;
+            self.stats.gather_time += t.elapsed();
+        }
+        self.units[i].gathers += 1;
+        Ok(())
+    }
+
+    /// Ends one use of a unit's parameters (stage 3 frees them unless they
+    /// are persistent or needed again soon).
+    pub fn release(&mut self, unit: UnitId) -> Result<()> {
+        let i = self.check(unit, "release")?;
+        if self.units[i].gathers == 0 {
+            return Err(self.usage(format!(
+                "release(`{}`): the unit is not gathered",
+                self.name(i)
+            )));
+        }
+        self.units[i].gathers -= 1;
+        if self.stage == 3 && self.units[i].gathers == 0 {
+            self.s3_release(i)?;
+        }
+        Ok(())
+    }
+
+    /// The full parameters of a gathered unit (real elements, no padding),
+    /// in the training dtype `T`.
+    pub fn params<T: Element>(&self, unit: UnitId) -> Result<&[T]> {
+        let i = self.check(unit, "params")?;
+        let u = &self.units[i];
+        if u.gathers == 0 {
+            return Err(self.usage(format!(
+                "params(`{}`): the unit is not gathered; call gather first",
+                u.layout.name
+            )));
+        }
+        let buf = if self.stage == 3 {
+            self.s3.full[i].as_ref()
+        } else {
+            u.params.as_ref()
+        };
+        let buf = buf.ok_or_else(|| {
+            self.usage(format!(
+                "params(`{}`): the parameters are in use by a collective",
+                u.layout.name
+            ))
+        })?;
+        let s = buf.slice::<T>().ok_or(zero_core::Error::DTypeMismatch {
+            op: "Engine::params",
+            expected: self.pdt,
+            got: T::DTYPE,
+        })?;
+        Ok(&s[..u.layout.numel])
+    }
+
+    /// One tensor of a gathered unit.
+    pub fn param<T: Element>(&self, unit: UnitId, tensor: &str) -> Result<&[T]> {
+        let all = self.params::<T>(unit)?;
+        let l = &self.units[unit.index].layout;
+        let t = l.tensor(tensor).ok_or_else(|| {
+            self.usage(format!("param(`{}`, `{tensor}`): no such tensor", l.name))
+        })?;
+        Ok(&all[t.offset..t.offset + t.numel])
+    }
+
+    /// The full state of a unit (parameters, fp32 master, m, v), real
+    /// elements only. A collective in stages 1–3: every rank must call it.
+    pub fn unit_state(&mut self, unit: UnitId) -> Result<UnitState> {
+        let i = self.check(unit, "unit_state")?;
+        let numel = self.units[i].layout.numel;
+        let shard = self.units[i].layout.shard_len;
+        let gather_f32 = |this: &Self, local: &[f32]| -> Result<Vec<f32>> {
+            if this.stage == 0 {
+                return Ok(local[..numel].to_vec());
+            }
+            let send = HostBuffer::from_slice(local)?;
+            let recv = HostBuffer::<f32>::zeros(shard * this.world)?;
+            let (_, recv) = this
+                .comm
+                .all_gather(send, recv, &vec![shard; this.world])
+                .wait()?;
+            Ok(recv[..numel].to_vec())
+        };
+        let u = &self.units[i];
+        let master = gather_f32(self, &u.master)?;
+        let m = gather_f32(self, &u.m)?;
+        let v = gather_f32(self, &u.v)?;
+        let mut params = Vec::with_capacity(numel);
+        let p = u
+            .params
+            .as_ref()
+            .expect("params are home outside collectives");
+        if self.stage == 3 {
+            let mut local = Vec::with_capacity(shard);
+            p.extend_f32(0..shard, &mut local);
+            params = gather_f32(self, &local)?;
+            // gather_f32 returns real elements of the full unit.
+        } else {
+            p.extend_f32(0..numel, &mut params);
+        }
+        Ok(UnitState {
+            params,
+            master,
+            m,
+            v,
+        })
+    }
+
+    // ------------------------------------------------------------------
+    // Gradients
+
+    /// The buffer for a unit's gradient in this micro-batch: the full unit
+    /// (real elements and padding), zeroed, in the training dtype. The
+    /// trainer writes (or accumulates) the gradient of its micro-batch loss
+    /// — multiplied by [`Engine::loss_scale`] — and hands it back with
+    /// [`Engine::grad_ready`].
+    pub fn grad_buffer<T: Element>(&mut self, unit: UnitId) -> Result<HostBuffer<T>> {
+        let i = self.check(unit, "grad_buffer")?;
+        if T::DTYPE != self.pdt {
+            return Err(zero_core::Error::DTypeMismatch {
+                op: "Engine::grad_buffer",
+                expected: self.pdt,
+                got: T::DTYPE,
+            }
+            .into());
+        }
+        let u = &self.units[i];
+        if u.ready {
+            return Err(self.usage(format!(
+                "grad_buffer(`{}`): grad_ready was already called for this unit in this micro-batch",
+                u.layout.name
+            )));
+        }
+        if u.lent {
+            return Err(self.usage(format!(
+                "grad_buffer(`{}`): the buffer is already lent; hand it back with grad_ready",
+                u.layout.name
+            )));
+        }
+        let padded = u.layout.padded_numel;
+        let mut buf = if self.stage <= 1 {
+            self.wait_for_grad_home(i)?;
+            self.units[i].grad.take().expect("grad buffer is home")
+        } else {
+            self.pooled_grad(padded)?
+        };
+        buf.fill_zero();
+        self.units[i].lent = true;
+        match buf {
+            DynBuf::F32(b) => Ok(cast_buf(b)),
+            DynBuf::Bf16(b) => Ok(cast_buf(b)),
+            DynBuf::F16(b) => Ok(cast_buf(b)),
+        }
+    }
+
+    /// Hands a unit's gradient back: it joins the current bucket, which is
+    /// reduced as soon as it is full (stages 0, 2, 3 while backward goes
+    /// on; stage 1 after backward, in [`Engine::step`]).
+    pub fn grad_ready<T: Element>(&mut self, unit: UnitId, grad: HostBuffer<T>) -> Result<()> {
+        let i = self.check(unit, "grad_ready")?;
+        let u = &self.units[i];
+        if u.ready {
+            return Err(self.usage(format!(
+                "grad_ready(`{}`) called twice in one micro-batch",
+                u.layout.name
+            )));
+        }
+        if !u.lent {
+            return Err(self.usage(format!(
+                "grad_ready(`{}`): take the buffer with grad_buffer first",
+                u.layout.name
+            )));
+        }
+        if grad.len() != u.layout.padded_numel || T::DTYPE != self.pdt {
+            return Err(self.usage(format!(
+                "grad_ready(`{}`): expected the {}-element {} buffer from grad_buffer, got {} elements of {}",
+                u.layout.name,
+                u.layout.padded_numel,
+                self.pdt,
+                grad.len(),
+                T::DTYPE
+            )));
+        }
+        let buf = to_dyn(grad);
+        let u = &mut self.units[i];
+        u.lent = false;
+        u.ready = true;
+        if self.stage == 1 {
+            u.grad = Some(buf);
+            self.deferred.push(i);
+            return Ok(());
+        }
+        let t = Instant::now();
+        let r = self.add_to_bucket(i, buf);
+        self.stats.reduce_time += t.elapsed();
+        r
+    }
+
+    fn pooled_grad(&mut self, len: usize) -> Result<DynBuf> {
+        if let Some(b) = self.grad_pool.get_mut(&len).and_then(Vec::pop) {
+            return Ok(b);
+        }
+        let b = DynBuf::alloc(&self.comm, self.pdt, len)?;
+        // Transient gradient buffers stay in the pool: accounted as
+        // gradients for as long as they exist.
+        std::mem::forget(
+            self.tracker
+                .allocate(Tier::Device, Category::Grads, b.capacity_bytes()),
+        );
+        Ok(b)
+    }
+
+    /// Stage 0/1: the unit's gradient buffer may sit in a bucket (stage 0
+    /// with reductions in flight): drain until it is home.
+    fn wait_for_grad_home(&mut self, i: usize) -> Result<()> {
+        while self.units[i].grad.is_none() {
+            if self
+                .open
+                .as_ref()
+                .is_some_and(|b| b.units.iter().any(|(u, _)| *u == i))
+            {
+                self.launch_open()?;
+            }
+            if self.inflight.is_empty() {
+                break;
+            }
+            self.complete_oldest()?;
+        }
+        Ok(())
+    }
+
+    fn add_to_bucket(&mut self, i: usize, buf: DynBuf) -> Result<()> {
+        let n = self.units[i].layout.padded_numel;
+        if let Some(b) = &self.open {
+            if b.elems + n > self.bucket_cap {
+                self.launch_open()?;
+            }
+        }
+        let b = self.open.get_or_insert_with(|| OpenBucket {
+            units: Vec::new(),
+            elems: 0,
+        });
+        b.units.push((i, buf));
+        b.elems += n;
+        if b.elems >= self.cfg.zero.reduce_bucket_size.min(self.bucket_cap) {
+            self.launch_open()?;
+        }
+        Ok(())
+    }
+
+    /// Packs the open bucket into a communication buffer and starts its
+    /// reduction: all-reduce of the units one after another (stage 0), or
+    /// reduce-scatter of the units' shards grouped by rank (stages 1–3):
+    ///
+    /// ```text
+    ///  units a, b:   a = [a0 a1]  b = [b0 b1]     (shard r of each unit)
+    ///  buffer:       [a0 b0 | a1 b1]  → rank r receives section r reduced
+    /// ```
+    fn launch_open(&mut self) -> Result<()> {
+        let Some(open) = self.open.take() else {
+            return Ok(());
+        };
+        if self.free_buckets.is_empty() {
+            self.complete_oldest()?;
+        }
+        let mut buf = self.free_buckets.pop().expect("a bucket buffer is free");
+        buf.set_len(open.elems)?;
+        let world = self.world;
+        let work = if self.stage == 0 {
+            let mut off = 0;
+            for (i, g) in &open.units {
+                let n = self.units[*i].layout.padded_numel;
+                buf.store_from(off, g, 0, n, false);
+                off += n;
+            }
+            self.stats.reduce_bytes += ring_bytes(open.elems, world, self.cdt) * 2;
+            buf.all_reduce(&self.comm)
+        } else {
+            let section = open.elems / world;
+            for r in 0..world {
+                let mut off = r * section;
+                for (i, g) in &open.units {
+                    let l = &self.units[*i].layout;
+                    buf.store_from(off, g, r * l.shard_len, l.shard_len, false);
+                    off += l.shard_len;
+                }
+            }
+            self.stats.reduce_bytes += ring_bytes(open.elems, world, self.cdt);
+            buf.reduce_scatter(&self.comm, &vec![section; world])
+        };
+        let mut units = Vec::with_capacity(open.units.len());
+        for (i, g) in open.units {
+            units.push(i);
+            if self.stage <= 1 {
+                self.units[i].grad = Some(g);
+            } else {
+                let len = g.len();
+                self.grad_pool.entry(len).or_default().push(g);
+            }
+        }
+        self.inflight.push_back(InFlight { work, units });
+        if !overlaps(&self.cfg) {
+            self.complete_oldest()?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the oldest bucket and stores its result in the units'
+    /// accumulated gradients.
+    fn complete_oldest(&mut self) -> Result<()> {
+        let Some(f) = self.inflight.pop_front() else {
+            return Ok(());
+        };
+        let buf = f.work.wait()?;
+        let add = self.micro > 0;
+        let world = self.world;
+        let rank = self.rank;
+        if self.stage == 0 {
+            let mut off = 0;
+            for &i in &f.units {
+                let u = &mut self.units[i];
+                let n = u.layout.padded_numel;
+                let dst = u.acc.as_mut().or(u.grad.as_mut()).expect("a gradient home");
+                dst.store_from(0, &buf, off, n, add);
+                off += n;
+            }
+        } else {
+            let section = buf.len() / world;
+            let mut off = rank * section;
+            for &i in &f.units {
+                let u = &mut self.units[i];
+                let s = u.layout.shard_len;
+                match u.acc.as_mut() {
+                    Some(acc) => acc.store_from(0, &buf, off, s, add),
+                    None => u.grad.as_mut().expect("stage 1 grads are home").store_from(
+                        rank * s,
+                        &buf,
+                        off,
+                        s,
+                        add,
+                    ),
+                }
+                off += s;
+            }
+        }
+        let mut buf = buf;
+        buf.set_len(buf.capacity())?;
+        self.free_buckets.push(buf);
+        Ok(())
+    }
+
+    /// Reduces what is left of this micro-batch: units nobody called
+    /// `grad_ready` for (as zeros, so that every rank runs the same
+    /// collectives), stage 1's deferred units, the open bucket; then waits
+    /// for everything.
+    fn finish_reductions(&mut self) -> Result<()> {
+        for i in 0..self.units.len() {
+            if !self.units[i].ready {
+                let padded = self.units[i].layout.padded_numel;
+                let mut buf = if self.stage <= 1 {
+                    self.wait_for_grad_home(i)?;
+                    self.units[i].grad.take().expect("grad buffer is home")
+                } else {
+                    self.pooled_grad(padded)?
+                };
+                buf.fill_zero();
+                self.units[i].ready = true;
+                if self.stage == 1 {
+                    self.units[i].grad = Some(buf);
+                    self.deferred.push(i);
+                } else {
+                    self.add_to_bucket(i, buf)?;
+                }
+            }
+        }
+        for i in std::mem::take(&mut self.deferred) {
+            let buf = self.units[i].grad.take().expect("deferred grads are home");
+            self.add_to_bucket(i, buf)?;
+        }
+        self.launch_open()?;
+        while !self.inflight.is_empty() {
+            self.complete_oldest()?;
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------
+    // The step
+
+    /// Ends a micro-batch: finishes its gradient reductions and, every
+    /// `gradient_accumulation_steps` calls, runs the optimizer step
+    /// (global norm, clipping, fp16 overflow check and loss-scale update,
+    /// AdamW on this rank's shard, then the parameter all-gather where the
+    /// stage needs it).
+    pub fn step(&mut self) -> Result<StepOutcome> {
+        for u in &self.units {
+            if u.gathers > 0 {
+                return Err(self.usage(format!(
+                    "step() while unit `{}` is still gathered; release it first",
+                    u.layout.name
+                )));
+            }
+            if u.lent {
+                return Err(self.usage(format!(
+                    "step() while the gradient buffer of unit `{}` is still out; hand it back with grad_ready",
+                    u.layout.name
+                )));
+            }
+        }
+        let t = Instant::now();
+        self.finish_reductions()?;
+        self.stats.reduce_time += t.elapsed();
+        for u in &mut self.units {
+            u.ready = false;
+        }
+        if self.stage == 3 {
+            self.s3_end_micro_batch()?;
+        }
+        self.micro += 1;
+        if self.micro < self.cfg.gradient_accumulation_steps {
+            self.last = StepOutcome {
+                boundary: false,
+                skipped: false,
+                grad_norm: None,
+                lr: self.lr(),
+                loss_scale: self.loss_scale(),
+                steps: self.steps,
+            };
+            return Ok(self.last);
+        }
+        self.micro = 0;
+        let t = Instant::now();
+        let outcome = self.optimizer_step()?;
+        self.stats.optimizer_time += t.elapsed();
+        if !outcome.skipped {
+            let t = Instant::now();
+            self.gather_updated_params()?;
+            self.stats.gather_time += t.elapsed();
+        }
+        self.last = outcome;
+        Ok(outcome)
+    }
+
+    /// The accumulated gradient of unit `i` as a typed slice over this
+    /// rank's real elements, with the matching ranges of the optimizer
+    /// state and of the parameters.
+    fn ranges(&self, i: usize) -> (Range<usize>, Range<usize>, Range<usize>) {
+        let l = &self.units[i].layout;
+        let abs = if self.stage == 0 {
+            0..l.numel
+        } else {
+            l.real_range(self.rank)
+        };
+        let base = if self.stage == 0 {
+            0
+        } else {
+            self.rank * l.shard_len
+        };
+        let state = relative(abs.clone(), base);
+        let grad = if self.units[i].acc.is_some() {
+            state.clone()
+        } else {
+            abs.clone()
+        };
+        let params = if self.stage == 3 { state.clone() } else { abs };
+        (state, grad, params)
+    }
+
+    fn grad_home(&self, i: usize) -> &DynBuf {
+        let u = &self.units[i];
+        u.acc.as_ref().or(u.grad.as_ref()).expect("a gradient home")
+    }
+
+    fn optimizer_step(&mut self) -> Result<StepOutcome> {
+        // This rank's part of the squared norm: its shard of every unit, in
+        // unit order (stage 0 too, so that every stage adds the same terms).
+        let mut local = 0f64;
+        for i in 0..self.units.len() {
+            let l = &self.units[i].layout;
+            let abs = l.real_range(self.rank);
+            let r = if self.units[i].acc.is_some() && self.stage > 0 {
+                relative(abs, self.rank * l.shard_len)
+            } else {
+                abs
+            };
+            local += with_buf!(self.grad_home(i), b => sum_squares(&b[r]));
+        }
+        let parts = exchange_words(&self.comm, &[local.to_bits()])?;
+        let sumsq = parts.iter().fold(0f64, |a, w| a + f64::from_bits(w[0]));
+        let loss_scale = self.loss_scale();
+        let ga = self.cfg.gradient_accumulation_steps;
+        let base = 1.0 / (f64::from(loss_scale) * self.world as f64 * ga as f64);
+        let norm = sumsq.sqrt() * base;
+        let overflow = !sumsq.is_finite();
+        let lr = self.cfg.scheduler.lr_at(self.steps);
+        let skipped = match self.scaler.as_mut() {
+            Some(s) => s.update(overflow),
+            None => overflow,
+        };
+        if overflow && self.scaler.is_none() {
+            self.warn(format!(
+                "step {}: the gradient norm is not finite; the update was skipped",
+                self.steps + 1
+            ));
+        }
+        if !skipped {
+            let clip = clip_coefficient(norm, self.cfg.gradient_clipping);
+            let grad_scale = (base * clip) as f32;
+            let k = AdamWStep::new(&self.cfg.optimizer, lr, self.steps + 1, grad_scale);
+            for i in 0..self.units.len() {
+                let (state, grad, params) = self.ranges(i);
+                let u = &mut self.units[i];
+                let g = u.acc.as_ref().or(u.grad.as_ref()).expect("a gradient home");
+                let p = u.params.as_mut().expect("params are home");
+                with_buf!(g, gb => with_buf!(p, pb => adamw_reference(
+                    &k,
+                    &mut u.master[state.clone()],
+                    &gb[grad.clone()],
+                    &mut u.m[state.clone()],
+                    &mut u.v[state.clone()],
+                    Some(&mut pb[params.clone()]),
+                )))?;
+            }
+            self.steps += 1;
+        }
+        Ok(StepOutcome {
+            boundary: true,
+            skipped,
+            grad_norm: Some(norm),
+            lr,
+            loss_scale: self.loss_scale(),
+            steps: self.steps,
+        })
+    }
+
+    /// Stages 1 and 2: every rank updated its shard of the full parameters;
+    /// all-gather them in place, unit by unit, with up to
+    /// `allgather_bucket_size` elements in flight. Stage 3 refreshes its
+    /// persistent units.
+    fn gather_updated_params(&mut self) -> Result<()> {
+        match self.stage {
+            0 => Ok(()),
+            3 => self.gather_persistent(),
+            _ => {
+                let limit = self.cfg.zero.allgather_bucket_size;
+                let mut inflight: VecDeque<(usize, Work<DynBuf>)> = VecDeque::new();
+                let mut elems = 0;
+                for i in 0..self.units.len() {
+                    let l = &self.units[i].layout;
+                    let (n, s) = (l.padded_numel, l.shard_len);
+                    while !inflight.is_empty() && elems + n > limit {
+                        let (j, w) = inflight.pop_front().expect("not empty");
+                        elems -= self.units[j].layout.padded_numel;
+                        self.units[j].params = Some(w.wait()?);
+                    }
+                    let p = self.units[i].params.take().expect("params are home");
+                    self.stats.gather_bytes += ring_bytes(n, self.world, self.pdt);
+                    inflight.push_back((i, p.all_gather(&self.comm, &vec![s; self.world])));
+                    elems += n;
+                }
+                for (j, w) in inflight {
+                    self.units[j].params = Some(w.wait()?);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Drops the gradients accumulated since the last optimizer step (all
+    /// ranks must call it at the same point).
+    pub fn zero_grad(&mut self) -> Result<()> {
+        if self.units.iter().any(|u| u.lent) || self.open.is_some() || !self.inflight.is_empty() {
+            return Err(self.usage(
+                "zero_grad() with gradients of this micro-batch still out or in flight; call step() first"
+                    .into(),
+            ));
+        }
+        self.micro = 0;
+        for u in &mut self.units {
+            u.ready = false;
+            if let Some(a) = u.acc.as_mut() {
+                a.fill_zero();
+            }
+            if let Some(g) = u.grad.as_mut() {
+                g.fill_zero();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `range` shifted down by `base` (an empty range anywhere maps to 0..0:
+/// a shard made only of padding).
+fn relative(range: Range<usize>, base: usize) -> Range<usize> {
+    if range.is_empty() {
+        0..0
+    } else {
+        range.start - base..range.end - base
+    }
+}
+
+/// Bytes a rank sends for a reduce-scatter or all-gather of `elems`
+/// elements of `dtype` with a ring algorithm.
+fn ring_bytes(elems: usize, world: usize, dtype: DType) -> u64 {
+    (elems * (world - 1) / world.max(1) * dtype.size_in_bytes()) as u64
+}
+
+fn to_dyn<T: Element>(b: HostBuffer<T>) -> DynBuf {
+    let mut b = Some(b);
+    let any = &mut b as &mut dyn std::any::Any;
+    if let Some(x) = any.downcast_mut::<Option<HostBuffer<f32>>>() {
+        return DynBuf::F32(x.take().expect("set"));
+    }
+    if let Some(x) = any.downcast_mut::<Option<HostBuffer<bf16>>>() {
+        return DynBuf::Bf16(x.take().expect("set"));
+    }
+    if let Some(x) = any.downcast_mut::<Option<HostBuffer<zero_core::f16>>>() {
+        return DynBuf::F16(x.take().expect("set"));
+    }
+    unreachable!("Element is implemented for f32, bf16 and f16 only")
+}
+
+/// `HostBuffer<S>` as `HostBuffer<T>` when they are the same type (checked
+/// by the caller through the dtype).
+fn cast_buf<S: Element, T: Element>(b: HostBuffer<S>) -> HostBuffer<T> {
+    let mut b = Some(b);
+    (&mut b as &mut dyn std::any::Any)
+        .downcast_mut::<Option<HostBuffer<T>>>()
+        .and_then(Option::take)
+        .expect("the caller checked the dtype")
+}
+
+impl<C: Communicator> std::fmt::Debug for Engine<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world)
+            .field("stage", &self.stage)
+            .field("units", &self.units.len())
+            .field("param_dtype", &self.pdt)
+            .field("steps", &self.steps)
+            .finish()
+    }
+}

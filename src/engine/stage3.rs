@@ -1,0 +1,262 @@
+//! Stage 3: parameters gathered on demand, with prefetch along the
+//! recorded order, reuse, persistence and a cap on live parameters.
+//!
+//! The first micro-batch records the order of `gather` calls (the trace).
+//! From then on, a `gather` at trace position p also starts the
+//! all-gathers of the units after p, up to `stage3_prefetch_bucket_size`
+//! elements ahead, while the gathered total stays within
+//! `stage3_max_live_parameters`:
+//!
+//! ```text
+//!  trace:    e  b0  b1  b2  h  h  b2  b1  b0  e
+//!  gather(b0) at p=1 ─▶ in flight: b1, b2 (window of 2 units' elements)
+//!  release(b2) at p=4: next use at p=6, 2 units away ─▶ kept if within
+//!                      stage3_max_reuse_distance elements, else freed
+//! ```
+//!
+//! Units smaller than `stage3_param_persistence_threshold` elements stay
+//! gathered for good (refreshed after each optimizer step). If a later
+//! micro-batch gathers in another order, prefetching stops for the rest of
+//! that micro-batch with a warning naming the unit; results do not change,
+//! since a prefetched unit holds the same values an on-demand gather would.
+//! Every decision depends only on the trace and the call sequence, which
+//! are the same on every rank, so all ranks issue the same collectives.
+
+use std::collections::HashMap;
+
+use zero_comm::{Communicator, Work};
+use zero_core::config::ResolvedConfig;
+use zero_core::memory::{Allocation, Category, Tier};
+use zero_core::partition::PartitionPlan;
+
+use super::dynbuf::DynBuf;
+use super::{ring_bytes, Engine};
+use crate::Result;
+
+pub(crate) struct Stage3 {
+    /// Gathered units (full, padded).
+    pub(crate) full: Vec<Option<DynBuf>>,
+    inflight: Vec<Option<Work<DynBuf>>>,
+    persistent: Vec<bool>,
+    /// Elements gathered or being gathered.
+    pub(crate) live: usize,
+    trace: Option<Vec<usize>>,
+    recording: Vec<usize>,
+    pos: usize,
+    on_track: bool,
+    pool: HashMap<usize, Vec<DynBuf>>,
+    released_at: Vec<u64>,
+    tick: u64,
+    allocs: Vec<Allocation>,
+}
+
+impl Stage3 {
+    pub(crate) fn new(cfg: &ResolvedConfig, plan: &PartitionPlan) -> Self {
+        let n = plan.units().len();
+        let persistent = plan
+            .units()
+            .iter()
+            .map(|u| cfg.zero.stage == 3 && u.numel < cfg.zero.param_persistence_threshold)
+            .collect();
+        Self {
+            full: (0..n).map(|_| None).collect(),
+            inflight: (0..n).map(|_| None).collect(),
+            persistent,
+            live: 0,
+            trace: None,
+            recording: Vec::new(),
+            pos: 0,
+            on_track: true,
+            pool: HashMap::new(),
+            released_at: vec![0; n],
+            tick: 0,
+            allocs: Vec::new(),
+        }
+    }
+}
+
+impl<C: Communicator> Engine<C> {
+    /// Starts the all-gather of unit `i` (into its resident buffer if it
+    /// has one, as when refreshing a persistent unit).
+    fn s3_launch(&mut self, i: usize) -> Result<()> {
+        let l = &self.units[i].layout;
+        let (padded, shard) = (l.padded_numel, l.shard_len);
+        let mut buf = match self.s3.full[i].take() {
+            Some(b) => b,
+            None => {
+                self.s3.live += padded;
+                match self.s3.pool.get_mut(&padded).and_then(Vec::pop) {
+                    Some(b) => b,
+                    None => {
+                        let b = DynBuf::alloc(&self.comm, self.pdt, padded)?;
+                        self.s3.allocs.push(self.tracker.allocate(
+                            Tier::Device,
+                            Category::GatheredParams,
+                            b.capacity_bytes(),
+                        ));
+                        b
+                    }
+                }
+            }
+        };
+        let own = self.units[i].params.as_ref().expect("shards are home");
+        buf.store_from(self.rank * shard, own, 0, shard, false);
+        self.stats.peak_live_elems = self.stats.peak_live_elems.max(self.s3.live);
+        self.stats.gather_bytes += ring_bytes(padded, self.world, self.pdt);
+        self.s3.inflight[i] = Some(buf.all_gather(&self.comm, &vec![shard; self.world]));
+        Ok(())
+    }
+
+    fn s3_wait(&mut self, i: usize) -> Result<()> {
+        if let Some(w) = self.s3.inflight[i].take() {
+            self.s3.full[i] = Some(w.wait()?);
+        }
+        Ok(())
+    }
+
+    fn s3_free(&mut self, i: usize) {
+        if let Some(b) = self.s3.full[i].take() {
+            self.s3.live -= self.units[i].layout.padded_numel;
+            self.s3.pool.entry(b.len()).or_default().push(b);
+        }
+    }
+
+    /// Frees units kept for reuse, least recently released first, until
+    /// `need` more elements fit under `stage3_max_live_parameters`.
+    fn s3_make_room(&mut self, need: usize) {
+        let max_live = self.cfg.zero.max_live_parameters;
+        while self.s3.live + need > max_live {
+            let victim = (0..self.units.len())
+                .filter(|&j| {
+                    self.s3.full[j].is_some()
+                        && self.units[j].gathers == 0
+                        && !self.s3.persistent[j]
+                })
+                .min_by_key(|&j| self.s3.released_at[j]);
+            match victim {
+                Some(j) => self.s3_free(j),
+                None => break,
+            }
+        }
+    }
+
+    pub(super) fn s3_gather(&mut self, i: usize) -> Result<()> {
+        match &self.s3.trace {
+            None => self.s3.recording.push(i),
+            Some(trace) if self.s3.on_track => {
+                if trace.get(self.s3.pos) == Some(&i) {
+                    self.s3.pos += 1;
+                } else {
+                    self.s3.on_track = false;
+                    let expected = trace
+                        .get(self.s3.pos)
+                        .map_or("the end of the trace".to_string(), |&e| {
+                            format!("`{}`", self.units[e].layout.name)
+                        });
+                    let msg = format!(
+                        "stage 3: gather(`{}`) at position {} differs from the order recorded in the \
+                         first micro-batch (expected {expected}); prefetching is off for the rest of \
+                         this micro-batch",
+                        self.units[i].layout.name, self.s3.pos
+                    );
+                    self.warn(msg);
+                }
+            }
+            Some(_) => {}
+        }
+        let resident = self.s3.full[i].is_some() || self.s3.inflight[i].is_some();
+        if resident {
+            if !self.s3.persistent[i] {
+                self.stats.prefetch_hits += 1;
+            }
+        } else {
+            self.s3_make_room(self.units[i].layout.padded_numel);
+            self.s3_launch(i)?;
+        }
+        if self.s3.on_track && self.s3.trace.is_some() {
+            self.s3_prefetch()?;
+        }
+        self.s3_wait(i)
+    }
+
+    /// Starts the all-gathers of the next units along the trace.
+    fn s3_prefetch(&mut self) -> Result<()> {
+        let window = self.cfg.zero.prefetch_bucket_size;
+        let max_live = self.cfg.zero.max_live_parameters;
+        let Some(trace) = self.s3.trace.clone() else {
+            return Ok(());
+        };
+        let mut ahead = 0;
+        for &j in &trace[self.s3.pos.min(trace.len())..] {
+            let n = self.units[j].layout.padded_numel;
+            ahead += n;
+            if ahead > window {
+                break;
+            }
+            if self.s3.full[j].is_some() || self.s3.inflight[j].is_some() {
+                continue;
+            }
+            if self.s3.live + n > max_live {
+                break;
+            }
+            self.s3_launch(j)?;
+            self.stats.prefetches += 1;
+        }
+        Ok(())
+    }
+
+    pub(super) fn s3_release(&mut self, i: usize) -> Result<()> {
+        if self.s3.persistent[i] {
+            return Ok(());
+        }
+        self.s3.tick += 1;
+        self.s3.released_at[i] = self.s3.tick;
+        let keep = match &self.s3.trace {
+            Some(trace) if self.s3.on_track => {
+                let rest = &trace[self.s3.pos.min(trace.len())..];
+                rest.iter().position(|&j| j == i).is_some_and(|k| {
+                    let distance: usize = rest[..k]
+                        .iter()
+                        .map(|&j| self.units[j].layout.padded_numel)
+                        .sum();
+                    distance <= self.cfg.zero.max_reuse_distance
+                })
+            }
+            _ => false,
+        };
+        if !keep {
+            self.s3_free(i);
+        }
+        Ok(())
+    }
+
+    /// End of a micro-batch: fix the trace after the first one, finish
+    /// prefetches nobody used, free what is not persistent.
+    pub(super) fn s3_end_micro_batch(&mut self) -> Result<()> {
+        if self.s3.trace.is_none() {
+            self.s3.trace = Some(std::mem::take(&mut self.s3.recording));
+        }
+        self.s3.pos = 0;
+        self.s3.on_track = true;
+        for i in 0..self.units.len() {
+            self.s3_wait(i)?;
+            if !self.s3.persistent[i] {
+                self.s3_free(i);
+            }
+        }
+        Ok(())
+    }
+
+    /// Gathers (or refreshes, after a step) the persistent units.
+    pub(super) fn gather_persistent(&mut self) -> Result<()> {
+        for i in 0..self.units.len() {
+            if self.s3.persistent[i] {
+                self.s3_launch(i)?;
+            }
+        }
+        for i in 0..self.units.len() {
+            self.s3_wait(i)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,478 @@
+//! The engine across stages on the threads backend: bit-exact equivalence
+//! of all stages at each world size, agreement with a single-rank run on the
+//! full batch, the memory formulas of ZeRO, stage-3 prefetch limits, and
+//! misuse errors.
+
+#[path = "../examples/mlp/mod.rs"]
+mod mlp;
+
+use zero::comm::{Communicator, ThreadGroup};
+use zero::core::config::{Precision, ResolvedConfig};
+use zero::core::memory::{Category, Tier};
+use zero::core::optim::LossScaleConfig;
+use zero::core::partition::{TensorSpec, UnitSpec};
+use zero::core::{bf16, f16, DType, Element};
+use zero::{Engine, Error, Init, StepOutcome, UnitState};
+
+use mlp::{batch, Mlp};
+
+const DIMS: &[usize] = &[6, 24, 40, 1];
+const MB: usize = 4;
+
+/// What one rank saw: final state of every unit and every step's outcome.
+struct Trained {
+    states: Vec<UnitState>,
+    outcomes: Vec<StepOutcome>,
+    losses: Vec<f32>,
+}
+
+fn train_with<T: Element, C: Communicator>(
+    comm: C,
+    cfg: &ResolvedConfig,
+    steps: usize,
+    mb: usize,
+) -> zero::Result<Trained> {
+    let world = comm.world_size();
+    let rank = comm.rank();
+    let ga = cfg.gradient_accumulation_steps;
+    let mut b = Engine::builder(cfg.clone(), comm).seed(5);
+    let model = Mlp::register(&mut b, DIMS)?;
+    let mut e = b.build()?;
+    let mut outcomes = Vec::new();
+    let mut losses = Vec::new();
+    for s in 0..steps {
+        for m in 0..ga {
+            // Rank r's micro-batch m of step s: the same samples whatever
+            // the stage; a single rank with the full batch reads them all.
+            let first = (((s * ga + m) * world + rank) * mb) as u64;
+            let (x, y) = batch(first, mb, DIMS[0]);
+            losses.push(model.train_micro_batch::<T, C>(&mut e, &x, &y)?);
+            let o = e.step()?;
+            if o.boundary {
+                outcomes.push(o);
+            }
+        }
+    }
+    let mut states = Vec::new();
+    for u in e.unit_ids() {
+        states.push(e.unit_state(u)?);
+    }
+    Ok(Trained {
+        states,
+        outcomes,
+        losses,
+    })
+}
+
+/// Trains on `world` thread ranks; rank 0's view.
+fn train(world: usize, cfg: &ResolvedConfig, steps: usize, mb: usize) -> Trained {
+    let out = ThreadGroup::run(world, |comm| match cfg.precision {
+        Precision::Fp32 => train_with::<f32, _>(comm, cfg, steps, mb),
+        Precision::Bf16 => train_with::<bf16, _>(comm, cfg, steps, mb),
+        Precision::Fp16 => train_with::<f16, _>(comm, cfg, steps, mb),
+    })
+    .expect("ranks ran");
+    let mut all: Vec<Trained> = out
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|e| panic!("training failed: {e}")))
+        .collect();
+    // Every rank reads out the same full state.
+    for t in &all[1..] {
+        assert_bits_eq(&all[0].states, &t.states, "rank 0 vs another rank");
+    }
+    all.swap_remove(0)
+}
+
+fn config(world: usize, stage: u8, ga: usize, precision: Precision) -> ResolvedConfig {
+    let mut c = ResolvedConfig::simple(stage, world, MB);
+    c.gradient_accumulation_steps = ga;
+    c.train_batch_size = MB * ga * world;
+    c.precision = precision;
+    c.optimizer.lr = 1e-2;
+    c.scheduler = zero::core::optim::LrSchedule::Constant { lr: 1e-2 };
+    c.gradient_clipping = 1.0;
+    // Small buckets: several per step, so bucketing is exercised.
+    c.zero.reduce_bucket_size = 700;
+    c.zero.allgather_bucket_size = 900;
+    c.zero.prefetch_bucket_size = 1500;
+    c.zero.param_persistence_threshold = 0;
+    if precision == Precision::Fp16 {
+        // 2^17 overflows f16 gradients at first: the run skips steps and
+        // lowers the scale, then trains.
+        c.loss_scale = Some(LossScaleConfig::Dynamic {
+            initial_scale_power: 17,
+            window: 3,
+            hysteresis: 1,
+            consecutive_hysteresis: false,
+            min_scale: 1.0,
+        });
+    }
+    c
+}
+
+fn bits(s: &UnitState) -> Vec<Vec<u32>> {
+    [&s.params, &s.master, &s.m, &s.v]
+        .iter()
+        .map(|v| v.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
+fn assert_bits_eq(a: &[UnitState], b: &[UnitState], what: &str) {
+    assert_eq!(a.len(), b.len());
+    for (u, (x, y)) in a.iter().zip(b).enumerate() {
+        let names = ["params", "master", "m", "v"];
+        for (k, (p, q)) in bits(x).iter().zip(bits(y)).enumerate() {
+            if let Some(i) = p.iter().zip(&q).position(|(a, b)| a != b) {
+                panic!(
+                    "{what}: unit {u} {} element {i}: {} vs {}",
+                    names[k],
+                    f32::from_bits(p[i]),
+                    f32::from_bits(q[i])
+                );
+            }
+        }
+    }
+}
+
+/// Stages 0–3 end bit-identical at each world size 1–4, for gradient
+/// accumulation 1 and 3, in fp32, bf16 and fp16 (with overflow skips).
+#[test]
+fn all_stages_are_bit_identical() {
+    let steps = 6;
+    for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
+        for ga in [1, 3] {
+            for world in 1..=4 {
+                let base = train(world, &config(world, 0, ga, precision), steps, MB);
+                assert_eq!(base.outcomes.len(), steps);
+                if precision == Precision::Fp16 {
+                    let skipped = base.outcomes.iter().filter(|o| o.skipped).count();
+                    assert!(
+                        (1..steps - 2).contains(&skipped),
+                        "fp16: {skipped} of {steps} steps skipped"
+                    );
+                }
+                for stage in 1..=3u8 {
+                    let t = train(world, &config(world, stage, ga, precision), steps, MB);
+                    let what = format!("{precision:?} ga {ga} world {world}: stage 0 vs {stage}");
+                    assert_bits_eq(&base.states, &t.states, &what);
+                    // Debug text: NaN norms of skipped steps compare equal.
+                    assert_eq!(
+                        format!("{:?}", base.outcomes),
+                        format!("{:?}", t.outcomes),
+                        "{what}"
+                    );
+                    assert_eq!(base.losses, t.losses, "{what}");
+                }
+            }
+        }
+    }
+}
+
+/// Stage 3's prefetch, persistence, reuse and live-parameter settings (and
+/// overlap off, and bf16 accumulation) change when collectives run, never
+/// the result.
+#[test]
+fn stage3_settings_do_not_change_results() {
+    let world = 3;
+    let base = train(world, &config(world, 0, 2, Precision::Bf16), 5, MB);
+    type Tweak = Box<dyn Fn(&mut ResolvedConfig)>;
+    let variants: Vec<(&str, Tweak)> = vec![
+        ("no prefetch", Box::new(|c| c.zero.prefetch_bucket_size = 0)),
+        (
+            "all persistent",
+            Box::new(|c| c.zero.param_persistence_threshold = 1 << 30),
+        ),
+        (
+            "some persistent",
+            Box::new(|c| c.zero.param_persistence_threshold = 100),
+        ),
+        (
+            "tight live cap",
+            Box::new(|c| c.zero.max_live_parameters = 2000),
+        ),
+        ("no reuse", Box::new(|c| c.zero.max_reuse_distance = 0)),
+        ("overlap off", Box::new(|c| c.zero.overlap_comm = false)),
+        (
+            "one big bucket",
+            Box::new(|c| c.zero.reduce_bucket_size = 1 << 30),
+        ),
+    ];
+    for (name, f) in &variants {
+        let mut c = config(world, 3, 2, Precision::Bf16);
+        f(&mut c);
+        let t = train(world, &c, 5, MB);
+        assert_bits_eq(&base.states, &t.states, name);
+    }
+}
+
+/// N ranks on micro-batches of `MB` equal one rank on the full batch
+/// (`N·MB` samples) up to fp32 rounding. The two sum the same gradient
+/// terms in different orders (per-rank means, then the rank sum, against
+/// one mean), so gradients differ by a few ulps; AdamW divides by
+/// sqrt(v), which keeps relative errors at that size, so after 6 steps of
+/// lr 1e-2 the fp32 master weights (|w| < 1) agree to 2e-6 absolute, about
+/// 16 ulps (measured: 6e-8 on 2 ranks, 1.2e-7 on 4).
+#[test]
+fn matches_a_single_rank_on_the_full_batch() {
+    for world in [2, 4] {
+        for stage in [0u8, 2, 3] {
+            let t = train(world, &config(world, stage, 1, Precision::Fp32), 6, MB);
+            let one = train(1, &config(1, stage, 1, Precision::Fp32), 6, MB * world);
+            let mut worst = 0f32;
+            for (a, b) in t.states.iter().zip(&one.states) {
+                for (x, y) in a.master.iter().zip(&b.master) {
+                    worst = worst.max((x - y).abs());
+                }
+            }
+            assert!(worst < 2e-6, "world {world} stage {stage}: max |Δ| {worst}");
+            // And training works: the loss went down.
+            assert!(one.losses.last() < one.losses.first());
+        }
+    }
+}
+
+fn padded_model_states(world: usize, stage: u8) -> (u64, u64) {
+    let out = ThreadGroup::run(world, |comm| {
+        let mut c = config(world, stage, 1, Precision::Bf16);
+        c.grad_accum_dtype = DType::BF16;
+        let mut b = Engine::builder(c, comm);
+        Mlp::register(&mut b, DIMS).unwrap();
+        let e = b.build().unwrap();
+        let psi = e.plan().padded_numel() as u64;
+        (psi, e.tracker().model_states(Tier::Device))
+    })
+    .unwrap();
+    out[0]
+}
+
+/// Model-state bytes per rank are ZeRO's: 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N
+/// (bf16 params and gradients, fp32 master, m, v; Ψ counted with the
+/// partition padding).
+#[test]
+fn model_states_follow_the_zero_formulas() {
+    for world in [1, 2, 4] {
+        for stage in 0..=3u8 {
+            let (psi, got) = padded_model_states(world, stage);
+            let n = world as u64;
+            let want = match stage {
+                0 => 16 * psi,
+                1 => 4 * psi + 12 * psi / n,
+                2 => 2 * psi + 14 * psi / n,
+                _ => 16 * psi / n,
+            };
+            assert_eq!(got, want, "world {world} stage {stage}");
+        }
+    }
+}
+
+/// With gradient accumulation or fp32 accumulation, stages 0 and 1 keep an
+/// accumulation buffer too, and 2/3 keep their shard in fp32.
+#[test]
+fn fp32_accumulation_memory() {
+    let world = 2;
+    let out = ThreadGroup::run(world, |comm| {
+        let c = config(world, 2, 1, Precision::Bf16); // grad_accum_dtype f32
+        let mut b = Engine::builder(c, comm);
+        Mlp::register(&mut b, DIMS).unwrap();
+        let e = b.build().unwrap();
+        let psi = e.plan().padded_numel() as u64;
+        (
+            psi,
+            e.tracker().current(Tier::Device, Category::Grads),
+            e.tracker().model_states(Tier::Device),
+        )
+    })
+    .unwrap();
+    let (psi, grads, states) = out[0];
+    assert_eq!(grads, 4 * psi / 2);
+    assert_eq!(states, 2 * psi + 16 * psi / 2);
+}
+
+/// Stage 3 never holds more gathered elements than
+/// `stage3_max_live_parameters`, and prefetches when allowed.
+#[test]
+fn stage3_respects_the_live_parameter_cap() {
+    let world = 2;
+    let out = ThreadGroup::run(world, |comm| {
+        let mut c = config(world, 3, 1, Precision::Bf16);
+        // Layer sizes (padded): 192, 1024, 64 elements; room for two.
+        c.zero.max_live_parameters = 1300;
+        c.zero.prefetch_bucket_size = 1 << 20;
+        let mut b = Engine::builder(c, comm);
+        let model = Mlp::register(&mut b, DIMS).unwrap();
+        let mut e = b.build().unwrap();
+        for s in 0..4 {
+            let (x, y) = batch((s * world) as u64 * 8, MB, DIMS[0]);
+            model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+            e.step().unwrap();
+        }
+        e.stats().clone()
+    })
+    .unwrap();
+    for s in out {
+        assert!(s.peak_live_elems <= 1300, "peak {}", s.peak_live_elems);
+        assert!(s.prefetches > 0, "no prefetch happened: {s:?}");
+        assert!(s.prefetch_hits > 0, "no prefetch was used: {s:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Misuse
+
+fn misuse(
+    world: usize,
+    f: impl Fn(&mut Engine<zero::comm::ThreadComm>, &Mlp) -> Error + Sync,
+) -> Vec<String> {
+    ThreadGroup::run(world, |comm| {
+        let c = config(world, 3, 1, Precision::Fp32);
+        let mut b = Engine::builder(c, comm);
+        let model = Mlp::register(&mut b, DIMS).unwrap();
+        let mut e = b.build().unwrap();
+        f(&mut e, &model).to_string()
+    })
+    .unwrap()
+}
+
+#[test]
+fn grad_ready_twice_is_an_error() {
+    let msgs = misuse(2, |e, m| {
+        let u = m.units[0];
+        let g = e.grad_buffer::<f32>(u).unwrap();
+        e.grad_ready(u, g).unwrap();
+        let err = e.grad_buffer::<f32>(u).unwrap_err();
+        assert!(
+            err.to_string().contains("grad_ready was already called"),
+            "{err}"
+        );
+        let g = zero::core::HostBuffer::<f32>::zeros(e.layout(u).unwrap().padded_numel).unwrap();
+        e.grad_ready(u, g).unwrap_err()
+    });
+    for m in msgs {
+        assert!(m.contains("grad_ready(`layer0`) called twice"), "{m}");
+    }
+}
+
+#[test]
+fn unknown_unit_is_an_error() {
+    let msgs = misuse(1, |e, _| {
+        // A unit of another engine.
+        let other = ThreadGroup::run(1, |comm| {
+            let mut b = Engine::builder(config(1, 3, 1, Precision::Fp32), comm);
+            b.register(
+                UnitSpec::new("x", vec![TensorSpec::new("w", &[3])]),
+                vec![Init::Zeros],
+            )
+            .unwrap()
+        })
+        .unwrap()[0];
+        e.gather(other).unwrap_err()
+    });
+    assert!(msgs[0].contains("gather: unknown unit"), "{}", msgs[0]);
+}
+
+#[test]
+fn step_with_a_gathered_unit_or_an_outstanding_gradient_is_an_error() {
+    let msgs = misuse(2, |e, m| {
+        e.gather(m.units[1]).unwrap();
+        let err = e.step().unwrap_err();
+        e.release(m.units[1]).unwrap();
+        assert!(
+            err.to_string().contains("unit `layer1` is still gathered"),
+            "{err}"
+        );
+        let _g = e.grad_buffer::<f32>(m.units[2]).unwrap();
+        e.step().unwrap_err()
+    });
+    for m in msgs {
+        assert!(
+            m.contains("gradient buffer of unit `layer2` is still out"),
+            "{m}"
+        );
+    }
+}
+
+#[test]
+fn params_of_an_ungathered_unit_and_wrong_dtype_are_errors() {
+    let msgs = misuse(2, |e, m| {
+        let err = e.params::<f32>(m.units[0]).unwrap_err();
+        assert!(err.to_string().contains("not gathered"), "{err}");
+        e.gather(m.units[0]).unwrap();
+        let err = e.params::<bf16>(m.units[0]).unwrap_err();
+        e.release(m.units[0]).unwrap();
+        let r = e.release(m.units[0]).unwrap_err();
+        assert!(
+            r.to_string()
+                .contains("release(`layer0`): the unit is not gathered"),
+            "{r}"
+        );
+        err
+    });
+    for m in msgs {
+        assert!(m.contains("dtype mismatch"), "{m}");
+    }
+}
+
+#[test]
+fn units_registered_on_some_ranks_only_are_an_error() {
+    let out = ThreadGroup::run(3, |comm| {
+        let rank = comm.rank();
+        let mut b = Engine::builder(config(3, 2, 1, Precision::Fp32), comm);
+        Mlp::register(&mut b, DIMS).unwrap();
+        if rank == 1 {
+            b.register(
+                UnitSpec::new("extra", vec![TensorSpec::new("w", &[5])]),
+                vec![Init::Zeros],
+            )
+            .unwrap();
+        }
+        b.build().map(|_| ()).unwrap_err().to_string()
+    })
+    .unwrap();
+    for m in &out {
+        assert!(m.contains("unit #3"), "{m}");
+        assert!(m.contains("rank 1"), "{m}");
+    }
+    let out = ThreadGroup::run(2, |comm| {
+        let rank = comm.rank();
+        let mut b = Engine::builder(config(2, 1, 1, Precision::Fp32), comm);
+        let dims: &[usize] = if rank == 0 { &[6, 24, 1] } else { &[6, 25, 1] };
+        Mlp::register(&mut b, dims).unwrap();
+        b.build().map(|_| ()).unwrap_err().to_string()
+    })
+    .unwrap();
+    for m in &out {
+        assert!(m.contains("unit #0") && m.contains("`layer0`"), "{m}");
+    }
+}
+
+#[test]
+fn bad_registration_and_config_are_errors() {
+    ThreadGroup::run(2, |comm| {
+        let mut b = Engine::builder(config(3, 2, 1, Precision::Fp32), comm);
+        let err = b
+            .register(
+                UnitSpec::new("a", vec![TensorSpec::new("w", &[2, 2])]),
+                vec![Init::Zeros, Init::Ones],
+            )
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("2 initialisers for 1 tensors"),
+            "{err}"
+        );
+        b.register(
+            UnitSpec::new("a", vec![TensorSpec::new("w", &[4])]),
+            vec![Init::Zeros],
+        )
+        .unwrap();
+        let err = b
+            .register(
+                UnitSpec::new("a", vec![TensorSpec::new("w", &[4])]),
+                vec![Init::Zeros],
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("already registered"), "{err}");
+        let err = b.build().map(|_| ()).unwrap_err();
+        assert!(err.to_string().contains("world_size 3"), "{err}");
+    })
+    .unwrap();
+}
