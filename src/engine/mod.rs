@@ -321,9 +321,14 @@ impl<C: Communicator> EngineBuilder<C> {
             ),
         ] {
             if dev != zero_core::config::OffloadDevice::None {
+                let dev = if dev == zero_core::config::OffloadDevice::Cpu {
+                    "cpu"
+                } else {
+                    "nvme"
+                };
                 return Err(Error::Unsupported {
                     what: format!(
-                        "config key `{key}`: {dev:?}: offloading is not implemented yet; use \"none\""
+                        "config key `{key}` is \"{dev}\": offloading is not implemented yet; use \"none\""
                     ),
                 });
             }
