@@ -205,6 +205,51 @@ fn stage3_settings_do_not_change_results() {
     }
 }
 
+/// A later step gathers in another order than the first (an evaluation
+/// pass before each training micro-batch): stage 3 warns, naming the unit,
+/// stops prefetching for that micro-batch, and the results stay those of
+/// stage 0 making the same calls.
+#[test]
+fn stage3_gather_order_change_is_safe() {
+    let world = 2;
+    let run = |stage: u8| {
+        ThreadGroup::run(world, |comm| {
+            let rank = comm.rank();
+            let mut b = Engine::builder(config(world, stage, 1, Precision::Bf16), comm).seed(3);
+            let model = Mlp::register(&mut b, DIMS).unwrap();
+            let mut e = b.build().unwrap();
+            let mut preds = Vec::new();
+            for s in 0..4 {
+                let (x, y) = batch(((s * world + rank) * MB) as u64, MB, DIMS[0]);
+                if s > 0 {
+                    preds.extend(model.predict::<bf16, _>(&mut e, &x).unwrap());
+                }
+                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                e.step().unwrap();
+            }
+            let states: Vec<UnitState> = e
+                .unit_ids()
+                .into_iter()
+                .map(|u| e.unit_state(u).unwrap())
+                .collect();
+            (states, preds, e.warnings().to_vec())
+        })
+        .unwrap()
+    };
+    let base = run(0);
+    let s3 = run(3);
+    for r in 0..world {
+        assert_bits_eq(&base[r].0, &s3[r].0, "stage 0 vs 3 with an order change");
+        assert_eq!(base[r].1, s3[r].1);
+        assert!(base[r].2.is_empty());
+        let w = s3[r].2.join("\n");
+        assert!(
+            w.contains("gather(`layer0`)") && w.contains("expected `layer2`"),
+            "{w}"
+        );
+    }
+}
+
 /// N ranks on micro-batches of `MB` equal one rank on the full batch
 /// (`N·MB` samples) up to fp32 rounding. The two sum the same gradient
 /// terms in different orders (per-rank means, then the rank sum, against

@@ -1015,8 +1015,15 @@ impl<C: Communicator> Engine<C> {
                     off += l.shard_len;
                 }
             }
-            self.stats.reduce_bytes += ring_bytes(open.elems, world, self.cdt);
-            buf.reduce_scatter(&self.comm, &vec![section; world])
+            if self.cfg.zero.reduce_scatter {
+                self.stats.reduce_bytes += ring_bytes(open.elems, world, self.cdt);
+                buf.reduce_scatter(&self.comm, &vec![section; world])
+            } else {
+                // `reduce_scatter: false`: all-reduce, keep this rank's
+                // section (the same sums, twice the traffic).
+                self.stats.reduce_bytes += ring_bytes(open.elems, world, self.cdt) * 2;
+                buf.all_reduce(&self.comm)
+            }
         };
         let mut units = Vec::with_capacity(open.units.len());
         for (i, g) in open.units {
