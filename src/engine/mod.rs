@@ -209,6 +209,8 @@ pub struct Engine<C: Communicator> {
     s3: Stage3,
     stats: EngineStats,
     warned: Vec<String>,
+    /// The first communication error; the engine refuses work after it.
+    failed: Option<String>,
 }
 
 static NEXT_ENGINE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -479,6 +481,7 @@ impl<C: Communicator> EngineBuilder<C> {
             s3,
             stats: EngineStats::default(),
             warned: Vec::new(),
+            failed: None,
             cfg,
         };
         if engine.stage == 3 {
@@ -698,6 +701,22 @@ impl<C: Communicator> Engine<C> {
         }
     }
 
+    /// Runs a call that may run collectives. After a communication error
+    /// the engine's buffers may still be held by the failed collective, so
+    /// every later call fails with that error instead of touching them.
+    fn guard<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
+        if let Some(first) = &self.failed {
+            return Err(self.usage(format!(
+                "the engine cannot continue after a communication error: {first}"
+            )));
+        }
+        let r = f(self);
+        if let Err(Error::Comm(e)) = &r {
+            self.failed = Some(e.to_string());
+        }
+        r
+    }
+
     fn usage(&self, what: String) -> Error {
         Error::Usage {
             rank: self.rank,
@@ -726,6 +745,10 @@ impl<C: Communicator> Engine<C> {
     /// them, or waits for the prefetch; stages 0–2 hold them anyway).
     /// Every `gather` needs a matching [`Engine::release`] before `step`.
     pub fn gather(&mut self, unit: UnitId) -> Result<()> {
+        self.guard(|e| e.gather_inner(unit))
+    }
+
+    fn gather_inner(&mut self, unit: UnitId) -> Result<()> {
         let i = self.check(unit, "gather")?;
         if self.stage == 3 {
             let t = Instant::now();
@@ -739,6 +762,10 @@ impl<C: Communicator> Engine<C> {
     /// Ends one use of a unit's parameters (stage 3 frees them unless they
     /// are persistent or needed again soon).
     pub fn release(&mut self, unit: UnitId) -> Result<()> {
+        self.guard(|e| e.release_inner(unit))
+    }
+
+    fn release_inner(&mut self, unit: UnitId) -> Result<()> {
         let i = self.check(unit, "release")?;
         if self.units[i].gathers == 0 {
             return Err(self.usage(format!(
@@ -796,6 +823,10 @@ impl<C: Communicator> Engine<C> {
     /// The full state of a unit (parameters, fp32 master, m, v), real
     /// elements only. A collective in stages 1–3: every rank must call it.
     pub fn unit_state(&mut self, unit: UnitId) -> Result<UnitState> {
+        self.guard(|e| e.unit_state_inner(unit))
+    }
+
+    fn unit_state_inner(&mut self, unit: UnitId) -> Result<UnitState> {
         let i = self.check(unit, "unit_state")?;
         let numel = self.units[i].layout.numel;
         let shard = self.units[i].layout.shard_len;
@@ -845,6 +876,10 @@ impl<C: Communicator> Engine<C> {
     /// — multiplied by [`Engine::loss_scale`] — and hands it back with
     /// [`Engine::grad_ready`].
     pub fn grad_buffer<T: Element>(&mut self, unit: UnitId) -> Result<HostBuffer<T>> {
+        self.guard(|e| e.grad_buffer_inner(unit))
+    }
+
+    fn grad_buffer_inner<T: Element>(&mut self, unit: UnitId) -> Result<HostBuffer<T>> {
         let i = self.check(unit, "grad_buffer")?;
         if T::DTYPE != self.pdt {
             return Err(zero_core::Error::DTypeMismatch {
@@ -867,13 +902,7 @@ impl<C: Communicator> Engine<C> {
                 u.layout.name
             )));
         }
-        let padded = u.layout.padded_numel;
-        let mut buf = if self.stage <= 1 {
-            self.wait_for_grad_home(i)?;
-            self.units[i].grad.take().expect("grad buffer is home")
-        } else {
-            self.pooled_grad(padded)?
-        };
+        let mut buf = self.take_grad_buffer(i)?;
         buf.fill_zero();
         self.units[i].lent = true;
         match buf {
@@ -887,6 +916,10 @@ impl<C: Communicator> Engine<C> {
     /// reduced as soon as it is full (stages 0, 2, 3 while backward goes
     /// on; stage 1 after backward, in [`Engine::step`]).
     pub fn grad_ready<T: Element>(&mut self, unit: UnitId, grad: HostBuffer<T>) -> Result<()> {
+        self.guard(|e| e.grad_ready_inner(unit, grad))
+    }
+
+    fn grad_ready_inner<T: Element>(&mut self, unit: UnitId, grad: HostBuffer<T>) -> Result<()> {
         let i = self.check(unit, "grad_ready")?;
         let u = &self.units[i];
         if u.ready {
@@ -924,6 +957,17 @@ impl<C: Communicator> Engine<C> {
         let r = self.add_to_bucket(i, buf);
         self.stats.reduce_time += t.elapsed();
         r
+    }
+
+    /// Unit `i`'s gradient buffer: the persistent one (stages 0/1) or one
+    /// from the pool (stages 2/3). Not zeroed.
+    fn take_grad_buffer(&mut self, i: usize) -> Result<DynBuf> {
+        if self.stage <= 1 {
+            self.wait_for_grad_home(i)?;
+            Ok(self.units[i].grad.take().expect("grad buffer is home"))
+        } else {
+            self.pooled_grad(self.units[i].layout.padded_numel)
+        }
     }
 
     fn pooled_grad(&mut self, len: usize) -> Result<DynBuf> {
@@ -1093,13 +1137,7 @@ impl<C: Communicator> Engine<C> {
     fn finish_reductions(&mut self) -> Result<()> {
         for i in 0..self.units.len() {
             if !self.units[i].ready {
-                let padded = self.units[i].layout.padded_numel;
-                let mut buf = if self.stage <= 1 {
-                    self.wait_for_grad_home(i)?;
-                    self.units[i].grad.take().expect("grad buffer is home")
-                } else {
-                    self.pooled_grad(padded)?
-                };
+                let mut buf = self.take_grad_buffer(i)?;
                 buf.fill_zero();
                 self.units[i].ready = true;
                 if self.stage == 1 {
@@ -1130,6 +1168,10 @@ impl<C: Communicator> Engine<C> {
     /// AdamW on this rank's shard, then the parameter all-gather where the
     /// stage needs it).
     pub fn step(&mut self) -> Result<StepOutcome> {
+        self.guard(Self::step_inner)
+    }
+
+    fn step_inner(&mut self) -> Result<StepOutcome> {
         for u in &self.units {
             if u.gathers > 0 {
                 return Err(self.usage(format!(
