@@ -70,6 +70,11 @@ impl DynBuf {
             .map(|b| &b[..]))
     }
 
+    /// `copy_within` on the elements (ranges in elements).
+    pub(crate) fn copy_within(&mut self, src: Range<usize>, dest: usize) {
+        with_buf!(self, b => b.copy_within(src, dest));
+    }
+
     pub(crate) fn fill_zero(&mut self) {
         with_buf!(self, b => b.fill(Element::from_f32(0.0)));
     }

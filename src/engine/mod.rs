@@ -170,7 +170,8 @@ struct Unit {
 
 /// A bucket of gradients being filled.
 struct OpenBucket {
-    units: Vec<(usize, DynBuf)>,
+    buf: DynBuf,
+    units: Vec<usize>,
     elems: usize,
 }
 
@@ -977,10 +978,11 @@ impl<C: Communicator> Engine<C> {
         let b = DynBuf::alloc(&self.comm, self.pdt, len)?;
         // Transient gradient buffers stay in the pool: accounted as
         // gradients for as long as they exist.
-        std::mem::forget(
-            self.tracker
-                .allocate(Tier::Device, Category::Grads, b.capacity_bytes()),
-        );
+        self._bucket_allocs.push(self.tracker.allocate(
+            Tier::Device,
+            Category::Grads,
+            b.capacity_bytes(),
+        ));
         Ok(b)
     }
 
@@ -988,11 +990,7 @@ impl<C: Communicator> Engine<C> {
     /// with reductions in flight): drain until it is home.
     fn wait_for_grad_home(&mut self, i: usize) -> Result<()> {
         while self.units[i].grad.is_none() {
-            if self
-                .open
-                .as_ref()
-                .is_some_and(|b| b.units.iter().any(|(u, _)| *u == i))
-            {
+            if self.open.as_ref().is_some_and(|b| b.units.contains(&i)) {
                 self.launch_open()?;
             }
             if self.inflight.is_empty() {
@@ -1003,62 +1001,89 @@ impl<C: Communicator> Engine<C> {
         Ok(())
     }
 
-    fn add_to_bucket(&mut self, i: usize, buf: DynBuf) -> Result<()> {
+    /// Copies unit `i`'s gradient into the open bucket (converting to the
+    /// communication dtype) and gives the gradient buffer back at once
+    /// (stages 2/3: to the pool, so only the units in flight hold full
+    /// gradients). The bucket starts its reduction when full. Layout:
+    /// stage 0 puts the units one after another; stages 1–3 group the
+    /// units' shards by rank, in sections of `stride = capacity / N`:
+    ///
+    /// ```text
+    ///  units a, b:   a = [a0 a1]  b = [b0 b1]     (shard r of each unit)
+    ///  buffer:       [a0 b0 .. | a1 b1 ..]  → rank r receives section r
+    /// ```
+    fn add_to_bucket(&mut self, i: usize, grad: DynBuf) -> Result<()> {
         let n = self.units[i].layout.padded_numel;
-        if let Some(b) = &self.open {
-            if b.elems + n > self.bucket_cap {
-                self.launch_open()?;
+        let world = self.world;
+        let stride = self.bucket_cap / world;
+        let fits = |elems: usize| {
+            if self.stage == 0 {
+                elems + n <= self.bucket_cap
+            } else {
+                (elems + n) / world <= stride
+            }
+        };
+        if self.open.as_ref().is_some_and(|b| !fits(b.elems)) {
+            self.launch_open()?;
+        }
+        if self.open.is_none() {
+            if self.free_buckets.is_empty() {
+                self.complete_oldest()?;
+            }
+            let buf = self.free_buckets.pop().expect("a bucket buffer is free");
+            self.open = Some(OpenBucket {
+                buf,
+                units: Vec::new(),
+                elems: 0,
+            });
+        }
+        let b = self.open.as_mut().expect("opened above");
+        if self.stage == 0 {
+            b.buf.store_from(b.elems, &grad, 0, n, false);
+        } else {
+            let shard = n / world;
+            let at = b.elems / world;
+            for r in 0..world {
+                b.buf
+                    .store_from(r * stride + at, &grad, r * shard, shard, false);
             }
         }
-        let b = self.open.get_or_insert_with(|| OpenBucket {
-            units: Vec::new(),
-            elems: 0,
-        });
-        b.units.push((i, buf));
+        b.units.push(i);
         b.elems += n;
-        if b.elems >= self.cfg.zero.reduce_bucket_size.min(self.bucket_cap) {
+        let full = b.elems >= self.cfg.zero.reduce_bucket_size.min(self.bucket_cap);
+        if self.stage <= 1 {
+            self.units[i].grad = Some(grad);
+        } else {
+            self.grad_pool.entry(grad.len()).or_default().push(grad);
+        }
+        if full {
             self.launch_open()?;
         }
         Ok(())
     }
 
-    /// Packs the open bucket into a communication buffer and starts its
-    /// reduction: all-reduce of the units one after another (stage 0), or
-    /// reduce-scatter of the units' shards grouped by rank (stages 1–3):
-    ///
-    /// ```text
-    ///  units a, b:   a = [a0 a1]  b = [b0 b1]     (shard r of each unit)
-    ///  buffer:       [a0 b0 | a1 b1]  → rank r receives section r reduced
-    /// ```
+    /// Starts the reduction of the open bucket: all-reduce (stage 0) or
+    /// reduce-scatter of the rank sections (stages 1–3), after closing the
+    /// gaps between sections of a bucket that is not full.
     fn launch_open(&mut self) -> Result<()> {
         let Some(open) = self.open.take() else {
             return Ok(());
         };
-        if self.free_buckets.is_empty() {
-            self.complete_oldest()?;
-        }
-        let mut buf = self.free_buckets.pop().expect("a bucket buffer is free");
-        buf.set_len(open.elems)?;
+        let mut buf = open.buf;
         let world = self.world;
         let work = if self.stage == 0 {
-            let mut off = 0;
-            for (i, g) in &open.units {
-                let n = self.units[*i].layout.padded_numel;
-                buf.store_from(off, g, 0, n, false);
-                off += n;
-            }
+            buf.set_len(open.elems)?;
             self.stats.reduce_bytes += ring_bytes(open.elems, world, self.cdt) * 2;
             buf.all_reduce(&self.comm)
         } else {
             let section = open.elems / world;
-            for r in 0..world {
-                let mut off = r * section;
-                for (i, g) in &open.units {
-                    let l = &self.units[*i].layout;
-                    buf.store_from(off, g, r * l.shard_len, l.shard_len, false);
-                    off += l.shard_len;
+            let stride = self.bucket_cap / world;
+            if section < stride {
+                for r in 1..world {
+                    buf.copy_within(r * stride..r * stride + section, r * section);
                 }
             }
+            buf.set_len(open.elems)?;
             if self.cfg.zero.reduce_scatter {
                 self.stats.reduce_bytes += ring_bytes(open.elems, world, self.cdt);
                 buf.reduce_scatter(&self.comm, &vec![section; world])
@@ -1069,16 +1094,7 @@ impl<C: Communicator> Engine<C> {
                 buf.all_reduce(&self.comm)
             }
         };
-        let mut units = Vec::with_capacity(open.units.len());
-        for (i, g) in open.units {
-            units.push(i);
-            if self.stage <= 1 {
-                self.units[i].grad = Some(g);
-            } else {
-                let len = g.len();
-                self.grad_pool.entry(len).or_default().push(g);
-            }
-        }
+        let units = open.units;
         self.inflight.push_back(InFlight { work, units });
         if !overlaps(&self.cfg) {
             self.complete_oldest()?;
