@@ -42,7 +42,7 @@
 //! (default 2), `--steps K` measured steps (default 3, after `--warmup W`
 //! = 1), `--stages 0,1,2,3`, `--precisions bf16,fp32`, `--hidden D` (unit
 //! size ≈ 12·D²), `--units U` (default 12), `--reps R` baseline
-//! repetitions (default 5).
+//! repetitions (default 5; at most 3 for the per-row probes).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -422,24 +422,26 @@ struct Probe {
 const PROBE_ELEMS: usize = 1 << 22;
 
 fn probe<T: Element, C: Communicator>(comm: &C, a: &Args, v: &Variant, psi: usize) -> Probe {
-    let ar32 = time_coll::<f32, C>(comm, psi, a.reps, Coll::AllReduce);
+    // Fewer repetitions than the table's baselines: one probe per row.
+    let reps = a.reps.min(3);
+    let ar32 = time_coll::<f32, C>(comm, psi, reps, Coll::AllReduce);
     let reduce = match (v.stage, v.cdt) {
         (0, DType::F32) => ar32,
-        (0, c) => time_coll_dt(comm, c, psi, a.reps, Coll::AllReduce),
-        (_, c) => time_coll_dt(comm, c, psi, a.reps, Coll::ReduceScatter),
+        (0, c) => time_coll_dt(comm, c, psi, reps, Coll::AllReduce),
+        (_, c) => time_coll_dt(comm, c, psi, reps, Coll::ReduceScatter),
     };
     let gather = if v.stage == 0 {
         Duration::ZERO
     } else {
-        time_coll::<T, C>(comm, psi, a.reps, Coll::AllGather)
+        time_coll::<T, C>(comm, psi, reps, Coll::AllGather)
     };
     // The engine's kernel reads the gradient in the accumulation dtype
     // (the parameter dtype when they alias, and then they are equal).
     let n = PROBE_ELEMS.min(psi / comm.world_size());
     let (adamw_ref, adamw_vec) = match v.adt {
-        DType::F32 => time_kernels::<f32, T, C>(comm, n, a.reps),
-        DType::BF16 => time_kernels::<bf16, T, C>(comm, n, a.reps),
-        DType::F16 => time_kernels::<f16, T, C>(comm, n, a.reps),
+        DType::F32 => time_kernels::<f32, T, C>(comm, n, reps),
+        DType::BF16 => time_kernels::<bf16, T, C>(comm, n, reps),
+        DType::F16 => time_kernels::<f16, T, C>(comm, n, reps),
     };
     Probe {
         ar32,
