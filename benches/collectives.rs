@@ -279,7 +279,7 @@ fn mpi_suite(a: &Args) {
             comm.native_all_reduce(&mut buf).expect("MPI_Allreduce")
         });
         base[0] = gbps(bytes, t) * bus_factor(0, n);
-        if len % n == 0 {
+        if len.is_multiple_of(n) {
             let mut small = comm.alloc::<f32>(len / n).expect("alloc");
             let t = time_it(&comm, a.reps, iters, || {
                 comm.native_reduce_scatter_block(&buf, &mut small)

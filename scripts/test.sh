@@ -3,7 +3,10 @@
 # tests) with the default features, which include MPI. The MPI integration
 # test (zero-comm/tests/mpi.rs) starts itself under `mpirun -n 2`, `-n 3` and
 # 4 ranks as two simulated nodes; missing MPI is a failure, not a skip.
+# Then the aarch64 NEON kernels under qemu-user (scripts/test-neon.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 cargo test --workspace
+# The NEON kernels, cross-compiled and run under qemu-user.
+bash scripts/test-neon.sh

@@ -25,7 +25,6 @@ macro_rules! with_buf {
         }
     };
 }
-pub(crate) use with_buf;
 
 impl DynBuf {
     /// A zeroed buffer registered with `comm` (shared memory under MPI).
@@ -68,6 +67,13 @@ impl DynBuf {
         with_buf!(self, b => (b as &dyn std::any::Any)
             .downcast_ref::<HostBuffer<T>>()
             .map(|b| &b[..]))
+    }
+
+    /// The typed mutable slice, if the dtype is `T`'s.
+    pub(crate) fn slice_mut<T: Element>(&mut self) -> Option<&mut [T]> {
+        with_buf!(self, b => (b as &mut dyn std::any::Any)
+            .downcast_mut::<HostBuffer<T>>()
+            .map(|b| &mut b[..]))
     }
 
     /// `copy_within` on the elements (ranges in elements).

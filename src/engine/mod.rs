@@ -49,12 +49,12 @@ use std::time::{Duration, Instant};
 use zero_comm::{Communicator, Work};
 use zero_core::config::{Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier};
-use zero_core::optim::{adamw_reference, clip_coefficient, sum_squares, AdamWStep, LossScaler};
+use zero_core::optim::{clip_coefficient, AdamWSlices, AdamWStep, CpuAdamW, LossScaler};
 use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
-use zero_core::{bf16, DType, Device, Element, HostBuffer};
+use zero_core::{bf16, f16, DType, Device, Element, HostBuffer};
 
 use crate::{Error, Result};
-use dynbuf::{with_buf, DynBuf};
+use dynbuf::DynBuf;
 pub use init::Init;
 use init::{fnv1a, mix};
 use stage3::Stage3;
@@ -141,6 +141,7 @@ pub struct EngineBuilder<C: Communicator> {
     seed: u64,
     specs: Vec<(UnitSpec, Vec<Init>)>,
     id: u64,
+    optimizer_threads: Option<usize>,
 }
 
 /// The per-unit state.
@@ -212,6 +213,8 @@ pub struct Engine<C: Communicator> {
     warned: Vec<String>,
     /// The first communication error; the engine refuses work after it.
     failed: Option<String>,
+    /// The CPU AdamW and norm kernels (SIMD, threads).
+    adam: CpuAdamW,
 }
 
 static NEXT_ENGINE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -228,6 +231,7 @@ impl<C: Communicator> Engine<C> {
             seed: 0,
             specs: Vec::new(),
             id: NEXT_ENGINE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            optimizer_threads: None,
         }
     }
 }
@@ -242,6 +246,15 @@ impl<C: Communicator> EngineBuilder<C> {
     /// The seed of the deterministic initialisers (default 0).
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = seed;
+        self
+    }
+
+    /// Threads for the optimizer step and the gradient-norm pass (the CPU
+    /// kernels of [`CpuAdamW`]). Default: this machine's cores divided by
+    /// the ranks running on it ([`Communicator::ranks_on_host`]), at least
+    /// one, so that ranks sharing a machine do not oversubscribe its cores.
+    pub fn optimizer_threads(mut self, threads: usize) -> Self {
+        self.optimizer_threads = Some(threads.max(1));
         self
     }
 
@@ -296,6 +309,7 @@ impl<C: Communicator> EngineBuilder<C> {
             seed,
             specs,
             id,
+            optimizer_threads,
         } = self;
         let rank = comm.rank();
         let world = comm.world_size();
@@ -450,6 +464,11 @@ impl<C: Communicator> EngineBuilder<C> {
         let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
         let lr = cfg.scheduler.lr_at(0);
         let s3 = Stage3::new(&cfg, &plan);
+        let threads = optimizer_threads.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cores / comm.ranks_on_host().max(1)).max(1)
+        });
+        let adam = CpuAdamW::new().with_threads(threads);
         let mut engine = Engine {
             id,
             comm,
@@ -483,6 +502,7 @@ impl<C: Communicator> EngineBuilder<C> {
             stats: EngineStats::default(),
             warned: Vec::new(),
             failed: None,
+            adam,
             cfg,
         };
         if engine.stage == 3 {
@@ -1261,6 +1281,63 @@ impl<C: Communicator> Engine<C> {
         (state, grad, params)
     }
 
+    /// Each unit's sum of squares of its gradient home over `ranges`, in
+    /// one parallel region (every home holds `G`).
+    fn unit_sum_squares<G: Element>(&self, ranges: &[Range<usize>]) -> Vec<f64> {
+        let slices: Vec<&[G]> = (0..self.units.len())
+            .map(|i| {
+                let b = self.grad_home(i).slice::<G>().expect("one gradient dtype");
+                &b[ranges[i].clone()]
+            })
+            .collect();
+        self.adam.sum_squares_many(&slices)
+    }
+
+    /// AdamW on this rank's part of every unit, in one parallel region,
+    /// writing the updated parameters in the parameter dtype.
+    fn adamw_update(&mut self, k: &AdamWStep) -> Result<()> {
+        let Some(first) = self.units.first() else {
+            return Ok(());
+        };
+        let gdt = first
+            .acc
+            .as_ref()
+            .or(first.grad.as_ref())
+            .expect("a gradient home")
+            .dtype();
+        match gdt {
+            DType::F32 => self.adamw_for_grad::<f32>(k),
+            DType::BF16 => self.adamw_for_grad::<bf16>(k),
+            DType::F16 => self.adamw_for_grad::<f16>(k),
+        }
+    }
+
+    fn adamw_for_grad<G: Element>(&mut self, k: &AdamWStep) -> Result<()> {
+        match self.pdt {
+            DType::F32 => self.adamw_typed::<G, f32>(k),
+            DType::BF16 => self.adamw_typed::<G, bf16>(k),
+            DType::F16 => self.adamw_typed::<G, f16>(k),
+        }
+    }
+
+    fn adamw_typed<G: Element, P: Element>(&mut self, k: &AdamWStep) -> Result<()> {
+        let ranges: Vec<_> = (0..self.units.len()).map(|i| self.ranges(i)).collect();
+        let mut parts = Vec::with_capacity(self.units.len());
+        for (u, (state, grad, params)) in self.units.iter_mut().zip(ranges) {
+            let g = u.acc.as_ref().or(u.grad.as_ref()).expect("a gradient home");
+            let p = u.params.as_mut().expect("params are home");
+            parts.push(AdamWSlices {
+                master: &mut u.master[state.clone()],
+                grad: &g.slice::<G>().expect("one gradient dtype")[grad],
+                m: &mut u.m[state.clone()],
+                v: &mut u.v[state],
+                low: Some(&mut p.slice_mut::<P>().expect("the parameter dtype")[params]),
+            });
+        }
+        self.adam.step_many(k, parts)?;
+        Ok(())
+    }
+
     fn grad_home(&self, i: usize) -> &DynBuf {
         let u = &self.units[i];
         u.acc.as_ref().or(u.grad.as_ref()).expect("a gradient home")
@@ -1269,17 +1346,24 @@ impl<C: Communicator> Engine<C> {
     fn optimizer_step(&mut self) -> Result<StepOutcome> {
         // This rank's part of the squared norm: its shard of every unit, in
         // unit order (stage 0 too, so that every stage adds the same terms).
-        let mut local = 0f64;
-        for i in 0..self.units.len() {
-            let l = &self.units[i].layout;
-            let abs = l.real_range(self.rank);
-            let r = if self.units[i].acc.is_some() && self.stage > 0 {
-                relative(abs, self.rank * l.shard_len)
-            } else {
-                abs
-            };
-            local += with_buf!(self.grad_home(i), b => sum_squares(&b[r]));
-        }
+        let ranges: Vec<Range<usize>> = (0..self.units.len())
+            .map(|i| {
+                let l = &self.units[i].layout;
+                let abs = l.real_range(self.rank);
+                if self.units[i].acc.is_some() && self.stage > 0 {
+                    relative(abs, self.rank * l.shard_len)
+                } else {
+                    abs
+                }
+            })
+            .collect();
+        let sums = match self.units.first().map(|_| self.grad_home(0).dtype()) {
+            None => Vec::new(),
+            Some(DType::F32) => self.unit_sum_squares::<f32>(&ranges),
+            Some(DType::BF16) => self.unit_sum_squares::<bf16>(&ranges),
+            Some(DType::F16) => self.unit_sum_squares::<f16>(&ranges),
+        };
+        let local = sums.iter().fold(0f64, |a, s| a + s);
         let parts = exchange_words(&self.comm, &[local.to_bits()])?;
         let sumsq = parts.iter().fold(0f64, |a, w| a + f64::from_bits(w[0]));
         let loss_scale = self.loss_scale();
@@ -1302,20 +1386,7 @@ impl<C: Communicator> Engine<C> {
             let clip = clip_coefficient(norm, self.cfg.gradient_clipping);
             let grad_scale = (base * clip) as f32;
             let k = AdamWStep::new(&self.cfg.optimizer, lr, self.steps + 1, grad_scale);
-            for i in 0..self.units.len() {
-                let (state, grad, params) = self.ranges(i);
-                let u = &mut self.units[i];
-                let g = u.acc.as_ref().or(u.grad.as_ref()).expect("a gradient home");
-                let p = u.params.as_mut().expect("params are home");
-                with_buf!(g, gb => with_buf!(p, pb => adamw_reference(
-                    &k,
-                    &mut u.master[state.clone()],
-                    &gb[grad.clone()],
-                    &mut u.m[state.clone()],
-                    &mut u.v[state.clone()],
-                    Some(&mut pb[params.clone()]),
-                )))?;
-            }
+            self.adamw_update(&k)?;
             self.steps += 1;
         }
         Ok(StepOutcome {

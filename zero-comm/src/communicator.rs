@@ -119,6 +119,13 @@ pub trait Communicator: Send + Sync {
     /// The backend's name (`"threads"`, `"mpi"`).
     fn backend(&self) -> &'static str;
 
+    /// How many ranks of this group run on this machine, this one included
+    /// (they share its cores: compute threads per rank default to cores ÷
+    /// this). Default: 1.
+    fn ranks_on_host(&self) -> usize {
+        1
+    }
+
     /// A zeroed buffer registered with the backend (for MPI: inside the
     /// node's shared-memory window, so collectives on it copy nothing).
     fn alloc<T: Element>(&self, len: usize) -> Result<HostBuffer<T>> {

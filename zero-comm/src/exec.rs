@@ -173,7 +173,7 @@ fn next_job(rx: &crossbeam_channel::Receiver<Job>) -> Option<Job> {
             Err(crossbeam_channel::TryRecvError::Empty) => {}
         }
         polls += 1;
-        if polls % 16 == 0 {
+        if polls.is_multiple_of(16) {
             if start.elapsed() >= std::time::Duration::from_micros(50) {
                 return rx.recv().ok();
             }

@@ -152,6 +152,10 @@ impl Communicator for ThreadComm {
         "threads"
     }
 
+    fn ranks_on_host(&self) -> usize {
+        self.world_size()
+    }
+
     fn submit(&self, op: RawOp) -> Work<Vec<Box<dyn Any + Send>>> {
         self.exec.submit(op)
     }

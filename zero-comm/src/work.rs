@@ -51,7 +51,7 @@ impl<R> Completion<R> {
         let mut polls = 0u32;
         while !self.ready.load(Ordering::Acquire) {
             polls += 1;
-            if polls % 16 == 0 {
+            if polls.is_multiple_of(16) {
                 if start.elapsed() >= POLL_BEFORE_SLEEP {
                     break;
                 }

@@ -420,7 +420,7 @@ fn make<T: Element>(comm: &Comm, mode: Mode, data: &[T]) -> HostBuffer<T> {
     let pool = match mode {
         Mode::Registered => true,
         Mode::Heap => false,
-        Mode::Mixed => comm.rank() % 2 == 0,
+        Mode::Mixed => comm.rank().is_multiple_of(2),
         Mode::FirstHalf => comm.rank() < comm.world_size().div_ceil(2),
     };
     if pool {
@@ -664,7 +664,9 @@ fn main_checks(comm: &Comm, rep: &mut Report) {
     let mut b = comm.alloc::<f32>(1000).expect("alloc");
     rep.check(
         "alloc: registered, zeroed, 64-byte aligned",
-        m.is_registered(&b) && b.iter().all(|&x| x == 0.0) && b.as_ptr() as usize % 64 == 0,
+        m.is_registered(&b)
+            && b.iter().all(|&x| x == 0.0)
+            && (b.as_ptr() as usize).is_multiple_of(64),
         || {
             format!(
                 "registered {} aligned {}",

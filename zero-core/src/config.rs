@@ -1580,7 +1580,7 @@ impl DeepSpeedConfig {
         };
         // Derives `total / divisor`, which must be exact and at least 1.
         let divide = |key: &str, total: usize, divisor: usize| -> Result<usize> {
-            if total % divisor == 0 && total / divisor >= 1 {
+            if total.is_multiple_of(divisor) && total / divisor >= 1 {
                 Ok(total / divisor)
             } else {
                 Err(config_err(

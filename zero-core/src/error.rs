@@ -49,9 +49,41 @@ pub enum Error {
         /// What is wrong and what is allowed.
         msg: String,
     },
+    /// This machine or build cannot do what was asked (an instruction set
+    /// the CPU lacks, ...); the message says what and what is available.
+    #[error("not supported here: {0}")]
+    Unsupported(String),
     /// A partition plan cannot be built from the given units.
     #[error("partition plan: {0}")]
     Plan(String),
+    /// A file operation failed, or a file holds data that fails its checks
+    /// (NVMe swap files, checkpoints). `msg` says what was done and what is
+    /// wrong, naming the region, block and offset where there is one.
+    #[error("{}: {msg}", path.display())]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The operation, where in the file, and what went wrong.
+        msg: String,
+    },
+    /// A pool sized at start-up has no free buffer for a request (it never
+    /// grows: no allocation happens in a training step).
+    #[error("pool `{pool}` exhausted: {msg}")]
+    PoolExhausted {
+        /// The pool's name.
+        pool: String,
+        /// The size asked for and what the pool holds.
+        msg: String,
+    },
+    /// Host memory cannot be pinned (page-locked): the limit is too low or
+    /// the OS refused; `msg` states the limit and how to raise it.
+    #[error("cannot pin {needed} bytes of host memory: {msg}")]
+    PinMemory {
+        /// The bytes that were to be pinned.
+        needed: u64,
+        /// The limit, the cause and how to fix it.
+        msg: String,
+    },
     /// An error from the CUDA driver, NVRTC or a CUDA library.
     #[error("cuda: {0}")]
     Cuda(Box<dyn std::error::Error + Send + Sync>),

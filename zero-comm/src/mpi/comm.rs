@@ -72,6 +72,9 @@ pub struct MpiComm {
     size: usize,
     local_rank: usize,
     local_size: usize,
+    /// Ranks on this machine (the shared-memory communicator's size, before
+    /// any simulated split into pseudo-nodes).
+    host_size: usize,
     node_count: usize,
     node: Arc<Node>,
     group: Arc<ShmGroup>,
@@ -126,6 +129,7 @@ impl MpiComm {
         let world = Arc::new(Comm::dup_world(&rt)?);
         let (rank, size) = (world.rank(), world.size());
         let shared = world.split_shared()?;
+        let host_size = shared.size();
         // Agree that every rank's configuration is valid before the
         // collectives that would hang if one rank stopped here.
         let config = read_config(shared.size());
@@ -237,6 +241,7 @@ impl MpiComm {
             size,
             local_rank,
             local_size,
+            host_size,
             node_count,
             node,
             group,
@@ -369,7 +374,7 @@ impl MpiComm {
     /// copied out and the out-of-place call is used. On the progress thread,
     /// blocking; for comparing against [`Communicator::all_gather_in_place`].
     pub fn native_all_gather_in_place(&self, buf: &mut HostBuffer<f32>) -> Result<()> {
-        if buf.len() % self.size != 0 {
+        if !buf.len().is_multiple_of(self.size) {
             return Err(Error::InvalidArgument {
                 rank: self.rank,
                 op: "native_all_gather_in_place",
@@ -425,6 +430,10 @@ impl Communicator for MpiComm {
 
     fn backend(&self) -> &'static str {
         "mpi"
+    }
+
+    fn ranks_on_host(&self) -> usize {
+        self.host_size
     }
 
     fn alloc<T: Element>(&self, len: usize) -> Result<HostBuffer<T>> {

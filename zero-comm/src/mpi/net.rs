@@ -252,7 +252,7 @@ impl Net {
             }
             polls = polls.wrapping_add(1);
             let waited = start.elapsed();
-            if polls % 16 == 0 {
+            if polls.is_multiple_of(16) {
                 let fatal = {
                     let mut n = self.notices.lock().unwrap_or_else(|e| e.into_inner());
                     n.poll()?;

@@ -104,7 +104,7 @@ pub(crate) struct FreeList {
 impl FreeList {
     /// All of `[start, end)` free; both multiples of [`ALIGN`].
     pub(crate) fn new(start: usize, end: usize) -> Self {
-        debug_assert!(start % ALIGN == 0 && end % ALIGN == 0 && start <= end);
+        debug_assert!(start.is_multiple_of(ALIGN) && end.is_multiple_of(ALIGN) && start <= end);
         Self {
             free: if end > start {
                 vec![(start, end - start)]

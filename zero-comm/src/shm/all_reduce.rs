@@ -64,7 +64,7 @@ mod tests {
                 for r in 0..n {
                     let c = chunk::<f32>(len, n, r);
                     assert_eq!(c.start, next);
-                    assert!(c.start % 16 == 0 || c.start == len);
+                    assert!(c.start.is_multiple_of(16) || c.start == len);
                     next = c.end;
                 }
                 assert_eq!(next, len);

@@ -335,7 +335,7 @@ impl ShmGroup {
             }
             polls = polls.wrapping_add(1);
             let waited = start.elapsed();
-            if polls % 32 == 0 {
+            if polls.is_multiple_of(32) {
                 if let Some(reason) = self.mem.peer_dead(next) {
                     return Err(Error::PeerFailed {
                         rank: self.labels[self.rank],

@@ -63,6 +63,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Element, Error, Result};
 
+mod cpu;
+#[cfg(target_arch = "aarch64")]
+mod neon;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+pub use cpu::{AdamWSlices, CpuAdamW, Isa, DEFAULT_TILE};
+
 /// AdamW hyper-parameters (DeepSpeed `optimizer.params`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct AdamWParams {
@@ -337,6 +345,11 @@ pub fn sum_squares_chunk<G: Element>(x: &[G]) -> f64 {
         let y = f64::from(e.to_f32());
         lanes[i % NORM_LANES] += y * y;
     }
+    combine_lanes(lanes)
+}
+
+/// The pairwise tree `16 → 8 → 4 → 2 → 1` of [`sum_squares_chunk`].
+pub(crate) fn combine_lanes(mut lanes: [f64; NORM_LANES]) -> f64 {
     let mut width = NORM_LANES;
     while width > 1 {
         width /= 2;
@@ -597,7 +610,7 @@ impl LossScaler {
                     self.cur_hysteresis = hysteresis;
                 }
                 let stable = self.cur_iter as i64 - self.last_overflow_iter - 1;
-                if stable > 0 && stable as u64 % window.max(1) == 0 {
+                if stable > 0 && (stable as u64).is_multiple_of(window.max(1)) {
                     if !consecutive_hysteresis {
                         self.cur_hysteresis = hysteresis;
                     }
