@@ -161,7 +161,7 @@ pub(super) unsafe fn adamw_avx2<
         let nss = _mm256_set1_ps(-k.step_size);
         let isb2 = _mm256_set1_ps(k.inv_sqrt_bias2);
         let decay = _mm256_set1_ps(k.decay);
-        // Eight elements at `$i`.
+        // Eight elements at `$i`, without the copy.
         macro_rules! eight {
             ($i:expr) => {{
                 let i = $i;
@@ -169,20 +169,11 @@ pub(super) unsafe fn adamw_avx2<
                 let p = _mm256_loadu_ps(t.master.add(i));
                 let m = load8(t.m.add(i));
                 let v = load8(t.v.add(i));
-                let (p1, m1, v1) = if TRAFFIC {
-                    (
-                        _mm256_add_ps(p, graw),
-                        _mm256_add_ps(m, graw),
-                        _mm256_add_ps(v, graw),
-                    )
-                } else {
-                    let g = _mm256_mul_ps(graw, gs);
-                    let m1 = _mm256_fmadd_ps(b1, m, _mm256_mul_ps(omb1, g));
-                    let v1 = _mm256_fmadd_ps(b2, v, _mm256_mul_ps(_mm256_mul_ps(omb2, g), g));
-                    let d = _mm256_fmadd_ps(_mm256_sqrt_ps(v1), isb2, eps);
-                    let p1 = _mm256_fmadd_ps(nss, _mm256_div_ps(m1, d), _mm256_mul_ps(p, decay));
-                    (p1, m1, v1)
-                };
+                let g = _mm256_mul_ps(graw, gs);
+                let m1 = _mm256_fmadd_ps(b1, m, _mm256_mul_ps(omb1, g));
+                let v1 = _mm256_fmadd_ps(b2, v, _mm256_mul_ps(_mm256_mul_ps(omb2, g), g));
+                let d = _mm256_fmadd_ps(_mm256_sqrt_ps(v1), isb2, eps);
+                let p1 = _mm256_fmadd_ps(nss, _mm256_div_ps(m1, d), _mm256_mul_ps(p, decay));
                 _mm256_storeu_ps(t.master.add(i), p1);
                 store8(t.m.add(i), m1);
                 store8(t.v.add(i), v1);
@@ -193,6 +184,24 @@ pub(super) unsafe fn adamw_avx2<
         // division would keep the vector scheduler full of operations
         // waiting on the sqrt/div chains; a separate short loop does not.
         let simd_end = i + (n - i) / 8 * 8;
+        if TRAFFIC {
+            // The roofline: one plain pass, every store in place.
+            while i < simd_end {
+                let g = load8(t.grad.add(i));
+                let p1 = _mm256_add_ps(_mm256_loadu_ps(t.master.add(i)), g);
+                _mm256_storeu_ps(t.master.add(i), p1);
+                store8(t.m.add(i), _mm256_add_ps(load8(t.m.add(i)), g));
+                store8(t.v.add(i), _mm256_add_ps(load8(t.v.add(i)), g));
+                if LOW {
+                    if stream {
+                        stream8(t.low.add(i), p1);
+                    } else {
+                        store8(t.low.add(i), p1);
+                    }
+                }
+                i += 8;
+            }
+        }
         while i < simd_end {
             let end = (i + SUB).min(simd_end);
             let mut j = i;
@@ -387,20 +396,11 @@ pub(super) unsafe fn adamw_avx512<
                 let p = _mm512_loadu_ps(t.master.add(i));
                 let m = load16(t.m.add(i));
                 let v = load16(t.v.add(i));
-                let (p1, m1, v1) = if TRAFFIC {
-                    (
-                        _mm512_add_ps(p, graw),
-                        _mm512_add_ps(m, graw),
-                        _mm512_add_ps(v, graw),
-                    )
-                } else {
-                    let g = _mm512_mul_ps(graw, gs);
-                    let m1 = _mm512_fmadd_ps(b1, m, _mm512_mul_ps(omb1, g));
-                    let v1 = _mm512_fmadd_ps(b2, v, _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
-                    let d = _mm512_fmadd_ps(_mm512_sqrt_ps(v1), isb2, eps);
-                    let p1 = _mm512_fmadd_ps(nss, _mm512_div_ps(m1, d), _mm512_mul_ps(p, decay));
-                    (p1, m1, v1)
-                };
+                let g = _mm512_mul_ps(graw, gs);
+                let m1 = _mm512_fmadd_ps(b1, m, _mm512_mul_ps(omb1, g));
+                let v1 = _mm512_fmadd_ps(b2, v, _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
+                let d = _mm512_fmadd_ps(_mm512_sqrt_ps(v1), isb2, eps);
+                let p1 = _mm512_fmadd_ps(nss, _mm512_div_ps(m1, d), _mm512_mul_ps(p, decay));
                 _mm512_storeu_ps(t.master.add(i), p1);
                 store16(t.m.add(i), m1);
                 store16(t.v.add(i), v1);
@@ -408,6 +408,24 @@ pub(super) unsafe fn adamw_avx512<
         }
         // As in `adamw_avx2`: blocks of SUB elements, the update then the copy.
         let simd_end = i + (n - i) / 16 * 16;
+        if TRAFFIC {
+            // The roofline: one plain pass, every store in place.
+            while i < simd_end {
+                let g = load16(t.grad.add(i));
+                let p1 = _mm512_add_ps(_mm512_loadu_ps(t.master.add(i)), g);
+                _mm512_storeu_ps(t.master.add(i), p1);
+                store16(t.m.add(i), _mm512_add_ps(load16(t.m.add(i)), g));
+                store16(t.v.add(i), _mm512_add_ps(load16(t.v.add(i)), g));
+                if LOW {
+                    if stream {
+                        stream16(t.low.add(i), p1);
+                    } else {
+                        store16(t.low.add(i), p1);
+                    }
+                }
+                i += 16;
+            }
+        }
         while i < simd_end {
             let end = (i + SUB).min(simd_end);
             let mut j = i;
