@@ -64,7 +64,10 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::{adamw_element, combine_lanes, sum_squares_chunk, AdamWStep, NORM_CHUNK, NORM_LANES};
+use super::{
+    adamw_element, check_adamw_lengths, combine_lanes, sum_squares_chunk, AdamWStep, NORM_CHUNK,
+    NORM_LANES,
+};
 use crate::{Element, Error, Result};
 
 /// Default elements per tile: 32 Ki elements, i.e. 128 KiB per f32 stream.
@@ -329,24 +332,14 @@ impl CpuAdamW {
         check_element::<M>()?;
         check_element::<P>()?;
         for (i, p) in parts.iter().enumerate() {
-            let n = p.master.len();
-            let low_len = p.low.as_ref().map(|l| l.len());
-            if p.grad.len() != n
-                || p.m.len() != n
-                || p.v.len() != n
-                || low_len.is_some_and(|l| l != n)
-            {
-                let low_msg = low_len.map_or(String::new(), |l| format!(", low {l}"));
-                return Err(Error::InvalidSize {
-                    op: "adamw",
-                    msg: format!(
-                        "part {i}: slice lengths differ: master {n}, grad {}, m {}, v {}{low_msg}",
-                        p.grad.len(),
-                        p.m.len(),
-                        p.v.len()
-                    ),
-                });
-            }
+            check_adamw_lengths(
+                &format!("part {i}: "),
+                p.master.len(),
+                p.grad.len(),
+                p.m.len(),
+                p.v.len(),
+                p.low.as_ref().map(|l| l.len()),
+            )?;
         }
         // All parts have a copy or none do (mixed calls split in two).
         let (with_low, without): (Vec<_>, Vec<_>) =

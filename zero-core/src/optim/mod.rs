@@ -268,6 +268,27 @@ pub fn adamw_element(k: &AdamWStep, p: f32, grad: f32, m: f32, v: f32) -> (f32, 
     (p1, m1, v1)
 }
 
+/// The length check of [`adamw_reference`] and of the fast kernels:
+/// [`Error::InvalidSize`] (op `"adamw"`) naming every length, with `what`
+/// (e.g. `"part 2: "`) in front.
+pub(crate) fn check_adamw_lengths(
+    what: &str,
+    n: usize,
+    grad: usize,
+    m: usize,
+    v: usize,
+    low: Option<usize>,
+) -> Result<()> {
+    if grad == n && m == n && v == n && low.is_none_or(|l| l == n) {
+        return Ok(());
+    }
+    let low_msg = low.map_or(String::new(), |l| format!(", low {l}"));
+    Err(Error::InvalidSize {
+        op: "adamw",
+        msg: format!("{what}slice lengths differ: master {n}, grad {grad}, m {m}, v {v}{low_msg}"),
+    })
+}
+
 /// Reference AdamW over slices: [`adamw_element`] on every index.
 ///
 /// - `master`: the fp32 master parameters, updated in place.
@@ -288,23 +309,15 @@ pub fn adamw_reference<G: Element, M: Element, P: Element>(
     v: &mut [M],
     low: Option<&mut [P]>,
 ) -> Result<()> {
+    check_adamw_lengths(
+        "",
+        master.len(),
+        grad.len(),
+        m.len(),
+        v.len(),
+        low.as_ref().map(|l| l.len()),
+    )?;
     let n = master.len();
-    let low_len = low.as_ref().map(|l| l.len());
-    if grad.len() != n || m.len() != n || v.len() != n || low_len.is_some_and(|l| l != n) {
-        let low_msg = match low_len {
-            Some(l) => format!(", low {l}"),
-            None => String::new(),
-        };
-        return Err(Error::InvalidSize {
-            op: "adamw",
-            msg: format!(
-                "slice lengths differ: master {n}, grad {}, m {}, v {}{low_msg}",
-                grad.len(),
-                m.len(),
-                v.len()
-            ),
-        });
-    }
     let mut low = low;
     for i in 0..n {
         let (p1, m1, v1) =
