@@ -5,6 +5,8 @@
 //! cargo run --example mlp_regression -- --stage 3 --ranks 2
 //! mpirun -n 2 cargo run --example mlp_regression -- --stage 2
 //! cargo run --example mlp_regression -- --config tests/fixtures/ds_stage1.json
+//! cargo run --example mlp_regression -- --stage 3 --offload cpu
+//! cargo run --example mlp_regression -- --stage 2 --offload nvme --nvme-path /local_nvme
 //! ```
 //!
 //! Flags: `--stage 0..3` (default 2), `--ranks N` threads when not under
@@ -12,17 +14,23 @@
 //! (default bf16), `--ga N` gradient accumulation (default 1), `--micro N`
 //! samples per rank per micro-batch (default 16), `--lr X` (default 3e-3),
 //! `--config FILE` a DeepSpeed JSON config (its `"auto"` values are filled
-//! from the flags above). Every rank trains on its own samples; rank 0
+//! from the flags above), `--offload none|cpu|nvme` where the fp32 master
+//! and AdamW moments live (`zero_optimization.offload_optimizer.device`),
+//! `--offload-param none|cpu|nvme` (`offload_param.device`, stage 3; not
+//! implemented yet: the engine says so), `--nvme-path DIR` for nvme
+//! (default a directory under the system temp dir). The offload flags
+//! override a `--config` file's blocks only when given. Every rank trains on its own samples; rank 0
 //! prints the loss (averaged over ranks) per step, a held-out loss at the
 //! end, and every rank prints its memory report.
 
 #[path = "mlp/mod.rs"]
 mod mlp;
 
+use std::path::PathBuf;
 use std::process::exit;
 
 use zero::comm::{launch, CommOptions, Communicator, ReduceOp};
-use zero::core::config::{AutoValues, DeepSpeedConfig, Precision, ResolvedConfig};
+use zero::core::config::{AutoValues, DeepSpeedConfig, OffloadDevice, Precision, ResolvedConfig};
 use zero::core::optim::LrSchedule;
 use zero::core::{bf16, f16, Element, HostBuffer};
 use zero::Engine;
@@ -38,6 +46,18 @@ struct Args {
     micro: usize,
     lr: f64,
     config: Option<String>,
+    offload: Option<OffloadDevice>,
+    offload_param: Option<OffloadDevice>,
+    nvme_path: Option<PathBuf>,
+}
+
+fn device(flag: &str, v: &str) -> Result<OffloadDevice, String> {
+    match v {
+        "none" => Ok(OffloadDevice::None),
+        "cpu" => Ok(OffloadDevice::Cpu),
+        "nvme" => Ok(OffloadDevice::Nvme),
+        _ => Err(format!("{flag}: `{v}` is not none, cpu or nvme")),
+    }
 }
 
 fn parse() -> Result<Args, String> {
@@ -50,6 +70,9 @@ fn parse() -> Result<Args, String> {
         micro: 16,
         lr: 3e-3,
         config: None,
+        offload: None,
+        offload_param: None,
+        nvme_path: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -88,15 +111,43 @@ fn parse() -> Result<Args, String> {
                 a.dtype = v;
             }
             "--config" => a.config = Some(value()?),
+            "--offload" => a.offload = Some(device(&flag, &value()?)?),
+            "--offload-param" => a.offload_param = Some(device(&flag, &value()?)?),
+            "--nvme-path" => a.nvme_path = Some(PathBuf::from(value()?)),
             _ => return Err(format!("unknown flag `{flag}`")),
         }
     }
     Ok(a)
 }
 
+/// The config with the offload flags applied (those given).
+fn config(a: &Args, world: usize) -> Result<ResolvedConfig, String> {
+    let mut c = base_config(a, world)?;
+    let nvme_path = || {
+        a.nvme_path.clone().unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("zero-mlp-nvme-{}", std::process::id()))
+        })
+    };
+    if let Some(d) = a.offload {
+        let o = &mut c.zero.offload_optimizer;
+        o.device = d;
+        if d == OffloadDevice::Nvme && (o.nvme_path.is_none() || a.nvme_path.is_some()) {
+            o.nvme_path = Some(nvme_path());
+        }
+    }
+    if let Some(d) = a.offload_param {
+        let o = &mut c.zero.offload_param;
+        o.device = d;
+        if d == OffloadDevice::Nvme && (o.nvme_path.is_none() || a.nvme_path.is_some()) {
+            o.nvme_path = Some(nvme_path());
+        }
+    }
+    Ok(c)
+}
+
 /// The config: from `--config` (with "auto" filled from the flags) or the
 /// defaults with the flags applied.
-fn config(a: &Args, world: usize) -> Result<ResolvedConfig, String> {
+fn base_config(a: &Args, world: usize) -> Result<ResolvedConfig, String> {
     let fp16 = a.dtype == "fp16";
     let bf16 = a.dtype == "bf16";
     if let Some(path) = &a.config {
@@ -157,10 +208,13 @@ fn run<T: Element, C: Communicator>(comm: C, a: &Args, cfg: ResolvedConfig) -> z
     let micro = cfg.micro_batch_size;
     if rank == 0 {
         println!(
-            "mlp_regression: stage {}, {world} ranks ({}), {}, micro-batch {micro}, accumulation {ga}",
+            "mlp_regression: stage {}, {world} ranks ({}), {}, micro-batch {micro}, accumulation {ga}, \
+             optimizer offload {:?}, param offload {:?}",
             cfg.zero.stage,
             comm.backend(),
-            T::DTYPE
+            T::DTYPE,
+            cfg.zero.offload_optimizer.device,
+            cfg.zero.offload_param.device
         );
     }
     let mut b = Engine::builder(cfg, comm).seed(1);

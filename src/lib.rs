@@ -9,7 +9,8 @@
 //!   memory tracker, DeepSpeed-compatible config, reference AdamW;
 //! - [`comm`] (`zero-comm`): the [`comm::Communicator`] trait and its threads
 //!   and MPI backends, bucketing, timeouts;
-//! - [`offload`] (`zero-offload`): memory tiers (lands with the offload issue).
+//! - [`offload`] (`zero-offload`): memory tiers, a pinned host pool and NVMe
+//!   swap files, which the engine uses for `offload_optimizer`.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod engine;

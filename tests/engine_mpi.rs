@@ -14,7 +14,9 @@
 //!   in rank order), so every check is bit for bit: parameters, fp32
 //!   master, m and v ([`Engine::unit_state`]), step outcomes and losses, of
 //!   stages 1–3 against stage 0 and of every case against the threads
-//!   backend at world size 2.
+//!   backend at world size 2. Plus optimizer offload groups (cpu and nvme
+//!   in bf16 with accumulation 3, nvme in fp16 with overflow skips), tiles
+//!   of 256 elements, checked the same way.
 //! - `-n 4` with `ZERO_MPI_SIMULATE_NODES=2` (two pseudo-nodes of two
 //!   ranks): fp32, gradient accumulation 3, stages 0–3. Between the nodes
 //!   partial sums meet in MPI's own collectives, whose order of summation is
@@ -40,7 +42,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use zero::comm::{launch, launched_by_mpi, Comm, CommOptions, Communicator, MpiComm, ThreadGroup};
-use zero::core::config::{Precision, ResolvedConfig};
+use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::optim::LossScaleConfig;
 use zero::core::{bf16, f16, Element, HostBuffer};
 use zero::{Engine, StepOutcome, UnitState};
@@ -95,6 +97,8 @@ struct Run {
     env: &'static [(&'static str, &'static str)],
     precisions: &'static [Precision],
     gas: &'static [usize],
+    /// Extra groups with optimizer offload: (precision, ga, device).
+    offloads: &'static [(Precision, usize, OffloadDevice)],
     /// `None`: bit-identical; `Some(tol)`: master weights within `tol`.
     tol: Option<f32>,
     limit: Duration,
@@ -107,6 +111,11 @@ const RUNS: &[Run] = &[
         env: &[("ZERO_MPI_SHM_POOL", "64M")],
         precisions: &[Precision::Fp32, Precision::Bf16, Precision::Fp16],
         gas: &[1, 3],
+        offloads: &[
+            (Precision::Bf16, 3, OffloadDevice::Cpu),
+            (Precision::Bf16, 3, OffloadDevice::Nvme),
+            (Precision::Fp16, 1, OffloadDevice::Nvme),
+        ],
         tol: None,
         limit: Duration::from_secs(60),
     },
@@ -119,6 +128,7 @@ const RUNS: &[Run] = &[
         ],
         precisions: &[Precision::Fp32],
         gas: &[3],
+        offloads: &[],
         tol: Some(NODES_TOL),
         limit: Duration::from_secs(60),
     },
@@ -129,12 +139,17 @@ struct Case {
     precision: Precision,
     ga: usize,
     stage: u8,
+    offload: OffloadDevice,
 }
 
 impl Case {
     fn key(&self, world: usize) -> String {
+        let offload = match self.offload {
+            OffloadDevice::None => String::new(),
+            d => format!(" offload {d:?}"),
+        };
         format!(
-            "world {world} {:?} ga {} stage {}",
+            "world {world} {:?} ga {} stage {}{offload}",
             self.precision, self.ga, self.stage
         )
     }
@@ -150,8 +165,17 @@ impl Run {
                     precision,
                     ga,
                     stage,
+                    offload: OffloadDevice::None,
                 }));
             }
+        }
+        for &(precision, ga, offload) in self.offloads {
+            out.push([0, 1, 2, 3].map(|stage| Case {
+                precision,
+                ga,
+                stage,
+                offload,
+            }));
         }
         out
     }
@@ -162,6 +186,7 @@ fn config(world: usize, case: Case) -> ResolvedConfig {
         precision,
         ga,
         stage,
+        offload,
     } = case;
     let mut c = ResolvedConfig::simple(stage, world, MB);
     c.gradient_accumulation_steps = ga;
@@ -175,6 +200,14 @@ fn config(world: usize, case: Case) -> ResolvedConfig {
     c.zero.allgather_bucket_size = 900;
     c.zero.prefetch_bucket_size = 1500;
     c.zero.param_persistence_threshold = 0;
+    if offload != OffloadDevice::None {
+        // Optimizer offload: tiles that cut across units, small aio blocks.
+        c.zero.offload_optimizer.device = offload;
+        c.zero.offload_optimizer.nvme_path =
+            Some(std::env::temp_dir().join("zero-engine-mpi-swap"));
+        c.zero.sub_group_size = 256;
+        c.zero.aio.block_size = 4096;
+    }
     if precision == Precision::Fp16 {
         // 2^17 overflows f16 gradients at first: the run skips steps and
         // lowers the scale, then trains.

@@ -31,15 +31,38 @@
 //! ranks in rank order with f32 accumulation (the communicator's reference
 //! reduction), and stored in A (the first micro-batch of a step writes,
 //! later ones add in f32). At the step, the gradient norm is the sum over
-//! ranks (in rank order) of each rank's [`sum_squares`] over its shard of
+//! ranks (in rank order) of each rank's [`sum_squares`](zero_core::optim::sum_squares) over its shard of
 //! every unit (in unit order); the AdamW update is
-//! [`adamw_reference`] with `grad_scale = clip / (loss_scale · N · GA)`.
+//! [`adamw_reference`](zero_core::optim::adamw_reference) with `grad_scale = clip / (loss_scale · N · GA)`.
 //! Every stage performs these operations on the same values in the same
 //! order, so all stages give bit-identical parameters and optimizer state
 //! at the same world size.
+//!
+//! # Optimizer offload (ZeRO-Offload)
+//! With `zero_optimization.offload_optimizer.device` `"cpu"` or `"nvme"`
+//! (any stage; the JSON parser asks for stage 1–3, as DeepSpeed), the
+//! rank's fp32 master, `m` and `v` leave the device tier: they live in
+//! page-aligned, pre-faulted host buffers (`pin_memory` locks them) or in
+//! a per-rank swap file under `nvme_path`, and the accumulated gradient
+//! shard is host memory. AdamW runs tile by tile (`sub_group_size`
+//! elements of the rank's flat state, across units), pipelined with the
+//! reads and writes of the swap file (`buffer_count` host buffers). The
+//! results are bit-identical to those without offload. See
+//! `src/engine/offload.rs` for the layout and the pipeline.
+//!
+//! A swap-file error (truncated, corrupted, deleted or foreign file, a
+//! failed write) fails the step on every rank: the rank whose file failed
+//! reports the file, the others name that rank. No rank's parameters
+//! change in that step (updated parameters are committed only once every
+//! rank's tiles were read, updated and written), but the optimizer state
+//! is lost: from then on [`Engine::step`], the gradient calls and
+//! [`Engine::unit_state`] return an error saying so, while
+//! [`Engine::gather`], [`Engine::params`] and [`Engine::release`] keep
+//! working and give the parameters of the last completed step.
 
 mod dynbuf;
 mod init;
+mod offload;
 mod stage3;
 
 use std::collections::{HashMap, VecDeque};
@@ -47,16 +70,18 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use zero_comm::{Communicator, Work};
-use zero_core::config::{Precision, ResolvedConfig};
+use zero_core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier};
 use zero_core::optim::{clip_coefficient, AdamWSlices, AdamWStep, CpuAdamW, LossScaler};
 use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
 use zero_core::{bf16, f16, DType, Device, Element, HostBuffer};
+use zero_offload::FaultPlan;
 
 use crate::{Error, Result};
 use dynbuf::DynBuf;
 pub use init::Init;
 use init::{fnv1a, mix};
+use offload::{Offload, UnitRanges};
 use stage3::Stage3;
 
 /// A registered unit of one engine.
@@ -142,6 +167,7 @@ pub struct EngineBuilder<C: Communicator> {
     specs: Vec<(UnitSpec, Vec<Init>)>,
     id: u64,
     optimizer_threads: Option<usize>,
+    swap_faults: Option<FaultPlan>,
 }
 
 /// The per-unit state.
@@ -150,7 +176,8 @@ struct Unit {
     /// Stage 0–2: the full padded unit; stage 3: this rank's shard. `None`
     /// only while a collective holds it.
     params: Option<DynBuf>,
-    /// fp32 master, m, v: full (stage 0) or shard.
+    /// fp32 master, m, v: full (stage 0) or shard; empty when the
+    /// optimizer state is offloaded (it lives in [`Offload`]).
     master: HostBuffer<f32>,
     m: HostBuffer<f32>,
     v: HostBuffer<f32>,
@@ -158,7 +185,9 @@ struct Unit {
     /// lent to the trainer or in a bucket). Stage 2/3: `None`.
     grad: Option<DynBuf>,
     /// The accumulated gradient in A: full (stage 0) or shard; `None` when
-    /// it lives in `grad` (A = P without accumulation, stages 0/1).
+    /// it lives in `grad` (A = P without accumulation, stages 0/1, no
+    /// optimizer offload). With optimizer offload it is the host-side
+    /// gradient shard that feeds the CPU AdamW (accounted in the host tier).
     acc: Option<DynBuf>,
     /// The trainer holds this unit's gradient buffer.
     lent: bool,
@@ -215,6 +244,12 @@ pub struct Engine<C: Communicator> {
     failed: Option<String>,
     /// The CPU AdamW and norm kernels (SIMD, threads).
     adam: CpuAdamW,
+    /// The offloaded optimizer state (`offload_optimizer.device` cpu or
+    /// nvme).
+    offload: Option<Offload>,
+    /// The first swap-file error: the optimizer state is lost, the
+    /// parameters of the last completed step stay readable.
+    swap_failed: Option<String>,
 }
 
 static NEXT_ENGINE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -232,6 +267,7 @@ impl<C: Communicator> Engine<C> {
             specs: Vec::new(),
             id: NEXT_ENGINE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             optimizer_threads: None,
+            swap_faults: None,
         }
     }
 }
@@ -255,6 +291,15 @@ impl<C: Communicator> EngineBuilder<C> {
     /// one, so that ranks sharing a machine do not oversubscribe its cores.
     pub fn optimizer_threads(mut self, threads: usize) -> Self {
         self.optimizer_threads = Some(threads.max(1));
+        self
+    }
+
+    /// Faults to inject into the optimizer swap file
+    /// (`offload_optimizer.device = "nvme"`), for testing the error paths:
+    /// a failed block write, or a filesystem that rejects `O_DIRECT`. Not
+    /// for production use. Ignored without nvme offload.
+    pub fn swap_faults(mut self, faults: FaultPlan) -> Self {
+        self.swap_faults = Some(faults);
         self
     }
 
@@ -310,6 +355,7 @@ impl<C: Communicator> EngineBuilder<C> {
             specs,
             id,
             optimizer_threads,
+            swap_faults,
         } = self;
         let rank = comm.rank();
         let world = comm.world_size();
@@ -327,29 +373,7 @@ impl<C: Communicator> EngineBuilder<C> {
                 ),
             });
         }
-        for (key, dev) in [
-            (
-                "zero_optimization.offload_optimizer.device",
-                cfg.zero.offload_optimizer.device,
-            ),
-            (
-                "zero_optimization.offload_param.device",
-                cfg.zero.offload_param.device,
-            ),
-        ] {
-            if dev != zero_core::config::OffloadDevice::None {
-                let dev = if dev == zero_core::config::OffloadDevice::Cpu {
-                    "cpu"
-                } else {
-                    "nvme"
-                };
-                return Err(Error::Unsupported {
-                    what: format!(
-                        "config key `{key}` is \"{dev}\": offloading is not implemented yet; use \"none\""
-                    ),
-                });
-            }
-        }
+        check_offload(&cfg)?;
         check_agreement(&comm, &cfg, seed, &specs)?;
 
         let unit_specs: Vec<UnitSpec> = specs.iter().map(|(s, _)| s.clone()).collect();
@@ -364,7 +388,10 @@ impl<C: Communicator> EngineBuilder<C> {
         let adt = cfg.grad_accum_dtype;
         let cdt = cfg.communication_data_type;
         let ga = cfg.gradient_accumulation_steps;
-        let alias = stage <= 1 && adt == pdt && ga == 1;
+        let offloading = cfg.zero.offload_optimizer.device != OffloadDevice::None;
+        let alias = stage <= 1 && adt == pdt && ga == 1 && !offloading;
+        let mut masters = Vec::new();
+        let mut ranges = Vec::new();
 
         let mut units = Vec::with_capacity(specs.len());
         for ((spec, inits), layout) in specs.iter().zip(plan.units()) {
@@ -372,8 +399,8 @@ impl<C: Communicator> EngineBuilder<C> {
             let full = layout.padded_numel;
             let shard = layout.shard_len;
             let mut allocs = Vec::new();
-            let mut track = |cat: Category, bytes: u64| {
-                allocs.push(tracker.allocate(Tier::Device, cat, bytes));
+            let mut track = |tier: Tier, cat: Category, bytes: u64| {
+                allocs.push(tracker.allocate(tier, cat, bytes));
             };
             // The element range this rank's optimizer state covers.
             let (state_start, state_len) = if stage == 0 {
@@ -401,12 +428,14 @@ impl<C: Communicator> EngineBuilder<C> {
             }
             master.copy_from_slice(&values[state_start - lo..state_start - lo + state_len]);
             params.store_slice(0, &values[p_start - lo..p_start - lo + p_len]);
-            track(Category::Master, (state_len * 4) as u64);
-            track(Category::Moments, (state_len * 8) as u64);
-            track(Category::Params, params.capacity_bytes());
+            if !offloading {
+                track(Tier::Device, Category::Master, (state_len * 4) as u64);
+                track(Tier::Device, Category::Moments, (state_len * 8) as u64);
+            }
+            track(Tier::Device, Category::Params, params.capacity_bytes());
             let grad = if stage <= 1 {
                 let g = DynBuf::alloc(&comm, pdt, full)?;
-                track(Category::Grads, g.capacity_bytes());
+                track(Tier::Device, Category::Grads, g.capacity_bytes());
                 Some(g)
             } else {
                 None
@@ -416,15 +445,34 @@ impl<C: Communicator> EngineBuilder<C> {
             } else {
                 let len = if stage == 0 { full } else { shard };
                 let a = DynBuf::alloc(&comm, adt, len)?;
-                track(Category::Grads, a.capacity_bytes());
+                // With optimizer offload the gradient shard feeding AdamW
+                // is host memory (device→host as buckets complete).
+                let tier = if offloading { Tier::Host } else { Tier::Device };
+                track(tier, Category::Grads, a.capacity_bytes());
                 Some(a)
             };
+            let moments = if offloading { 0 } else { state_len };
+            if offloading {
+                let abs = if stage == 0 {
+                    0..layout.numel
+                } else {
+                    layout.real_range(rank)
+                };
+                let real = relative(abs.clone(), state_start);
+                ranges.push(UnitRanges {
+                    state_len,
+                    params: if stage == 3 { real.clone() } else { abs },
+                    real,
+                });
+                masters.push(master);
+                master = HostBuffer::zeros(0)?;
+            }
             units.push(Unit {
                 layout: layout.clone(),
                 params: Some(params),
                 master,
-                m: HostBuffer::zeros(state_len)?,
-                v: HostBuffer::zeros(state_len)?,
+                m: HostBuffer::zeros(moments)?,
+                v: HostBuffer::zeros(moments)?,
                 grad,
                 acc,
                 lent: false,
@@ -460,6 +508,28 @@ impl<C: Communicator> EngineBuilder<C> {
             ));
             free_buckets.push(b);
         }
+        let offload = if offloading {
+            let views: Vec<&[f32]> = masters.iter().map(|m| &m[..]).collect();
+            let built = Offload::new(&cfg, rank, pdt, ranges, &views, &tracker, swap_faults);
+            drop(views);
+            drop(masters);
+            // Every rank learns whether every rank could set up its
+            // offload, so that all fail together instead of hanging.
+            let verdict = exchange_words(&comm, &[u64::from(built.is_err())])?;
+            let off = built?;
+            if let Some(r) = verdict.iter().position(|w| w[0] != 0) {
+                return Err(Error::Usage {
+                    rank,
+                    what: format!(
+                        "rank {r} could not set up its optimizer offload \
+                         (zero_optimization.offload_optimizer; rank {r}'s error says why)"
+                    ),
+                });
+            }
+            Some(off)
+        } else {
+            None
+        };
         let scaler = cfg.loss_scale.map(LossScaler::new);
         let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
         let lr = cfg.scheduler.lr_at(0);
@@ -503,13 +573,79 @@ impl<C: Communicator> EngineBuilder<C> {
             warned: Vec::new(),
             failed: None,
             adam,
+            offload,
+            swap_failed: None,
             cfg,
         };
+        if let Some(off) = &engine.offload {
+            for w in off.warnings() {
+                engine.warn(w);
+            }
+        }
         if engine.stage == 3 {
             engine.gather_persistent()?;
         }
         Ok(engine)
     }
+}
+
+/// The offload settings the engine can run, checked again here for
+/// configs built in code (the JSON parser checks most of them): errors
+/// name the key.
+fn check_offload(cfg: &ResolvedConfig) -> Result<()> {
+    const OO: &str = "zero_optimization.offload_optimizer";
+    const OP: &str = "zero_optimization.offload_param";
+    let name = |d: OffloadDevice| match d {
+        OffloadDevice::None => "none",
+        OffloadDevice::Cpu => "cpu",
+        OffloadDevice::Nvme => "nvme",
+    };
+    let config = |key: String, msg: String| Error::Core(zero_core::Error::Config { key, msg });
+    let op = &cfg.zero.offload_param;
+    if op.device != OffloadDevice::None {
+        if cfg.zero.stage != 3 {
+            return Err(config(
+                format!("{OP}.device"),
+                format!(
+                    "parameter offload (\"{}\") needs ZeRO stage 3, but zero_optimization.stage is {}",
+                    name(op.device),
+                    cfg.zero.stage
+                ),
+            ));
+        }
+        return Err(Error::Unsupported {
+            what: format!(
+                "config key `{OP}.device` is \"{}\": parameter offload is not implemented yet; \
+                 use \"none\" (optimizer offload, `{OO}.device`, is)",
+                name(op.device)
+            ),
+        });
+    }
+    let oo = &cfg.zero.offload_optimizer;
+    if oo.device == OffloadDevice::None {
+        return Ok(());
+    }
+    if oo.ratio < 1.0 {
+        return Err(Error::Unsupported {
+            what: format!(
+                "config key `{OO}.ratio` is {}: partial optimizer offload is not implemented; \
+                 use 1.0",
+                oo.ratio
+            ),
+        });
+    }
+    if oo.device == OffloadDevice::Nvme
+        && oo
+            .nvme_path
+            .as_ref()
+            .is_none_or(|p| p.as_os_str().is_empty())
+    {
+        return Err(config(
+            format!("{OO}.nvme_path"),
+            "required when device is \"nvme\": a directory on the NVMe drive".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Whether gradient reductions overlap the backward pass: stage 0 always
@@ -666,6 +802,14 @@ impl<C: Communicator> Engine<C> {
         Ok(&self.units[i].layout)
     }
 
+    /// This rank's optimizer swap file (`offload_optimizer.device =
+    /// "nvme"`), named `zero-swap-optimizer-rank<r>-<run id>.swp` under
+    /// `nvme_path` and removed when the engine is dropped; `None` without
+    /// nvme offload.
+    pub fn optimizer_swap_path(&self) -> Option<&std::path::Path> {
+        self.offload.as_ref().and_then(|o| o.swap_path())
+    }
+
     /// The memory tracker (the trainer reports activations through it).
     pub fn tracker(&self) -> &MemoryTracker {
         &self.tracker
@@ -736,6 +880,18 @@ impl<C: Communicator> Engine<C> {
             self.failed = Some(e.to_string());
         }
         r
+    }
+
+    /// After a swap-file error only reading parameters works.
+    fn check_swap(&self, call: &str) -> Result<()> {
+        match &self.swap_failed {
+            None => Ok(()),
+            Some(first) => Err(self.usage(format!(
+                "{call}: the engine cannot continue after a swap-file error (the optimizer state \
+                 is lost; the parameters of step {} stay readable with gather/params): {first}",
+                self.steps
+            ))),
+        }
     }
 
     fn usage(&self, what: String) -> Error {
@@ -843,12 +999,17 @@ impl<C: Communicator> Engine<C> {
 
     /// The full state of a unit (parameters, fp32 master, m, v), real
     /// elements only. A collective in stages 1–3: every rank must call it.
+    /// With nvme offload it reads the unit's tiles from the swap file.
+    /// After a swap-file error it returns an error (the optimizer state is
+    /// lost); read the parameters with [`Engine::gather`] and
+    /// [`Engine::params`] instead.
     pub fn unit_state(&mut self, unit: UnitId) -> Result<UnitState> {
         self.guard(|e| e.unit_state_inner(unit))
     }
 
     fn unit_state_inner(&mut self, unit: UnitId) -> Result<UnitState> {
         let i = self.check(unit, "unit_state")?;
+        self.check_swap("unit_state")?;
         let numel = self.units[i].layout.numel;
         let shard = self.units[i].layout.shard_len;
         let gather_f32 = |this: &Self, local: &[f32]| -> Result<Vec<f32>> {
@@ -863,10 +1024,29 @@ impl<C: Communicator> Engine<C> {
                 .wait()?;
             Ok(recv[..numel].to_vec())
         };
+        let (master, m, v) = match &self.offload {
+            None => {
+                let u = &self.units[i];
+                (
+                    gather_f32(self, &u.master)?,
+                    gather_f32(self, &u.m)?,
+                    gather_f32(self, &u.v)?,
+                )
+            }
+            Some(off) => {
+                let local = off.read_unit(i);
+                if off.is_nvme() {
+                    self.swap_verdict(local.as_ref().err())?;
+                }
+                let (master, m, v) = local?;
+                (
+                    gather_f32(self, &master)?,
+                    gather_f32(self, &m)?,
+                    gather_f32(self, &v)?,
+                )
+            }
+        };
         let u = &self.units[i];
-        let master = gather_f32(self, &u.master)?;
-        let m = gather_f32(self, &u.m)?;
-        let v = gather_f32(self, &u.v)?;
         let mut params = Vec::with_capacity(numel);
         let p = u
             .params
@@ -902,6 +1082,7 @@ impl<C: Communicator> Engine<C> {
 
     fn grad_buffer_inner<T: Element>(&mut self, unit: UnitId) -> Result<HostBuffer<T>> {
         let i = self.check(unit, "grad_buffer")?;
+        self.check_swap("grad_buffer")?;
         if T::DTYPE != self.pdt {
             return Err(zero_core::Error::DTypeMismatch {
                 op: "Engine::grad_buffer",
@@ -942,6 +1123,7 @@ impl<C: Communicator> Engine<C> {
 
     fn grad_ready_inner<T: Element>(&mut self, unit: UnitId, grad: HostBuffer<T>) -> Result<()> {
         let i = self.check(unit, "grad_ready")?;
+        self.check_swap("grad_ready")?;
         let u = &self.units[i];
         if u.ready {
             return Err(self.usage(format!(
@@ -1208,6 +1390,7 @@ impl<C: Communicator> Engine<C> {
     }
 
     fn step_inner(&mut self) -> Result<StepOutcome> {
+        self.check_swap("step")?;
         for u in &self.units {
             if u.gathers > 0 {
                 return Err(self.usage(format!(
@@ -1321,6 +1504,9 @@ impl<C: Communicator> Engine<C> {
     }
 
     fn adamw_typed<G: Element, P: Element>(&mut self, k: &AdamWStep) -> Result<()> {
+        if self.offload.is_some() {
+            return self.offload_typed::<G, P>(k);
+        }
         let ranges: Vec<_> = (0..self.units.len()).map(|i| self.ranges(i)).collect();
         let mut parts = Vec::with_capacity(self.units.len());
         for (u, (state, grad, params)) in self.units.iter_mut().zip(ranges) {
@@ -1335,6 +1521,77 @@ impl<C: Communicator> Engine<C> {
             });
         }
         self.adam.step_many(k, parts)?;
+        Ok(())
+    }
+
+    /// AdamW on the offloaded optimizer state, tile by tile (see
+    /// [`offload`]). With nvme, every rank learns whether every rank's swap
+    /// file worked before any parameter changes: on an error anywhere, no
+    /// rank's parameters change, and the engine is failed.
+    fn offload_typed<G: Element, P: Element>(&mut self, k: &AdamWStep) -> Result<()> {
+        let Some(off) = self.offload.as_mut() else {
+            return Ok(());
+        };
+        let (grads, mut params): (Vec<&[G]>, Vec<&mut [P]>) = self
+            .units
+            .iter_mut()
+            .map(|u| {
+                let Unit { acc, params, .. } = u;
+                let acc: &Option<DynBuf> = acc;
+                (
+                    acc.as_ref()
+                        .expect("offload keeps an accumulation buffer")
+                        .slice::<G>()
+                        .expect("one gradient dtype"),
+                    params
+                        .as_mut()
+                        .expect("params are home")
+                        .slice_mut::<P>()
+                        .expect("the parameter dtype"),
+                )
+            })
+            .collect();
+        let r = off.step(&self.adam, k, &grads, &mut params);
+        if !off.is_nvme() {
+            return r;
+        }
+        drop(grads);
+        let verdict = exchange_words(&self.comm, &[u64::from(r.is_err())])?;
+        if let Err(e) = r {
+            self.swap_failed = Some(e.to_string());
+            return Err(e);
+        }
+        if let Some(bad) = verdict.iter().position(|w| w[0] != 0) {
+            let msg = format!(
+                "the optimizer swap file of rank {bad} failed in step {} (rank {bad}'s error \
+                 names the file); no rank's parameters changed",
+                self.steps + 1
+            );
+            self.swap_failed = Some(msg.clone());
+            return Err(Error::Usage {
+                rank: self.rank,
+                what: msg,
+            });
+        }
+        off.commit(&mut params)
+    }
+
+    /// Outside the step (`unit_state`): every rank learns whether every
+    /// rank could read its swap file; on an error the engine is failed.
+    fn swap_verdict(&mut self, local: Option<&Error>) -> Result<()> {
+        let verdict = exchange_words(&self.comm, &[u64::from(local.is_some())])?;
+        if let Some(e) = local {
+            self.swap_failed = Some(e.to_string());
+            return Ok(());
+        }
+        if let Some(bad) = verdict.iter().position(|w| w[0] != 0) {
+            let msg = format!(
+                "the optimizer swap file of rank {bad} could not be read (rank {bad}'s error \
+                 names the file)"
+            );
+            self.swap_failed = Some(msg.clone());
+            return Err(self.usage(msg));
+        }
         Ok(())
     }
 
@@ -1435,6 +1692,7 @@ impl<C: Communicator> Engine<C> {
     /// Drops the gradients accumulated since the last optimizer step (all
     /// ranks must call it at the same point).
     pub fn zero_grad(&mut self) -> Result<()> {
+        self.check_swap("zero_grad")?;
         if self.units.iter().any(|u| u.lent) || self.open.is_some() || !self.inflight.is_empty() {
             return Err(self.usage(
                 "zero_grad() with gradients of this micro-batch still out or in flight; call step() first"

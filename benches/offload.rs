@@ -1,0 +1,344 @@
+//! NVMe tier throughput in the optimizer step's access pattern, against raw
+//! `O_DIRECT` I/O of a file of the same size with the same block size,
+//! measured in the same run.
+//!
+//! The state is that of a rank's shard under `offload_optimizer: nvme`:
+//! `--elems N` fp32 elements (default 64M) of master, m and v, in sub-groups
+//! of `--tile E` elements (default 8M; DeepSpeed's `sub_group_size`), each
+//! sub-group three regions of a [`SwapFile`]. Three swap passes, each timed
+//! against raw I/O of the same bytes:
+//!
+//! - **write**: every sub-group written (the state's first write),
+//!   `--buffers B` sub-groups in flight (`buffer_count`), against a raw
+//!   sequential `pwrite` of the same bytes;
+//! - **read**: every sub-group read, against a raw sequential `pread`;
+//! - **step**: the optimizer step's pattern: read sub-group i+1 while
+//!   sub-group i−1 is written, i.e. reads and writes in flight together,
+//!   against raw write then raw read of the same bytes (the time the disk
+//!   needs to read and write the state once). A step that matches it is
+//!   disk-bound, not stalled.
+//!
+//! Raw I/O is one thread issuing `block_size` requests back to back to a
+//! preallocated `O_DIRECT` file, written once (untimed) before the timed
+//! overwrite and read, as the swap file is. Target: swap ≥ 85% of raw in each
+//! direction. Runs alternate swap and raw, `--reps` times (medians): the
+//! disk's speed drifts.
+//!
+//! `cargo bench --bench offload [-- --dir /path/on/nvme --elems N --tile E
+//! --buffers B --block BYTES --threads T --reps R]`
+
+use std::collections::VecDeque;
+use std::fs::OpenOptions;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use zero::offload::{AlignedBuf, IoTicket, RegionId, RegionSpec, SwapFile, SwapOptions};
+
+struct Args {
+    dir: PathBuf,
+    elems: usize,
+    tile: usize,
+    buffers: usize,
+    block: usize,
+    threads: usize,
+    reps: usize,
+}
+
+fn fail(msg: &str) -> ! {
+    eprintln!("offload bench: {msg}");
+    std::process::exit(2)
+}
+
+fn parse_args() -> Args {
+    let mut a = Args {
+        dir: std::env::temp_dir(),
+        elems: 64 << 20,
+        tile: 8 << 20,
+        buffers: 4,
+        block: 1 << 20,
+        threads: 1,
+        reps: 3,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .unwrap_or_else(|| fail(&format!("{flag} needs a value")))
+        };
+        let mut num = |name: &str| -> usize {
+            value()
+                .parse()
+                .unwrap_or_else(|e| fail(&format!("{name}: {e}")))
+        };
+        match flag.as_str() {
+            "--dir" => a.dir = PathBuf::from(value()),
+            "--elems" => a.elems = num("--elems"),
+            "--tile" => a.tile = num("--tile"),
+            "--buffers" => a.buffers = num("--buffers"),
+            "--block" => a.block = num("--block"),
+            "--threads" => a.threads = num("--threads"),
+            "--reps" => a.reps = num("--reps"),
+            "--bench" => {}
+            other => fail(&format!(
+                "unknown option {other}; options: --dir D --elems N --tile E --buffers B --block BYTES --threads T --reps R"
+            )),
+        }
+    }
+    if a.tile == 0 || a.elems == 0 || a.buffers == 0 || a.reps == 0 {
+        fail("--elems, --tile, --buffers and --reps must be positive");
+    }
+    a
+}
+
+/// The three buffers of one sub-group (master, m, v).
+type Bufs = [AlignedBuf; 3];
+
+struct Swap {
+    file: SwapFile,
+    tiles: Vec<[RegionId; 3]>,
+    tile_bytes: Vec<usize>,
+}
+
+fn create_swap(a: &Args) -> Swap {
+    let mut specs = Vec::new();
+    let mut tile_bytes = Vec::new();
+    let mut at = 0;
+    while at < a.elems {
+        let n = a.tile.min(a.elems - at);
+        let t = tile_bytes.len();
+        for part in ["master", "m", "v"] {
+            specs.push(RegionSpec::new(format!("{part}{t}"), (n * 4) as u64));
+        }
+        tile_bytes.push(n * 4);
+        at += n;
+    }
+    let file = SwapFile::create(
+        SwapOptions {
+            block_size: a.block,
+            thread_count: a.threads,
+            ..SwapOptions::new(&a.dir, 0)
+        },
+        &specs,
+    )
+    .unwrap_or_else(|e| {
+        fail(&format!(
+            "cannot create the swap file under {}: {e}",
+            a.dir.display()
+        ))
+    });
+    for w in file.warnings() {
+        eprintln!("warning: {w}");
+    }
+    let tiles = (0..tile_bytes.len())
+        .map(|t| {
+            ["master", "m", "v"].map(|p| {
+                file.region(&format!("{p}{t}"))
+                    .unwrap_or_else(|e| fail(&e.to_string()))
+            })
+        })
+        .collect();
+    Swap {
+        file,
+        tiles,
+        tile_bytes,
+    }
+}
+
+fn wait3(t: [IoTicket<AlignedBuf>; 3]) -> Bufs {
+    t.map(|t| t.wait().unwrap_or_else(|e| fail(&e.error.to_string())))
+}
+
+/// One pass over the sub-groups with `free.len()` buffer sets: `read`
+/// and/or `write` each sub-group; with both, the write of sub-group i is
+/// submitted as soon as its read is back, while later reads are in flight.
+fn pass(s: &Swap, free: &mut Vec<Bufs>, read: bool, write: bool) -> Duration {
+    let t0 = Instant::now();
+    let mut reads: VecDeque<(usize, [IoTicket<AlignedBuf>; 3])> = VecDeque::new();
+    let mut writes: VecDeque<[IoTicket<AlignedBuf>; 3]> = VecDeque::new();
+    let mut next = 0;
+    let mut done = 0;
+    while done < s.tiles.len() {
+        while next < s.tiles.len() && !free.is_empty() {
+            let mut bufs = free.pop().expect("checked non-empty");
+            let ids = s.tiles[next];
+            for b in bufs.iter_mut() {
+                b.set_len(s.tile_bytes[next])
+                    .unwrap_or_else(|e| fail(&e.to_string()));
+            }
+            if read {
+                let [a, b, c] = bufs;
+                reads.push_back((
+                    next,
+                    [
+                        s.file.read(ids[0], a),
+                        s.file.read(ids[1], b),
+                        s.file.read(ids[2], c),
+                    ],
+                ));
+            } else {
+                let [a, b, c] = bufs;
+                writes.push_back([
+                    s.file.write(ids[0], a),
+                    s.file.write(ids[1], b),
+                    s.file.write(ids[2], c),
+                ]);
+                done += 1;
+            }
+            next += 1;
+        }
+        if let Some((i, t)) = reads.pop_front() {
+            let bufs = wait3(t);
+            done += 1;
+            if write {
+                let ids = s.tiles[i];
+                let [a, b, c] = bufs;
+                writes.push_back([
+                    s.file.write(ids[0], a),
+                    s.file.write(ids[1], b),
+                    s.file.write(ids[2], c),
+                ]);
+            } else {
+                free.push(bufs);
+            }
+        }
+        if free.is_empty() || (reads.is_empty() && next == s.tiles.len()) {
+            if let Some(t) = writes.pop_front() {
+                free.push(wait3(t));
+            }
+        }
+    }
+    while let Some(t) = writes.pop_front() {
+        free.push(wait3(t));
+    }
+    t0.elapsed()
+}
+
+/// Raw single-threaded O_DIRECT write then read of `bytes` in `block`
+/// requests; returns (write, read) times.
+fn raw(dir: &Path, bytes: usize, block: usize) -> (Duration, Duration) {
+    let path = dir.join(format!("zero-raw-bench-{}.bin", std::process::id()));
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&path)
+        .unwrap_or_else(|e| fail(&format!("{}: {e} (O_DIRECT)", path.display())));
+    // SAFETY: the fd is open and owned by `f` for the call.
+    let rc = unsafe { libc::posix_fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), 0, bytes as i64) };
+    if rc != 0 {
+        fail(&format!(
+            "{}: posix_fallocate failed ({rc})",
+            path.display()
+        ));
+    }
+    let mut buf = AlignedBuf::new(block).unwrap_or_else(|e| fail(&e.to_string()));
+    buf.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+    let blocks = bytes.div_ceil(block);
+    // First write untimed, as for the swap file: the timed passes then
+    // overwrite written blocks (no unwritten-extent conversion).
+    for i in 0..blocks {
+        f.write_all_at(&buf, (i * block) as u64)
+            .unwrap_or_else(|e| fail(&format!("raw write: {e}")));
+    }
+    let t = Instant::now();
+    for i in 0..blocks {
+        f.write_all_at(&buf, (i * block) as u64)
+            .unwrap_or_else(|e| fail(&format!("raw write: {e}")));
+    }
+    let w = t.elapsed();
+    let t = Instant::now();
+    for i in 0..blocks {
+        f.read_exact_at(&mut buf, (i * block) as u64)
+            .unwrap_or_else(|e| fail(&format!("raw read: {e}")));
+    }
+    let r = t.elapsed();
+    drop(f);
+    let _ = std::fs::remove_file(&path);
+    (w, r)
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn main() {
+    let a = parse_args();
+    let s = create_swap(&a);
+    let bytes: usize = 3 * s.tile_bytes.iter().sum::<usize>();
+    println!(
+        "offload (NVMe tier): {} elements of master+m+v = {:.0} MiB in {} sub-groups of {} elements, {} buffer sets, block {} KiB, {} I/O threads, O_DIRECT {}, under {}",
+        a.elems,
+        bytes as f64 / (1 << 20) as f64,
+        s.tiles.len(),
+        a.tile,
+        a.buffers,
+        a.block >> 10,
+        s.file.io_threads(),
+        s.file.direct_io(),
+        a.dir.display()
+    );
+    let max_tile = s.tile_bytes.iter().copied().max().unwrap_or(0);
+    let mut free: Vec<Bufs> = (0..a.buffers)
+        .map(|_| {
+            [(); 3].map(|_| {
+                let mut b = AlignedBuf::new(max_tile).unwrap_or_else(|e| fail(&e.to_string()));
+                b.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x = (i % 251) as u8);
+                b
+            })
+        })
+        .collect();
+    // The state's first write, untimed: the file then holds every block.
+    pass(&s, &mut free, false, true);
+    let (mut sw, mut sr, mut ss, mut rw, mut rr) = (vec![], vec![], vec![], vec![], vec![]);
+    for _ in 0..a.reps {
+        sw.push(pass(&s, &mut free, false, true));
+        sr.push(pass(&s, &mut free, true, false));
+        ss.push(pass(&s, &mut free, true, true));
+        let (w, r) = raw(&a.dir, bytes, a.block);
+        rw.push(w);
+        rr.push(r);
+    }
+    if let Err(e) = s.file.verify() {
+        fail(&format!(
+            "the swap file failed verification after the runs: {e}"
+        ));
+    }
+    let gb = |d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
+    let (sw, sr, ss, rw, rr) = (median(sw), median(sr), median(ss), median(rw), median(rr));
+    println!(
+        "{:<44} {:>10} {:>10} {:>9}",
+        "pass", "swap GB/s", "raw GB/s", "fraction"
+    );
+    println!(
+        "{:<44} {:>10.2} {:>10.2} {:>8.1}%",
+        "write (state out)",
+        gb(sw),
+        gb(rw),
+        100.0 * rw.as_secs_f64() / sw.as_secs_f64()
+    );
+    println!(
+        "{:<44} {:>10.2} {:>10.2} {:>8.1}%",
+        "read (state in)",
+        gb(sr),
+        gb(rr),
+        100.0 * rr.as_secs_f64() / sr.as_secs_f64()
+    );
+    println!(
+        "{:<44} {:>10.2} {:>10.2} {:>8.1}%",
+        "step: read i+1 / write i-1 (GB/s of state)",
+        gb(ss),
+        gb(rw + rr),
+        100.0 * (rw + rr).as_secs_f64() / ss.as_secs_f64()
+    );
+    println!(
+        "step pass {:.3} s; the disk reads and writes the state once (raw) in {:.3} s",
+        ss.as_secs_f64(),
+        (rw + rr).as_secs_f64()
+    );
+}

@@ -1,0 +1,519 @@
+//! ZeRO-Offload of the optimizer state: the rank's fp32 master, `m` and `v`
+//! live in host memory (`offload_optimizer.device = "cpu"`) or in a swap
+//! file under `nvme_path` (`"nvme"`), and AdamW runs on the CPU tile by tile.
+//!
+//! # Layout
+//!
+//! The rank's optimizer state is one flat array over the units, in
+//! registration order (each unit's state range: its shard in stages 1–3,
+//! the whole unit in stage 0, padding included). The flat array is cut into
+//! tiles of `sub_group_size` elements; a tile may hold the end of one unit
+//! and the start of the next. Each tile is stored as `[master | m | v]`
+//! (fp32, `3 · len` elements):
+//!
+//! ```text
+//!  flat state:  [ unit 0 shard | unit 1 shard | unit 2 shard ]
+//!  tiles:       [  tile 0  |  tile 1  |  tile 2  |  tile 3 ]      sub_group_size each
+//!  cpu:         one HostPool buffer per tile, resident
+//!  nvme:        one swap-file region per tile, staged through buffer_count pool buffers
+//! ```
+//!
+//! # The step
+//!
+//! The accumulated gradient shard (`A`) is the host-side gradient buffer:
+//! each reduced bucket is stored into it as it completes (on the CPU a
+//! copy between buffers; the CUDA backend will make it a device→host copy
+//! on its own stream), so the device tier holds no gradient shard. The
+//! global norm is computed on it exactly as without offload. AdamW then
+//! runs per tile as a three-stage pipeline:
+//!
+//! ```text
+//!  nvme:  read tile i+1   |  update tile i (CpuAdamW)  |  write tile i-1
+//!  cpu:   (state resident) |  update tile i             |  copy-out tile i-1 → params
+//! ```
+//!
+//! The updated parameters go to a host staging buffer (the parameter dtype,
+//! the rank's flat shard) and are copied out to the device-tier parameters:
+//! per tile behind the update with `cpu`, and only once every rank's tiles
+//! were read, updated and written with `nvme`, so that a swap-file error
+//! leaves the parameters of the last good step in place on every rank.
+//! AdamW on any slicing gives the bits of the unsliced update, so every
+//! mode gives bit-identical parameters and optimizer state.
+//!
+//! Every buffer (tiles, staging, read/write buffers) comes from a
+//! [`HostPool`] sized at build; the step allocates none.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+
+use zero_core::config::{OffloadDevice, ResolvedConfig};
+use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
+use zero_core::optim::{AdamWSlices, AdamWStep, CpuAdamW};
+use zero_core::{DType, Element};
+use zero_offload::{
+    FaultPlan, HostPool, HostPoolOptions, IoTicket, PooledBuffer, RegionId, RegionSpec, SwapFile,
+    SwapOptions,
+};
+
+use crate::{Error, Result};
+
+/// Unit `unit`'s state elements `local` (relative to the start of the
+/// unit's state range), at offset `at` within their tile.
+struct Piece {
+    unit: usize,
+    local: Range<usize>,
+    at: usize,
+}
+
+/// A tile: its range of the flat state and the real elements it updates.
+struct Tile {
+    flat: Range<usize>,
+    pieces: Vec<Piece>,
+}
+
+impl Tile {
+    fn len(&self) -> usize {
+        self.flat.len()
+    }
+    /// Bytes of `[master | m | v]`.
+    fn bytes(&self) -> usize {
+        self.len() * 12
+    }
+}
+
+/// Where the tiles live.
+enum Store {
+    /// `cpu`: one pool buffer per tile, lent for the engine's life.
+    Host(Vec<PooledBuffer>),
+    /// `nvme`: one region per tile; reads and writes go through pool
+    /// buffers.
+    Nvme {
+        swap: SwapFile,
+        regions: Vec<RegionId>,
+    },
+}
+
+/// What the engine needs to know per unit.
+pub(crate) struct UnitRanges {
+    /// Length of the unit's state range (padding included).
+    pub(crate) state_len: usize,
+    /// The real elements of the state range (relative to its start).
+    pub(crate) real: Range<usize>,
+    /// Where `real` lies in the unit's parameter buffer.
+    pub(crate) params: Range<usize>,
+}
+
+/// The offloaded optimizer state of one rank.
+pub(crate) struct Offload {
+    device: OffloadDevice,
+    units: Vec<UnitRanges>,
+    /// Flat offset of each unit's state range.
+    unit_off: Vec<usize>,
+    tiles: Vec<Tile>,
+    pool: HostPool,
+    store: Store,
+    /// Updated parameters, in the parameter dtype, over the flat state.
+    staging: PooledBuffer,
+    /// Tiles read ahead of the update (nvme).
+    ahead: usize,
+    _allocs: Vec<Allocation>,
+}
+
+impl Offload {
+    /// Lays out the tiles, allocates the pool (and the swap file), and
+    /// stores the initial state: `master[i]` for unit `i`, `m = v = 0`.
+    pub(crate) fn new(
+        cfg: &ResolvedConfig,
+        rank: usize,
+        pdt: DType,
+        units: Vec<UnitRanges>,
+        master: &[&[f32]],
+        tracker: &MemoryTracker,
+        faults: Option<FaultPlan>,
+    ) -> Result<Offload> {
+        let oo = &cfg.zero.offload_optimizer;
+        let mut unit_off = Vec::with_capacity(units.len());
+        let mut total = 0usize;
+        for u in &units {
+            unit_off.push(total);
+            total += u.state_len;
+        }
+        let sg = cfg.zero.sub_group_size.max(1);
+        let mut tiles = Vec::new();
+        let mut a = 0;
+        while a < total {
+            let b = (a + sg).min(total);
+            let mut pieces = Vec::new();
+            for (i, u) in units.iter().enumerate() {
+                let lo = a.max(unit_off[i] + u.real.start);
+                let hi = b.min(unit_off[i] + u.real.end);
+                if lo < hi {
+                    pieces.push(Piece {
+                        unit: i,
+                        local: lo - unit_off[i]..hi - unit_off[i],
+                        at: lo - a,
+                    });
+                }
+            }
+            tiles.push(Tile { flat: a..b, pieces });
+            a = b;
+        }
+        let max_tile = tiles.iter().map(Tile::bytes).max().unwrap_or(0);
+        let staging_bytes = (total * pdt.size_in_bytes()).max(1);
+        let nvme = oo.device == OffloadDevice::Nvme;
+        let buffer_count = oo.buffer_count.max(1);
+        let mut sizes: Vec<usize> = if nvme {
+            vec![max_tile.max(1); buffer_count]
+        } else {
+            tiles.iter().map(Tile::bytes).collect()
+        };
+        sizes.push(staging_bytes);
+        let pool = HostPool::new(
+            &sizes,
+            HostPoolOptions {
+                name: format!("rank {rank} optimizer offload"),
+                pin_memory: oo.pin_memory,
+                ..HostPoolOptions::default()
+            },
+        )?;
+        // The staging buffer first, then the tiles largest first, so that
+        // each takes a buffer sized for it.
+        let mut staging = pool.acquire(staging_bytes)?;
+        staging.fill(0);
+        let tile_state = |t: &Tile, out: &mut [f32]| {
+            let len = t.len();
+            out.fill(0.0);
+            for (i, &off) in unit_off.iter().enumerate() {
+                let lo = t.flat.start.max(off);
+                let hi = t.flat.end.min(off + units[i].state_len);
+                if lo < hi {
+                    out[lo - t.flat.start..hi - t.flat.start]
+                        .copy_from_slice(&master[i][lo - off..hi - off]);
+                }
+            }
+            debug_assert_eq!(out.len(), 3 * len);
+        };
+        let store = if nvme {
+            let dir = oo.nvme_path.clone().unwrap_or_default();
+            let mut options = SwapOptions::from_aio(dir, rank, &cfg.zero.aio);
+            options.tag = "optimizer".into();
+            if let Some(f) = faults {
+                options.faults = f;
+            }
+            let specs: Vec<RegionSpec> = tiles
+                .iter()
+                .enumerate()
+                .map(|(t, tile)| RegionSpec::new(format!("tile{t}"), tile.bytes() as u64))
+                .collect();
+            let swap = SwapFile::create(options, &specs)?;
+            let mut regions = Vec::with_capacity(tiles.len());
+            for (t, tile) in tiles.iter().enumerate() {
+                let id = swap.region(&specs[t].name)?;
+                let mut buf = pool.acquire(tile.bytes())?;
+                tile_state(tile, buf.as_mut_slice_of::<f32>()?);
+                drop(swap.write(id, buf).wait().map_err(|e| e.error)?);
+                regions.push(id);
+            }
+            swap.verify()?;
+            Store::Nvme { swap, regions }
+        } else {
+            let mut order: Vec<usize> = (0..tiles.len()).collect();
+            order.sort_by_key(|&t| std::cmp::Reverse(tiles[t].bytes()));
+            let mut bufs: Vec<Option<PooledBuffer>> = (0..tiles.len()).map(|_| None).collect();
+            for t in order {
+                let mut buf = pool.acquire(tiles[t].bytes())?;
+                tile_state(&tiles[t], buf.as_mut_slice_of::<f32>()?);
+                bufs[t] = Some(buf);
+            }
+            Store::Host(bufs.into_iter().flatten().collect())
+        };
+        // Accounting: master and moments in their tier; the staging
+        // buffer, read/write buffers and rounding as transfer buffers.
+        let state_bytes = (total * 4) as u64;
+        let tier = if nvme { Tier::Nvme } else { Tier::Host };
+        let mut allocs = vec![
+            tracker.allocate(tier, Category::Master, state_bytes),
+            tracker.allocate(tier, Category::Moments, 2 * state_bytes),
+        ];
+        let (held, stored) = match &store {
+            Store::Host(_) => (pool.bytes_held(), 3 * state_bytes),
+            Store::Nvme { swap, .. } => {
+                allocs.push(tracker.allocate(
+                    Tier::Nvme,
+                    Category::CommBuffers,
+                    swap.file_len().saturating_sub(3 * state_bytes),
+                ));
+                (pool.bytes_held(), 0)
+            }
+        };
+        allocs.push(tracker.allocate(
+            Tier::Host,
+            Category::CommBuffers,
+            held.saturating_sub(stored),
+        ));
+        Ok(Offload {
+            device: oo.device,
+            units,
+            unit_off,
+            tiles,
+            pool,
+            store,
+            staging,
+            ahead: buffer_count.saturating_sub(2).max(1),
+            _allocs: allocs,
+        })
+    }
+
+    /// Whether the state is in a swap file.
+    pub(crate) fn is_nvme(&self) -> bool {
+        self.device == OffloadDevice::Nvme
+    }
+
+    /// Warnings of the swap file (the `O_DIRECT` fallback).
+    pub(crate) fn warnings(&self) -> Vec<String> {
+        match &self.store {
+            Store::Nvme { swap, .. } => swap.warnings().to_vec(),
+            Store::Host(_) => Vec::new(),
+        }
+    }
+
+    /// The swap file's path, if any.
+    pub(crate) fn swap_path(&self) -> Option<&std::path::Path> {
+        match &self.store {
+            Store::Nvme { swap, .. } => Some(swap.path()),
+            Store::Host(_) => None,
+        }
+    }
+
+    /// One AdamW step over every tile. `grads[i]` is unit `i`'s accumulated
+    /// gradient (its state range), `params[i]` its parameter buffer.
+    /// With `cpu` the updated parameters are copied out as the pipeline
+    /// goes; with `nvme` they stay in the staging buffer until
+    /// [`Offload::commit`].
+    pub(crate) fn step<G: Element, P: Element>(
+        &mut self,
+        adam: &CpuAdamW,
+        k: &AdamWStep,
+        grads: &[&[G]],
+        params: &mut [&mut [P]],
+    ) -> Result<()> {
+        let Offload {
+            units,
+            unit_off,
+            tiles,
+            pool,
+            store,
+            staging,
+            ahead,
+            ..
+        } = self;
+        let staging = staging.as_mut_slice_of::<P>()?;
+        match store {
+            Store::Host(bufs) => {
+                let mut behind: Option<usize> = None;
+                for (t, tile) in tiles.iter().enumerate() {
+                    // Copy-in: nothing to move, the state is resident and
+                    // the gradient shard is already in host memory.
+                    update_tile(adam, k, tile, bufs[t].as_mut_slice_of()?, grads, staging)?;
+                    if let Some(done) = behind.replace(t) {
+                        copy_out(&tiles[done], units, unit_off, staging, params);
+                    }
+                }
+                if let Some(done) = behind {
+                    copy_out(&tiles[done], units, unit_off, staging, params);
+                }
+                Ok(())
+            }
+            Store::Nvme { swap, regions } => {
+                swap.verify()?;
+                nvme_pipeline(adam, k, tiles, pool, swap, regions, *ahead, grads, staging)
+            }
+        }
+    }
+
+    /// Copies every updated parameter from the staging buffer out to the
+    /// parameter buffers (after an `nvme` step that succeeded on every
+    /// rank).
+    pub(crate) fn commit<P: Element>(&mut self, params: &mut [&mut [P]]) -> Result<()> {
+        let staging = self.staging.as_slice_of::<P>()?;
+        for tile in &self.tiles {
+            copy_out(tile, &self.units, &self.unit_off, staging, params);
+        }
+        Ok(())
+    }
+
+    /// Unit `i`'s state range: `(master, m, v)`, padding included.
+    pub(crate) fn read_unit(&self, i: usize) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let off = self.unit_off[i];
+        let n = self.units[i].state_len;
+        let mut out = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+        for (t, tile) in self.tiles.iter().enumerate() {
+            let lo = tile.flat.start.max(off);
+            let hi = tile.flat.end.min(off + n);
+            if lo >= hi {
+                continue;
+            }
+            let mut copy = |state: &[f32]| {
+                let len = tile.len();
+                let a = lo - tile.flat.start..hi - tile.flat.start;
+                let d = lo - off..hi - off;
+                out.0[d.clone()].copy_from_slice(&state[a.clone()]);
+                out.1[d.clone()].copy_from_slice(&state[a.start + len..a.end + len]);
+                out.2[d].copy_from_slice(&state[a.start + 2 * len..a.end + 2 * len]);
+            };
+            match &self.store {
+                Store::Host(bufs) => copy(bufs[t].as_slice_of()?),
+                Store::Nvme { swap, regions } => {
+                    let buf = self.pool.acquire(tile.bytes())?;
+                    let buf = swap.read(regions[t], buf).wait().map_err(|e| e.error)?;
+                    copy(buf.as_slice_of()?);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// AdamW on one tile: `state` is the tile's `[master | m | v]`, `staging`
+/// the flat staging buffer (the tile's part receives the parameters).
+fn update_tile<G: Element, P: Element>(
+    adam: &CpuAdamW,
+    k: &AdamWStep,
+    tile: &Tile,
+    state: &mut [f32],
+    grads: &[&[G]],
+    staging: &mut [P],
+) -> Result<()> {
+    let len = tile.len();
+    let (master, rest) = state.split_at_mut(len);
+    let (m, v) = rest.split_at_mut(len);
+    let (mut master, mut m, mut v) = (master, m, v);
+    let mut low = &mut staging[tile.flat.clone()];
+    let mut cur = 0;
+    let mut parts = Vec::with_capacity(tile.pieces.len());
+    for p in &tile.pieces {
+        let skip = p.at - cur;
+        let n = p.local.len();
+        let pm = carve(&mut master, skip, n);
+        let pmm = carve(&mut m, skip, n);
+        let pv = carve(&mut v, skip, n);
+        let pl = carve(&mut low, skip, n);
+        parts.push(AdamWSlices {
+            master: pm,
+            grad: &grads[p.unit][p.local.clone()],
+            m: pmm,
+            v: pv,
+            low: Some(pl),
+        });
+        cur = p.at + n;
+    }
+    adam.step_many(k, parts)?;
+    Ok(())
+}
+
+/// Skips `skip` elements of `s`, returns the next `n` and leaves `s` at
+/// the rest.
+fn carve<'a, T>(s: &mut &'a mut [T], skip: usize, n: usize) -> &'a mut [T] {
+    let (head, tail) = std::mem::take(s)[skip..].split_at_mut(n);
+    *s = tail;
+    head
+}
+
+/// Copies a tile's updated parameters from `staging` to the units'
+/// parameter buffers.
+fn copy_out<P: Element>(
+    tile: &Tile,
+    units: &[UnitRanges],
+    unit_off: &[usize],
+    staging: &[P],
+    params: &mut [&mut [P]],
+) {
+    for p in &tile.pieces {
+        let u = &units[p.unit];
+        let src = unit_off[p.unit] + p.local.start;
+        let dst = u.params.start + (p.local.start - u.real.start);
+        params[p.unit][dst..dst + p.local.len()]
+            .copy_from_slice(&staging[src..src + p.local.len()]);
+    }
+}
+
+/// The nvme step: reads run `ahead` tiles in front of the update, writes
+/// behind it, within the pool's buffers. On the first error nothing more
+/// is submitted; every request is waited for (so every buffer is back in
+/// the pool) and the first error is returned.
+#[allow(clippy::too_many_arguments)]
+fn nvme_pipeline<G: Element, P: Element>(
+    adam: &CpuAdamW,
+    k: &AdamWStep,
+    tiles: &[Tile],
+    pool: &HostPool,
+    swap: &SwapFile,
+    regions: &[RegionId],
+    ahead: usize,
+    grads: &[&[G]],
+    staging: &mut [P],
+) -> Result<()> {
+    let n = tiles.len();
+    let mut reads: VecDeque<IoTicket<PooledBuffer>> = VecDeque::with_capacity(ahead + 1);
+    let mut writes: VecDeque<IoTicket<PooledBuffer>> = VecDeque::with_capacity(ahead + 2);
+    let mut next = 0;
+    let mut first: Option<Error> = None;
+    'tiles: for (t, tile) in tiles.iter().enumerate() {
+        // Submit the reads of tiles t..=t+ahead that have a free buffer;
+        // tile t's own read waits for the oldest write if it must.
+        while next < n && next <= t + ahead {
+            match pool.acquire(tiles[next].bytes()) {
+                Ok(buf) => {
+                    reads.push_back(swap.read(regions[next], buf));
+                    next += 1;
+                }
+                Err(_) if next > t => break,
+                Err(e) => match writes.pop_front() {
+                    Some(w) => {
+                        if let Err(e) = w.wait() {
+                            first = Some(e.error.into());
+                            break 'tiles;
+                        }
+                    }
+                    None => {
+                        first = Some(e.into());
+                        break 'tiles;
+                    }
+                },
+            }
+        }
+        let Some(r) = reads.pop_front() else {
+            break;
+        };
+        let mut buf = match r.wait() {
+            Ok(b) => b,
+            Err(e) => {
+                first = Some(e.error.into());
+                break;
+            }
+        };
+        let updated = buf
+            .as_mut_slice_of::<f32>()
+            .map_err(Error::from)
+            .and_then(|s| update_tile(adam, k, tile, &mut s[..3 * tile.len()], grads, staging));
+        if let Err(e) = updated {
+            first = Some(e);
+            break;
+        }
+        writes.push_back(swap.write(regions[t], buf));
+    }
+    for r in reads {
+        if let Err(e) = r.wait() {
+            first.get_or_insert(e.error.into());
+        }
+    }
+    for w in writes {
+        if let Err(e) = w.wait() {
+            first.get_or_insert(e.error.into());
+        }
+    }
+    match first {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,132 @@
+//! Helpers shared by the engine integration tests: training the MLP on
+//! thread ranks and comparing states bit for bit.
+#![allow(dead_code)]
+
+#[path = "../../examples/mlp/mod.rs"]
+pub mod mlp;
+
+use zero::comm::{Communicator, ThreadGroup};
+use zero::core::config::{Precision, ResolvedConfig};
+use zero::core::optim::LossScaleConfig;
+use zero::core::{bf16, f16, Element};
+use zero::{Engine, StepOutcome, UnitState};
+
+use mlp::{batch, Mlp};
+
+pub const DIMS: &[usize] = &[6, 24, 40, 1];
+pub const MB: usize = 4;
+
+/// What one rank saw: final state of every unit and every step's outcome.
+pub struct Trained {
+    pub states: Vec<UnitState>,
+    pub outcomes: Vec<StepOutcome>,
+    pub losses: Vec<f32>,
+}
+
+pub fn train_with<T: Element, C: Communicator>(
+    comm: C,
+    cfg: &ResolvedConfig,
+    steps: usize,
+    mb: usize,
+) -> zero::Result<Trained> {
+    let world = comm.world_size();
+    let rank = comm.rank();
+    let ga = cfg.gradient_accumulation_steps;
+    let mut b = Engine::builder(cfg.clone(), comm).seed(5);
+    let model = Mlp::register(&mut b, DIMS)?;
+    let mut e = b.build()?;
+    let mut outcomes = Vec::new();
+    let mut losses = Vec::new();
+    for s in 0..steps {
+        for m in 0..ga {
+            // Rank r's micro-batch m of step s: the same samples whatever
+            // the stage; a single rank with the full batch reads them all.
+            let first = (((s * ga + m) * world + rank) * mb) as u64;
+            let (x, y) = batch(first, mb, DIMS[0]);
+            losses.push(model.train_micro_batch::<T, C>(&mut e, &x, &y)?);
+            let o = e.step()?;
+            if o.boundary {
+                outcomes.push(o);
+            }
+        }
+    }
+    let mut states = Vec::new();
+    for u in e.unit_ids() {
+        states.push(e.unit_state(u)?);
+    }
+    Ok(Trained {
+        states,
+        outcomes,
+        losses,
+    })
+}
+
+/// Trains on `world` thread ranks; rank 0's view.
+pub fn train(world: usize, cfg: &ResolvedConfig, steps: usize, mb: usize) -> Trained {
+    let out = ThreadGroup::run(world, |comm| match cfg.precision {
+        Precision::Fp32 => train_with::<f32, _>(comm, cfg, steps, mb),
+        Precision::Bf16 => train_with::<bf16, _>(comm, cfg, steps, mb),
+        Precision::Fp16 => train_with::<f16, _>(comm, cfg, steps, mb),
+    })
+    .expect("ranks ran");
+    let mut all: Vec<Trained> = out
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|e| panic!("training failed: {e}")))
+        .collect();
+    // Every rank reads out the same full state.
+    for t in &all[1..] {
+        assert_bits_eq(&all[0].states, &t.states, "rank 0 vs another rank");
+    }
+    all.swap_remove(0)
+}
+
+pub fn config(world: usize, stage: u8, ga: usize, precision: Precision) -> ResolvedConfig {
+    let mut c = ResolvedConfig::simple(stage, world, MB);
+    c.gradient_accumulation_steps = ga;
+    c.train_batch_size = MB * ga * world;
+    c.precision = precision;
+    c.optimizer.lr = 1e-2;
+    c.scheduler = zero::core::optim::LrSchedule::Constant { lr: 1e-2 };
+    c.gradient_clipping = 1.0;
+    // Small buckets: several per step, so bucketing is exercised.
+    c.zero.reduce_bucket_size = 700;
+    c.zero.allgather_bucket_size = 900;
+    c.zero.prefetch_bucket_size = 1500;
+    c.zero.param_persistence_threshold = 0;
+    if precision == Precision::Fp16 {
+        // 2^17 overflows f16 gradients at first: the run skips steps and
+        // lowers the scale, then trains.
+        c.loss_scale = Some(LossScaleConfig::Dynamic {
+            initial_scale_power: 17,
+            window: 3,
+            hysteresis: 1,
+            consecutive_hysteresis: false,
+            min_scale: 1.0,
+        });
+    }
+    c
+}
+
+pub fn bits(s: &UnitState) -> Vec<Vec<u32>> {
+    [&s.params, &s.master, &s.m, &s.v]
+        .iter()
+        .map(|v| v.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
+pub fn assert_bits_eq(a: &[UnitState], b: &[UnitState], what: &str) {
+    assert_eq!(a.len(), b.len());
+    for (u, (x, y)) in a.iter().zip(b).enumerate() {
+        let names = ["params", "master", "m", "v"];
+        for (k, (p, q)) in bits(x).iter().zip(bits(y)).enumerate() {
+            if let Some(i) = p.iter().zip(&q).position(|(a, b)| a != b) {
+                panic!(
+                    "{what}: unit {u} {} element {i}: {} vs {}",
+                    names[k],
+                    f32::from_bits(p[i]),
+                    f32::from_bits(q[i])
+                );
+            }
+        }
+    }
+}

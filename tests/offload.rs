@@ -1,0 +1,461 @@
+//! ZeRO-Offload of the optimizer state (`offload_optimizer.device` cpu and
+//! nvme) on the threads backend: bit-exact equivalence with the run
+//! without offload, where the memory tracker puts each buffer, and swap
+//! file faults at engine level (each an error naming the file, parameters
+//! of the last good step still readable).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::mlp::{batch, Mlp};
+use common::*;
+use zero::comm::{Communicator, ThreadComm, ThreadGroup};
+use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
+use zero::core::memory::{Category, Tier};
+use zero::core::{bf16, DType};
+use zero::offload::FaultPlan;
+use zero::Engine;
+
+/// A fresh directory for swap files.
+fn tmp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("zero-offload-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// `config` with optimizer offload on `device`, small tiles cutting across
+/// units, small aio blocks and `buffers` nvme staging buffers.
+#[allow(clippy::too_many_arguments)]
+fn offload_config(
+    world: usize,
+    stage: u8,
+    ga: usize,
+    precision: Precision,
+    device: OffloadDevice,
+    sub_group: usize,
+    buffers: usize,
+    dir: &Path,
+) -> ResolvedConfig {
+    let mut c = config(world, stage, ga, precision);
+    c.zero.sub_group_size = sub_group;
+    c.zero.offload_optimizer.device = device;
+    c.zero.offload_optimizer.buffer_count = buffers;
+    if device == OffloadDevice::Nvme {
+        c.zero.offload_optimizer.nvme_path = Some(dir.to_path_buf());
+    }
+    c.zero.aio.block_size = 4096;
+    c
+}
+
+fn assert_same_run(base: &Trained, t: &Trained, what: &str) {
+    assert_bits_eq(&base.states, &t.states, what);
+    assert_eq!(
+        format!("{:?}", base.outcomes),
+        format!("{:?}", t.outcomes),
+        "{what}"
+    );
+    assert_eq!(base.losses, t.losses, "{what}");
+}
+
+/// Every stage (0 included), world sizes 1–3, gradient accumulation 2 or 3
+/// with clipping: cpu and nvme optimizer offload end with the parameters,
+/// master, m and v of the run without offload, bit for bit, whatever the
+/// tile size (tiles cut across units) and the number of nvme buffers.
+#[test]
+fn optimizer_offload_is_bit_identical() {
+    let dir = tmp_dir("exact");
+    let steps = 5;
+    let variants = [
+        (OffloadDevice::Cpu, 256, 4),
+        (OffloadDevice::Cpu, 97, 4),
+        (OffloadDevice::Cpu, 1 << 20, 4),
+        (OffloadDevice::Nvme, 256, 4),
+        (OffloadDevice::Nvme, 97, 1),
+        (OffloadDevice::Nvme, 300, 2),
+    ];
+    for world in 1..=3 {
+        for stage in 0..=3u8 {
+            let ga = 2 + (stage as usize % 2);
+            let base = train(world, &config(world, stage, ga, Precision::Bf16), steps, MB);
+            assert_eq!(base.outcomes.len(), steps);
+            for (device, sg, buffers) in variants {
+                let c =
+                    offload_config(world, stage, ga, Precision::Bf16, device, sg, buffers, &dir);
+                let t = train(world, &c, steps, MB);
+                let what = format!(
+                    "world {world} stage {stage} ga {ga}: offload {device:?} sub_group {sg} \
+                     buffers {buffers} vs none"
+                );
+                assert_same_run(&base, &t, &what);
+            }
+        }
+    }
+    // fp32, and fp16 with skipped steps (overflow), on 2 ranks.
+    for precision in [Precision::Fp32, Precision::Fp16] {
+        for stage in [1u8, 3] {
+            let base = train(2, &config(2, stage, 2, precision), 6, MB);
+            for device in [OffloadDevice::Cpu, OffloadDevice::Nvme] {
+                let c = offload_config(2, stage, 2, precision, device, 200, 3, &dir);
+                let t = train(2, &c, 6, MB);
+                let what = format!("{precision:?} stage {stage}: offload {device:?} vs none");
+                assert_same_run(&base, &t, &what);
+            }
+        }
+    }
+    // The swap files are gone with their engines.
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "swap files left behind: {left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Bytes per tier and category on rank 0, at build and after two steps.
+struct Tiers {
+    /// Padded parameters of the model.
+    psi: u64,
+    /// Elements of rank 0's optimizer state.
+    state: u64,
+    device_model_states: u64,
+    at_build: Vec<(Tier, Category, u64)>,
+    after_steps: Vec<(Tier, Category, u64)>,
+}
+
+fn tiers(world: usize, stage: u8, device: OffloadDevice, dir: &Path) -> Tiers {
+    let out = ThreadGroup::run(world, |comm| {
+        let rank = comm.rank();
+        let mut c = offload_config(world, stage, 1, Precision::Bf16, device, 256, 4, dir);
+        c.grad_accum_dtype = DType::BF16;
+        let mut b = Engine::builder(c, comm);
+        let model = Mlp::register(&mut b, DIMS).unwrap();
+        let mut e = b.build().unwrap();
+        let psi = e.plan().padded_numel() as u64;
+        let state = if stage == 0 { psi } else { psi / world as u64 };
+        let snap = |e: &Engine<ThreadComm>| {
+            let mut v = Vec::new();
+            for tier in [Tier::Device, Tier::Host, Tier::Nvme] {
+                for cat in [Category::Master, Category::Moments, Category::Grads] {
+                    v.push((tier, cat, e.tracker().current(tier, cat)));
+                }
+            }
+            v
+        };
+        let at_build = snap(&e);
+        let device_model_states = e.tracker().model_states(Tier::Device);
+        for s in 0..2 {
+            let (x, y) = batch(((s * world + rank) * MB) as u64, MB, DIMS[0]);
+            model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+            e.step().unwrap();
+        }
+        Tiers {
+            psi,
+            state,
+            device_model_states,
+            at_build,
+            after_steps: snap(&e),
+        }
+    })
+    .unwrap();
+    out.into_iter().next().unwrap()
+}
+
+fn get(v: &[(Tier, Category, u64)], tier: Tier, cat: Category) -> u64 {
+    v.iter()
+        .find(|(t, c, _)| *t == tier && *c == cat)
+        .map_or(0, |x| x.2)
+}
+
+/// With optimizer offload the device tier holds no fp32 master, m or v (at
+/// build and between steps) and no gradient shard; they are in the host
+/// tier (cpu) or the nvme tier (nvme), 4 and 8 bytes per element of the
+/// rank's state, and the bf16 gradient shard is in the host tier.
+#[test]
+fn optimizer_state_is_not_on_the_device() {
+    let dir = tmp_dir("tiers");
+    for world in [1, 2] {
+        for stage in 0..=3u8 {
+            for device in [OffloadDevice::Cpu, OffloadDevice::Nvme] {
+                let t = tiers(world, stage, device, &dir);
+                let what = format!("world {world} stage {stage} {device:?}");
+                let (home, other) = if device == OffloadDevice::Cpu {
+                    (Tier::Host, Tier::Nvme)
+                } else {
+                    (Tier::Nvme, Tier::Host)
+                };
+                for snap in [&t.at_build, &t.after_steps] {
+                    assert_eq!(get(snap, Tier::Device, Category::Master), 0, "{what}");
+                    assert_eq!(get(snap, Tier::Device, Category::Moments), 0, "{what}");
+                    assert_eq!(get(snap, home, Category::Master), 4 * t.state, "{what}");
+                    assert_eq!(get(snap, home, Category::Moments), 8 * t.state, "{what}");
+                    assert_eq!(get(snap, other, Category::Master), 0, "{what}");
+                    assert_eq!(get(snap, other, Category::Moments), 0, "{what}");
+                    // The bf16 gradient shard feeding AdamW.
+                    assert_eq!(
+                        get(snap, Tier::Host, Category::Grads),
+                        2 * t.state,
+                        "{what}"
+                    );
+                }
+                // Device model states: bf16 params (full, or the shard in
+                // stage 3) and, in stages 0/1, the full bf16 gradient the
+                // trainer writes.
+                let (psi, n) = (t.psi, world as u64);
+                let want = match stage {
+                    0 | 1 => 4 * psi,
+                    2 => 2 * psi,
+                    _ => 2 * psi / n,
+                };
+                assert_eq!(t.device_model_states, want, "{what}");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ---------------------------------------------------------------------------
+// Swap-file faults
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Damage {
+    Truncate,
+    Corrupt,
+    Delete,
+    ForeignHeader,
+    WriteFault,
+}
+
+/// What one rank saw in a damaged run.
+struct Damaged {
+    error: String,
+    completed: usize,
+    path: Option<PathBuf>,
+    params: Vec<Vec<u16>>,
+    unit_state_error: String,
+    step_error: String,
+}
+
+/// Parameters (bf16 bits) of every unit, read with gather/params.
+fn read_params(e: &mut Engine<ThreadComm>) -> Vec<Vec<u16>> {
+    let mut out = Vec::new();
+    for u in e.unit_ids() {
+        e.gather(u).unwrap();
+        out.push(
+            e.params::<bf16>(u)
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect(),
+        );
+        e.release(u).unwrap();
+    }
+    out
+}
+
+const GA: usize = 2;
+
+/// Trains up to 6 steps on 2 ranks with nvme offload; before step 3,
+/// rank 0's swap file is damaged (or a write fault was planned).
+fn damaged_run(stage: u8, damage: Damage, dir: &Path) -> Vec<Damaged> {
+    let world = 2;
+    ThreadGroup::run(world, |comm| {
+        let rank = comm.rank();
+        let c = offload_config(
+            world,
+            stage,
+            GA,
+            Precision::Bf16,
+            OffloadDevice::Nvme,
+            256,
+            3,
+            dir,
+        );
+        let mut b = Engine::builder(c, comm).seed(5);
+        if damage == Damage::WriteFault && rank == 0 {
+            // Build writes each tile once; fail a write of the second step.
+            b = b.swap_faults(FaultPlan::enospc_at(7));
+        }
+        let model = Mlp::register(&mut b, DIMS).unwrap();
+        let mut e = b.build().unwrap();
+        let path = e.optimizer_swap_path().map(Path::to_path_buf);
+        let mut error = String::new();
+        let mut completed = 0;
+        'steps: for s in 0..6 {
+            if s == 2 && rank == 0 {
+                let p = path.as_ref().unwrap();
+                let open = || std::fs::OpenOptions::new().write(true).open(p).unwrap();
+                match damage {
+                    Damage::Truncate => open().set_len(4096).unwrap(),
+                    Damage::Corrupt => {
+                        use std::os::unix::fs::FileExt;
+                        let len = std::fs::metadata(p).unwrap().len();
+                        open().write_all_at(&[0xab; 64], len - 4096 + 8).unwrap();
+                    }
+                    Damage::Delete => std::fs::remove_file(p).unwrap(),
+                    Damage::ForeignHeader => {
+                        use std::os::unix::fs::FileExt;
+                        open().write_all_at(b"NOTZERO!", 0).unwrap();
+                    }
+                    Damage::WriteFault => {}
+                }
+            }
+            for m in 0..GA {
+                let first = (((s * GA + m) * world + rank) * MB) as u64;
+                let (x, y) = batch(first, MB, DIMS[0]);
+                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                match e.step() {
+                    Ok(o) => completed += usize::from(o.boundary),
+                    Err(err) => {
+                        error = err.to_string();
+                        break 'steps;
+                    }
+                }
+            }
+        }
+        let unit_state_error = match e.unit_state(e.unit_ids()[0]) {
+            Ok(_) => String::new(),
+            Err(err) => err.to_string(),
+        };
+        let step_error = match e.step() {
+            Ok(_) => String::new(),
+            Err(err) => err.to_string(),
+        };
+        Damaged {
+            error,
+            completed,
+            path,
+            params: read_params(&mut e),
+            unit_state_error,
+            step_error,
+        }
+    })
+    .unwrap()
+}
+
+/// Parameters after `steps` steps without offload.
+fn reference_params(stage: u8, steps: usize) -> Vec<Vec<Vec<u16>>> {
+    let world = 2;
+    ThreadGroup::run(world, |comm| {
+        let rank = comm.rank();
+        let c = config(world, stage, GA, Precision::Bf16);
+        let mut b = Engine::builder(c, comm).seed(5);
+        let model = Mlp::register(&mut b, DIMS).unwrap();
+        let mut e = b.build().unwrap();
+        for s in 0..steps {
+            for m in 0..GA {
+                let first = (((s * GA + m) * world + rank) * MB) as u64;
+                let (x, y) = batch(first, MB, DIMS[0]);
+                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                e.step().unwrap();
+            }
+        }
+        read_params(&mut e)
+    })
+    .unwrap()
+}
+
+/// A truncated, corrupted, deleted or foreign swap file, or a failed
+/// write: the step fails on every rank with an error (rank 0's names its
+/// file), nothing panics, later steps and `unit_state` refuse with a
+/// message about the swap-file error, and the parameters of the last
+/// completed step stay readable on every rank.
+#[test]
+fn swap_faults_are_errors_naming_the_file() {
+    let dir = tmp_dir("faults");
+    for stage in [1u8, 2, 3] {
+        for damage in [
+            Damage::Truncate,
+            Damage::Corrupt,
+            Damage::Delete,
+            Damage::ForeignHeader,
+            Damage::WriteFault,
+        ] {
+            let what = format!("stage {stage} {damage:?}");
+            let ranks = damaged_run(stage, damage, &dir);
+            let r0 = &ranks[0];
+            let path = r0.path.as_ref().unwrap().display().to_string();
+            assert!(r0.error.contains(&path), "{what}: `{}`", r0.error);
+            let words = match damage {
+                Damage::Truncate => "truncated",
+                Damage::Corrupt => "checksum",
+                Damage::Delete => "deleted",
+                Damage::ForeignHeader => "header",
+                Damage::WriteFault => "No space left",
+            };
+            assert!(r0.error.contains(words), "{what}: `{}`", r0.error);
+            assert!(
+                ranks[1].error.contains("swap file of rank 0"),
+                "{what}: `{}`",
+                ranks[1].error
+            );
+            let completed = r0.completed;
+            let want_completed = if damage == Damage::WriteFault { 1 } else { 2 };
+            assert_eq!(completed, want_completed, "{what}");
+            let reference = reference_params(stage, completed);
+            for (r, d) in ranks.iter().enumerate() {
+                assert_eq!(d.completed, completed, "{what} rank {r}");
+                assert!(
+                    d.unit_state_error.contains("swap-file error"),
+                    "{what} rank {r}: `{}`",
+                    d.unit_state_error
+                );
+                assert!(
+                    d.step_error.contains("swap-file error"),
+                    "{what} rank {r}: `{}`",
+                    d.step_error
+                );
+                assert_eq!(d.params, reference[r], "{what} rank {r}: parameters");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Settings the engine cannot run are errors naming the key.
+#[test]
+fn unsupported_offload_settings_name_the_key() {
+    let dir = tmp_dir("keys");
+    let build = |c: ResolvedConfig| {
+        ThreadGroup::run(1, |comm| {
+            let mut b = Engine::builder(c.clone(), comm);
+            Mlp::register(&mut b, DIMS).unwrap();
+            b.build().map(|_| ()).unwrap_err().to_string()
+        })
+        .unwrap()
+        .remove(0)
+    };
+    let mut c = offload_config(1, 2, 1, Precision::Bf16, OffloadDevice::Nvme, 256, 4, &dir);
+    c.zero.offload_optimizer.nvme_path = None;
+    let m = build(c);
+    assert!(
+        m.contains("zero_optimization.offload_optimizer.nvme_path"),
+        "{m}"
+    );
+    let mut c = offload_config(1, 3, 1, Precision::Bf16, OffloadDevice::Cpu, 256, 4, &dir);
+    c.zero.offload_optimizer.ratio = 0.5;
+    let m = build(c);
+    assert!(
+        m.contains("zero_optimization.offload_optimizer.ratio"),
+        "{m}"
+    );
+    for (stage, device) in [
+        (3u8, OffloadDevice::Cpu),
+        (3, OffloadDevice::Nvme),
+        (2, OffloadDevice::Cpu),
+    ] {
+        let mut c = config(1, stage, 1, Precision::Bf16);
+        c.zero.offload_param.device = device;
+        c.zero.offload_param.nvme_path = Some(dir.clone());
+        let m = build(c);
+        assert!(m.contains("zero_optimization.offload_param.device"), "{m}");
+    }
+    // A swap file that cannot be created (nvme_path is a file).
+    let file = std::env::temp_dir().join(format!("zero-offload-test-{}-file", std::process::id()));
+    std::fs::write(&file, b"x").unwrap();
+    let mut c = offload_config(1, 2, 1, Precision::Bf16, OffloadDevice::Nvme, 256, 4, &dir);
+    c.zero.offload_optimizer.nvme_path = Some(file.clone());
+    let m = build(c);
+    assert!(m.contains(&file.display().to_string()), "{m}");
+    let _ = std::fs::remove_file(&file);
+    let _ = std::fs::remove_dir_all(&dir);
+}
