@@ -24,8 +24,23 @@
 //! direction. Runs alternate swap and raw, `--reps` times (medians): the
 //! disk's speed drifts.
 //!
+//! Then the step-time overhead of offload in the engine: a model of
+//! `--params P` parameters (default 100M, in 12 transformer-block units) on
+//! `--ranks N` threads (default 2), stage `--stage S` (default 2), bf16, a
+//! no-compute trainer (gradients filled with constants), `--steps K`
+//! measured steps after one warm-up: median step time with
+//! `offload_optimizer` none, cpu and nvme (tiles of `--tile` elements,
+//! `--buffers` buffers, the swap files under `--dir`), the ratios to no
+//! offload (targets: cpu ≤ 1.2×; nvme ≤ the time the disk needs to read and
+//! write every rank's state once, measured raw in the same run), and the
+//! overlap of transfers and compute: with `c` the optimizer time under cpu
+//! offload (compute alone), `t` the time of the same bytes through the swap
+//! path alone in the step's pattern, and `o` the optimizer time under nvme,
+//! `(c + t − o) / min(c, t)` (1: `o = max(c, t)`, fully hidden; 0: `o = c + t`).
+//!
 //! `cargo bench --bench offload [-- --dir /path/on/nvme --elems N --tile E
-//! --buffers B --block BYTES --threads T --reps R]`
+//! --buffers B --block BYTES --threads T --reps R --params P --ranks N
+//! --stage S --steps K --no-step]`
 
 use std::collections::VecDeque;
 use std::fs::OpenOptions;
@@ -33,7 +48,12 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use zero::comm::{Communicator, ThreadGroup};
+use zero::core::bf16;
+use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
+use zero::core::partition::{TensorSpec, UnitSpec};
 use zero::offload::{AlignedBuf, IoTicket, RegionId, RegionSpec, SwapFile, SwapOptions};
+use zero::{Engine, Init};
 
 struct Args {
     dir: PathBuf,
@@ -43,6 +63,11 @@ struct Args {
     block: usize,
     threads: usize,
     reps: usize,
+    params: usize,
+    ranks: usize,
+    stage: u8,
+    steps: usize,
+    step: bool,
 }
 
 fn fail(msg: &str) -> ! {
@@ -59,6 +84,11 @@ fn parse_args() -> Args {
         block: 1 << 20,
         threads: 1,
         reps: 3,
+        params: 100_000_000,
+        ranks: 2,
+        stage: 2,
+        steps: 3,
+        step: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -79,14 +109,20 @@ fn parse_args() -> Args {
             "--block" => a.block = num("--block"),
             "--threads" => a.threads = num("--threads"),
             "--reps" => a.reps = num("--reps"),
+            "--params" => a.params = num("--params"),
+            "--ranks" => a.ranks = num("--ranks"),
+            "--stage" => a.stage = num("--stage").min(3) as u8,
+            "--steps" => a.steps = num("--steps"),
+            "--no-step" => a.step = false,
             "--bench" => {}
             other => fail(&format!(
-                "unknown option {other}; options: --dir D --elems N --tile E --buffers B --block BYTES --threads T --reps R"
+                "unknown option {other}; options: --dir D --elems N --tile E --buffers B --block BYTES --threads T --reps R --params P --ranks N --stage S --steps K --no-step"
             )),
         }
     }
-    if a.tile == 0 || a.elems == 0 || a.buffers == 0 || a.reps == 0 {
-        fail("--elems, --tile, --buffers and --reps must be positive");
+    if a.tile == 0 || a.elems == 0 || a.buffers == 0 || a.reps == 0 || a.ranks == 0 || a.steps == 0
+    {
+        fail("--elems, --tile, --buffers, --reps, --ranks and --steps must be positive");
     }
     a
 }
@@ -100,12 +136,12 @@ struct Swap {
     tile_bytes: Vec<usize>,
 }
 
-fn create_swap(a: &Args) -> Swap {
+fn create_swap(a: &Args, elems: usize) -> Swap {
     let mut specs = Vec::new();
     let mut tile_bytes = Vec::new();
     let mut at = 0;
-    while at < a.elems {
-        let n = a.tile.min(a.elems - at);
+    while at < elems {
+        let n = a.tile.min(elems - at);
         let t = tile_bytes.len();
         for part in ["master", "m", "v"] {
             specs.push(RegionSpec::new(format!("{part}{t}"), (n * 4) as u64));
@@ -267,7 +303,7 @@ fn median(mut v: Vec<Duration>) -> Duration {
 
 fn main() {
     let a = parse_args();
-    let s = create_swap(&a);
+    let s = create_swap(&a, a.elems);
     let bytes: usize = 3 * s.tile_bytes.iter().sum::<usize>();
     println!(
         "offload (NVMe tier): {} elements of master+m+v = {:.0} MiB in {} sub-groups of {} elements, {} buffer sets, block {} KiB, {} I/O threads, O_DIRECT {}, under {}",
@@ -281,18 +317,7 @@ fn main() {
         s.file.direct_io(),
         a.dir.display()
     );
-    let max_tile = s.tile_bytes.iter().copied().max().unwrap_or(0);
-    let mut free: Vec<Bufs> = (0..a.buffers)
-        .map(|_| {
-            [(); 3].map(|_| {
-                let mut b = AlignedBuf::new(max_tile).unwrap_or_else(|e| fail(&e.to_string()));
-                b.iter_mut()
-                    .enumerate()
-                    .for_each(|(i, x)| *x = (i % 251) as u8);
-                b
-            })
-        })
-        .collect();
+    let mut free = buffers(&s, a.buffers);
     // The state's first write, untimed: the file then holds every block.
     pass(&s, &mut free, false, true);
     let (mut sw, mut sr, mut ss, mut rw, mut rr) = (vec![], vec![], vec![], vec![], vec![]);
@@ -340,5 +365,158 @@ fn main() {
         "step pass {:.3} s; the disk reads and writes the state once (raw) in {:.3} s",
         ss.as_secs_f64(),
         (rw + rr).as_secs_f64()
+    );
+    drop(s);
+    drop(free);
+    if a.step {
+        step_overhead(&a);
+    }
+}
+
+/// `count` buffer sets for the sub-groups of `s`.
+fn buffers(s: &Swap, count: usize) -> Vec<Bufs> {
+    let max_tile = s.tile_bytes.iter().copied().max().unwrap_or(0);
+    (0..count)
+        .map(|_| {
+            [(); 3].map(|_| {
+                let mut b = AlignedBuf::new(max_tile).unwrap_or_else(|e| fail(&e.to_string()));
+                b.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x = (i % 251) as u8);
+                b
+            })
+        })
+        .collect()
+}
+
+/// A transformer block of hidden size `d`: 12·d² + 13·d parameters.
+fn block(name: String, d: usize) -> (UnitSpec, Vec<Init>) {
+    let w = Init::Constant(0.02);
+    let tensors = vec![
+        (TensorSpec::new("ln1.weight", &[d]), Init::Ones),
+        (TensorSpec::new("attn.qkv.weight", &[3 * d, d]), w.clone()),
+        (TensorSpec::new("attn.qkv.bias", &[3 * d]), Init::Zeros),
+        (TensorSpec::new("attn.proj.weight", &[d, d]), w.clone()),
+        (TensorSpec::new("attn.proj.bias", &[d]), Init::Zeros),
+        (TensorSpec::new("ln2.weight", &[d]), Init::Ones),
+        (TensorSpec::new("mlp.fc1.weight", &[4 * d, d]), w.clone()),
+        (TensorSpec::new("mlp.fc1.bias", &[4 * d]), Init::Zeros),
+        (TensorSpec::new("mlp.fc2.weight", &[d, 4 * d]), w),
+        (TensorSpec::new("mlp.fc2.bias", &[d]), Init::Zeros),
+    ];
+    let (specs, inits) = tensors.into_iter().unzip();
+    (UnitSpec::new(name, specs), inits)
+}
+
+/// Median step time and median optimizer time of rank 0, and the bytes of
+/// fp32 state (master, m, v) of all ranks.
+fn run_engine(a: &Args, device: OffloadDevice) -> (Duration, Duration, usize) {
+    const UNITS: usize = 12;
+    let d = ((a.params / UNITS) as f64 / 12.0).sqrt().max(1.0) as usize;
+    let mut cfg = ResolvedConfig::simple(a.stage, a.ranks, 1);
+    cfg.precision = Precision::Bf16;
+    cfg.zero.sub_group_size = a.tile;
+    cfg.zero.offload_optimizer.device = device;
+    cfg.zero.offload_optimizer.buffer_count = a.buffers;
+    cfg.zero.offload_optimizer.nvme_path = Some(a.dir.clone());
+    cfg.zero.aio.block_size = a.block;
+    let out = ThreadGroup::run(a.ranks, |comm| {
+        let mut b = Engine::builder(cfg.clone(), comm);
+        let units: Vec<_> = (0..UNITS)
+            .map(|u| {
+                let (spec, init) = block(format!("block{u}"), d);
+                b.register(spec, init).expect("register")
+            })
+            .collect();
+        let mut e = b
+            .build()
+            .unwrap_or_else(|err| fail(&format!("engine build ({device:?}): {err}")));
+        let numels: Vec<usize> = units
+            .iter()
+            .map(|&u| e.layout(u).expect("layout").numel)
+            .collect();
+        let (mut steps, mut opt) = (Vec::new(), Vec::new());
+        for s in 0..=a.steps {
+            e.comm().barrier().wait().expect("barrier");
+            e.reset_stats();
+            let t0 = Instant::now();
+            for (k, &u) in units.iter().enumerate().rev() {
+                e.gather(u).expect("gather");
+                let mut g = e.grad_buffer::<bf16>(u).expect("grad buffer");
+                g[..numels[k]].fill(bf16::from_f32(1e-3 * (k + 1) as f32));
+                e.release(u).expect("release");
+                e.grad_ready(u, g).expect("grad_ready");
+            }
+            e.step()
+                .unwrap_or_else(|err| fail(&format!("step ({device:?}): {err}")));
+            if s > 0 {
+                steps.push(t0.elapsed());
+                opt.push(e.stats().optimizer_time);
+            }
+        }
+        let state = 12 * e.plan().padded_numel() / a.ranks;
+        (median(steps), median(opt), state)
+    })
+    .unwrap_or_else(|err| fail(&format!("threads: {err}")));
+    let state_all: usize = out.iter().map(|o| o.2).sum();
+    (out[0].0, out[0].1, state_all)
+}
+
+fn step_overhead(a: &Args) {
+    println!();
+    println!(
+        "engine step with offload: ~{}M parameters, {} ranks (threads), stage {}, bf16, tiles of {} elements, {} buffers, {} measured steps (medians, rank 0)",
+        a.params / 1_000_000,
+        a.ranks,
+        a.stage,
+        a.tile,
+        a.buffers,
+        a.steps
+    );
+    let (none, none_opt, bytes) = run_engine(a, OffloadDevice::None);
+    let (cpu, cpu_opt, _) = run_engine(a, OffloadDevice::Cpu);
+    let (nvme, nvme_opt, _) = run_engine(a, OffloadDevice::Nvme);
+    let (rw, rr) = raw(&a.dir, bytes, a.block);
+    let disk = rw + rr;
+    let s = |d: Duration| d.as_secs_f64();
+    println!(
+        "{:<30} {:>9} {:>14} {:>12}",
+        "offload_optimizer", "step s", "optimizer s", "vs none"
+    );
+    for (name, t, o) in [
+        ("none", none, none_opt),
+        ("cpu", cpu, cpu_opt),
+        ("nvme", nvme, nvme_opt),
+    ] {
+        println!(
+            "{name:<30} {:>9.3} {:>14.3} {:>11.2}x",
+            s(t),
+            s(o),
+            s(t) / s(none)
+        );
+    }
+    println!(
+        "raw disk time to write and read all ranks' state once ({:.0} MiB): {:.3} s; nvme step / that = {:.2} (target <= 1)",
+        bytes as f64 / (1 << 20) as f64,
+        s(disk),
+        s(nvme) / s(disk)
+    );
+    // The same bytes through the swap path alone, in the step's pattern:
+    // the transfer the nvme step has to hide.
+    let sw = create_swap(a, bytes / 12);
+    let mut free = buffers(&sw, a.buffers);
+    pass(&sw, &mut free, false, true);
+    let io = pass(&sw, &mut free, true, true);
+    // Perfect overlap: optimizer time = max(compute, io); none: their sum.
+    let overlap = (s(cpu_opt) + s(io) - s(nvme_opt)) / s(cpu_opt).min(s(io));
+    println!(
+        "swap-path I/O alone for that state (step pattern): {:.3} s; compute alone (cpu offload): {:.3} s; with nvme: {:.3} s",
+        s(io),
+        s(cpu_opt),
+        s(nvme_opt)
+    );
+    println!(
+        "hidden: {:.0}% of the shorter of compute and I/O runs under the other (100% = optimizer time is max(compute, I/O), 0% = their sum)",
+        100.0 * overlap.clamp(0.0, 1.0)
     );
 }
