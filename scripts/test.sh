@@ -8,5 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 cargo test --workspace
+# Say which SIMD paths the CPU AdamW tests ran here (AVX-512 runs only where
+# the CPU has it).
+isa_log=$(mktemp)
+cargo test -q -p zero-core --test cpu_adam every_path -- --nocapture >"$isa_log" 2>&1
+grep -m1 "instruction sets checked" "$isa_log" || true
+rm -f "$isa_log"
 # The NEON kernels, cross-compiled and run under qemu-user.
 bash scripts/test-neon.sh
