@@ -7,6 +7,7 @@
 //! cargo run --example mlp_regression -- --config tests/fixtures/ds_stage1.json
 //! cargo run --example mlp_regression -- --stage 3 --offload cpu
 //! cargo run --example mlp_regression -- --stage 2 --offload nvme --nvme-path /local_nvme
+//! cargo run --example mlp_regression -- --stage 3 --offload cpu --offload-param nvme
 //! ```
 //!
 //! Flags: `--stage 0..3` (default 2), `--ranks N` threads when not under
@@ -16,8 +17,9 @@
 //! `--config FILE` a DeepSpeed JSON config (its `"auto"` values are filled
 //! from the flags above), `--offload none|cpu|nvme` where the fp32 master
 //! and AdamW moments live (`zero_optimization.offload_optimizer.device`),
-//! `--offload-param none|cpu|nvme` (`offload_param.device`, stage 3; not
-//! implemented yet: the engine says so), `--nvme-path DIR` for nvme
+//! `--offload-param none|cpu|nvme` where the bf16 parameter shards live
+//! (`zero_optimization.offload_param.device`, stage 3 only), `--nvme-path
+//! DIR` for nvme
 //! (default a directory under the system temp dir). The offload flags
 //! override a `--config` file's blocks only when given. Every rank trains on its own samples; rank 0
 //! prints the loss (averaged over ranks) per step, a held-out loss at the

@@ -1,4 +1,5 @@
 //! ZeRO-Offload of the optimizer state (`offload_optimizer.device` cpu and
+//! nvme) and stage-3 parameter offload (`offload_param.device` cpu and
 //! nvme) on the threads backend: bit-exact equivalence with the run
 //! without offload, where the memory tracker puts each buffer, and swap
 //! file faults at engine level (each an error naming the file, parameters
@@ -438,10 +439,12 @@ fn unsupported_offload_settings_name_the_key() {
         m.contains("zero_optimization.offload_optimizer.ratio"),
         "{m}"
     );
+    // Parameter offload needs stage 3.
     for (stage, device) in [
-        (3u8, OffloadDevice::Cpu),
-        (3, OffloadDevice::Nvme),
+        (0u8, OffloadDevice::Cpu),
+        (1, OffloadDevice::Nvme),
         (2, OffloadDevice::Cpu),
+        (2, OffloadDevice::Nvme),
     ] {
         let mut c = config(1, stage, 1, Precision::Bf16);
         c.zero.offload_param.device = device;
@@ -449,6 +452,31 @@ fn unsupported_offload_settings_name_the_key() {
         let m = build(c);
         assert!(m.contains("zero_optimization.offload_param.device"), "{m}");
     }
+    // nvme parameter offload needs nvme_path.
+    let mut c = param_config(1, 1, OffloadDevice::Nvme, OffloadDevice::None, &dir);
+    c.zero.offload_param.nvme_path = None;
+    let m = build(c);
+    assert!(
+        m.contains("zero_optimization.offload_param.nvme_path"),
+        "{m}"
+    );
+    // The staging buffers must hold the largest unit shard (1024 elements
+    // and more on one rank).
+    let mut c = param_config(1, 1, OffloadDevice::Nvme, OffloadDevice::None, &dir);
+    c.zero.offload_param.buffer_size = 999;
+    let m = build(c);
+    assert!(
+        m.contains("zero_optimization.offload_param.buffer_size"),
+        "{m}"
+    );
+    // cpu keeps every shard in host memory: max_in_cpu must hold them.
+    let mut c = param_config(1, 1, OffloadDevice::Cpu, OffloadDevice::None, &dir);
+    c.zero.offload_param.max_in_cpu = 100;
+    let m = build(c);
+    assert!(
+        m.contains("zero_optimization.offload_param.max_in_cpu"),
+        "{m}"
+    );
     // A swap file that cannot be created (nvme_path is a file).
     let file = std::env::temp_dir().join(format!("zero-offload-test-{}-file", std::process::id()));
     std::fs::write(&file, b"x").unwrap();
@@ -457,5 +485,299 @@ fn unsupported_offload_settings_name_the_key() {
     let m = build(c);
     assert!(m.contains(&file.display().to_string()), "{m}");
     let _ = std::fs::remove_file(&file);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ---------------------------------------------------------------------------
+// Stage-3 parameter offload
+
+/// Stage 3, GA 2, clipping on, with the parameter shards offloaded to
+/// `param` and the optimizer state to `opt`; a small prefetch window (300
+/// elements: small units are gathered ahead, the 1024-element one only
+/// read ahead from the swap file) and small nvme staging buffers (the largest unit shard, padded, on one rank is
+/// 1024 elements; 4 buffers: 3 reads run ahead).
+fn param_config(
+    world: usize,
+    ga: usize,
+    param: OffloadDevice,
+    opt: OffloadDevice,
+    dir: &Path,
+) -> ResolvedConfig {
+    let mut c = offload_config(world, 3, ga, Precision::Bf16, opt, 97, 3, dir);
+    c.zero.prefetch_bucket_size = 300;
+    let p = &mut c.zero.offload_param;
+    p.device = param;
+    p.buffer_count = 4;
+    p.buffer_size = 1024;
+    if param == OffloadDevice::Nvme {
+        p.nvme_path = Some(dir.join("params"));
+    }
+    c
+}
+
+/// Stage 3 × offload_param {cpu, nvme} × offload_optimizer {none, cpu,
+/// nvme}, world sizes 1–3, GA 2, clipping: the same parameters, master, m,
+/// v, losses and outcomes as the run without any offload, bit for bit;
+/// with and without persistent units.
+#[test]
+fn param_offload_is_bit_identical() {
+    let dir = tmp_dir("param-exact");
+    let steps = 5;
+    for world in 1..=3 {
+        for persistence in [0usize, 200] {
+            let mut base_cfg = config(world, 3, 2, Precision::Bf16);
+            base_cfg.zero.prefetch_bucket_size = 300;
+            base_cfg.zero.param_persistence_threshold = persistence;
+            let base = train(world, &base_cfg, steps, MB);
+            assert_eq!(base.outcomes.len(), steps);
+            for param in [OffloadDevice::Cpu, OffloadDevice::Nvme] {
+                for opt in [OffloadDevice::None, OffloadDevice::Cpu, OffloadDevice::Nvme] {
+                    let mut c = param_config(world, 2, param, opt, &dir);
+                    c.zero.param_persistence_threshold = persistence;
+                    let t = train(world, &c, steps, MB);
+                    let what = format!(
+                        "world {world} persistence {persistence}: offload_param {param:?} \
+                         offload_optimizer {opt:?} vs none"
+                    );
+                    assert_same_run(&base, &t, &what);
+                }
+            }
+        }
+    }
+    // fp32, and fp16 with skipped steps (overflow: nothing is written
+    // back), on 2 ranks.
+    for precision in [Precision::Fp32, Precision::Fp16] {
+        let mut base_cfg = config(2, 3, 2, precision);
+        base_cfg.zero.prefetch_bucket_size = 300;
+        let base = train(2, &base_cfg, 6, MB);
+        for (param, opt) in [
+            (OffloadDevice::Cpu, OffloadDevice::None),
+            (OffloadDevice::Nvme, OffloadDevice::Cpu),
+            (OffloadDevice::Nvme, OffloadDevice::Nvme),
+        ] {
+            let mut c = config(2, 3, 2, precision);
+            c.zero = param_config(2, 2, param, opt, &dir).zero;
+            let t = train(2, &c, 6, MB);
+            let what = format!("{precision:?}: offload_param {param:?} offload_optimizer {opt:?}");
+            assert_same_run(&base, &t, &what);
+        }
+    }
+    let left: Vec<_> = std::fs::read_dir(dir.join("params"))
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "param swap files left behind: {left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With parameter offload the device tier holds no parameter shard (at
+/// build and between steps; gathered units are GatheredParams and are
+/// freed at the end of each micro-batch): the bf16 shards are in the host
+/// tier (cpu) or the nvme tier (nvme), 2 bytes per element of the rank's
+/// shards.
+#[test]
+fn param_offload_keeps_no_params_on_the_device() {
+    let dir = tmp_dir("param-tiers");
+    for world in [1, 2] {
+        for param in [OffloadDevice::Cpu, OffloadDevice::Nvme] {
+            for opt in [OffloadDevice::None, OffloadDevice::Nvme] {
+                let out = ThreadGroup::run(world, |comm| {
+                    let rank = comm.rank();
+                    let c = param_config(world, 1, param, opt, &dir);
+                    let mut b = Engine::builder(c, comm);
+                    let model = Mlp::register(&mut b, DIMS).unwrap();
+                    let mut e = b.build().unwrap();
+                    let psi = e.plan().padded_numel() as u64;
+                    let snap = |e: &Engine<ThreadComm>| {
+                        [Tier::Device, Tier::Host, Tier::Nvme]
+                            .map(|t| e.tracker().current(t, Category::Params))
+                    };
+                    let mut snaps = vec![snap(&e)];
+                    for s in 0..2 {
+                        let (x, y) = batch(((s * world + rank) * MB) as u64, MB, DIMS[0]);
+                        model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                        e.step().unwrap();
+                        snaps.push(snap(&e));
+                    }
+                    let ahead = e.stats().param_reads_ahead;
+                    (psi, snaps, ahead, e.param_swap_path().is_some())
+                })
+                .unwrap();
+                for (psi, snaps, ahead, has_file) in out {
+                    let what = format!("world {world} param {param:?} opt {opt:?}");
+                    let shard = 2 * psi / world as u64;
+                    assert_eq!(has_file, param == OffloadDevice::Nvme, "{what}");
+                    // nvme: the second micro-batch follows the recorded
+                    // order, so shard reads run ahead of the gathers.
+                    assert_eq!(ahead > 0, param == OffloadDevice::Nvme, "{what}: {ahead}");
+                    for [device, host, nvme] in snaps {
+                        assert_eq!(device, 0, "{what}: params on the device tier");
+                        let (want_host, want_nvme) = if param == OffloadDevice::Cpu {
+                            (shard, 0)
+                        } else {
+                            (0, shard)
+                        };
+                        assert_eq!(host, want_host, "{what}");
+                        assert_eq!(nvme, want_nvme, "{what}");
+                    }
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What one rank saw when its parameter swap file was damaged.
+struct ParamDamaged {
+    error: String,
+    completed: usize,
+    path: PathBuf,
+    gather_error: String,
+    step_error: String,
+}
+
+/// 2 ranks, nvme parameter offload (optimizer state `opt`): rank 0's
+/// parameter swap file is truncated (or deleted) before step 3.
+fn param_damaged_run(opt: OffloadDevice, delete: bool, dir: &Path) -> Vec<ParamDamaged> {
+    let world = 2;
+    ThreadGroup::run(world, |comm| {
+        let rank = comm.rank();
+        let c = param_config(world, GA, OffloadDevice::Nvme, opt, dir);
+        let mut b = Engine::builder(c, comm).seed(5);
+        let model = Mlp::register(&mut b, DIMS).unwrap();
+        let mut e = b.build().unwrap();
+        let path = e.param_swap_path().unwrap().to_path_buf();
+        let mut error = String::new();
+        let mut completed = 0;
+        'steps: for s in 0..6 {
+            if s == 2 && rank == 0 {
+                if delete {
+                    std::fs::remove_file(&path).unwrap();
+                } else {
+                    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+                    f.set_len(4096).unwrap();
+                }
+            }
+            for m in 0..GA {
+                let first = (((s * GA + m) * world + rank) * MB) as u64;
+                let (x, y) = batch(first, MB, DIMS[0]);
+                // The micro-batch runs (a failed read feeds zeros, so that
+                // no rank leaves the collectives); step reports it.
+                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                match e.step() {
+                    Ok(o) => completed += usize::from(o.boundary),
+                    Err(err) => {
+                        error = err.to_string();
+                        break 'steps;
+                    }
+                }
+            }
+        }
+        let u = e.unit_ids()[0];
+        let gather_error = match e.gather(u) {
+            Ok(()) => String::new(),
+            Err(err) => err.to_string(),
+        };
+        let step_error = match e.step() {
+            Ok(_) => String::new(),
+            Err(err) => err.to_string(),
+        };
+        ParamDamaged {
+            error,
+            completed,
+            path,
+            gather_error,
+            step_error,
+        }
+    })
+    .unwrap()
+}
+
+/// A truncated or deleted parameter swap file: the step fails on every
+/// rank (rank 0's error names its file, rank 1's names rank 0), nothing
+/// panics or hangs, and later gathers and steps refuse with a message
+/// about the swap-file error (the shards lived only in the files).
+#[test]
+fn param_swap_faults_are_errors_naming_the_file() {
+    let dir = tmp_dir("param-faults");
+    for opt in [OffloadDevice::None, OffloadDevice::Cpu, OffloadDevice::Nvme] {
+        for delete in [false, true] {
+            let what = format!("opt {opt:?} delete {delete}");
+            let ranks = param_damaged_run(opt, delete, &dir);
+            let r0 = &ranks[0];
+            let path = r0.path.display().to_string();
+            assert!(r0.error.contains(&path), "{what}: `{}`", r0.error);
+            let words = if delete { "deleted" } else { "truncated" };
+            assert!(r0.error.contains(words), "{what}: `{}`", r0.error);
+            assert!(
+                ranks[1].error.contains("parameter swap file of rank 0"),
+                "{what}: `{}`",
+                ranks[1].error
+            );
+            for (r, d) in ranks.iter().enumerate() {
+                assert_eq!(d.completed, 2, "{what} rank {r}");
+                assert!(
+                    d.gather_error.contains("parameters are lost"),
+                    "{what} rank {r}: `{}`",
+                    d.gather_error
+                );
+                assert!(
+                    d.step_error.contains("swap-file error"),
+                    "{what} rank {r}: `{}`",
+                    d.step_error
+                );
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// cpu parameter offload with an nvme optimizer whose swap file breaks:
+/// the parameter shards are written home only after every rank's
+/// optimizer step succeeded, so the parameters of the last completed step
+/// stay readable with gather/params.
+#[test]
+fn cpu_param_offload_keeps_params_after_an_optimizer_swap_fault() {
+    let dir = tmp_dir("param-opt-fault");
+    let world = 2;
+    let ranks = ThreadGroup::run(world, |comm| {
+        let rank = comm.rank();
+        let c = param_config(world, GA, OffloadDevice::Cpu, OffloadDevice::Nvme, &dir);
+        let mut b = Engine::builder(c, comm).seed(5);
+        let model = Mlp::register(&mut b, DIMS).unwrap();
+        let mut e = b.build().unwrap();
+        let path = e.optimizer_swap_path().unwrap().to_path_buf();
+        let mut completed = 0;
+        let mut error = String::new();
+        'steps: for s in 0..6 {
+            if s == 2 && rank == 0 {
+                let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+                f.set_len(4096).unwrap();
+            }
+            for m in 0..GA {
+                let first = (((s * GA + m) * world + rank) * MB) as u64;
+                let (x, y) = batch(first, MB, DIMS[0]);
+                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                match e.step() {
+                    Ok(o) => completed += usize::from(o.boundary),
+                    Err(err) => {
+                        error = err.to_string();
+                        break 'steps;
+                    }
+                }
+            }
+        }
+        (completed, error, path, read_params(&mut e))
+    })
+    .unwrap();
+    let reference = reference_params(3, 2);
+    for (r, (completed, error, path, params)) in ranks.into_iter().enumerate() {
+        assert_eq!(completed, 2, "rank {r}");
+        if r == 0 {
+            assert!(error.contains(&path.display().to_string()), "`{error}`");
+        } else {
+            assert!(error.contains("swap file of rank 0"), "`{error}`");
+        }
+        assert_eq!(params, reference[r], "rank {r}: parameters");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -103,6 +103,27 @@ impl DynBuf {
         with_buf!(self, dst => store(src, &mut dst[d..d + src.len()], false))
     }
 
+    /// Copies the buffer's bytes (all `len` elements) to the start of `dst`.
+    pub(crate) fn copy_to_bytes(&self, dst: &mut [u8]) {
+        with_buf!(self, b => {
+            let s: &[u8] = bytemuck::cast_slice(&b[..]);
+            dst[..s.len()].copy_from_slice(s);
+        })
+    }
+
+    /// Copies raw bytes of this buffer's dtype into `self[d..]`.
+    pub(crate) fn store_bytes(&mut self, d: usize, src: &[u8]) {
+        let n = src.len() / self.dtype().size_in_bytes();
+        with_buf!(self, b => {
+            bytemuck::cast_slice_mut::<_, u8>(&mut b[d..d + n]).copy_from_slice(src);
+        })
+    }
+
+    /// Zeroes `len` elements from `d`.
+    pub(crate) fn zero_range(&mut self, d: usize, len: usize) {
+        with_buf!(self, b => b[d..d + len].fill(Element::from_f32(0.0)));
+    }
+
     /// Sum-reduces the whole buffer over all ranks.
     pub(crate) fn all_reduce<C: Communicator>(self, comm: &C) -> Work<DynBuf> {
         match self {

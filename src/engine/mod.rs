@@ -60,9 +60,34 @@
 //! [`Engine::gather`], [`Engine::params`] and [`Engine::release`] keep
 //! working and give the parameters of the last completed step.
 
+//!
+//! # Parameter offload (ZeRO-Infinity, stage 3)
+//! With `zero_optimization.offload_param.device` `"cpu"` or `"nvme"`
+//! (stage 3 only; other stages refuse it with an error naming the key),
+//! the rank's shard of every unit, in the parameter dtype, lives in a
+//! host pool (`cpu`, `pin_memory` honoured) or in the rank's parameter
+//! swap file under `offload_param.nvme_path` (`nvme`), never on the device
+//! tier. A gather copies the shard into the gathered unit (with `nvme`
+//! from a read issued further ahead along the recorded order than the
+//! all-gather prefetch, through `buffer_count` staging buffers of
+//! `buffer_size` elements), and the optimizer step writes the updated
+//! shard back home. Results are bit-identical to those without offload,
+//! with any optimizer offload. See `src/engine/param_offload.rs`.
+//!
+//! A parameter swap-file error (a failed read in a micro-batch, a
+//! truncated or deleted file, a failed write-back) fails the next
+//! [`Engine::step`] on every rank (the rank whose file failed names it);
+//! the micro-batch that saw a failed read ran on zeros for that shard and
+//! nothing of it is applied. The shards live only in the files, so from
+//! then on [`Engine::gather`] refuses as well ("the parameters are lost").
+//! With `offload_param` `"cpu"` and an optimizer swap-file error, the
+//! shards are written home only after every rank's optimizer step
+//! succeeded: the parameters of the last completed step stay readable.
+
 mod dynbuf;
 mod init;
 mod offload;
+mod param_offload;
 mod stage3;
 
 use std::collections::{HashMap, VecDeque};
@@ -82,6 +107,7 @@ use dynbuf::DynBuf;
 pub use init::Init;
 use init::{fnv1a, mix};
 use offload::{Offload, UnitRanges};
+use param_offload::ParamOffload;
 use stage3::Stage3;
 
 /// A registered unit of one engine.
@@ -142,6 +168,9 @@ pub struct EngineStats {
     pub prefetches: u64,
     /// Stage 3: gathers that found their unit already resident or in flight.
     pub prefetch_hits: u64,
+    /// Stage 3 with `offload_param.device = "nvme"`: gathers whose shard
+    /// read from the swap file was issued ahead of them.
+    pub param_reads_ahead: u64,
 }
 
 /// The full (unsharded) state of one unit, read out for evaluation and
@@ -248,8 +277,30 @@ pub struct Engine<C: Communicator> {
     /// nvme).
     offload: Option<Offload>,
     /// The first swap-file error: the optimizer state is lost, the
-    /// parameters of the last completed step stay readable.
+    /// parameters of the last completed step stay readable (unless
+    /// `params_lost`).
     swap_failed: Option<String>,
+    /// Stage 3 parameter offload (`offload_param.device` cpu or nvme): the
+    /// home of every unit's shard.
+    poff: Option<ParamOffload>,
+    /// A parameter swap-file error: the shards cannot be read any more, so
+    /// `gather` refuses too.
+    params_lost: bool,
+}
+
+/// Every rank learns whether every rank could set up `what`, so that all
+/// fail together instead of hanging in the next collective: this rank's own
+/// error, or one naming the first rank that failed.
+fn agree_on_setup<C: Communicator, T>(comm: &C, built: Result<T>, what: &str) -> Result<T> {
+    let verdict = exchange_words(comm, &[u64::from(built.is_err())])?;
+    let ok = built?;
+    match verdict.iter().position(|w| w[0] != 0) {
+        Some(r) => Err(Error::Usage {
+            rank: comm.rank(),
+            what: format!("rank {r} could not set up its {what}; rank {r}'s error says why)"),
+        }),
+        None => Ok(ok),
+    }
 }
 
 static NEXT_ENGINE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -390,6 +441,10 @@ impl<C: Communicator> EngineBuilder<C> {
         let ga = cfg.gradient_accumulation_steps;
         let offloading = cfg.zero.offload_optimizer.device != OffloadDevice::None;
         let alias = stage <= 1 && adt == pdt && ga == 1 && !offloading;
+        let param_offloading = stage == 3 && cfg.zero.offload_param.device != OffloadDevice::None;
+        if param_offloading {
+            check_param_offload(&cfg, &plan)?;
+        }
         let mut masters = Vec::new();
         let mut ranges = Vec::new();
 
@@ -432,7 +487,9 @@ impl<C: Communicator> EngineBuilder<C> {
                 track(Tier::Device, Category::Master, (state_len * 4) as u64);
                 track(Tier::Device, Category::Moments, (state_len * 8) as u64);
             }
-            track(Tier::Device, Category::Params, params.capacity_bytes());
+            if !param_offloading {
+                track(Tier::Device, Category::Params, params.capacity_bytes());
+            }
             let grad = if stage <= 1 {
                 let g = DynBuf::alloc(&comm, pdt, full)?;
                 track(Tier::Device, Category::Grads, g.capacity_bytes());
@@ -513,20 +570,28 @@ impl<C: Communicator> EngineBuilder<C> {
             let built = Offload::new(&cfg, rank, pdt, ranges, &views, &tracker, swap_faults);
             drop(views);
             drop(masters);
-            // Every rank learns whether every rank could set up its
-            // offload, so that all fail together instead of hanging.
-            let verdict = exchange_words(&comm, &[u64::from(built.is_err())])?;
-            let off = built?;
-            if let Some(r) = verdict.iter().position(|w| w[0] != 0) {
-                return Err(Error::Usage {
-                    rank,
-                    what: format!(
-                        "rank {r} could not set up its optimizer offload \
-                         (zero_optimization.offload_optimizer; rank {r}'s error says why)"
-                    ),
-                });
-            }
-            Some(off)
+            Some(agree_on_setup(
+                &comm,
+                built,
+                "optimizer offload (zero_optimization.offload_optimizer",
+            )?)
+        } else {
+            None
+        };
+        let poff = if param_offloading {
+            let init: Vec<DynBuf> = units
+                .iter_mut()
+                .map(|u| u.params.take().expect("params are home at build"))
+                .collect();
+            let views: Vec<&DynBuf> = init.iter().collect();
+            let built = ParamOffload::new(&cfg, rank, pdt, &views, &tracker);
+            drop(views);
+            drop(init);
+            Some(agree_on_setup(
+                &comm,
+                built,
+                "parameter offload (zero_optimization.offload_param",
+            )?)
         } else {
             None
         };
@@ -575,10 +640,17 @@ impl<C: Communicator> EngineBuilder<C> {
             adam,
             offload,
             swap_failed: None,
+            poff,
+            params_lost: false,
             cfg,
         };
         if let Some(off) = &engine.offload {
             for w in off.warnings() {
+                engine.warn(w);
+            }
+        }
+        if let Some(po) = &engine.poff {
+            for w in po.warnings() {
                 engine.warn(w);
             }
         }
@@ -613,13 +685,17 @@ fn check_offload(cfg: &ResolvedConfig) -> Result<()> {
                 ),
             ));
         }
-        return Err(Error::Unsupported {
-            what: format!(
-                "config key `{OP}.device` is \"{}\": parameter offload is not implemented yet; \
-                 use \"none\" (optimizer offload, `{OO}.device`, is)",
-                name(op.device)
-            ),
-        });
+        if op.device == OffloadDevice::Nvme
+            && op
+                .nvme_path
+                .as_ref()
+                .is_none_or(|p| p.as_os_str().is_empty())
+        {
+            return Err(config(
+                format!("{OP}.nvme_path"),
+                "required when device is \"nvme\": a directory on the NVMe drive".into(),
+            ));
+        }
     }
     let oo = &cfg.zero.offload_optimizer;
     if oo.device == OffloadDevice::None {
@@ -646,6 +722,37 @@ fn check_offload(cfg: &ResolvedConfig) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// The parameter-offload settings that depend on the units: `buffer_size`
+/// (nvme) must hold the largest unit shard; `max_in_cpu` (cpu) must hold
+/// every shard of the rank (all of them live in host memory).
+fn check_param_offload(cfg: &ResolvedConfig, plan: &PartitionPlan) -> Result<()> {
+    const OP: &str = "zero_optimization.offload_param";
+    let config = |key: String, msg: String| Error::Core(zero_core::Error::Config { key, msg });
+    let op = &cfg.zero.offload_param;
+    let largest = plan.units().iter().map(|u| u.shard_len).max().unwrap_or(0);
+    let total: usize = plan.units().iter().map(|u| u.shard_len).sum();
+    match op.device {
+        OffloadDevice::Nvme if op.buffer_size < largest => Err(config(
+            format!("{OP}.buffer_size"),
+            format!(
+                "{} elements cannot hold the largest unit shard ({largest} elements); \
+                 raise it to at least {largest}",
+                op.buffer_size
+            ),
+        )),
+        OffloadDevice::Cpu if op.max_in_cpu < total => Err(config(
+            format!("{OP}.max_in_cpu"),
+            format!(
+                "{} elements, but with device \"cpu\" every parameter shard of the rank \
+                 ({total} elements) lives in host memory; raise it to at least {total} or use \
+                 device \"nvme\"",
+                op.max_in_cpu
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Whether gradient reductions overlap the backward pass: stage 0 always
@@ -810,6 +917,14 @@ impl<C: Communicator> Engine<C> {
         self.offload.as_ref().and_then(|o| o.swap_path())
     }
 
+    /// This rank's parameter swap file (`offload_param.device = "nvme"`,
+    /// stage 3), named `zero-swap-params-rank<r>-<run id>.swp` under
+    /// `offload_param.nvme_path` and removed when the engine is dropped;
+    /// `None` otherwise.
+    pub fn param_swap_path(&self) -> Option<&std::path::Path> {
+        self.poff.as_ref().and_then(|p| p.swap_path())
+    }
+
     /// The memory tracker (the trainer reports activations through it).
     pub fn tracker(&self) -> &MemoryTracker {
         &self.tracker
@@ -927,6 +1042,14 @@ impl<C: Communicator> Engine<C> {
 
     fn gather_inner(&mut self, unit: UnitId) -> Result<()> {
         let i = self.check(unit, "gather")?;
+        if self.params_lost {
+            let first = self.swap_failed.clone().unwrap_or_default();
+            return Err(self.usage(format!(
+                "gather(`{}`): the parameters are lost with the parameter swap file \
+                 (offload_param.device \"nvme\"): {first}",
+                self.name(i)
+            )));
+        }
         if self.stage == 3 {
             let t = Instant::now();
             self.s3_gather(i)?;
@@ -1036,7 +1159,7 @@ impl<C: Communicator> Engine<C> {
             Some(off) => {
                 let local = off.read_unit(i);
                 if off.is_nvme() {
-                    self.swap_verdict(local.as_ref().err())?;
+                    self.swap_verdict(local.as_ref().err(), "optimizer")?;
                 }
                 let (master, m, v) = local?;
                 (
@@ -1046,6 +1169,19 @@ impl<C: Communicator> Engine<C> {
                 )
             }
         };
+        if let Some(po) = &self.poff {
+            let local = po.shard_f32(i, self.pdt);
+            if po.is_nvme() {
+                self.swap_verdict(local.as_ref().err(), "parameter")?;
+            }
+            let params = gather_f32(self, &local?)?;
+            return Ok(UnitState {
+                params,
+                master,
+                m,
+                v,
+            });
+        }
         let u = &self.units[i];
         let mut params = Vec::with_capacity(numel);
         let p = u
@@ -1414,6 +1550,7 @@ impl<C: Communicator> Engine<C> {
         if self.stage == 3 {
             self.s3_end_micro_batch()?;
         }
+        self.param_swap_check()?;
         self.micro += 1;
         if self.micro < self.cfg.gradient_accumulation_steps {
             self.last = StepOutcome {
@@ -1507,6 +1644,9 @@ impl<C: Communicator> Engine<C> {
         if self.offload.is_some() {
             return self.offload_typed::<G, P>(k);
         }
+        if self.poff.is_some() {
+            return self.adamw_param_offload::<G, P>(k);
+        }
         let ranges: Vec<_> = (0..self.units.len()).map(|i| self.ranges(i)).collect();
         let mut parts = Vec::with_capacity(self.units.len());
         for (u, (state, grad, params)) in self.units.iter_mut().zip(ranges) {
@@ -1524,36 +1664,181 @@ impl<C: Communicator> Engine<C> {
         Ok(())
     }
 
+    /// AdamW with the optimizer state on the device tier and the parameter
+    /// shards offloaded: with `cpu` AdamW writes the parameters straight
+    /// into their host buffers (one parallel region, as without offload);
+    /// with `nvme` unit by unit into a staging buffer that is then written
+    /// to the unit's swap region (AdamW is elementwise, so the bits are
+    /// the same).
+    fn adamw_param_offload<G: Element, P: Element>(&mut self, k: &AdamWStep) -> Result<()> {
+        let ranges: Vec<_> = (0..self.units.len()).map(|i| self.ranges(i)).collect();
+        let Engine {
+            units, poff, adam, ..
+        } = self;
+        let Some(po) = poff.as_mut() else {
+            return Ok(());
+        };
+        if let Some(homes) = po.host_shards::<P>()? {
+            let mut parts = Vec::with_capacity(units.len());
+            for ((u, (state, grad, params)), home) in units.iter_mut().zip(ranges).zip(homes) {
+                let g = u.acc.as_ref().or(u.grad.as_ref()).expect("a gradient home");
+                parts.push(AdamWSlices {
+                    master: &mut u.master[state.clone()],
+                    grad: &g.slice::<G>().expect("one gradient dtype")[grad],
+                    m: &mut u.m[state.clone()],
+                    v: &mut u.v[state],
+                    low: Some(&mut home[params]),
+                });
+            }
+            adam.step_many(k, parts)?;
+            return Ok(());
+        }
+        let mut r = Ok(());
+        for (i, (u, (state, grad, params))) in units.iter_mut().zip(ranges).enumerate() {
+            let g = u.acc.as_ref().or(u.grad.as_ref()).expect("a gradient home");
+            let g = &g.slice::<G>().expect("one gradient dtype")[grad];
+            let (master, m, v) = (&mut u.master, &mut u.m, &mut u.v);
+            r = po.write_with::<P>(i, |home| {
+                let part = AdamWSlices {
+                    master: &mut master[state.clone()],
+                    grad: g,
+                    m: &mut m[state.clone()],
+                    v: &mut v[state],
+                    low: Some(&mut home[params]),
+                };
+                adam.step_many(k, vec![part])?;
+                Ok(())
+            });
+            if r.is_err() {
+                break;
+            }
+        }
+        let flushed = po.flush();
+        self.param_write_verdict(r.and(flushed))
+    }
+
+    /// nvme parameter offload, after the write-back of a step: every rank
+    /// learns whether every rank's writes worked. On an error anywhere the
+    /// engine is failed and the parameters are lost (some units were
+    /// written, others not).
+    fn param_write_verdict(&mut self, r: Result<()>) -> Result<()> {
+        if !self.poff.as_ref().is_some_and(ParamOffload::is_nvme) {
+            return r;
+        }
+        let verdict = exchange_words(&self.comm, &[u64::from(r.is_err())])?;
+        if let Err(e) = r {
+            self.swap_failed = Some(e.to_string());
+            self.params_lost = true;
+            return Err(e);
+        }
+        if let Some(bad) = verdict.iter().position(|w| w[0] != 0) {
+            let msg = format!(
+                "the parameter swap file of rank {bad} failed in step {} (rank {bad}'s error \
+                 names the file); the parameters are lost",
+                self.steps + 1
+            );
+            self.swap_failed = Some(msg.clone());
+            self.params_lost = true;
+            return Err(self.usage(msg));
+        }
+        Ok(())
+    }
+
+    /// nvme parameter offload, at the end of every micro-batch: every rank
+    /// learns whether every rank could read its parameter shards in it
+    /// (a failed read fed zeros to the gather so that no rank left the
+    /// collectives) and whether its swap file is intact. On an error
+    /// anywhere nothing is updated, the engine is failed and the
+    /// parameters are lost.
+    fn param_swap_check(&mut self) -> Result<()> {
+        let Some(po) = self.poff.as_mut().filter(|p| p.is_nvme()) else {
+            return Ok(());
+        };
+        let r = po.check();
+        let verdict = exchange_words(&self.comm, &[u64::from(r.is_err())])?;
+        if let Err(e) = r {
+            self.swap_failed = Some(e.to_string());
+            self.params_lost = true;
+            return Err(e);
+        }
+        if let Some(bad) = verdict.iter().position(|w| w[0] != 0) {
+            let msg = format!(
+                "the parameter swap file of rank {bad} could not be read in step {} (rank \
+                 {bad}'s error names the file); nothing was updated and the parameters are lost",
+                self.steps + 1
+            );
+            self.swap_failed = Some(msg.clone());
+            self.params_lost = true;
+            return Err(self.usage(msg));
+        }
+        Ok(())
+    }
+
+    /// Writes the updated shards from the optimizer offload's staging
+    /// buffer to their home (parameter offload with optimizer offload).
+    fn param_write_back<P: Element>(&mut self) -> Result<()> {
+        let (Some(off), Some(po)) = (self.offload.as_ref(), self.poff.as_mut()) else {
+            return Ok(());
+        };
+        let mut r = Ok(());
+        for i in 0..self.units.len() {
+            let src = match off.staged::<P>(i) {
+                Ok(s) => s,
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
+            };
+            r = po.write_with::<P>(i, |home| {
+                home.copy_from_slice(src);
+                Ok(())
+            });
+            if r.is_err() {
+                break;
+            }
+        }
+        let flushed = po.flush();
+        self.param_write_verdict(r.and(flushed))
+    }
+
     /// AdamW on the offloaded optimizer state, tile by tile (see
     /// [`offload`]). With nvme, every rank learns whether every rank's swap
     /// file worked before any parameter changes: on an error anywhere, no
     /// rank's parameters change, and the engine is failed.
     fn offload_typed<G: Element, P: Element>(&mut self, k: &AdamWStep) -> Result<()> {
+        let param_home = self.poff.is_some();
         let Some(off) = self.offload.as_mut() else {
             return Ok(());
         };
-        let (grads, mut params): (Vec<&[G]>, Vec<&mut [P]>) = self
-            .units
-            .iter_mut()
-            .map(|u| {
-                let Unit { acc, params, .. } = u;
-                let acc: &Option<DynBuf> = acc;
-                (
-                    acc.as_ref()
-                        .expect("offload keeps an accumulation buffer")
-                        .slice::<G>()
-                        .expect("one gradient dtype"),
-                    params
-                        .as_mut()
+        let mut grads: Vec<&[G]> = Vec::with_capacity(self.units.len());
+        let mut params: Vec<&mut [P]> = Vec::with_capacity(self.units.len());
+        for u in self.units.iter_mut() {
+            let Unit { acc, params: p, .. } = u;
+            let acc: &Option<DynBuf> = acc;
+            grads.push(
+                acc.as_ref()
+                    .expect("offload keeps an accumulation buffer")
+                    .slice::<G>()
+                    .expect("one gradient dtype"),
+            );
+            // With parameter offload the shards are not here: the updated
+            // parameters stay in the staging buffer and are written back
+            // to their home below.
+            if !param_home {
+                params.push(
+                    p.as_mut()
                         .expect("params are home")
                         .slice_mut::<P>()
                         .expect("the parameter dtype"),
-                )
-            })
-            .collect();
+                );
+            }
+        }
         let r = off.step(&self.adam, k, &grads, &mut params);
         if !off.is_nvme() {
-            return r;
+            drop(grads);
+            drop(params);
+            r?;
+            return self.param_write_back::<P>();
         }
         drop(grads);
         let verdict = exchange_words(&self.comm, &[u64::from(r.is_err())])?;
@@ -1573,12 +1858,14 @@ impl<C: Communicator> Engine<C> {
                 what: msg,
             });
         }
-        off.commit(&mut params)
+        off.commit(&mut params)?;
+        drop(params);
+        self.param_write_back::<P>()
     }
 
     /// Outside the step (`unit_state`): every rank learns whether every
     /// rank could read its swap file; on an error the engine is failed.
-    fn swap_verdict(&mut self, local: Option<&Error>) -> Result<()> {
+    fn swap_verdict(&mut self, local: Option<&Error>, what: &str) -> Result<()> {
         let verdict = exchange_words(&self.comm, &[u64::from(local.is_some())])?;
         if let Some(e) = local {
             self.swap_failed = Some(e.to_string());
@@ -1586,7 +1873,7 @@ impl<C: Communicator> Engine<C> {
         }
         if let Some(bad) = verdict.iter().position(|w| w[0] != 0) {
             let msg = format!(
-                "the optimizer swap file of rank {bad} could not be read (rank {bad}'s error \
+                "the {what} swap file of rank {bad} could not be read (rank {bad}'s error \
                  names the file)"
             );
             self.swap_failed = Some(msg.clone());

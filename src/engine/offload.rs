@@ -288,7 +288,7 @@ impl Offload {
     /// One AdamW step over every tile. `grads[i]` is unit `i`'s accumulated
     /// gradient (its state range), `params[i]` its parameter buffer.
     /// With `cpu` the updated parameters are copied out as the pipeline
-    /// goes; with `nvme` they stay in the staging buffer until
+    /// goes (not at all when `params` is empty: parameter offload); with `nvme` they stay in the staging buffer until
     /// [`Offload::commit`].
     pub(crate) fn step<G: Element, P: Element>(
         &mut self,
@@ -316,11 +316,15 @@ impl Offload {
                     // the gradient shard is already in host memory.
                     update_tile(adam, k, tile, bufs[t].as_mut_slice_of()?, grads, staging)?;
                     if let Some(done) = behind.replace(t) {
-                        copy_out(&tiles[done], units, unit_off, staging, params);
+                        if !params.is_empty() {
+                            copy_out(&tiles[done], units, unit_off, staging, params);
+                        }
                     }
                 }
                 if let Some(done) = behind {
-                    copy_out(&tiles[done], units, unit_off, staging, params);
+                    if !params.is_empty() {
+                        copy_out(&tiles[done], units, unit_off, staging, params);
+                    }
                 }
                 Ok(())
             }
@@ -335,11 +339,24 @@ impl Offload {
     /// parameter buffers (after an `nvme` step that succeeded on every
     /// rank).
     pub(crate) fn commit<P: Element>(&mut self, params: &mut [&mut [P]]) -> Result<()> {
+        if params.is_empty() {
+            return Ok(());
+        }
         let staging = self.staging.as_slice_of::<P>()?;
         for tile in &self.tiles {
             copy_out(tile, &self.units, &self.unit_off, staging, params);
         }
         Ok(())
+    }
+
+    /// Unit `i`'s updated parameters over its state range (stage 3: its
+    /// whole shard, padding included, as zeros), from the staging buffer
+    /// of the last step. With parameter offload the engine passes no
+    /// parameter buffers to [`Offload::step`] and writes these back to the
+    /// shards' home instead.
+    pub(crate) fn staged<P: Element>(&self, i: usize) -> Result<&[P]> {
+        let off = self.unit_off[i];
+        Ok(&self.staging.as_slice_of::<P>()?[off..off + self.units[i].state_len])
     }
 
     /// Unit `i`'s state range: `(master, m, v)`, padding included.

@@ -30,6 +30,7 @@ use zero_core::memory::{Allocation, Category, Tier};
 use zero_core::partition::PartitionPlan;
 
 use super::dynbuf::DynBuf;
+use super::param_offload::NVME_EXTRA_AHEAD;
 use super::{ring_bytes, Engine};
 use crate::Result;
 
@@ -99,8 +100,18 @@ impl<C: Communicator> Engine<C> {
                 }
             }
         };
-        let own = self.units[i].params.as_ref().expect("shards are home");
-        buf.store_from(self.rank * shard, own, 0, shard, false);
+        match self.poff.as_mut() {
+            // Parameter offload: host → the rank's slot of the gathered
+            // (device-tier) buffer, or the swap read issued ahead.
+            Some(po) => {
+                self.stats.param_reads_ahead += u64::from(po.has_read(i));
+                po.load_into(i, &mut buf, self.rank * shard);
+            }
+            None => {
+                let own = self.units[i].params.as_ref().expect("shards are home");
+                buf.store_from(self.rank * shard, own, 0, shard, false);
+            }
+        }
         self.stats.peak_live_elems = self.stats.peak_live_elems.max(self.s3.live);
         self.stats.gather_bytes += ring_bytes(padded, self.world, self.pdt);
         self.s3.inflight[i] = Some(buf.all_gather(&self.comm, &vec![shard; self.world]));
@@ -187,10 +198,13 @@ impl<C: Communicator> Engine<C> {
             return Ok(());
         };
         let mut ahead = 0;
-        for &j in &trace[self.s3.pos.min(trace.len())..] {
+        let rest = &trace[self.s3.pos.min(trace.len())..];
+        let mut covered = rest.len();
+        for (k, &j) in rest.iter().enumerate() {
             let n = self.units[j].layout.padded_numel;
             ahead += n;
             if ahead > window {
+                covered = k;
                 break;
             }
             if self.s3.full[j].is_some() || self.s3.inflight[j].is_some() {
@@ -201,6 +215,19 @@ impl<C: Communicator> Engine<C> {
             }
             self.s3_launch(j)?;
             self.stats.prefetches += 1;
+        }
+        // nvme parameter offload: the swap reads run further ahead than
+        // the all-gathers (NVMe latency), within the staging buffers.
+        if let Some(po) = self.poff.as_mut().filter(|p| p.is_nvme()) {
+            let reach = (covered + NVME_EXTRA_AHEAD).min(rest.len());
+            for &j in &rest[..reach] {
+                if self.s3.full[j].is_some() || self.s3.inflight[j].is_some() {
+                    continue;
+                }
+                if !po.read_ahead(j) {
+                    break;
+                }
+            }
         }
         Ok(())
     }
@@ -238,6 +265,9 @@ impl<C: Communicator> Engine<C> {
         }
         self.s3.pos = 0;
         self.s3.on_track = true;
+        if let Some(po) = self.poff.as_mut() {
+            po.drain_reads();
+        }
         for i in 0..self.units.len() {
             self.s3_wait(i)?;
             if !self.s3.persistent[i] {

@@ -1,0 +1,372 @@
+//! Stage-3 parameter offload (`zero_optimization.offload_param.device`
+//! `"cpu"` or `"nvme"`, ZeRO-Infinity): the rank's shard of every unit, in
+//! the parameter dtype, lives in host memory or in the rank's parameter
+//! swap file instead of the device tier.
+//!
+//! # Layout
+//!
+//! ```text
+//!  cpu:   one HostPool buffer per unit shard, resident (pin_memory honoured)
+//!  nvme:  one swap-file region per unit shard ("unit<i>"), and buffer_count
+//!         HostPool staging buffers of buffer_size elements (at most the
+//!         largest unit shard: a larger buffer_size allocates no more) for
+//!         reads and write-backs
+//! ```
+//!
+//! # Fetch
+//!
+//! A gather copies the rank's shard from its home into its slot of the
+//! gathered (device-tier) unit buffer and all-gathers it. With `cpu` the
+//! copy runs when the gather is launched, i.e. at prefetch time along the
+//! recorded order. With `nvme` the swap read is issued further ahead than
+//! the gather prefetch (the units of the prefetch window plus
+//! [`NVME_EXTRA_AHEAD`] more), into one of the staging buffers; the launch
+//! waits for it. One staging buffer is always left for on-demand reads, so
+//! at most `buffer_count - 1` reads run ahead.
+//!
+//! # Write-back
+//!
+//! After the optimizer step the updated shard goes back to its home: with
+//! `cpu` AdamW writes it straight into the host buffer (or it is copied
+//! from the optimizer offload's staging buffer); with `nvme` each unit's
+//! shard is written through a staging buffer, up to `buffer_count` writes
+//! in flight. Persistent units (`stage3_param_persistence_threshold`)
+//! keep their home here too; their gathered copy stays on the device tier
+//! (as `GatheredParams`) and is refreshed from the home after each step.
+//!
+//! `max_in_cpu`: with `cpu` every shard is in host memory, so a
+//! `max_in_cpu` smaller than the rank's total shard is a config error;
+//! with `nvme` no shard is cached in host memory (only the staging
+//! buffers), so `max_in_cpu` is not used.
+
+use std::collections::VecDeque;
+
+use zero_core::config::{OffloadDevice, ResolvedConfig};
+use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
+use zero_core::{DType, Element};
+use zero_offload::{
+    AlignedBuf, HostPool, HostPoolOptions, IoTicket, PooledBuffer, RegionId, RegionSpec, SwapFile,
+    SwapOptions,
+};
+
+use super::dynbuf::DynBuf;
+use crate::{Error, Result};
+
+/// Units read ahead beyond the gather prefetch window with `nvme`.
+pub(crate) const NVME_EXTRA_AHEAD: usize = 2;
+
+enum Home {
+    Host(Vec<PooledBuffer>),
+    Nvme {
+        swap: SwapFile,
+        regions: Vec<RegionId>,
+    },
+}
+
+/// The offloaded parameter shards of one rank.
+pub(crate) struct ParamOffload {
+    /// Bytes of each unit's shard.
+    bytes: Vec<usize>,
+    pool: HostPool,
+    home: Home,
+    /// nvme: reads issued ahead of the gather, per unit.
+    reads: Vec<Option<IoTicket<PooledBuffer>>>,
+    /// nvme: reads in flight ahead.
+    pending: usize,
+    /// nvme: most reads ahead (`buffer_count - 1`).
+    max_ahead: usize,
+    /// nvme: write-backs in flight.
+    writes: VecDeque<IoTicket<PooledBuffer>>,
+    /// The first read error of this rank (reported at the next step).
+    pub(crate) failed: Option<Error>,
+    _allocs: Vec<Allocation>,
+}
+
+impl ParamOffload {
+    /// Builds the homes and stores the initial shards (`init[i]` is unit
+    /// `i`'s shard, padding included).
+    pub(crate) fn new(
+        cfg: &ResolvedConfig,
+        rank: usize,
+        pdt: DType,
+        init: &[&DynBuf],
+        tracker: &MemoryTracker,
+    ) -> Result<ParamOffload> {
+        let op = &cfg.zero.offload_param;
+        let size = pdt.size_in_bytes();
+        let bytes: Vec<usize> = init.iter().map(|b| b.len() * size).collect();
+        let total: u64 = bytes.iter().map(|&b| b as u64).sum();
+        let nvme = op.device == OffloadDevice::Nvme;
+        let buffer_count = op.buffer_count.max(1);
+        let sizes: Vec<usize> = if nvme {
+            // buffer_size (checked to hold the largest shard) is an upper
+            // bound: no buffer is made larger than the largest shard.
+            let largest = bytes.iter().copied().max().unwrap_or(0);
+            vec![op.buffer_size.saturating_mul(size).min(largest).max(1); buffer_count]
+        } else {
+            bytes.iter().map(|&b| b.max(1)).collect()
+        };
+        let pool = HostPool::new(
+            &sizes,
+            HostPoolOptions {
+                name: format!("rank {rank} parameter offload"),
+                pin_memory: op.pin_memory,
+                ..HostPoolOptions::default()
+            },
+        )?;
+        let mut allocs = Vec::new();
+        let home = if nvme {
+            let dir = op.nvme_path.clone().unwrap_or_default();
+            let mut options = SwapOptions::from_aio(dir, rank, &cfg.zero.aio);
+            options.tag = "params".into();
+            let specs: Vec<RegionSpec> = bytes
+                .iter()
+                .enumerate()
+                .map(|(i, &b)| RegionSpec::new(format!("unit{i}"), b.max(1) as u64))
+                .collect();
+            let swap = SwapFile::create(options, &specs)?;
+            let mut regions = Vec::with_capacity(bytes.len());
+            for (i, src) in init.iter().enumerate() {
+                let id = swap.region(&specs[i].name)?;
+                let mut buf = pool.acquire(bytes[i].max(1))?;
+                buf.fill(0);
+                src.copy_to_bytes(&mut buf[..bytes[i]]);
+                drop(swap.write(id, buf).wait().map_err(|e| e.error)?);
+                regions.push(id);
+            }
+            swap.verify()?;
+            allocs.push(tracker.allocate(Tier::Nvme, Category::Params, total));
+            allocs.push(tracker.allocate(
+                Tier::Nvme,
+                Category::CommBuffers,
+                swap.file_len().saturating_sub(total),
+            ));
+            allocs.push(tracker.allocate(Tier::Host, Category::CommBuffers, pool.bytes_held()));
+            Home::Nvme { swap, regions }
+        } else {
+            // Largest first, so that each takes the buffer sized for it.
+            let mut order: Vec<usize> = (0..bytes.len()).collect();
+            order.sort_by_key(|&i| std::cmp::Reverse(bytes[i]));
+            let mut bufs: Vec<Option<PooledBuffer>> = (0..bytes.len()).map(|_| None).collect();
+            for i in order {
+                let mut buf = pool.acquire(bytes[i].max(1))?;
+                buf.fill(0);
+                init[i].copy_to_bytes(&mut buf[..bytes[i]]);
+                bufs[i] = Some(buf);
+            }
+            allocs.push(tracker.allocate(Tier::Host, Category::Params, total));
+            allocs.push(tracker.allocate(
+                Tier::Host,
+                Category::CommBuffers,
+                pool.bytes_held().saturating_sub(total),
+            ));
+            Home::Host(bufs.into_iter().flatten().collect())
+        };
+        Ok(ParamOffload {
+            reads: (0..bytes.len()).map(|_| None).collect(),
+            bytes,
+            pool,
+            home,
+            pending: 0,
+            max_ahead: buffer_count - 1,
+            writes: VecDeque::new(),
+            failed: None,
+            _allocs: allocs,
+        })
+    }
+
+    /// Whether the shards are in a swap file.
+    pub(crate) fn is_nvme(&self) -> bool {
+        matches!(self.home, Home::Nvme { .. })
+    }
+
+    /// The parameter swap file, if any.
+    pub(crate) fn swap_path(&self) -> Option<&std::path::Path> {
+        match &self.home {
+            Home::Nvme { swap, .. } => Some(swap.path()),
+            Home::Host(_) => None,
+        }
+    }
+
+    /// Warnings of the swap file (the `O_DIRECT` fallback).
+    pub(crate) fn warnings(&self) -> Vec<String> {
+        match &self.home {
+            Home::Nvme { swap, .. } => swap.warnings().to_vec(),
+            Home::Host(_) => Vec::new(),
+        }
+    }
+
+    /// nvme: issues the read of unit `i`'s shard ahead of its gather, if a
+    /// staging buffer is free for it. Returns false when none is (the
+    /// caller stops reading ahead).
+    pub(crate) fn read_ahead(&mut self, i: usize) -> bool {
+        let Home::Nvme { swap, regions } = &self.home else {
+            return true;
+        };
+        if self.reads[i].is_some() {
+            return true;
+        }
+        if self.pending >= self.max_ahead {
+            return false;
+        }
+        match self.pool.acquire(self.bytes[i].max(1)) {
+            Ok(buf) => {
+                self.reads[i] = Some(swap.read(regions[i], buf));
+                self.pending += 1;
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Whether unit `i`'s shard read was issued ahead (nvme).
+    pub(crate) fn has_read(&self, i: usize) -> bool {
+        self.reads[i].is_some()
+    }
+
+    /// Copies unit `i`'s shard into `dst[at..]` (the rank's slot of the
+    /// gathered unit). On a read error the slot is zeroed and the error
+    /// kept in [`ParamOffload::failed`]: the step reports it on every rank
+    /// (so that no rank leaves a collective the others are in).
+    pub(crate) fn load_into(&mut self, i: usize, dst: &mut DynBuf, at: usize) {
+        let n = self.bytes[i];
+        let r = match &self.home {
+            Home::Host(bufs) => {
+                dst.store_bytes(at, &bufs[i][..n]);
+                Ok(())
+            }
+            Home::Nvme { swap, regions } => {
+                let ticket = match self.reads[i].take() {
+                    Some(t) => {
+                        self.pending -= 1;
+                        Ok(t)
+                    }
+                    None => self
+                        .pool
+                        .acquire(n.max(1))
+                        .map(|buf| swap.read(regions[i], buf)),
+                };
+                ticket
+                    .map_err(Error::from)
+                    .and_then(|t| t.wait().map_err(|e| e.error.into()))
+                    .map(|buf| dst.store_bytes(at, &buf[..n]))
+            }
+        };
+        if let Err(e) = r {
+            dst.zero_range(at, n / dst.dtype().size_in_bytes());
+            self.failed.get_or_insert(e);
+        }
+    }
+
+    /// Waits for every read issued ahead (end of a micro-batch: the next
+    /// step changes the shards).
+    pub(crate) fn drain_reads(&mut self) {
+        for r in &mut self.reads {
+            if let Some(t) = r.take() {
+                if let Err(e) = t.wait() {
+                    self.failed.get_or_insert(e.error.into());
+                }
+            }
+        }
+        self.pending = 0;
+    }
+
+    /// Checks the swap file (deleted, truncated, foreign header) and the
+    /// reads since the last check; the first error.
+    pub(crate) fn check(&mut self) -> Result<()> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
+        match &self.home {
+            Home::Nvme { swap, .. } => Ok(swap.verify()?),
+            Home::Host(_) => Ok(()),
+        }
+    }
+
+    /// cpu: every unit's host shard, typed, for AdamW to write into.
+    pub(crate) fn host_shards<P: Element>(&mut self) -> Result<Option<Vec<&mut [P]>>> {
+        let bytes = &self.bytes;
+        match &mut self.home {
+            Home::Host(bufs) => {
+                let mut out = Vec::with_capacity(bufs.len());
+                for (b, &n) in bufs.iter_mut().zip(bytes) {
+                    let s = b.as_mut_slice_of::<P>()?;
+                    out.push(&mut s[..n / std::mem::size_of::<P>()]);
+                }
+                Ok(Some(out))
+            }
+            Home::Nvme { .. } => Ok(None),
+        }
+    }
+
+    /// Writes unit `i`'s updated shard home: `fill` gets the shard
+    /// (zeroed, padding included) to write. With nvme the write is queued
+    /// (see [`ParamOffload::flush`]); a staging buffer is freed first by
+    /// waiting for the oldest write when all are in use.
+    pub(crate) fn write_with<P: Element>(
+        &mut self,
+        i: usize,
+        fill: impl FnOnce(&mut [P]) -> Result<()>,
+    ) -> Result<()> {
+        let n = self.bytes[i];
+        match &mut self.home {
+            Home::Host(bufs) => {
+                let s = bufs[i].as_mut_slice_of::<P>()?;
+                fill(&mut s[..n / std::mem::size_of::<P>()])
+            }
+            Home::Nvme { swap, regions } => {
+                let mut buf = loop {
+                    match self.pool.acquire(n.max(1)) {
+                        Ok(b) => break b,
+                        Err(e) => match self.writes.pop_front() {
+                            Some(w) => drop(w.wait().map_err(|e| e.error)?),
+                            None => return Err(e.into()),
+                        },
+                    }
+                };
+                buf.fill(0);
+                let s = buf.as_mut_slice_of::<P>()?;
+                fill(&mut s[..n / std::mem::size_of::<P>()])?;
+                self.writes.push_back(swap.write(regions[i], buf));
+                Ok(())
+            }
+        }
+    }
+
+    /// Waits for every queued write; the first error.
+    pub(crate) fn flush(&mut self) -> Result<()> {
+        let mut first = None;
+        for w in self.writes.drain(..) {
+            if let Err(e) = w.wait() {
+                first.get_or_insert(e.error);
+            }
+        }
+        match first {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// Unit `i`'s shard (padding included) as f32, read from its home
+    /// (outside the step; allocates).
+    pub(crate) fn shard_f32(&self, i: usize, pdt: DType) -> Result<Vec<f32>> {
+        let n = self.bytes[i];
+        let mut raw = AlignedBuf::new(n.max(1))?;
+        match &self.home {
+            Home::Host(bufs) => raw[..n].copy_from_slice(&bufs[i][..n]),
+            Home::Nvme { swap, regions } => {
+                raw = swap.read(regions[i], raw).wait().map_err(|e| e.error)?;
+            }
+        }
+        let elems = n / pdt.size_in_bytes();
+        Ok(match pdt {
+            DType::F32 => raw.as_slice_of::<f32>()?[..elems].to_vec(),
+            DType::BF16 => to_f32(&raw.as_slice_of::<zero_core::bf16>()?[..elems]),
+            DType::F16 => to_f32(&raw.as_slice_of::<zero_core::f16>()?[..elems]),
+        })
+    }
+}
+
+fn to_f32<T: Element>(s: &[T]) -> Vec<f32> {
+    s.iter().map(|x| x.to_f32()).collect()
+}
