@@ -16,7 +16,10 @@
 //!   stages 1–3 against stage 0 and of every case against the threads
 //!   backend at world size 2. Plus optimizer offload groups (cpu and nvme
 //!   in bf16 with accumulation 3, nvme in fp16 with overflow skips), tiles
-//!   of 256 elements, checked the same way.
+//!   of 256 elements, checked the same way. Plus stage-3 parameter offload
+//!   groups (`offload_param` cpu, and nvme with `max_in_cpu` 0, 200 and
+//!   the default 1e9, each with cpu optimizer offload), checked bit for bit
+//!   against the threads backend and against stage 0.
 //! - `-n 4` with `ZERO_MPI_SIMULATE_NODES=2` (two pseudo-nodes of two
 //!   ranks): fp32, gradient accumulation 3, stages 0–3. Between the nodes
 //!   partial sums meet in MPI's own collectives, whose order of summation is
@@ -99,10 +102,18 @@ struct Run {
     gas: &'static [usize],
     /// Extra groups with optimizer offload: (precision, ga, device).
     offloads: &'static [(Precision, usize, OffloadDevice)],
+    /// Extra groups with stage-3 parameter offload and cpu optimizer
+    /// offload: (precision, ga, `offload_param.device`,
+    /// `offload_param.max_in_cpu`). Each group is stage 0 with cpu
+    /// optimizer offload, then stage 3 with the parameters offloaded.
+    param_offloads: &'static [(Precision, usize, OffloadDevice, usize)],
     /// `None`: bit-identical; `Some(tol)`: master weights within `tol`.
     tol: Option<f32>,
     limit: Duration,
 }
+
+/// DeepSpeed's default `offload_param.max_in_cpu` (1e9 elements).
+const DEFAULT_MAX_IN_CPU: usize = 1_000_000_000;
 
 const RUNS: &[Run] = &[
     Run {
@@ -115,6 +126,15 @@ const RUNS: &[Run] = &[
             (Precision::Bf16, 3, OffloadDevice::Cpu),
             (Precision::Bf16, 3, OffloadDevice::Nvme),
             (Precision::Fp16, 1, OffloadDevice::Nvme),
+        ],
+        param_offloads: &[
+            (Precision::Bf16, 3, OffloadDevice::Cpu, DEFAULT_MAX_IN_CPU),
+            // No host cache: every gather reads the swap file.
+            (Precision::Bf16, 3, OffloadDevice::Nvme, 0),
+            // A cache of part of the shard (LRU).
+            (Precision::Bf16, 3, OffloadDevice::Nvme, 200),
+            // DeepSpeed's default: the whole shard cached.
+            (Precision::Fp16, 1, OffloadDevice::Nvme, DEFAULT_MAX_IN_CPU),
         ],
         tol: None,
         limit: Duration::from_secs(60),
@@ -129,6 +149,7 @@ const RUNS: &[Run] = &[
         precisions: &[Precision::Fp32],
         gas: &[3],
         offloads: &[],
+        param_offloads: &[],
         tol: Some(NODES_TOL),
         limit: Duration::from_secs(60),
     },
@@ -140,42 +161,73 @@ struct Case {
     ga: usize,
     stage: u8,
     offload: OffloadDevice,
+    /// `offload_param.device` (stage 3 only).
+    param: OffloadDevice,
+    /// `offload_param.max_in_cpu`.
+    max_in_cpu: usize,
 }
 
 impl Case {
+    fn new(precision: Precision, ga: usize, stage: u8, offload: OffloadDevice) -> Case {
+        Case {
+            precision,
+            ga,
+            stage,
+            offload,
+            param: OffloadDevice::None,
+            max_in_cpu: DEFAULT_MAX_IN_CPU,
+        }
+    }
+
     fn key(&self, world: usize) -> String {
         let offload = match self.offload {
             OffloadDevice::None => String::new(),
             d => format!(" offload {d:?}"),
         };
+        let param = match self.param {
+            OffloadDevice::None => String::new(),
+            d => format!(" offload_param {d:?} max_in_cpu {}", self.max_in_cpu),
+        };
         format!(
-            "world {world} {:?} ga {} stage {}{offload}",
+            "world {world} {:?} ga {} stage {}{offload}{param}",
             self.precision, self.ga, self.stage
         )
     }
 }
 
 impl Run {
-    /// Cases grouped by (precision, ga), stages 0–3 within each group.
-    fn groups(&self) -> Vec<[Case; 4]> {
+    /// Cases grouped by (precision, ga), stages 0–3 within each group;
+    /// then the parameter-offload groups (stage 0, then stage 3 with the
+    /// parameters offloaded). The first case of a group is its baseline.
+    fn groups(&self) -> Vec<Vec<Case>> {
         let mut out = Vec::new();
         for &precision in self.precisions {
             for &ga in self.gas {
-                out.push([0, 1, 2, 3].map(|stage| Case {
-                    precision,
-                    ga,
-                    stage,
-                    offload: OffloadDevice::None,
-                }));
+                out.push(
+                    (0..4)
+                        .map(|stage| Case::new(precision, ga, stage, OffloadDevice::None))
+                        .collect(),
+                );
             }
         }
         for &(precision, ga, offload) in self.offloads {
-            out.push([0, 1, 2, 3].map(|stage| Case {
-                precision,
-                ga,
-                stage,
-                offload,
-            }));
+            out.push(
+                (0..4)
+                    .map(|stage| Case::new(precision, ga, stage, offload))
+                    .collect(),
+            );
+        }
+        for &(precision, ga, param, max_in_cpu) in self.param_offloads {
+            let base = Case::new(precision, ga, 0, OffloadDevice::Cpu);
+            out.push(vec![
+                base,
+                Case {
+                    stage: 3,
+                    param,
+                    max_in_cpu,
+                    ..base
+                },
+            ]);
         }
         out
     }
@@ -187,6 +239,8 @@ fn config(world: usize, case: Case) -> ResolvedConfig {
         ga,
         stage,
         offload,
+        param,
+        max_in_cpu,
     } = case;
     let mut c = ResolvedConfig::simple(stage, world, MB);
     c.gradient_accumulation_steps = ga;
@@ -207,6 +261,19 @@ fn config(world: usize, case: Case) -> ResolvedConfig {
             Some(std::env::temp_dir().join("zero-engine-mpi-swap"));
         c.zero.sub_group_size = 256;
         c.zero.aio.block_size = 4096;
+    }
+    if param != OffloadDevice::None {
+        // Stage-3 parameter offload: the shards in host memory or in a
+        // swap file (with a host cache of max_in_cpu elements), small
+        // staging buffers so that reads run ahead of the gathers.
+        let p = &mut c.zero.offload_param;
+        p.device = param;
+        p.max_in_cpu = max_in_cpu;
+        p.buffer_count = 4;
+        p.buffer_size = 1024;
+        if param == OffloadDevice::Nvme {
+            p.nvme_path = Some(std::env::temp_dir().join("zero-engine-mpi-param-swap"));
+        }
     }
     if precision == Precision::Fp16 {
         // 2^17 overflows f16 gradients at first: the run skips steps and
@@ -794,7 +861,7 @@ fn checks(comm: &Comm, run: &Run, refs: &References, opts: &CommOptions, rep: &m
     let mut worst = [0f32; 2];
     for group in run.groups() {
         let mut trained: Vec<Option<Record>> = Vec::new();
-        for case in group {
+        for &case in &group {
             let key = case.key(world);
             // Every engine gets a communicator of its own, as in a real job;
             // `comm` keeps MPI initialised in between.

@@ -510,6 +510,8 @@ fn param_config(
     p.buffer_count = 4;
     p.buffer_size = 1024;
     if param == OffloadDevice::Nvme {
+        // No host cache of shards: every gather reads the swap file.
+        p.max_in_cpu = 0;
         p.nvme_path = Some(dir.join("params"));
     }
     c
@@ -626,6 +628,91 @@ fn param_offload_keeps_no_params_on_the_device() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The shard length of every unit on one rank, and the host-tier
+/// parameter bytes of an engine built with nvme parameter offload and
+/// `max_in_cpu` elements of cache.
+fn cache_layout(world: usize, max_in_cpu: usize, dir: &Path) -> (Vec<usize>, u64) {
+    let out = ThreadGroup::run(world, |comm| {
+        let mut c = param_config(world, 2, OffloadDevice::Nvme, OffloadDevice::None, dir);
+        c.zero.offload_param.max_in_cpu = max_in_cpu;
+        let mut b = Engine::builder(c, comm);
+        Mlp::register(&mut b, DIMS).unwrap();
+        let e = b.build().unwrap();
+        let lens: Vec<usize> = e.plan().units().iter().map(|u| u.shard_len).collect();
+        (lens, e.tracker().current(Tier::Host, Category::Params))
+    })
+    .unwrap();
+    out.into_iter().next().unwrap()
+}
+
+/// nvme parameter offload with a host cache of `max_in_cpu` elements: no
+/// cache (0), part of the rank's shard, all of it, and DeepSpeed's default
+/// (1e9): bit-identical to the run without offload, with or without
+/// optimizer offload. The cache is in the host tier and saves reads: with
+/// the whole shard cached nothing is read from the swap file at all
+/// (every gather is a cache hit).
+#[test]
+fn param_cache_is_bit_identical_and_saves_swap_reads() {
+    let dir = tmp_dir("param-cache");
+    let steps = 4;
+    for world in [1, 2] {
+        let (lens, none_host) = cache_layout(world, 0, &dir);
+        assert_eq!(none_host, 0, "world {world}: no cache, no host params");
+        let total: usize = lens.iter().sum();
+        let (_, whole_host) = cache_layout(world, total, &dir);
+        assert!(
+            whole_host >= 2 * total as u64 && whole_host < 2 * total as u64 + 4096 * 4,
+            "world {world}: cache of {total} bf16 elements holds {whole_host} host bytes"
+        );
+        // Part of it: the first unit's shard (plus a little), not the
+        // largest one.
+        let part = lens[0] + 1;
+        assert!(part < total, "{lens:?}");
+        let mut base_cfg = config(world, 3, 2, Precision::Bf16);
+        base_cfg.zero.prefetch_bucket_size = 300;
+        let base = train(world, &base_cfg, steps, MB);
+        for opt in [OffloadDevice::None, OffloadDevice::Cpu, OffloadDevice::Nvme] {
+            let mut reads = Vec::new();
+            for max_in_cpu in [0, part, total, 1_000_000_000] {
+                let mut c = param_config(world, 2, OffloadDevice::Nvme, opt, &dir);
+                c.zero.offload_param.max_in_cpu = max_in_cpu;
+                let t = train(world, &c, steps, MB);
+                let what = format!("world {world} opt {opt:?} max_in_cpu {max_in_cpu}");
+                assert_same_run(&base, &t, &what);
+                let st = &t.stats;
+                if max_in_cpu == 0 {
+                    assert_eq!(st.param_cache_hits, 0, "{what}");
+                } else {
+                    assert!(st.param_cache_hits > 0, "{what}: {st:?}");
+                }
+                reads.push(st.param_swap_reads);
+            }
+            let what = format!("world {world} opt {opt:?}: swap reads {reads:?}");
+            assert!(reads[0] > reads[1], "{what}");
+            assert!(reads[1] > 0, "{what}");
+            assert_eq!(reads[2], 0, "{what}");
+            assert_eq!(reads[3], 0, "{what}");
+        }
+    }
+    let left: Vec<_> = std::fs::read_dir(dir.join("params"))
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "param swap files left behind: {left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// How a parameter swap file is damaged before step 3 (or, for a write
+/// fault, during step 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ParamDamage {
+    Truncate,
+    Delete,
+    /// One byte of the last unit's data block flipped.
+    Corrupt,
+    /// ENOSPC injected into a block write of the second step's write-back.
+    WriteFault,
+}
+
 /// What one rank saw when its parameter swap file was damaged.
 struct ParamDamaged {
     error: String,
@@ -635,14 +722,21 @@ struct ParamDamaged {
     step_error: String,
 }
 
-/// 2 ranks, nvme parameter offload (optimizer state `opt`): rank 0's
-/// parameter swap file is truncated (or deleted) before step 3.
-fn param_damaged_run(opt: OffloadDevice, delete: bool, dir: &Path) -> Vec<ParamDamaged> {
+/// 2 ranks, nvme parameter offload (optimizer state `opt`), no host
+/// cache: rank 0's parameter swap file is damaged before step 3, or one
+/// of its block writes fails in step 2.
+fn param_damaged_run(opt: OffloadDevice, damage: ParamDamage, dir: &Path) -> Vec<ParamDamaged> {
     let world = 2;
     ThreadGroup::run(world, |comm| {
         let rank = comm.rank();
         let c = param_config(world, GA, OffloadDevice::Nvme, opt, dir);
+        let units = DIMS.len() as u64 - 1;
         let mut b = Engine::builder(c, comm).seed(5);
+        if damage == ParamDamage::WriteFault && rank == 0 {
+            // Each unit shard is one block: the build writes each once,
+            // step 1 each once; fail the second unit of step 2.
+            b = b.param_swap_faults(FaultPlan::enospc_at(2 * units + 1));
+        }
         let model = Mlp::register(&mut b, DIMS).unwrap();
         let mut e = b.build().unwrap();
         let path = e.param_swap_path().unwrap().to_path_buf();
@@ -650,11 +744,23 @@ fn param_damaged_run(opt: OffloadDevice, delete: bool, dir: &Path) -> Vec<ParamD
         let mut completed = 0;
         'steps: for s in 0..6 {
             if s == 2 && rank == 0 {
-                if delete {
-                    std::fs::remove_file(&path).unwrap();
-                } else {
-                    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-                    f.set_len(4096).unwrap();
+                let open = || std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+                match damage {
+                    ParamDamage::Delete => std::fs::remove_file(&path).unwrap(),
+                    ParamDamage::Truncate => open().set_len(4096).unwrap(),
+                    ParamDamage::Corrupt => {
+                        use std::os::unix::fs::FileExt;
+                        let at = std::fs::metadata(&path).unwrap().len() - 4096 + 8;
+                        let f = std::fs::OpenOptions::new()
+                            .read(true)
+                            .write(true)
+                            .open(&path)
+                            .unwrap();
+                        let mut byte = [0u8];
+                        f.read_exact_at(&mut byte, at).unwrap();
+                        f.write_all_at(&[byte[0] ^ 0x10], at).unwrap();
+                    }
+                    ParamDamage::WriteFault => {}
                 }
             }
             for m in 0..GA {
@@ -692,29 +798,46 @@ fn param_damaged_run(opt: OffloadDevice, delete: bool, dir: &Path) -> Vec<ParamD
     .unwrap()
 }
 
-/// A truncated or deleted parameter swap file: the step fails on every
-/// rank (rank 0's error names its file, rank 1's names rank 0), nothing
-/// panics or hangs, and later gathers and steps refuse with a message
-/// about the swap-file error (the shards lived only in the files).
+/// A truncated, deleted or corrupted parameter swap file, or a failed
+/// write-back (ENOSPC injected with `param_swap_faults`): the step fails
+/// on every rank (rank 0's error names its file, rank 1's names rank 0),
+/// nothing panics or hangs, and later gathers and steps refuse with a
+/// message about the swap-file error (the shards lived only in the
+/// files).
 #[test]
 fn param_swap_faults_are_errors_naming_the_file() {
     let dir = tmp_dir("param-faults");
     for opt in [OffloadDevice::None, OffloadDevice::Cpu, OffloadDevice::Nvme] {
-        for delete in [false, true] {
-            let what = format!("opt {opt:?} delete {delete}");
-            let ranks = param_damaged_run(opt, delete, &dir);
+        for damage in [
+            ParamDamage::Truncate,
+            ParamDamage::Delete,
+            ParamDamage::Corrupt,
+            ParamDamage::WriteFault,
+        ] {
+            let what = format!("opt {opt:?} {damage:?}");
+            let ranks = param_damaged_run(opt, damage, &dir);
             let r0 = &ranks[0];
             let path = r0.path.display().to_string();
             assert!(r0.error.contains(&path), "{what}: `{}`", r0.error);
-            let words = if delete { "deleted" } else { "truncated" };
+            let words = match damage {
+                ParamDamage::Delete => "deleted",
+                ParamDamage::Truncate => "truncated",
+                ParamDamage::Corrupt => "checksum",
+                ParamDamage::WriteFault => "No space left",
+            };
             assert!(r0.error.contains(words), "{what}: `{}`", r0.error);
             assert!(
                 ranks[1].error.contains("parameter swap file of rank 0"),
                 "{what}: `{}`",
                 ranks[1].error
             );
+            let want_completed = if damage == ParamDamage::WriteFault {
+                1
+            } else {
+                2
+            };
             for (r, d) in ranks.iter().enumerate() {
-                assert_eq!(d.completed, 2, "{what} rank {r}");
+                assert_eq!(d.completed, want_completed, "{what} rank {r}");
                 assert!(
                     d.gather_error.contains("parameters are lost"),
                     "{what} rank {r}: `{}`",

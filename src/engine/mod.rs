@@ -71,8 +71,13 @@
 //! from a read issued further ahead along the recorded order than the
 //! all-gather prefetch, through `buffer_count` staging buffers of
 //! `buffer_size` elements), and the optimizer step writes the updated
-//! shard back home. Results are bit-identical to those without offload,
-//! with any optimizer offload. See `src/engine/param_offload.rs`.
+//! shard back home. With `nvme`, `offload_param.max_in_cpu` elements
+//! (DeepSpeed's default 1e9) of shards are also cached in host memory
+//! (filled at build, LRU, write-through): a cached shard is gathered
+//! without a swap read ([`EngineStats::param_swap_reads`],
+//! [`EngineStats::param_cache_hits`]); `max_in_cpu = 0` caches nothing.
+//! Results are bit-identical to those without offload, with any optimizer
+//! offload and any `max_in_cpu`. See `src/engine/param_offload.rs`.
 //!
 //! A parameter swap-file error (a failed read in a micro-batch, a
 //! truncated or deleted file, a failed write-back) fails the next
@@ -171,6 +176,14 @@ pub struct EngineStats {
     /// Stage 3 with `offload_param.device = "nvme"`: gathers whose shard
     /// read from the swap file was issued ahead of them.
     pub param_reads_ahead: u64,
+    /// Stage 3 with `offload_param.device = "nvme"`: shard reads from the
+    /// parameter swap file (a gather whose shard was not in the host cache
+    /// of `offload_param.max_in_cpu` elements).
+    pub param_swap_reads: u64,
+    /// Stage 3 with `offload_param.device = "nvme"`: gathers whose shard
+    /// came from the host cache (`offload_param.max_in_cpu`), with no swap
+    /// read.
+    pub param_cache_hits: u64,
 }
 
 /// The full (unsharded) state of one unit, read out for evaluation and
@@ -197,6 +210,7 @@ pub struct EngineBuilder<C: Communicator> {
     id: u64,
     optimizer_threads: Option<usize>,
     swap_faults: Option<FaultPlan>,
+    param_swap_faults: Option<FaultPlan>,
 }
 
 /// The per-unit state.
@@ -319,6 +333,7 @@ impl<C: Communicator> Engine<C> {
             id: NEXT_ENGINE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             optimizer_threads: None,
             swap_faults: None,
+            param_swap_faults: None,
         }
     }
 }
@@ -351,6 +366,16 @@ impl<C: Communicator> EngineBuilder<C> {
     /// for production use. Ignored without nvme offload.
     pub fn swap_faults(mut self, faults: FaultPlan) -> Self {
         self.swap_faults = Some(faults);
+        self
+    }
+
+    /// Faults to inject into the parameter swap file (stage 3 with
+    /// `offload_param.device = "nvme"`), for testing the error paths: a
+    /// failed block write (counted from the build, which writes each unit
+    /// shard once), or a filesystem that rejects `O_DIRECT`. Not for
+    /// production use. Ignored without nvme parameter offload.
+    pub fn param_swap_faults(mut self, faults: FaultPlan) -> Self {
+        self.param_swap_faults = Some(faults);
         self
     }
 
@@ -407,6 +432,7 @@ impl<C: Communicator> EngineBuilder<C> {
             id,
             optimizer_threads,
             swap_faults,
+            param_swap_faults,
         } = self;
         let rank = comm.rank();
         let world = comm.world_size();
@@ -584,7 +610,7 @@ impl<C: Communicator> EngineBuilder<C> {
                 .map(|u| u.params.take().expect("params are home at build"))
                 .collect();
             let views: Vec<&DynBuf> = init.iter().collect();
-            let built = ParamOffload::new(&cfg, rank, pdt, &views, &tracker);
+            let built = ParamOffload::new(&cfg, rank, pdt, &views, &tracker, param_swap_faults);
             drop(views);
             drop(init);
             Some(agree_on_setup(

@@ -34,10 +34,36 @@
 //! keep their home here too; their gathered copy stays on the device tier
 //! (as `GatheredParams`) and is refreshed from the home after each step.
 //!
-//! `max_in_cpu`: with `cpu` every shard is in host memory, so a
-//! `max_in_cpu` smaller than the rank's total shard is a config error;
-//! with `nvme` no shard is cached in host memory (only the staging
-//! buffers), so `max_in_cpu` is not used.
+//! # Host cache (`max_in_cpu`)
+//!
+//! With `cpu` every shard is in host memory, so a `max_in_cpu` smaller
+//! than the rank's total shard is a config error. With `nvme`,
+//! `max_in_cpu` (elements, DeepSpeed's default 1e9) bounds a host cache of
+//! unit shards, kept next to the staging buffers:
+//!
+//! ```text
+//!  cache: one HostPool buffer per unit shard that fits, in unit order,
+//!         while the shards' elements add up to at most max_in_cpu;
+//!         filled with those shards at build; accounted as
+//!         (Tier::Host, Category::Params)
+//! ```
+//!
+//! - A gather of a cached shard copies it from the cache: no swap read
+//!   (counted in `EngineStats::param_cache_hits`; swap reads in
+//!   `EngineStats::param_swap_reads`), and no read is issued ahead for it.
+//! - A shard read from the swap file is then cached: into a free cache
+//!   buffer that fits, or else into the buffer of the least recently used
+//!   cached shard whose buffer fits (LRU); if none fits it is not cached.
+//!   No allocation: the buffers are made at build.
+//! - Write-back is write-through: a cached shard is updated in the cache
+//!   and written to the swap file in the same step, so the file is never
+//!   stale (a later fault or eviction loses nothing).
+//! - With `max_in_cpu` at least the rank's total shard every shard is
+//!   cached at build and the swap file is only written, never read, in
+//!   the steps. With `max_in_cpu = 0` there is no cache.
+//! - Corruption of the swap file is caught by the checksums when a shard
+//!   is read from it: a cached shard is not read, and its next write-back
+//!   rewrites its blocks.
 
 use std::collections::VecDeque;
 
@@ -45,8 +71,8 @@ use zero_core::config::{OffloadDevice, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
 use zero_core::{DType, Element};
 use zero_offload::{
-    AlignedBuf, HostPool, HostPoolOptions, IoTicket, PooledBuffer, RegionId, RegionSpec, SwapFile,
-    SwapOptions,
+    AlignedBuf, FaultPlan, HostPool, HostPoolOptions, IoTicket, PooledBuffer, RegionId, RegionSpec,
+    SwapFile, SwapOptions,
 };
 
 use super::dynbuf::DynBuf;
@@ -63,6 +89,17 @@ enum Home {
     },
 }
 
+/// Where [`ParamOffload::load_into`] found a shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fetch {
+    /// cpu: the host buffer.
+    Host,
+    /// nvme: the host cache (no swap read).
+    Cached,
+    /// nvme: the swap file.
+    Read,
+}
+
 /// The offloaded parameter shards of one rank.
 pub(crate) struct ParamOffload {
     /// Bytes of each unit's shard.
@@ -77,6 +114,13 @@ pub(crate) struct ParamOffload {
     max_ahead: usize,
     /// nvme: write-backs in flight.
     writes: VecDeque<IoTicket<PooledBuffer>>,
+    /// nvme: the host cache (`max_in_cpu`); `None` when it holds nothing.
+    cache_pool: Option<HostPool>,
+    /// nvme: each unit's cached shard.
+    cache: Vec<Option<PooledBuffer>>,
+    /// nvme: when each cached shard was last used (LRU).
+    last_use: Vec<u64>,
+    tick: u64,
     /// The first read error of this rank (reported at the next step).
     pub(crate) failed: Option<Error>,
     _allocs: Vec<Allocation>,
@@ -91,6 +135,7 @@ impl ParamOffload {
         pdt: DType,
         init: &[&DynBuf],
         tracker: &MemoryTracker,
+        faults: Option<FaultPlan>,
     ) -> Result<ParamOffload> {
         let op = &cfg.zero.offload_param;
         let size = pdt.size_in_bytes();
@@ -115,10 +160,48 @@ impl ParamOffload {
             },
         )?;
         let mut allocs = Vec::new();
+        // nvme: the cache buffers, one per unit shard (in unit order) while
+        // the shards' elements fit in max_in_cpu.
+        let mut cache: Vec<Option<PooledBuffer>> = (0..bytes.len()).map(|_| None).collect();
+        let mut cache_pool = None;
+        if nvme {
+            let mut room = op.max_in_cpu.saturating_mul(size);
+            let mut cached = Vec::new();
+            for (i, &b) in bytes.iter().enumerate() {
+                if b <= room {
+                    room -= b;
+                    cached.push(i);
+                }
+            }
+            if !cached.is_empty() {
+                let sizes: Vec<usize> = cached.iter().map(|&i| bytes[i].max(1)).collect();
+                let cp = HostPool::new(
+                    &sizes,
+                    HostPoolOptions {
+                        name: format!("rank {rank} parameter cache (offload_param.max_in_cpu)"),
+                        pin_memory: op.pin_memory,
+                        ..HostPoolOptions::default()
+                    },
+                )?;
+                // Largest first, so that each takes the buffer sized for it.
+                cached.sort_by_key(|&i| std::cmp::Reverse(bytes[i]));
+                for i in cached {
+                    let mut buf = cp.acquire(bytes[i].max(1))?;
+                    buf.fill(0);
+                    init[i].copy_to_bytes(&mut buf[..bytes[i]]);
+                    cache[i] = Some(buf);
+                }
+                allocs.push(cp.account(tracker, Category::Params));
+                cache_pool = Some(cp);
+            }
+        }
         let home = if nvme {
             let dir = op.nvme_path.clone().unwrap_or_default();
             let mut options = SwapOptions::from_aio(dir, rank, &cfg.zero.aio);
             options.tag = "params".into();
+            if let Some(f) = faults {
+                options.faults = f;
+            }
             let specs: Vec<RegionSpec> = bytes
                 .iter()
                 .enumerate()
@@ -170,6 +253,10 @@ impl ParamOffload {
             pending: 0,
             max_ahead: buffer_count - 1,
             writes: VecDeque::new(),
+            last_use: vec![0; cache.len()],
+            cache,
+            cache_pool,
+            tick: 0,
             failed: None,
             _allocs: allocs,
         })
@@ -203,7 +290,7 @@ impl ParamOffload {
         let Home::Nvme { swap, regions } = &self.home else {
             return true;
         };
-        if self.reads[i].is_some() {
+        if self.reads[i].is_some() || self.cache[i].is_some() {
             return true;
         }
         if self.pending >= self.max_ahead {
@@ -225,15 +312,24 @@ impl ParamOffload {
     }
 
     /// Copies unit `i`'s shard into `dst[at..]` (the rank's slot of the
-    /// gathered unit). On a read error the slot is zeroed and the error
-    /// kept in [`ParamOffload::failed`]: the step reports it on every rank
-    /// (so that no rank leaves a collective the others are in).
-    pub(crate) fn load_into(&mut self, i: usize, dst: &mut DynBuf, at: usize) {
+    /// gathered unit): from the host, the cache, or the swap read (issued
+    /// ahead or now, then cached). On a read error the slot is zeroed and
+    /// the error kept in [`ParamOffload::failed`]: the step reports it on
+    /// every rank (so that no rank leaves a collective the others are in).
+    pub(crate) fn load_into(&mut self, i: usize, dst: &mut DynBuf, at: usize) -> Fetch {
         let n = self.bytes[i];
-        let r = match &self.home {
+        self.tick += 1;
+        let (r, how) = match &self.home {
             Home::Host(bufs) => {
                 dst.store_bytes(at, &bufs[i][..n]);
-                Ok(())
+                (Ok(()), Fetch::Host)
+            }
+            Home::Nvme { .. } if self.cache[i].is_some() => {
+                self.last_use[i] = self.tick;
+                if let Some(c) = &self.cache[i] {
+                    dst.store_bytes(at, &c[..n]);
+                }
+                (Ok(()), Fetch::Cached)
             }
             Home::Nvme { swap, regions } => {
                 let ticket = match self.reads[i].take() {
@@ -246,16 +342,55 @@ impl ParamOffload {
                         .acquire(n.max(1))
                         .map(|buf| swap.read(regions[i], buf)),
                 };
-                ticket
+                let r = ticket
                     .map_err(Error::from)
-                    .and_then(|t| t.wait().map_err(|e| e.error.into()))
-                    .map(|buf| dst.store_bytes(at, &buf[..n]))
+                    .and_then(|t| t.wait().map_err(|e| e.error.into()));
+                match r {
+                    Ok(buf) => {
+                        dst.store_bytes(at, &buf[..n]);
+                        self.cache_insert(i, &buf[..n]);
+                        (Ok(()), Fetch::Read)
+                    }
+                    Err(e) => (Err(e), Fetch::Read),
+                }
             }
         };
         if let Err(e) = r {
             dst.zero_range(at, n / dst.dtype().size_in_bytes());
             self.failed.get_or_insert(e);
         }
+        how
+    }
+
+    /// Caches unit `i`'s shard `src` (just read from the swap file): in a
+    /// free cache buffer that fits, else in the buffer of the least
+    /// recently used cached shard that fits; not at all if none fits.
+    fn cache_insert(&mut self, i: usize, src: &[u8]) {
+        let Some(cp) = &self.cache_pool else {
+            return;
+        };
+        let need = src.len().max(1);
+        let mut buf = match cp.acquire(need) {
+            Ok(b) => b,
+            Err(_) => {
+                let victim = (0..self.cache.len())
+                    .filter(|&j| {
+                        j != i && self.cache[j].as_ref().is_some_and(|b| b.capacity() >= need)
+                    })
+                    .min_by_key(|&j| self.last_use[j]);
+                let Some(mut b) = victim.and_then(|j| self.cache[j].take()) else {
+                    return;
+                };
+                // Cannot fail: the capacity was checked above.
+                if b.set_len(need).is_err() {
+                    return;
+                }
+                b
+            }
+        };
+        buf[..src.len()].copy_from_slice(src);
+        self.cache[i] = Some(buf);
+        self.last_use[i] = self.tick;
     }
 
     /// Waits for every read issued ahead (end of a micro-batch: the next
@@ -327,6 +462,11 @@ impl ParamOffload {
                 buf.fill(0);
                 let s = buf.as_mut_slice_of::<P>()?;
                 fill(&mut s[..n / std::mem::size_of::<P>()])?;
+                // Write-through: the cached copy and the file both get
+                // the new shard.
+                if let Some(c) = self.cache[i].as_mut() {
+                    c[..n].copy_from_slice(&buf[..n]);
+                }
                 self.writes.push_back(swap.write(regions[i], buf));
                 Ok(())
             }
@@ -354,6 +494,11 @@ impl ParamOffload {
         let mut raw = AlignedBuf::new(n.max(1))?;
         match &self.home {
             Home::Host(bufs) => raw[..n].copy_from_slice(&bufs[i][..n]),
+            Home::Nvme { .. } if self.cache[i].is_some() => {
+                if let Some(c) = &self.cache[i] {
+                    raw[..n].copy_from_slice(&c[..n]);
+                }
+            }
             Home::Nvme { swap, regions } => {
                 raw = swap.read(regions[i], raw).wait().map_err(|e| e.error)?;
             }

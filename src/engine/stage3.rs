@@ -30,7 +30,7 @@ use zero_core::memory::{Allocation, Category, Tier};
 use zero_core::partition::PartitionPlan;
 
 use super::dynbuf::DynBuf;
-use super::param_offload::NVME_EXTRA_AHEAD;
+use super::param_offload::{Fetch, NVME_EXTRA_AHEAD};
 use super::{ring_bytes, Engine};
 use crate::Result;
 
@@ -105,7 +105,11 @@ impl<C: Communicator> Engine<C> {
             // (device-tier) buffer, or the swap read issued ahead.
             Some(po) => {
                 self.stats.param_reads_ahead += u64::from(po.has_read(i));
-                po.load_into(i, &mut buf, self.rank * shard);
+                match po.load_into(i, &mut buf, self.rank * shard) {
+                    Fetch::Read => self.stats.param_swap_reads += 1,
+                    Fetch::Cached => self.stats.param_cache_hits += 1,
+                    Fetch::Host => {}
+                }
             }
             None => {
                 let own = self.units[i].params.as_ref().expect("shards are home");

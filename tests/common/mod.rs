@@ -21,6 +21,8 @@ pub struct Trained {
     pub states: Vec<UnitState>,
     pub outcomes: Vec<StepOutcome>,
     pub losses: Vec<f32>,
+    /// The engine's counters at the end of training.
+    pub stats: zero::EngineStats,
 }
 
 pub fn train_with<T: Element, C: Communicator>(
@@ -50,6 +52,7 @@ pub fn train_with<T: Element, C: Communicator>(
             }
         }
     }
+    let stats = e.stats().clone();
     let mut states = Vec::new();
     for u in e.unit_ids() {
         states.push(e.unit_state(u)?);
@@ -58,6 +61,7 @@ pub fn train_with<T: Element, C: Communicator>(
         states,
         outcomes,
         losses,
+        stats,
     })
 }
 
