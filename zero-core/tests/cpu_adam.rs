@@ -9,20 +9,14 @@ use zero_core::optim::{
 };
 use zero_core::{bf16, f16, Element, Error};
 
-/// xorshift64*, so tests need no `rand`.
-struct Rng(u64);
+mod common;
+use common::Rng;
 
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 23) as f32) - 1.0
-    }
+trait Wide {
+    fn wide(&mut self) -> f32;
+}
+
+impl Wide for Rng {
     /// Values over many binades, with a sprinkling of zeros, subnormals and
     /// values near the f16 range's ends.
     fn wide(&mut self) -> f32 {
