@@ -1,0 +1,314 @@
+//! A Llama-style decoder on the CPU, f32 compute, hand-written forward and
+//! backward: the model core of `examples/llama_sft.rs` (engine integration
+//! comes later) and of `tests/llama_ops.rs`.
+//!
+//! Parameters are plain `&[f32]` slices, one per tensor, in the order of
+//! [`tensors`] (HF-Llama names and shapes). All GEMMs go through
+//! [`ops::matmul`] (the `gemm` crate).
+
+#![allow(dead_code)]
+
+pub mod block;
+pub mod ops;
+
+pub use block::{Block, BlockCache, BlockParams};
+
+/// Model hyper-parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Config {
+    pub vocab: usize,
+    pub dim: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    /// SwiGLU inner width.
+    pub hidden: usize,
+    pub max_seq: usize,
+    pub norm_eps: f32,
+    pub rope_theta: f64,
+}
+
+impl Config {
+    /// Tests and smoke runs: ~0.1 M parameters.
+    pub fn tiny() -> Self {
+        Config {
+            vocab: 256,
+            dim: 64,
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: 2,
+            hidden: 172,
+            max_seq: 128,
+            norm_eps: 1e-5,
+            rope_theta: 10000.0,
+        }
+    }
+
+    /// A small but real model: ~ 48 M parameters with a 32k vocabulary.
+    pub fn small() -> Self {
+        Config {
+            vocab: 32000,
+            dim: 512,
+            n_layers: 8,
+            n_heads: 8,
+            n_kv_heads: 4,
+            hidden: 1376,
+            max_seq: 1024,
+            norm_eps: 1e-5,
+            rope_theta: 10000.0,
+        }
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.dim / self.n_heads
+    }
+
+    /// Panics on inconsistent sizes.
+    pub fn validate(&self) {
+        assert!(
+            self.n_heads > 0 && self.dim.is_multiple_of(self.n_heads),
+            "n_heads must divide dim"
+        );
+        assert!(
+            self.n_kv_heads > 0 && self.n_heads.is_multiple_of(self.n_kv_heads),
+            "n_kv_heads must divide n_heads"
+        );
+        assert!(
+            self.head_dim().is_multiple_of(2),
+            "head_dim must be even for RoPE"
+        );
+    }
+}
+
+/// What a tensor is, for initialization.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Embedding,
+    Linear,
+    Norm,
+}
+
+/// One named parameter tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorInfo {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub kind: Kind,
+}
+
+impl TensorInfo {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// The 9 tensors of layer `i`, in [`BlockParams::from_slices`] order.
+pub fn block_tensors(cfg: &Config, i: usize) -> Vec<TensorInfo> {
+    let hd = cfg.head_dim();
+    let (d, qd, kd, h) = (cfg.dim, cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.hidden);
+    let t = |n: &str, shape: Vec<usize>, kind| TensorInfo {
+        name: format!("model.layers.{i}.{n}"),
+        shape,
+        kind,
+    };
+    vec![
+        t("self_attn.q_proj.weight", vec![qd, d], Kind::Linear),
+        t("self_attn.k_proj.weight", vec![kd, d], Kind::Linear),
+        t("self_attn.v_proj.weight", vec![kd, d], Kind::Linear),
+        t("self_attn.o_proj.weight", vec![d, qd], Kind::Linear),
+        t("mlp.gate_proj.weight", vec![h, d], Kind::Linear),
+        t("mlp.up_proj.weight", vec![h, d], Kind::Linear),
+        t("mlp.down_proj.weight", vec![d, h], Kind::Linear),
+        t("input_layernorm.weight", vec![d], Kind::Norm),
+        t("post_attention_layernorm.weight", vec![d], Kind::Norm),
+    ]
+}
+
+/// Every tensor of the model: `model.embed_tokens.weight`, the layers in
+/// order, `model.norm.weight`, `lm_head.weight` (untied).
+pub fn tensors(cfg: &Config) -> Vec<TensorInfo> {
+    let mut v = vec![TensorInfo {
+        name: "model.embed_tokens.weight".into(),
+        shape: vec![cfg.vocab, cfg.dim],
+        kind: Kind::Embedding,
+    }];
+    for i in 0..cfg.n_layers {
+        v.extend(block_tensors(cfg, i));
+    }
+    v.push(TensorInfo {
+        name: "model.norm.weight".into(),
+        shape: vec![cfg.dim],
+        kind: Kind::Norm,
+    });
+    v.push(TensorInfo {
+        name: "lm_head.weight".into(),
+        shape: vec![cfg.vocab, cfg.dim],
+        kind: Kind::Linear,
+    });
+    v
+}
+
+/// Total parameter count.
+pub fn param_count(cfg: &Config) -> usize {
+    tensors(cfg).iter().map(TensorInfo::numel).sum()
+}
+
+/// A tiny deterministic xorshift64* generator (no `rand` dependency).
+pub struct XorShift(pub u64);
+
+impl XorShift {
+    pub fn new(seed: u64) -> Self {
+        XorShift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in `[0, 1)`.
+    pub fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    /// Approximately standard normal (sum of 4 uniforms, rescaled).
+    pub fn normal(&mut self) -> f32 {
+        let s: f32 = (0..4).map(|_| self.uniform()).sum();
+        (s - 2.0) * 3.0f32.sqrt()
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+}
+
+/// Initial values for every tensor: normal(0, 0.02) matrices, unit norms.
+pub fn init_params(cfg: &Config, seed: u64) -> Vec<Vec<f32>> {
+    let mut rng = XorShift::new(seed);
+    tensors(cfg)
+        .iter()
+        .map(|t| match t.kind {
+            Kind::Norm => vec![1.0; t.numel()],
+            _ => (0..t.numel()).map(|_| 0.02 * rng.normal()).collect(),
+        })
+        .collect()
+}
+
+/// Saved activations of a whole-model forward pass.
+pub struct ModelCache {
+    pub batch: usize,
+    pub seq: usize,
+    pub tokens: Vec<u32>,
+    pub blocks: Vec<BlockCache>,
+    /// Input of the final norm.
+    pub hf: Vec<f32>,
+    pub inv: Vec<f32>,
+    pub xn: Vec<f32>,
+    pub dlogits: Vec<f32>,
+}
+
+/// Embedding → blocks → final RMSNorm → LM head → cross-entropy.
+pub struct Model {
+    pub cfg: Config,
+    pub block: Block,
+    pub threads: usize,
+}
+
+impl Model {
+    pub fn new(cfg: Config, threads: usize) -> Self {
+        cfg.validate();
+        Model {
+            cfg,
+            block: Block::new(cfg, threads),
+            threads,
+        }
+    }
+
+    /// `params` in [`tensors`] order; `tokens`, `targets` `[batch * seq]`
+    /// (targets < 0 are ignored). Returns the mean loss and the cache.
+    pub fn forward(
+        &self,
+        params: &[&[f32]],
+        tokens: &[u32],
+        targets: &[i32],
+        batch: usize,
+        seq: usize,
+    ) -> (f32, ModelCache) {
+        let c = &self.cfg;
+        assert_eq!(params.len(), 3 + 9 * c.n_layers);
+        assert_eq!(tokens.len(), batch * seq);
+        let mut x = ops::embedding_forward(params[0], tokens, c.dim);
+        let mut blocks = Vec::with_capacity(c.n_layers);
+        for l in 0..c.n_layers {
+            let p = BlockParams::from_slices(&params[1 + 9 * l..10 + 9 * l]);
+            let cache = self.block.forward(&p, &x, batch, seq);
+            x = cache.y.clone();
+            blocks.push(cache);
+        }
+        let n = params.len();
+        let (xn, inv) = ops::rmsnorm_forward(&x, params[n - 2], c.norm_eps);
+        let logits = ops::linear_forward(
+            &xn,
+            params[n - 1],
+            batch * seq,
+            c.dim,
+            c.vocab,
+            self.threads,
+        );
+        let (loss, dlogits) = ops::cross_entropy(&logits, targets, c.vocab);
+        let cache = ModelCache {
+            batch,
+            seq,
+            tokens: tokens.to_vec(),
+            blocks,
+            hf: x,
+            inv,
+            xn,
+            dlogits,
+        };
+        (loss, cache)
+    }
+
+    /// Gradients of the mean loss for every tensor, in [`tensors`] order.
+    pub fn backward(&self, params: &[&[f32]], cache: &ModelCache) -> Vec<Vec<f32>> {
+        let c = &self.cfg;
+        let n = params.len();
+        let rows = cache.batch * cache.seq;
+        let mut grads: Vec<Vec<f32>> = vec![Vec::new(); n];
+        let mut dhead = vec![0.0; params[n - 1].len()];
+        let mut dxn = vec![0.0; rows * c.dim];
+        ops::linear_backward(
+            &cache.dlogits,
+            &cache.xn,
+            params[n - 1],
+            &mut dhead,
+            &mut dxn,
+            (rows, c.dim, c.vocab),
+            self.threads,
+        );
+        let mut dnorm = vec![0.0; c.dim];
+        let mut dx = vec![0.0; rows * c.dim];
+        ops::rmsnorm_backward(
+            &dxn,
+            &cache.hf,
+            params[n - 2],
+            &cache.inv,
+            &mut dx,
+            &mut dnorm,
+        );
+        grads[n - 1] = dhead;
+        grads[n - 2] = dnorm;
+        for l in (0..c.n_layers).rev() {
+            let p = BlockParams::from_slices(&params[1 + 9 * l..10 + 9 * l]);
+            let (d, g) = self.block.backward(&p, &cache.blocks[l], &dx);
+            dx = d;
+            for (i, t) in g.into_vec().into_iter().enumerate() {
+                grads[1 + 9 * l + i] = t;
+            }
+        }
+        let mut demb = vec![0.0; params[0].len()];
+        ops::embedding_backward(&dx, &cache.tokens, c.dim, &mut demb);
+        grads[0] = demb;
+        grads
+    }
+}
