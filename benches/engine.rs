@@ -31,7 +31,8 @@
 //! machine is shared and noisy: memcpy of Ψ f32, the communicator's own
 //! all-reduce / reduce-scatter / all-gather on a bare Ψ-element buffer (the
 //! collectives a step issues, without the engine around them),
-//! `adamw_reference` alone (the engine's optimizer kernel), and an
+//! the engine's optimizer kernel alone ([`CpuAdamW`] with the engine's
+//! default threads: cores ÷ ranks), and an
 //! auto-vectorized f32 loop with AdamW's memory access pattern (what a SIMD
 //! kernel could approach). They are measured once at the start for the
 //! table, and again right after each row's steps (the "probe"), so that
@@ -50,7 +51,7 @@ use std::time::{Duration, Instant};
 use zero::comm::{even_counts, Communicator, ReduceOp, ThreadGroup};
 use zero::core::config::{Precision, ResolvedConfig};
 use zero::core::memory::{Category, Tier};
-use zero::core::optim::{adamw_reference, AdamWStep};
+use zero::core::optim::{AdamWStep, CpuAdamW};
 use zero::core::partition::{PartitionPlan, TensorSpec, UnitSpec};
 use zero::core::{bf16, f16, DType, Element, HostBuffer};
 use zero::{Engine, EngineBuilder, EngineStats, Init, UnitId};
@@ -323,8 +324,8 @@ fn adamw_pattern(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
     }
 }
 
-/// Seconds per element of `adamw_reference::<G, f32, P>` (the engine's
-/// kernel, on values like the benchmark's) and of [`adamw_pattern`], over
+/// Seconds per element of [`CpuAdamW::step`] with `G` gradients and a `P`
+/// copy (the engine's kernel and threads, on values like the benchmark's) and of [`adamw_pattern`], over
 /// `n` elements on every rank at once.
 fn time_kernels<G: Element, P: Element, C: Communicator>(
     comm: &C,
@@ -338,8 +339,11 @@ fn time_kernels<G: Element, P: Element, C: Communicator>(
     let mut v = HostBuffer::<f32>::zeros(n).expect("alloc");
     let mut low = HostBuffer::<P>::zeros(n).expect("alloc");
     let k = AdamWStep::new(&ResolvedConfig::simple(0, 1, 1).optimizer, 1e-3, 1, 0.01);
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let adam = CpuAdamW::new().with_threads((cores / comm.ranks_on_host()).max(1));
     let reference = time_it(comm, reps, || {
-        adamw_reference(&k, &mut master, &g, &mut m, &mut v, Some(&mut low[..])).expect("adamw");
+        adam.step(&k, &mut master, &g, &mut m, &mut v, Some(&mut low[..]))
+            .expect("adamw");
         black_box(&mut low);
     });
     let g32 = HostBuffer::<f32>::from_fn(n, |i| g[i].to_f32()).expect("alloc");
@@ -360,7 +364,7 @@ struct Baselines {
     all_reduce: [Duration; 2],
     reduce_scatter: [Duration; 2],
     all_gather: [Duration; 2],
-    /// Seconds per element: `adamw_reference` (f32 grads, bf16 low copy),
+    /// Seconds per element: the engine's `CpuAdamW` (f32 grads, bf16 copy),
     /// and the vectorized AdamW-pattern loop.
     adamw_ref: f64,
     adamw_vec: f64,
@@ -713,7 +717,10 @@ fn print_baselines(b: &Baselines, psi: usize, n: usize) {
     let elems = (psi / n) as f64;
     for (what, per) in [
         ("AdamW-pattern f32 loop over Ψ/N (vectorized)", b.adamw_vec),
-        ("adamw_reference over Ψ/N (f32 grad, bf16 out)", b.adamw_ref),
+        (
+            "engine's CpuAdamW over Ψ/N (f32 grad, bf16 out)",
+            b.adamw_ref,
+        ),
     ] {
         println!(
             "  {:<46} {:>8.1} ms  {:>6.3} G elem/s per rank",
@@ -769,7 +776,7 @@ fn print_times(rows: &[Row], n: usize) {
         "  ×AR32: step / all_reduce of Ψ f32 (data parallelism's gradient reduction alone). other: \
          step − phases (the trainer's fill and the engine's zeroing of gradient buffers).\n  \
          Gelem/s: elements this rank updates / optimizer phase. ×ref, ×vec: optimizer phase / \
-         the time adamw_reference (this row's dtypes) or the vectorized AdamW-pattern loop takes \
+         the time the engine's CpuAdamW alone (this row's dtypes) or the vectorized AdamW-pattern loop takes \
          for as many elements."
     );
 }
@@ -891,7 +898,7 @@ fn main() {
     let psi = plan.padded_numel();
     println!(
         "engine: {} units × {} params (hidden {}) = Ψ {} ({} padded); {n} ranks on the threads \
-         backend; {} warm-up + {} measured step(s); AdamW reference (scalar) optimizer",
+         backend; {} warm-up + {} measured step(s); SIMD CpuAdamW optimizer",
         a.units,
         specs[0].numel(),
         a.hidden,

@@ -34,14 +34,7 @@ fn all_stages_are_bit_identical() {
                 for stage in 1..=3u8 {
                     let t = train(world, &config(world, stage, ga, precision), steps, MB);
                     let what = format!("{precision:?} ga {ga} world {world}: stage 0 vs {stage}");
-                    assert_bits_eq(&base.states, &t.states, &what);
-                    // Debug text: NaN norms of skipped steps compare equal.
-                    assert_eq!(
-                        format!("{:?}", base.outcomes),
-                        format!("{:?}", t.outcomes),
-                        "{what}"
-                    );
-                    assert_eq!(base.losses, t.losses, "{what}");
+                    assert_same_run(&base, &t, &what);
                 }
             }
         }

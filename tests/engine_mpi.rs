@@ -12,7 +12,7 @@
 //!   overflow and are skipped). Within a node the MPI backend reduces in
 //!   shared memory with the threads backend's algorithms (f32 accumulation
 //!   in rank order), so every check is bit for bit: parameters, fp32
-//!   master, m and v ([`Engine::unit_state`]), step outcomes and losses, of
+//!   master, m and v (`Engine::unit_state`), step outcomes and losses, of
 //!   stages 1–3 against stage 0 and of every case against the threads
 //!   backend at world size 2. Plus optimizer offload groups (cpu and nvme
 //!   in bf16 with accumulation 3, nvme in fp16 with overflow skips), tiles
@@ -34,8 +34,7 @@
 //! (`scripts/mpirun.sh -n 2 target/debug/deps/engine_mpi-<hash>`), a worker
 //! picks the run by its number of ranks and computes its own references.
 
-#[path = "../examples/mlp/mod.rs"]
-mod mlp;
+mod common;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -47,13 +46,10 @@ use serde::{Deserialize, Serialize};
 use zero::comm::{launch, launched_by_mpi, Comm, CommOptions, Communicator, MpiComm, ThreadGroup};
 use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::optim::LossScaleConfig;
-use zero::core::{bf16, f16, Element, HostBuffer};
-use zero::{Engine, StepOutcome, UnitState};
+use zero::core::{bf16, f16, HostBuffer};
 
-use mlp::{batch, Mlp};
+use common::{train_with, Trained, MB};
 
-const DIMS: &[usize] = &[6, 24, 40, 1];
-const MB: usize = 4;
 const STEPS: usize = 6;
 
 /// Largest |Δ| allowed between fp32 master weights (and parameters) of the
@@ -290,51 +286,6 @@ fn config(world: usize, case: Case) -> ResolvedConfig {
 }
 
 // ───────────────────────────── training ─────────────────────────────
-
-/// What one rank saw: final state of every unit and every step's outcome.
-struct Trained {
-    states: Vec<UnitState>,
-    outcomes: Vec<StepOutcome>,
-    losses: Vec<f32>,
-}
-
-fn train_with<T: Element, C: Communicator>(
-    comm: C,
-    cfg: &ResolvedConfig,
-    steps: usize,
-    mb: usize,
-) -> zero::Result<Trained> {
-    let world = comm.world_size();
-    let rank = comm.rank();
-    let ga = cfg.gradient_accumulation_steps;
-    let mut b = Engine::builder(cfg.clone(), comm).seed(5);
-    let model = Mlp::register(&mut b, DIMS)?;
-    let mut e = b.build()?;
-    let mut outcomes = Vec::new();
-    let mut losses = Vec::new();
-    for s in 0..steps {
-        for m in 0..ga {
-            // Rank r's micro-batch m of step s: the same samples whatever
-            // the stage or the backend.
-            let first = (((s * ga + m) * world + rank) * mb) as u64;
-            let (x, y) = batch(first, mb, DIMS[0]);
-            losses.push(model.train_micro_batch::<T, C>(&mut e, &x, &y)?);
-            let o = e.step()?;
-            if o.boundary {
-                outcomes.push(o);
-            }
-        }
-    }
-    let mut states = Vec::new();
-    for u in e.unit_ids() {
-        states.push(e.unit_state(u)?);
-    }
-    Ok(Trained {
-        states,
-        outcomes,
-        losses,
-    })
-}
 
 fn train<C: Communicator>(comm: C, case: Case) -> zero::Result<Record> {
     let cfg = config(comm.world_size(), case);

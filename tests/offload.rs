@@ -49,16 +49,6 @@ fn offload_config(
     c
 }
 
-fn assert_same_run(base: &Trained, t: &Trained, what: &str) {
-    assert_bits_eq(&base.states, &t.states, what);
-    assert_eq!(
-        format!("{:?}", base.outcomes),
-        format!("{:?}", t.outcomes),
-        "{what}"
-    );
-    assert_eq!(base.losses, t.losses, "{what}");
-}
-
 /// Every stage (0 included), world sizes 1–3, gradient accumulation 2 or 3
 /// with clipping: cpu and nvme optimizer offload end with the parameters,
 /// master, m and v of the run without offload, bit for bit, whatever the

@@ -698,7 +698,6 @@ fn check_offload(cfg: &ResolvedConfig) -> Result<()> {
         OffloadDevice::Cpu => "cpu",
         OffloadDevice::Nvme => "nvme",
     };
-    let config = |key: String, msg: String| Error::Core(zero_core::Error::Config { key, msg });
     let op = &cfg.zero.offload_param;
     if op.device != OffloadDevice::None {
         if cfg.zero.stage != 3 {
@@ -711,16 +710,8 @@ fn check_offload(cfg: &ResolvedConfig) -> Result<()> {
                 ),
             ));
         }
-        if op.device == OffloadDevice::Nvme
-            && op
-                .nvme_path
-                .as_ref()
-                .is_none_or(|p| p.as_os_str().is_empty())
-        {
-            return Err(config(
-                format!("{OP}.nvme_path"),
-                "required when device is \"nvme\": a directory on the NVMe drive".into(),
-            ));
+        if op.device == OffloadDevice::Nvme {
+            require_nvme_path(OP, op.nvme_path.as_deref())?;
         }
     }
     let oo = &cfg.zero.offload_optimizer;
@@ -736,14 +727,22 @@ fn check_offload(cfg: &ResolvedConfig) -> Result<()> {
             ),
         });
     }
-    if oo.device == OffloadDevice::Nvme
-        && oo
-            .nvme_path
-            .as_ref()
-            .is_none_or(|p| p.as_os_str().is_empty())
-    {
+    if oo.device == OffloadDevice::Nvme {
+        require_nvme_path(OO, oo.nvme_path.as_deref())?;
+    }
+    Ok(())
+}
+
+/// An error naming the config key `key`.
+fn config(key: String, msg: String) -> Error {
+    Error::Core(zero_core::Error::Config { key, msg })
+}
+
+/// `{block}.nvme_path` must name a directory when the device is nvme.
+fn require_nvme_path(block: &str, path: Option<&std::path::Path>) -> Result<()> {
+    if path.is_none_or(|p| p.as_os_str().is_empty()) {
         return Err(config(
-            format!("{OO}.nvme_path"),
+            format!("{block}.nvme_path"),
             "required when device is \"nvme\": a directory on the NVMe drive".into(),
         ));
     }
@@ -755,7 +754,6 @@ fn check_offload(cfg: &ResolvedConfig) -> Result<()> {
 /// every shard of the rank (all of them live in host memory).
 fn check_param_offload(cfg: &ResolvedConfig, plan: &PartitionPlan) -> Result<()> {
     const OP: &str = "zero_optimization.offload_param";
-    let config = |key: String, msg: String| Error::Core(zero_core::Error::Config { key, msg });
     let op = &cfg.zero.offload_param;
     let largest = plan.units().iter().map(|u| u.shard_len).max().unwrap_or(0);
     let total: usize = plan.units().iter().map(|u| u.shard_len).sum();

@@ -118,6 +118,18 @@ pub fn bits(s: &UnitState) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// The same states, step outcomes and losses, bit for bit.
+pub fn assert_same_run(base: &Trained, t: &Trained, what: &str) {
+    assert_bits_eq(&base.states, &t.states, what);
+    // Debug text: NaN norms of skipped steps compare equal.
+    assert_eq!(
+        format!("{:?}", base.outcomes),
+        format!("{:?}", t.outcomes),
+        "{what}"
+    );
+    assert_eq!(base.losses, t.losses, "{what}");
+}
+
 pub fn assert_bits_eq(a: &[UnitState], b: &[UnitState], what: &str) {
     assert_eq!(a.len(), b.len());
     for (u, (x, y)) in a.iter().zip(b).enumerate() {

@@ -40,7 +40,8 @@
 //! kept the vector scheduler full of operations waiting on the long
 //! `sqrt`/`div` chains; on the development machine (Zen 3, AVX2) the
 //! separate loop raised the fp32-state + bf16-copy step from 86–94% to
-//! 95–100% of its roofline (`benches/cpu_adam.rs`).
+//! 92–98% of its roofline (a plain single pass over the same arrays;
+//! `benches/cpu_adam.rs`).
 //!
 //! # Streaming stores
 //!
