@@ -15,9 +15,11 @@
 
 pub mod engine;
 mod error;
+pub mod trace;
 
 pub use engine::{Engine, EngineBuilder, EngineStats, Init, StepOutcome, UnitId, UnitState};
 pub use error::{Error, Result};
+pub use trace::Tracer;
 pub use zero_comm as comm;
 pub use zero_core as core;
 pub use zero_offload as offload;

@@ -9,7 +9,10 @@
 #![allow(dead_code)]
 
 pub mod block;
+pub mod data;
 pub mod ops;
+pub mod train;
+pub mod weights;
 
 pub use block::{Block, BlockCache, BlockParams};
 

@@ -107,6 +107,7 @@ use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
 use zero_core::{bf16, f16, DType, Device, Element, HostBuffer};
 use zero_offload::FaultPlan;
 
+use crate::trace::Tracer;
 use crate::{Error, Result};
 use dynbuf::DynBuf;
 pub use init::Init;
@@ -184,6 +185,9 @@ pub struct EngineStats {
     /// came from the host cache (`offload_param.max_in_cpu`), with no swap
     /// read.
     pub param_cache_hits: u64,
+    /// Stage 3: micro-batches whose gather order differed from the recorded
+    /// one (or ended early), so that their order was recorded instead.
+    pub gather_order_changes: u64,
 }
 
 /// The full (unsharded) state of one unit, read out for evaluation and
@@ -211,6 +215,7 @@ pub struct EngineBuilder<C: Communicator> {
     optimizer_threads: Option<usize>,
     swap_faults: Option<FaultPlan>,
     param_swap_faults: Option<FaultPlan>,
+    tracer: Tracer,
 }
 
 /// The per-unit state.
@@ -300,6 +305,9 @@ pub struct Engine<C: Communicator> {
     /// A parameter swap-file error: the shards cannot be read any more, so
     /// `gather` refuses too.
     params_lost: bool,
+    /// Spans of this rank's phases (disabled unless
+    /// [`EngineBuilder::tracer`]).
+    tracer: Tracer,
 }
 
 /// Every rank learns whether every rank could set up `what`, so that all
@@ -334,6 +342,7 @@ impl<C: Communicator> Engine<C> {
             optimizer_threads: None,
             swap_faults: None,
             param_swap_faults: None,
+            tracer: Tracer::disabled(),
         }
     }
 }
@@ -376,6 +385,16 @@ impl<C: Communicator> EngineBuilder<C> {
     /// production use. Ignored without nvme parameter offload.
     pub fn param_swap_faults(mut self, faults: FaultPlan) -> Self {
         self.param_swap_faults = Some(faults);
+        self
+    }
+
+    /// Records this rank's phases into `tracer` (default
+    /// [`Tracer::disabled`]): `gather` and `reduce` (cat `comm`),
+    /// `optimizer`, and the offload spans (cat `offload`); see
+    /// [`crate::trace`]. With the threads backend every rank may get a
+    /// clone of one tracer.
+    pub fn tracer(mut self, tracer: Tracer) -> Self {
+        self.tracer = tracer;
         self
     }
 
@@ -433,6 +452,7 @@ impl<C: Communicator> EngineBuilder<C> {
             optimizer_threads,
             swap_faults,
             param_swap_faults,
+            tracer,
         } = self;
         let rank = comm.rank();
         let world = comm.world_size();
@@ -596,11 +616,14 @@ impl<C: Communicator> EngineBuilder<C> {
             let built = Offload::new(&cfg, rank, pdt, ranges, &views, &tracker, swap_faults);
             drop(views);
             drop(masters);
-            Some(agree_on_setup(
-                &comm,
-                built,
-                "optimizer offload (zero_optimization.offload_optimizer",
-            )?)
+            Some(
+                agree_on_setup(
+                    &comm,
+                    built,
+                    "optimizer offload (zero_optimization.offload_optimizer",
+                )?
+                .traced(tracer.clone(), rank),
+            )
         } else {
             None
         };
@@ -613,11 +636,14 @@ impl<C: Communicator> EngineBuilder<C> {
             let built = ParamOffload::new(&cfg, rank, pdt, &views, &tracker, param_swap_faults);
             drop(views);
             drop(init);
-            Some(agree_on_setup(
-                &comm,
-                built,
-                "parameter offload (zero_optimization.offload_param",
-            )?)
+            Some(
+                agree_on_setup(
+                    &comm,
+                    built,
+                    "parameter offload (zero_optimization.offload_param",
+                )?
+                .traced(tracer.clone(), rank),
+            )
         } else {
             None
         };
@@ -668,6 +694,7 @@ impl<C: Communicator> EngineBuilder<C> {
             swap_failed: None,
             poff,
             params_lost: false,
+            tracer,
             cfg,
         };
         if let Some(off) = &engine.offload {
@@ -894,6 +921,13 @@ impl<C: Communicator> Engine<C> {
         &self.comm
     }
 
+    /// The tracer this engine records its spans into
+    /// ([`EngineBuilder::tracer`]; disabled by default). A trainer can
+    /// record its own spans (forward, backward) into it too.
+    pub fn tracer(&self) -> &Tracer {
+        &self.tracer
+    }
+
     /// The resolved config.
     pub fn config(&self) -> &ResolvedConfig {
         &self.cfg
@@ -1075,6 +1109,7 @@ impl<C: Communicator> Engine<C> {
             )));
         }
         if self.stage == 3 {
+            let _span = self.tracer.span(self.rank, "gather", "comm");
             let t = Instant::now();
             self.s3_gather(i)?;
             self.stats.gather_time += t.elapsed();
@@ -1316,6 +1351,7 @@ impl<C: Communicator> Engine<C> {
             self.deferred.push(i);
             return Ok(());
         }
+        let _span = self.tracer.span(self.rank, "reduce", "comm");
         let t = Instant::now();
         let r = self.add_to_bucket(i, buf);
         self.stats.reduce_time += t.elapsed();
@@ -1471,6 +1507,12 @@ impl<C: Communicator> Engine<C> {
             return Ok(());
         };
         let buf = f.work.wait()?;
+        // With optimizer offload the accumulated shard is host memory:
+        // this is the device→host copy of the reduced gradient.
+        let _span = self
+            .offload
+            .is_some()
+            .then(|| self.tracer.span(self.rank, "grad to host", "offload"));
         let add = self.micro > 0;
         let world = self.world;
         let rank = self.rank;
@@ -1565,9 +1607,11 @@ impl<C: Communicator> Engine<C> {
                 )));
             }
         }
+        let span = self.tracer.span(self.rank, "reduce", "comm");
         let t = Instant::now();
         self.finish_reductions()?;
         self.stats.reduce_time += t.elapsed();
+        drop(span);
         for u in &mut self.units {
             u.ready = false;
         }
@@ -1588,10 +1632,13 @@ impl<C: Communicator> Engine<C> {
             return Ok(self.last);
         }
         self.micro = 0;
+        let span = self.tracer.span(self.rank, "optimizer", "optimizer");
         let t = Instant::now();
         let outcome = self.optimizer_step()?;
         self.stats.optimizer_time += t.elapsed();
+        drop(span);
         if !outcome.skipped {
+            let _span = self.tracer.span(self.rank, "gather", "comm");
             let t = Instant::now();
             self.gather_updated_params()?;
             self.stats.gather_time += t.elapsed();

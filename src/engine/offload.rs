@@ -55,6 +55,7 @@ use zero_offload::{
     SwapOptions,
 };
 
+use crate::trace::{RankTracer, Tracer};
 use crate::{Error, Result};
 
 /// Unit `unit`'s state elements `local` (relative to the start of the
@@ -116,6 +117,9 @@ pub(crate) struct Offload {
     staging: PooledBuffer,
     /// Tiles read ahead of the update (nvme).
     ahead: usize,
+    /// Spans of the swap traffic and copies (disabled unless
+    /// [`Offload::traced`]).
+    trace: RankTracer,
     _allocs: Vec<Allocation>,
 }
 
@@ -260,8 +264,16 @@ impl Offload {
             store,
             staging,
             ahead: buffer_count.saturating_sub(2).max(1),
+            trace: RankTracer::default(),
             _allocs: allocs,
         })
+    }
+
+    /// Records spans (`swap read`, `swap write`, `param copy-out`,
+    /// `adam tile`) of `rank` into `tracer`.
+    pub(crate) fn traced(mut self, tracer: Tracer, rank: usize) -> Self {
+        self.trace = RankTracer::new(tracer, rank);
+        self
     }
 
     /// Whether the state is in a swap file.
@@ -305,6 +317,7 @@ impl Offload {
             store,
             staging,
             ahead,
+            trace,
             ..
         } = self;
         let staging = staging.as_mut_slice_of::<P>()?;
@@ -314,15 +327,19 @@ impl Offload {
                 for (t, tile) in tiles.iter().enumerate() {
                     // Copy-in: nothing to move, the state is resident and
                     // the gradient shard is already in host memory.
+                    let span = trace.span("adam tile", "optimizer");
                     update_tile(adam, k, tile, bufs[t].as_mut_slice_of()?, grads, staging)?;
+                    drop(span);
                     if let Some(done) = behind.replace(t) {
                         if !params.is_empty() {
+                            let _span = trace.span("param copy-out", "offload");
                             copy_out(&tiles[done], units, unit_off, staging, params);
                         }
                     }
                 }
                 if let Some(done) = behind {
                     if !params.is_empty() {
+                        let _span = trace.span("param copy-out", "offload");
                         copy_out(&tiles[done], units, unit_off, staging, params);
                     }
                 }
@@ -330,7 +347,9 @@ impl Offload {
             }
             Store::Nvme { swap, regions } => {
                 swap.verify()?;
-                nvme_pipeline(adam, k, tiles, pool, swap, regions, *ahead, grads, staging)
+                nvme_pipeline(
+                    adam, k, tiles, pool, swap, regions, *ahead, grads, staging, trace,
+                )
             }
         }
     }
@@ -343,6 +362,7 @@ impl Offload {
             return Ok(());
         }
         let staging = self.staging.as_slice_of::<P>()?;
+        let _span = self.trace.span("param copy-out", "offload");
         for tile in &self.tiles {
             copy_out(tile, &self.units, &self.unit_off, staging, params);
         }
@@ -469,6 +489,7 @@ fn nvme_pipeline<G: Element, P: Element>(
     ahead: usize,
     grads: &[&[G]],
     staging: &mut [P],
+    trace: &RankTracer,
 ) -> Result<()> {
     let n = tiles.len();
     let mut reads: VecDeque<IoTicket<PooledBuffer>> = VecDeque::with_capacity(ahead + 1);
@@ -487,6 +508,7 @@ fn nvme_pipeline<G: Element, P: Element>(
                 Err(_) if next > t => break,
                 Err(e) => match writes.pop_front() {
                     Some(w) => {
+                        let _span = trace.span("swap write", "offload");
                         if let Err(e) = w.wait() {
                             first = Some(e.error.into());
                             break 'tiles;
@@ -502,13 +524,17 @@ fn nvme_pipeline<G: Element, P: Element>(
         let Some(r) = reads.pop_front() else {
             break;
         };
-        let mut buf = match r.wait() {
+        let span = trace.span("swap read", "offload");
+        let read = r.wait();
+        drop(span);
+        let mut buf = match read {
             Ok(b) => b,
             Err(e) => {
                 first = Some(e.error.into());
                 break;
             }
         };
+        let _span = trace.span("adam tile", "optimizer");
         let updated = buf
             .as_mut_slice_of::<f32>()
             .map_err(Error::from)
@@ -519,11 +545,15 @@ fn nvme_pipeline<G: Element, P: Element>(
         }
         writes.push_back(swap.write(regions[t], buf));
     }
+    // Reads left over only after an error.
+    let span = (!reads.is_empty()).then(|| trace.span("swap read", "offload"));
     for r in reads {
         if let Err(e) = r.wait() {
             first.get_or_insert(e.error.into());
         }
     }
+    drop(span);
+    let _span = trace.span("swap write", "offload");
     for w in writes {
         if let Err(e) = w.wait() {
             first.get_or_insert(e.error.into());

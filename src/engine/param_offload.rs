@@ -76,6 +76,7 @@ use zero_offload::{
 };
 
 use super::dynbuf::DynBuf;
+use crate::trace::{RankTracer, Tracer};
 use crate::{Error, Result};
 
 /// Units read ahead beyond the gather prefetch window with `nvme`.
@@ -123,6 +124,9 @@ pub(crate) struct ParamOffload {
     tick: u64,
     /// The first read error of this rank (reported at the next step).
     pub(crate) failed: Option<Error>,
+    /// Spans of the fetches, write-backs and swap traffic (disabled
+    /// unless [`ParamOffload::traced`]).
+    trace: RankTracer,
     _allocs: Vec<Allocation>,
 }
 
@@ -258,8 +262,16 @@ impl ParamOffload {
             cache_pool,
             tick: 0,
             failed: None,
+            trace: RankTracer::default(),
             _allocs: allocs,
         })
+    }
+
+    /// Records spans (`param fetch`, `param write back`, `swap read`,
+    /// `swap write`) of `rank` into `tracer`.
+    pub(crate) fn traced(mut self, tracer: Tracer, rank: usize) -> Self {
+        self.trace = RankTracer::new(tracer, rank);
+        self
     }
 
     /// Whether the shards are in a swap file.
@@ -317,6 +329,7 @@ impl ParamOffload {
     /// the error kept in [`ParamOffload::failed`]: the step reports it on
     /// every rank (so that no rank leaves a collective the others are in).
     pub(crate) fn load_into(&mut self, i: usize, dst: &mut DynBuf, at: usize) -> Fetch {
+        let _span = self.trace.span("param fetch", "offload");
         let n = self.bytes[i];
         self.tick += 1;
         let (r, how) = match &self.home {
@@ -342,9 +355,11 @@ impl ParamOffload {
                         .acquire(n.max(1))
                         .map(|buf| swap.read(regions[i], buf)),
                 };
+                let span = self.trace.span("swap read", "offload");
                 let r = ticket
                     .map_err(Error::from)
                     .and_then(|t| t.wait().map_err(|e| e.error.into()));
+                drop(span);
                 match r {
                     Ok(buf) => {
                         dst.store_bytes(at, &buf[..n]);
@@ -396,6 +411,7 @@ impl ParamOffload {
     /// Waits for every read issued ahead (end of a micro-batch: the next
     /// step changes the shards).
     pub(crate) fn drain_reads(&mut self) {
+        let _span = (self.pending > 0).then(|| self.trace.span("swap read", "offload"));
         for r in &mut self.reads {
             if let Some(t) = r.take() {
                 if let Err(e) = t.wait() {
@@ -443,6 +459,7 @@ impl ParamOffload {
         i: usize,
         fill: impl FnOnce(&mut [P]) -> Result<()>,
     ) -> Result<()> {
+        let _span = self.trace.span("param write back", "offload");
         let n = self.bytes[i];
         match &mut self.home {
             Home::Host(bufs) => {
@@ -454,7 +471,10 @@ impl ParamOffload {
                     match self.pool.acquire(n.max(1)) {
                         Ok(b) => break b,
                         Err(e) => match self.writes.pop_front() {
-                            Some(w) => drop(w.wait().map_err(|e| e.error)?),
+                            Some(w) => {
+                                let _span = self.trace.span("swap write", "offload");
+                                drop(w.wait().map_err(|e| e.error)?)
+                            }
                             None => return Err(e.into()),
                         },
                     }
@@ -475,6 +495,7 @@ impl ParamOffload {
 
     /// Waits for every queued write; the first error.
     pub(crate) fn flush(&mut self) -> Result<()> {
+        let _span = (!self.writes.is_empty()).then(|| self.trace.span("swap write", "offload"));
         let mut first = None;
         for w in self.writes.drain(..) {
             if let Err(e) = w.wait() {

@@ -16,9 +16,11 @@
 //!
 //! Units smaller than `stage3_param_persistence_threshold` elements stay
 //! gathered for good (refreshed after each optimizer step). If a later
-//! micro-batch gathers in another order, prefetching stops for the rest of
-//! that micro-batch with a warning naming the unit; results do not change,
-//! since a prefetched unit holds the same values an on-demand gather would.
+//! micro-batch gathers in another order (or stops early), prefetching stops
+//! for the rest of that micro-batch with a warning naming the unit, and that
+//! micro-batch's order becomes the trace for the next ones (counted in
+//! `EngineStats::gather_order_changes`); results do not change, since a
+//! prefetched unit holds the same values an on-demand gather would.
 //! Every decision depends only on the trace and the call sequence, which
 //! are the same on every rank, so all ranks issue the same collectives.
 
@@ -156,9 +158,9 @@ impl<C: Communicator> Engine<C> {
     }
 
     pub(super) fn s3_gather(&mut self, i: usize) -> Result<()> {
-        match &self.s3.trace {
-            None => self.s3.recording.push(i),
-            Some(trace) if self.s3.on_track => {
+        self.s3.recording.push(i);
+        if let Some(trace) = &self.s3.trace {
+            if self.s3.on_track {
                 if trace.get(self.s3.pos) == Some(&i) {
                     self.s3.pos += 1;
                 } else {
@@ -169,15 +171,14 @@ impl<C: Communicator> Engine<C> {
                             format!("`{}`", self.units[e].layout.name)
                         });
                     let msg = format!(
-                        "stage 3: gather(`{}`) at position {} differs from the order recorded in the \
-                         first micro-batch (expected {expected}); prefetching is off for the rest of \
-                         this micro-batch",
+                        "stage 3: gather(`{}`) at position {} differs from the recorded order \
+                         (expected {expected}); prefetching is off for the rest of this micro-batch \
+                         and the next micro-batch is recorded as the new order",
                         self.units[i].layout.name, self.s3.pos
                     );
                     self.warn(msg);
                 }
             }
-            Some(_) => {}
         }
         let resident = self.s3.full[i].is_some() || self.s3.inflight[i].is_some();
         if resident {
@@ -264,8 +265,21 @@ impl<C: Communicator> Engine<C> {
     /// End of a micro-batch: fix the trace after the first one, finish
     /// prefetches nobody used, free what is not persistent.
     pub(super) fn s3_end_micro_batch(&mut self) -> Result<()> {
-        if self.s3.trace.is_none() {
-            self.s3.trace = Some(std::mem::take(&mut self.s3.recording));
+        // Keep the trace if this micro-batch followed it to the end;
+        // otherwise this micro-batch's order becomes the trace (as
+        // DeepSpeed re-records an invalidated trace).
+        let recorded = std::mem::take(&mut self.s3.recording);
+        let followed = self.s3.on_track
+            && self
+                .s3
+                .trace
+                .as_ref()
+                .is_some_and(|t| t.len() == self.s3.pos);
+        if !followed {
+            if self.s3.trace.is_some() {
+                self.stats.gather_order_changes += 1;
+            }
+            self.s3.trace = Some(recorded);
         }
         self.s3.pos = 0;
         self.s3.on_track = true;

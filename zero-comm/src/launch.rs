@@ -59,6 +59,13 @@ impl Communicator for Comm {
         }
     }
 
+    fn ranks_on_host(&self) -> usize {
+        match self {
+            Comm::Threads(c) => c.ranks_on_host(),
+            Comm::Mpi(c) => c.ranks_on_host(),
+        }
+    }
+
     fn alloc<T: Element>(&self, len: usize) -> Result<HostBuffer<T>> {
         match self {
             Comm::Threads(c) => c.alloc(len),

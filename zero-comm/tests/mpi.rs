@@ -111,9 +111,10 @@ fn driver() -> i32 {
     // Without mpirun: `launch` runs threads, and MpiComm is usable as a type.
     match launch(2, &CommOptions::default(), |c| {
         let b = c.alloc::<f32>(3).unwrap();
-        (c.backend(), c.all_reduce(b, ReduceOp::Sum).wait().is_ok())
+        let ok = c.all_reduce(b, ReduceOp::Sum).wait().is_ok();
+        (c.backend(), ok, c.ranks_on_host())
     }) {
-        Ok(v) if v == vec![("threads", true); 2] => passed += 1,
+        Ok(v) if v == vec![("threads", true, 2); 2] => passed += 1,
         other => {
             failed += 1;
             println!("FAIL driver: launch without mpirun should run 2 thread ranks: {other:?}");

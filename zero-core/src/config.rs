@@ -592,6 +592,17 @@ pub enum OffloadDevice {
     Nvme,
 }
 
+impl std::fmt::Display for OffloadDevice {
+    /// The config spelling: `none`, `cpu` or `nvme`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            OffloadDevice::None => "none",
+            OffloadDevice::Cpu => "cpu",
+            OffloadDevice::Nvme => "nvme",
+        })
+    }
+}
+
 impl OffloadDevice {
     const ALLOWED: &'static str = r#""none", "cpu" or "nvme""#;
 

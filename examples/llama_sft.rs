@@ -1,0 +1,781 @@
+//! Supervised fine-tuning of a Llama-architecture model on the addition task
+//! (`1807=` → `王大丫丫的回答是--->1800 + 7`), under any ZeRO stage and
+//! offload mode, on 1..N ranks.
+//!
+//! ```text
+//! mpirun -n 2 cargo run --example llama_sft -- --stage 3 --offload cpu
+//! cargo run --example llama_sft -- --stage 3 --offload cpu          # 2 ranks as threads
+//! cargo run --example llama_sft -- --stage 2 --offload nvme --nvme-path /mnt/nvme
+//! cargo run --example llama_sft -- --config ds_config.json --metrics m.jsonl --trace t.json
+//! cargo run --example llama_sft -- --help
+//! ```
+//!
+//! The model, the data and the engine glue are in `examples/llama/`
+//! (`mod.rs`, `data.rs`, `train.rs`); `--help` explains every flag.
+
+#[path = "llama/mod.rs"]
+mod llama;
+
+use std::fs::File;
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::exit;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use zero::comm::{launch, CommOptions, Communicator, ReduceOp};
+use zero::core::config::{AutoValues, DeepSpeedConfig, OffloadDevice, Precision, ResolvedConfig};
+use zero::core::memory::Tier;
+use zero::core::optim::{LossScaleConfig, LrSchedule, WarmupType};
+use zero::core::{bf16, f16, Element, HostBuffer};
+use zero::trace::{gather_events, write_chrome_trace, Tracer};
+use zero::Engine;
+
+use llama::data::{self, Sample, Task};
+use llama::ops::{matmul, Mm};
+use llama::train::{forward_flops, generate, SftModel};
+use llama::Config;
+
+/// Where offloaded state lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Dev {
+    /// Not offloaded.
+    None,
+    /// Host memory (page-aligned pool; pinned when the config asks).
+    Cpu,
+    /// A swap file under --nvme-path.
+    Nvme,
+}
+
+impl From<Dev> for OffloadDevice {
+    fn from(d: Dev) -> Self {
+        match d {
+            Dev::None => OffloadDevice::None,
+            Dev::Cpu => OffloadDevice::Cpu,
+            Dev::Nvme => OffloadDevice::Nvme,
+        }
+    }
+}
+
+/// Parameter and gradient dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Dtype {
+    /// fp32 throughout.
+    Fp32,
+    /// bf16 parameters and gradients, fp32 master weights and compute.
+    Bf16,
+    /// fp16 parameters and gradients with dynamic loss scaling.
+    Fp16,
+}
+
+/// Model presets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Preset {
+    /// ~0.1 M parameters: smoke tests.
+    Tiny,
+    /// ~0.9 M parameters: the default, sized for the addition task on a
+    /// 2-core CPU.
+    Task,
+    /// ~48 M parameters with a byte vocabulary (a real but slow model on a CPU).
+    Small,
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "llama_sft",
+    about = "Fine-tune a Llama-architecture model on the addition task with ZeRO stages 0-3 and offload.",
+    long_about = "Fine-tune a Llama-architecture model on the addition task (prompt `N=`, answer \
+`王大丫丫的回答是--->a + b` with a + b = N) with ZeRO stages 0-3 and optimizer/parameter offload, \
+on 1..N ranks: threads of this process (--ranks), or one process per rank under mpirun. Reports \
+held-out accuracy before and after training, time, tokens/s, FLOP/s and MFU, and peak memory per \
+rank and tier."
+)]
+struct Args {
+    /// ZeRO stage 0-3 (zero_optimization.stage). Default 3, or the --config file's.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=3))]
+    stage: Option<u8>,
+    /// Where the fp32 master weights and AdamW moments live
+    /// (zero_optimization.offload_optimizer.device). Default none, or the --config file's.
+    #[arg(long, value_enum)]
+    offload: Option<Dev>,
+    /// Where stage 3's parameter shards live (zero_optimization.offload_param.device; stage 3
+    /// only). Default none, or the --config file's.
+    #[arg(long, value_enum)]
+    offload_param: Option<Dev>,
+    /// Directory for the nvme swap files (offload_*.nvme_path). Default: a directory under
+    /// the system temp dir.
+    #[arg(long)]
+    nvme_path: Option<PathBuf>,
+    /// Ranks to run as threads of this process; ignored under mpirun (one rank per process).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=64))]
+    ranks: u64,
+    /// A DeepSpeed JSON config. Flags given on the command line override its values; its
+    /// "auto" values are filled from the flags (or their defaults).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Model preset; --dim, --layers, --heads, --kv-heads and --hidden override its dims.
+    #[arg(long, value_enum, default_value = "task")]
+    model: Preset,
+    /// Model width.
+    #[arg(long)]
+    dim: Option<usize>,
+    /// Number of transformer blocks.
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Attention heads.
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Key/value heads (grouped-query attention when fewer than --heads).
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    /// SwiGLU inner width.
+    #[arg(long)]
+    hidden: Option<usize>,
+    /// Optimizer steps. Default: --epochs over the training set.
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Passes over the training set (ignored with --steps).
+    #[arg(long, default_value_t = 12.0)]
+    epochs: f64,
+    /// Samples per rank per micro-batch (train_micro_batch_size_per_gpu). Default 16.
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Tokens per sequence. Default: the longest training sample.
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Peak learning rate (warmup, then cosine decay to 10%). Default 3e-3.
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Micro-batches per optimizer step (gradient_accumulation_steps). Default 1.
+    #[arg(long)]
+    grad_accum: Option<usize>,
+    /// Parameter dtype. Default bf16, or the --config file's.
+    #[arg(long, value_enum)]
+    dtype: Option<Dtype>,
+    /// Keep only each block's input in forward and recompute the block in backward.
+    #[arg(long)]
+    activation_checkpointing: bool,
+    /// Seed of the initialisation, the held-out split and the data order.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Training data: a JSON list of {"instruction", "input", "output"} records (the
+    /// original experiment's format). Default: generated in-process.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Evaluation prompts: a JSON file of the same format whose instructions are `N=`.
+    /// Default: the 200 held-out numbers.
+    #[arg(long)]
+    eval_data: Option<PathBuf>,
+    /// Initial weights from a safetensors file with HF-Llama tensor names.
+    #[arg(long)]
+    init_from: Option<PathBuf>,
+    /// Write one JSON line per optimizer step (loss, lr, grad norm, loss scale, tokens/s,
+    /// memory) to this file.
+    #[arg(long)]
+    metrics: Option<PathBuf>,
+    /// Write a Chrome trace (open in https://ui.perfetto.dev) of forward, backward, reduce,
+    /// gather, optimizer and offload spans per rank to this file.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// The machine's peak TFLOP/s for MFU. Default: measured (an fp32 GEMM on every rank at once).
+    #[arg(long)]
+    peak_tflops: Option<f64>,
+}
+
+const DEFAULT_STAGE: u8 = 3;
+const DEFAULT_BATCH: usize = 16;
+const DEFAULT_LR: f64 = 3e-3;
+
+impl Args {
+    fn model_config(&self, seq: usize) -> Result<Config, String> {
+        let mut c = match self.model {
+            Preset::Tiny => Config::tiny(),
+            Preset::Task => Config {
+                dim: 128,
+                n_layers: 4,
+                n_heads: 4,
+                n_kv_heads: 2,
+                hidden: 344,
+                ..Config::tiny()
+            },
+            Preset::Small => Config::small(),
+        };
+        c.vocab = data::VOCAB;
+        c.max_seq = seq;
+        if let Some(v) = self.dim {
+            c.dim = v;
+        }
+        if let Some(v) = self.layers {
+            c.n_layers = v;
+        }
+        if let Some(v) = self.heads {
+            c.n_heads = v;
+        }
+        if let Some(v) = self.kv_heads {
+            c.n_kv_heads = v;
+        }
+        if let Some(v) = self.hidden {
+            c.hidden = v;
+        }
+        let bad = |m: &str| {
+            Err(format!(
+                "model dims: {m} (dim {}, heads {}, kv-heads {})",
+                c.dim, c.n_heads, c.n_kv_heads
+            ))
+        };
+        if c.dim == 0 || c.n_layers == 0 || c.hidden == 0 {
+            return bad("--dim, --layers and --hidden must be positive");
+        }
+        if c.n_heads == 0 || c.dim % c.n_heads != 0 {
+            return bad("--heads must divide --dim");
+        }
+        if c.n_kv_heads == 0 || c.n_heads % c.n_kv_heads != 0 {
+            return bad("--kv-heads must divide --heads");
+        }
+        if c.head_dim() % 2 != 0 {
+            return bad("the head dim (--dim / --heads) must be even for RoPE");
+        }
+        Ok(c)
+    }
+}
+
+/// The engine config: the --config file (its "auto" values from the flags)
+/// or the defaults, then the flags given on the command line.
+fn engine_config(a: &Args, world: usize, total_steps: usize) -> Result<ResolvedConfig, String> {
+    let lr = a.lr.unwrap_or(DEFAULT_LR);
+    let warmup = (total_steps / 20).max(1) as u64;
+    let dtype = a.dtype.unwrap_or(Dtype::Bf16);
+    let mut c = if let Some(path) = &a.config {
+        let p = path.display();
+        let text = std::fs::read_to_string(path).map_err(|e| format!("--config {p}: {e}"))?;
+        let (ds, warnings) =
+            DeepSpeedConfig::from_json_str(&text).map_err(|e| format!("--config {p}: {e}"))?;
+        for w in warnings {
+            eprintln!("--config {p}: warning: {w}");
+        }
+        let auto = AutoValues {
+            world_size: world,
+            micro_batch_size: Some(a.batch.unwrap_or(DEFAULT_BATCH)),
+            gradient_accumulation_steps: Some(a.grad_accum.unwrap_or(1)),
+            gradient_clipping: Some(1.0),
+            fp16: Some(dtype == Dtype::Fp16),
+            bf16: Some(dtype == Dtype::Bf16),
+            lr: Some(lr),
+            betas: Some((0.9, 0.95)),
+            eps: Some(1e-8),
+            weight_decay: Some(0.0),
+            warmup_min_lr: Some(0.0),
+            warmup_max_lr: Some(lr),
+            warmup_num_steps: Some(warmup),
+            total_num_steps: Some(total_steps as u64),
+            hidden_size: None,
+            ..AutoValues::default()
+        };
+        ds.resolve(&auto)
+            .map_err(|e| format!("--config {p}: {e}"))?
+    } else {
+        let mut c = ResolvedConfig::simple(DEFAULT_STAGE, world, DEFAULT_BATCH);
+        c.precision = Precision::Bf16;
+        c.optimizer.lr = lr;
+        c.optimizer.beta2 = 0.95;
+        c.optimizer.weight_decay = 0.0;
+        c.gradient_clipping = 1.0;
+        c.scheduler = cosine(lr, warmup, total_steps);
+        c
+    };
+    // Flags given on the command line win over the file.
+    if let Some(s) = a.stage {
+        c.zero.stage = s;
+        c.zero.overlap_comm = s == 3 || c.zero.overlap_comm;
+    }
+    if let Some(b) = a.batch {
+        c.micro_batch_size = b;
+    }
+    if let Some(g) = a.grad_accum {
+        c.gradient_accumulation_steps = g;
+    }
+    c.train_batch_size = c.micro_batch_size * c.gradient_accumulation_steps * world;
+    if let Some(d) = a.dtype {
+        c.precision = match d {
+            Dtype::Fp32 => Precision::Fp32,
+            Dtype::Bf16 => Precision::Bf16,
+            Dtype::Fp16 => Precision::Fp16,
+        };
+        c.loss_scale = (d == Dtype::Fp16).then_some(LossScaleConfig::Dynamic {
+            initial_scale_power: 16,
+            window: 1000,
+            hysteresis: 2,
+            consecutive_hysteresis: false,
+            min_scale: 1.0,
+        });
+    }
+    if a.lr.is_some() && a.config.is_some() {
+        c.optimizer.lr = lr;
+        c.scheduler = cosine(lr, warmup, total_steps);
+    }
+    let nvme = || {
+        a.nvme_path.clone().unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("zero-llama-sft-{}", std::process::id()))
+        })
+    };
+    if let Some(d) = a.offload {
+        let o = &mut c.zero.offload_optimizer;
+        o.device = d.into();
+        if d == Dev::Nvme && (o.nvme_path.is_none() || a.nvme_path.is_some()) {
+            o.nvme_path = Some(nvme());
+        }
+    }
+    if let Some(d) = a.offload_param {
+        let o = &mut c.zero.offload_param;
+        o.device = d.into();
+        if d == Dev::Nvme && (o.nvme_path.is_none() || a.nvme_path.is_some()) {
+            o.nvme_path = Some(nvme());
+        }
+    }
+    Ok(c)
+}
+
+fn cosine(lr: f64, warmup: u64, total: usize) -> LrSchedule {
+    LrSchedule::WarmupCosineLr {
+        base_lr: lr,
+        total_steps: total as u64,
+        warmup_min_ratio: 0.0,
+        warmup_steps: warmup,
+        cos_min_ratio: 0.1,
+        warmup_type: WarmupType::Linear,
+    }
+}
+
+/// Everything `run` needs that does not depend on the rank.
+struct Setup {
+    args: Args,
+    task: Task,
+    model: Config,
+    seq: usize,
+    max_new: usize,
+    init: Option<Vec<Vec<f32>>>,
+}
+
+/// One rank's results for the report.
+#[derive(Clone, Debug, Default)]
+struct Outcome {
+    lines: Vec<String>,
+}
+
+/// The peak fp32 GEMM rate of this rank with `threads` threads (FLOP/s),
+/// measured while every rank does the same.
+fn measure_peak(threads: usize) -> f64 {
+    let n = 384;
+    let a = vec![0.5f32; n * n];
+    let b = vec![0.25f32; n * n];
+    let mut c = vec![0f32; n * n];
+    let p = Mm::new(n, n, n).threads(threads);
+    matmul(&mut c, &a, &b, p);
+    let t = Instant::now();
+    let mut reps = 0u32;
+    while t.elapsed() < Duration::from_millis(300) {
+        matmul(&mut c, &a, &b, p);
+        reps += 1;
+    }
+    2.0 * (n * n * n) as f64 * reps as f64 / t.elapsed().as_secs_f64()
+}
+
+/// Sums `values` over ranks (f32; exact for the counts used here).
+fn sum_over_ranks<C: Communicator>(comm: &C, values: &[f32]) -> zero::Result<Vec<f32>> {
+    Ok(comm
+        .all_reduce(HostBuffer::from_slice(values)?, ReduceOp::Sum)
+        .wait()?
+        .to_vec())
+}
+
+/// Greedy-decodes this rank's share of the evaluation numbers; returns the
+/// accuracy over all ranks and a few (number, answer) examples of rank 0.
+fn evaluate<C: Communicator>(
+    e: &mut Engine<C>,
+    m: &SftModel,
+    s: &Setup,
+    threads: usize,
+) -> zero::Result<(f64, Vec<(u64, String)>)> {
+    let params = m.snapshot(e)?;
+    let (rank, world) = (e.rank(), e.world_size());
+    let mine: Vec<u64> = s
+        .task
+        .eval
+        .iter()
+        .copied()
+        .skip(rank)
+        .step_by(world)
+        .collect();
+    let prompts: Vec<Vec<u32>> = mine.iter().map(|&n| data::prompt_for(n)).collect();
+    let outs = generate(
+        &m.cfg,
+        &m.block,
+        &params,
+        &prompts,
+        s.max_new,
+        data::EOS,
+        threads,
+    );
+    let texts: Vec<String> = outs.iter().map(|o| data::decode(o)).collect();
+    let correct = mine
+        .iter()
+        .zip(&texts)
+        .filter(|(n, t)| data::score(**n, t))
+        .count();
+    let tot = sum_over_ranks(e.comm(), &[correct as f32, mine.len() as f32])?;
+    let examples = mine.into_iter().zip(texts).take(3).collect();
+    Ok((f64::from(tot[0]) / f64::from(tot[1]).max(1.0), examples))
+}
+
+fn mib(bytes: f32) -> String {
+    format!("{:.1} MiB", bytes / (1024.0 * 1024.0))
+}
+
+fn run<T: Element, C: Communicator>(
+    comm: C,
+    s: &Setup,
+    cfg: ResolvedConfig,
+) -> zero::Result<Outcome> {
+    let a = &s.args;
+    let rank = comm.rank();
+    let world = comm.world_size();
+    let lead = rank == 0;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (cores / comm.ranks_on_host().max(1)).max(1);
+    let micro = cfg.micro_batch_size;
+    let ga = cfg.gradient_accumulation_steps;
+    let per_step = micro * ga * world;
+    let steps_per_epoch = (s.task.train.len() / per_step).max(1);
+    let steps = a
+        .steps
+        .unwrap_or(((a.epochs * steps_per_epoch as f64).round() as usize).max(1));
+    let tracer = if a.trace.is_some() {
+        Tracer::new()
+    } else {
+        Tracer::disabled()
+    };
+    let offload_desc = format!(
+        "optimizer offload {}, param offload {}",
+        cfg.zero.offload_optimizer.device, cfg.zero.offload_param.device
+    );
+    let stage = cfg.zero.stage;
+    let mut b = Engine::builder(cfg, comm)
+        .seed(a.seed)
+        .tracer(tracer.clone());
+    let model = SftModel::register(
+        &mut b,
+        s.model,
+        s.init.clone(),
+        threads,
+        a.activation_checkpointing,
+    )?;
+    let mut e = b.build()?;
+    if lead {
+        println!(
+            "llama_sft: stage {stage}, {world} ranks ({}), {}, {offload_desc}",
+            e.comm().backend(),
+            T::DTYPE,
+        );
+        println!(
+            "model: {} parameters (dim {}, {} layers, {} heads, {} kv heads, hidden {}, vocab {}), seq {}{}",
+            e.plan().numel(),
+            s.model.dim,
+            s.model.n_layers,
+            s.model.n_heads,
+            s.model.n_kv_heads,
+            s.model.hidden,
+            s.model.vocab,
+            s.seq,
+            if a.activation_checkpointing { ", activation checkpointing" } else { "" }
+        );
+        println!(
+            "data: {} training samples, {} held-out numbers; {steps} steps of {per_step} samples \
+             ({micro} per rank x {ga} accumulation x {world} ranks), {threads} GEMM thread(s) per rank",
+            s.task.train.len(),
+            s.task.eval.len()
+        );
+    }
+    // Peak FLOP/s of the machine: every rank measures at once, the sum is
+    // the machine's.
+    let peak = match a.peak_tflops {
+        Some(t) => t * 1e12,
+        None => f64::from(sum_over_ranks(e.comm(), &[measure_peak(threads) as f32])?[0]),
+    };
+
+    let (acc_before, _) = evaluate(&mut e, &model, s, threads)?;
+    if lead {
+        println!("accuracy before training: {:.1}%", 100.0 * acc_before);
+    }
+
+    let mut metrics = match (&a.metrics, lead) {
+        (Some(p), true) => Some(BufWriter::new(File::create(p).map_err(|err| {
+            zero::Error::Usage {
+                rank,
+                what: format!("--metrics {}: {err}", p.display()),
+            }
+        })?)),
+        _ => None,
+    };
+    let bar = (lead && std::io::stderr().is_terminal()).then(|| {
+        let pb = ProgressBar::new(steps as u64);
+        pb.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  eta {eta}")
+                .expect("valid template"),
+        );
+        pb
+    });
+    let log_every = (steps / 10).max(1);
+    let mut order = Vec::new();
+    let mut epoch = u64::MAX;
+    let mut cursor = 0usize;
+    let mut tokens_total = 0f64;
+    let mut flops_total = 0f64;
+    let mut act_peak = 0u64;
+    e.reset_stats();
+    let t0 = Instant::now();
+    for step in 0..steps {
+        let ts = Instant::now();
+        let mut loss_sum = 0f32;
+        let mut target_tokens = 0usize;
+        for _ in 0..ga {
+            // The global micro-batch: `micro * world` samples of the epoch
+            // order; this rank takes its slice.
+            if cursor + micro * world > order.len() || epoch == u64::MAX {
+                epoch = epoch.wrapping_add(1);
+                order = data::epoch_order(s.task.train.len(), epoch, a.seed);
+                cursor = 0;
+            }
+            let mine: Vec<&Sample> = order[cursor + rank * micro..cursor + (rank + 1) * micro]
+                .iter()
+                .map(|&i| &s.task.train[i])
+                .collect();
+            cursor += micro * world;
+            let (tokens, targets) =
+                data::make_batch(&mine, s.seq).map_err(|what| zero::Error::Usage { rank, what })?;
+            let st = model
+                .train_micro_batch::<T, C>(&mut e, &tokens, &targets, micro, s.seq, &tracer)?;
+            loss_sum += st.loss * st.target_tokens as f32;
+            target_tokens += st.target_tokens;
+            act_peak = act_peak.max(st.activation_bytes);
+            flops_total += 3.0 * forward_flops(&s.model, micro, s.seq, st.target_tokens);
+            e.step()?;
+        }
+        let g = sum_over_ranks(e.comm(), &[loss_sum, target_tokens as f32])?;
+        let loss = g[0] / g[1].max(1.0);
+        let o = e.last_step();
+        let dt = ts.elapsed().as_secs_f64();
+        let step_tokens = (per_step * s.seq) as f64;
+        tokens_total += step_tokens;
+        if let Some(w) = metrics.as_mut() {
+            let tr = e.tracker();
+            let line = serde_json::json!({
+                "step": step + 1,
+                "epoch": epoch,
+                "loss": loss,
+                "lr": o.lr,
+                "grad_norm": o.grad_norm,
+                "loss_scale": o.loss_scale,
+                "skipped": o.skipped,
+                "tokens_per_s": step_tokens / dt,
+                "step_time_s": dt,
+                "memory_rank0": {
+                    "device_bytes": tr.tier_current(Tier::Device),
+                    "host_bytes": tr.tier_current(Tier::Host),
+                    "nvme_bytes": tr.tier_current(Tier::Nvme),
+                },
+            });
+            writeln!(w, "{line}").map_err(|err| zero::Error::Usage {
+                rank,
+                what: format!("--metrics: {err}"),
+            })?;
+        }
+        let tps = tokens_total / t0.elapsed().as_secs_f64();
+        if let Some(pb) = &bar {
+            pb.set_position(step as u64 + 1);
+            pb.set_message(format!("loss {loss:.4}  {tps:.0} tok/s"));
+        } else if lead && ((step + 1) % log_every == 0 || step == 0) {
+            println!(
+                "step {:>5}/{steps}  loss {loss:.4}  lr {:.2e}  grad norm {:.3}  {tps:.0} tok/s  {:.0} s",
+                step + 1,
+                o.lr,
+                o.grad_norm.unwrap_or(f64::NAN),
+                t0.elapsed().as_secs_f64()
+            );
+        }
+    }
+    let train_time = t0.elapsed().as_secs_f64();
+    if let Some(pb) = bar {
+        pb.finish_and_clear();
+    }
+    if let Some(mut w) = metrics {
+        w.flush().map_err(|err| zero::Error::Usage {
+            rank,
+            what: format!("--metrics: {err}"),
+        })?;
+    }
+    let (acc_after, examples) = evaluate(&mut e, &model, s, threads)?;
+
+    // Per-rank peaks, in KiB (f32 is exact enough for a report).
+    let tr = e.tracker();
+    let kib = |t: Tier| tr.tier_peak(t) as f32 / 1024.0;
+    let mut mine = vec![0f32; 4 * world];
+    mine[4 * rank..4 * rank + 4].copy_from_slice(&[
+        kib(Tier::Device),
+        kib(Tier::Host),
+        kib(Tier::Nvme),
+        act_peak as f32 / 1024.0,
+    ]);
+    let mem = sum_over_ranks(e.comm(), &mine)?;
+    let flops = f64::from(sum_over_ranks(e.comm(), &[flops_total as f32])?[0]);
+    let stats = e.stats().clone();
+    let events = gather_events(e.comm(), tracer.events())?;
+    if let (Some(path), Some(events)) = (&a.trace, events) {
+        write_chrome_trace(path, &events).map_err(|err| zero::Error::Usage {
+            rank,
+            what: format!("--trace {}: {err}", path.display()),
+        })?;
+        println!("trace: {} ({} spans)", path.display(), events.len());
+    }
+    let mut lines = Vec::new();
+    if lead {
+        for (n, t) in &examples {
+            lines.push(format!("  {n}= → {t}"));
+        }
+        let off = |d: OffloadDevice| d.to_string();
+        let c = e.config();
+        lines.push(String::new());
+        lines.push("| stage | offload | offload_param | ranks | dtype | acc. before | acc. after | time | tokens/s | TFLOP/s | MFU |".into());
+        lines.push("|---|---|---|---|---|---|---|---|---|---|---|".into());
+        lines.push(format!(
+            "| {} | {} | {} | {world} | {} | {:.1}% | {:.1}% | {:.1} s | {:.0} | {:.3} | {:.1}% |",
+            c.zero.stage,
+            off(c.zero.offload_optimizer.device),
+            off(c.zero.offload_param.device),
+            T::DTYPE,
+            100.0 * acc_before,
+            100.0 * acc_after,
+            train_time,
+            tokens_total / train_time,
+            flops / train_time / 1e12,
+            100.0 * flops / train_time / peak,
+        ));
+        lines.push(String::new());
+        lines.push(format!(
+            "peak {:.3} TFLOP/s ({}); time in reduce {:.1} s, gather {:.1} s, optimizer {:.1} s (rank 0)",
+            peak / 1e12,
+            if a.peak_tflops.is_some() { "--peak-tflops" } else { "measured fp32 GEMM, all ranks at once" },
+            stats.reduce_time.as_secs_f64(),
+            stats.gather_time.as_secs_f64(),
+            stats.optimizer_time.as_secs_f64(),
+        ));
+        lines.push("| rank | peak device | peak host | peak nvme | activations |".into());
+        lines.push("|---|---|---|---|---|".into());
+        for r in 0..world {
+            let m = &mem[4 * r..4 * r + 4];
+            lines.push(format!(
+                "| {r} | {} | {} | {} | {} |",
+                mib(m[0] * 1024.0),
+                mib(m[1] * 1024.0),
+                mib(m[2] * 1024.0),
+                mib(m[3] * 1024.0)
+            ));
+        }
+    }
+    Ok(Outcome { lines })
+}
+
+fn setup(args: Args) -> Result<Setup, String> {
+    let mut task = match &args.data {
+        Some(p) => Task {
+            train: data::load_json(p)?,
+            eval: data::addition_task(args.seed).eval,
+        },
+        None => data::addition_task(args.seed),
+    };
+    if let Some(p) = &args.eval_data {
+        task.eval = data::eval_numbers_from_json(p)?;
+    }
+    let longest = data::max_len(&task.train);
+    let seq = args.seq_len.unwrap_or(longest);
+    if seq < longest {
+        return Err(format!(
+            "--seq-len {seq}: the longest training sample has {longest} tokens"
+        ));
+    }
+    let max_prompt = task
+        .eval
+        .iter()
+        .map(|&n| data::prompt_for(n).len())
+        .max()
+        .unwrap_or(0);
+    let max_answer = task.train.iter().map(|s| s.answer.len()).max().unwrap_or(0);
+    let max_new = max_answer + 4;
+    let model = args.model_config(seq.max(max_prompt + max_new))?;
+    let init = match &args.init_from {
+        Some(p) => Some(llama::weights::load(p, &model)?),
+        None => None,
+    };
+    Ok(Setup {
+        args,
+        task,
+        model,
+        seq,
+        max_new,
+        init,
+    })
+}
+
+fn main() {
+    let args = Args::parse();
+    let ranks = args.ranks as usize;
+    let s = match setup(args) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            exit(2);
+        }
+    };
+    let out = launch(
+        ranks,
+        &CommOptions::from_env().unwrap_or_default(),
+        |comm| {
+            let world = comm.world_size();
+            let micro = s.args.batch.unwrap_or(DEFAULT_BATCH);
+            let ga = s.args.grad_accum.unwrap_or(1);
+            let per_step = (micro * ga * world).max(1);
+            let steps = s.args.steps.unwrap_or(
+                ((s.args.epochs * (s.task.train.len() / per_step).max(1) as f64).round() as usize)
+                    .max(1),
+            );
+            let cfg = engine_config(&s.args, world, steps)?;
+            match cfg.precision {
+                Precision::Fp32 => run::<f32, _>(comm, &s, cfg),
+                Precision::Bf16 => run::<bf16, _>(comm, &s, cfg),
+                Precision::Fp16 => run::<f16, _>(comm, &s, cfg),
+            }
+            .map_err(|e| e.to_string())
+        },
+    );
+    let mut failed = false;
+    match out {
+        Ok(results) => {
+            for r in results {
+                match r {
+                    Ok(o) => o.lines.iter().for_each(|l| println!("{l}")),
+                    Err(e) => {
+                        eprintln!("error: {e}");
+                        failed = true;
+                    }
+                }
+            }
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            failed = true;
+        }
+    }
+    if failed {
+        exit(1);
+    }
+}
