@@ -181,6 +181,14 @@ struct Args {
     /// The machine's peak TFLOP/s for MFU. Default: measured (an fp32 GEMM on every rank at once).
     #[arg(long)]
     peak_tflops: Option<f64>,
+    /// Write the trained weights to this safetensors file (HF-Llama names; the training dtype,
+    /// bf16 or f32), loadable with --init-from.
+    #[arg(long)]
+    export: Option<PathBuf>,
+    /// Exit with status 3 if the held-out accuracy after training is below this percentage
+    /// (for scripts and CI).
+    #[arg(long)]
+    min_accuracy: Option<f64>,
 }
 
 const DEFAULT_STAGE: u8 = 3;
@@ -314,11 +322,7 @@ fn engine_config(a: &Args, world: usize, total_steps: usize) -> Result<ResolvedC
         c.optimizer.lr = lr;
         c.scheduler = cosine(lr, warmup, total_steps);
     }
-    let nvme = || {
-        a.nvme_path.clone().unwrap_or_else(|| {
-            std::env::temp_dir().join(format!("zero-llama-sft-{}", std::process::id()))
-        })
-    };
+    let nvme = || a.nvme_path.clone().unwrap_or_else(default_nvme_dir);
     if let Some(d) = a.offload {
         let o = &mut c.zero.offload_optimizer;
         o.device = d.into();
@@ -334,6 +338,11 @@ fn engine_config(a: &Args, world: usize, total_steps: usize) -> Result<ResolvedC
         }
     }
     Ok(c)
+}
+
+/// `--nvme-path`'s default: a directory of this process under the temp dir.
+fn default_nvme_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("zero-llama-sft-{}", std::process::id()))
 }
 
 fn cosine(lr: f64, warmup: u64, total: usize) -> LrSchedule {
@@ -361,6 +370,8 @@ struct Setup {
 #[derive(Clone, Debug, Default)]
 struct Outcome {
     lines: Vec<String>,
+    /// Held-out accuracy after training (0..1).
+    accuracy: f64,
 }
 
 /// The peak fp32 GEMM rate of this rank with `threads` threads (FLOP/s),
@@ -372,13 +383,18 @@ fn measure_peak(threads: usize) -> f64 {
     let mut c = vec![0f32; n * n];
     let p = Mm::new(n, n, n).threads(threads);
     matmul(&mut c, &a, &b, p);
-    let t = Instant::now();
-    let mut reps = 0u32;
-    while t.elapsed() < Duration::from_millis(300) {
-        matmul(&mut c, &a, &b, p);
-        reps += 1;
+    // The best of several short windows: the machine is shared and noisy.
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let mut reps = 0u32;
+        while t.elapsed() < Duration::from_millis(80) {
+            matmul(&mut c, &a, &b, p);
+            reps += 1;
+        }
+        best = best.max(2.0 * (n * n * n) as f64 * f64::from(reps) / t.elapsed().as_secs_f64());
     }
-    2.0 * (n * n * n) as f64 * reps as f64 / t.elapsed().as_secs_f64()
+    best
 }
 
 /// Sums `values` over ranks (f32; exact for the counts used here).
@@ -615,6 +631,20 @@ fn run<T: Element, C: Communicator>(
         })?;
     }
     let (acc_after, examples) = evaluate(&mut e, &model, s, threads)?;
+    if let Some(path) = &a.export {
+        // A collective read of every unit; rank 0 writes the file.
+        let params = model.snapshot(&mut e)?;
+        if lead {
+            let dtype = if T::DTYPE == zero::core::DType::F32 {
+                llama::weights::Dtype::F32
+            } else {
+                llama::weights::Dtype::Bf16
+            };
+            llama::weights::save(path, &s.model, &params, dtype)
+                .map_err(|what| zero::Error::Usage { rank, what })?;
+            println!("exported the weights to {}", path.display());
+        }
+    }
 
     // Per-rank peaks, in KiB (f32 is exact enough for a report).
     let tr = e.tracker();
@@ -682,7 +712,10 @@ fn run<T: Element, C: Communicator>(
             ));
         }
     }
-    Ok(Outcome { lines })
+    Ok(Outcome {
+        lines,
+        accuracy: acc_after,
+    })
 }
 
 fn setup(args: Args) -> Result<Setup, String> {
@@ -757,12 +790,21 @@ fn main() {
             .map_err(|e| e.to_string())
         },
     );
+    if s.args.nvme_path.is_none() {
+        // The default swap directory, once the engine removed its files;
+        // left alone if anything else is in it.
+        let _ = std::fs::remove_dir(default_nvme_dir());
+    }
     let mut failed = false;
+    let mut accuracy = f64::INFINITY;
     match out {
         Ok(results) => {
             for r in results {
                 match r {
-                    Ok(o) => o.lines.iter().for_each(|l| println!("{l}")),
+                    Ok(o) => {
+                        o.lines.iter().for_each(|l| println!("{l}"));
+                        accuracy = accuracy.min(o.accuracy);
+                    }
                     Err(e) => {
                         eprintln!("error: {e}");
                         failed = true;
@@ -777,5 +819,14 @@ fn main() {
     }
     if failed {
         exit(1);
+    }
+    if let Some(min) = s.args.min_accuracy {
+        if 100.0 * accuracy < min {
+            eprintln!(
+                "error: held-out accuracy {:.1}% is below --min-accuracy {min}%",
+                100.0 * accuracy
+            );
+            exit(3);
+        }
     }
 }

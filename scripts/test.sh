@@ -3,7 +3,10 @@
 # tests) with the default features, which include MPI. The MPI integration
 # test (zero-comm/tests/mpi.rs) starts itself under `mpirun -n 2`, `-n 3` and
 # 4 ranks as two simulated nodes; missing MPI is a failure, not a skip.
-# Then the aarch64 NEON kernels under qemu-user (scripts/test-neon.sh).
+# Then the aarch64 NEON kernels under qemu-user (scripts/test-neon.sh), and
+# the main example end to end (the README's command under mpirun, and a
+# second stage/offload mode with the ranks as threads), each required to
+# reach 95% held-out accuracy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -16,3 +19,8 @@ grep -m1 "instruction sets checked" "$isa_log" || true
 rm -f "$isa_log"
 # The NEON kernels, cross-compiled and run under qemu-user.
 bash scripts/test-neon.sh
+# The main example, as the README runs it, then stage 2 with the optimizer
+# state on nvme and activation checkpointing, ranks as threads.
+cargo build --example llama_sft
+bash scripts/mpirun.sh -n 2 cargo run -q --example llama_sft -- --stage 3 --offload cpu --min-accuracy 95
+cargo run -q --example llama_sft -- --stage 2 --offload nvme --activation-checkpointing --min-accuracy 95
