@@ -133,13 +133,13 @@ struct Args {
     #[arg(long)]
     hidden: Option<usize>,
     /// Optimizer steps. Default: --epochs over the training set.
-    #[arg(long)]
+    #[arg(long, value_parser = positive)]
     steps: Option<usize>,
     /// Passes over the training set (ignored with --steps).
-    #[arg(long, default_value_t = 12.0)]
+    #[arg(long, default_value_t = 12.0, value_parser = positive_f64)]
     epochs: f64,
     /// Samples per rank per micro-batch (train_micro_batch_size_per_gpu). Default 16.
-    #[arg(long)]
+    #[arg(long, value_parser = positive)]
     batch: Option<usize>,
     /// Tokens per sequence. Default: the longest training sample.
     #[arg(long)]
@@ -148,7 +148,7 @@ struct Args {
     #[arg(long)]
     lr: Option<f64>,
     /// Micro-batches per optimizer step (gradient_accumulation_steps). Default 1.
-    #[arg(long)]
+    #[arg(long, value_parser = positive)]
     grad_accum: Option<usize>,
     /// Parameter dtype. Default bf16, or the --config file's.
     #[arg(long, value_enum)]
@@ -189,6 +189,22 @@ struct Args {
     /// (for scripts and CI).
     #[arg(long)]
     min_accuracy: Option<f64>,
+}
+
+/// A whole number of at least 1.
+fn positive(v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("`{v}` is not a whole number of at least 1")),
+    }
+}
+
+/// A finite number above 0.
+fn positive_f64(v: &str) -> Result<f64, String> {
+    match v.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("`{v}` is not a number above 0")),
+    }
 }
 
 const DEFAULT_STAGE: u8 = 3;
@@ -462,6 +478,17 @@ fn run<T: Element, C: Communicator>(
     let micro = cfg.micro_batch_size;
     let ga = cfg.gradient_accumulation_steps;
     let per_step = micro * ga * world;
+    if micro * world > s.task.train.len() {
+        return Err(zero::Error::Usage {
+            rank,
+            what: format!(
+                "a micro-batch of {micro} samples per rank on {world} ranks needs {} samples; \
+                 the training set has {} (lower --batch or train_micro_batch_size_per_gpu)",
+                micro * world,
+                s.task.train.len()
+            ),
+        });
+    }
     let steps_per_epoch = (s.task.train.len() / per_step).max(1);
     let steps = a
         .steps
@@ -721,13 +748,13 @@ fn run<T: Element, C: Communicator>(
 fn setup(args: Args) -> Result<Setup, String> {
     let mut task = match &args.data {
         Some(p) => Task {
-            train: data::load_json(p)?,
+            train: data::load_json(p).map_err(|e| format!("--data {e}"))?,
             eval: data::addition_task(args.seed).eval,
         },
         None => data::addition_task(args.seed),
     };
     if let Some(p) = &args.eval_data {
-        task.eval = data::eval_numbers_from_json(p)?;
+        task.eval = data::eval_numbers_from_json(p).map_err(|e| format!("--eval-data {e}"))?;
     }
     let longest = data::max_len(&task.train);
     let seq = args.seq_len.unwrap_or(longest);
@@ -746,7 +773,7 @@ fn setup(args: Args) -> Result<Setup, String> {
     let max_new = max_answer + 4;
     let model = args.model_config(seq.max(max_prompt + max_new))?;
     let init = match &args.init_from {
-        Some(p) => Some(llama::weights::load(p, &model)?),
+        Some(p) => Some(llama::weights::load(p, &model).map_err(|e| format!("--init-from {e}"))?),
         None => None,
     };
     Ok(Setup {
@@ -799,6 +826,8 @@ fn main() {
     let mut accuracy = f64::INFINITY;
     match out {
         Ok(results) => {
+            // Ranks that fail alike (a bad config) say so once.
+            let mut said: Vec<String> = Vec::new();
             for r in results {
                 match r {
                     Ok(o) => {
@@ -806,7 +835,10 @@ fn main() {
                         accuracy = accuracy.min(o.accuracy);
                     }
                     Err(e) => {
-                        eprintln!("error: {e}");
+                        if !said.contains(&e) {
+                            eprintln!("error: {e}");
+                            said.push(e);
+                        }
                         failed = true;
                     }
                 }
