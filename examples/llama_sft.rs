@@ -185,6 +185,21 @@ struct Args {
     /// bf16 or f32), loadable with --init-from.
     #[arg(long)]
     export: Option<PathBuf>,
+    /// Checkpoint root: sharded checkpoints `step########/` (each rank writes its shard) and a
+    /// `latest` pointer, written every --save-every steps and at the end.
+    #[arg(long)]
+    save_dir: Option<PathBuf>,
+    /// Save a checkpoint every N optimizer steps (with --save-dir; default: only at the end).
+    #[arg(long, value_parser = positive)]
+    save_every: Option<usize>,
+    /// Keep only the newest N checkpoints under --save-dir (0 keeps all).
+    #[arg(long, default_value_t = 0)]
+    keep_last: usize,
+    /// Resume from a checkpoint directory, or a --save-dir root (its `latest`): weights,
+    /// optimizer state, step, loss scale and data position. Any rank count, stage and offload
+    /// mode; with the same ones the run continues bit-identically.
+    #[arg(long)]
+    resume: Option<PathBuf>,
     /// Exit with status 3 if the held-out accuracy after training is below this percentage
     /// (for scripts and CI).
     #[arg(long)]
@@ -513,7 +528,14 @@ fn run<T: Element, C: Communicator>(
         threads,
         a.activation_checkpointing,
     )?;
-    let mut e = b.build()?;
+    let b = b.keep_last_checkpoints(a.keep_last);
+    let (mut e, resumed) = match &a.resume {
+        Some(path) => {
+            let (e, state) = Engine::load_checkpoint(b, path)?;
+            (e, Some(state))
+        }
+        None => (b.build()?, None),
+    };
     if lead {
         println!(
             "llama_sft: stage {stage}, {world} ranks ({}), {}, {offload_desc}",
@@ -569,15 +591,45 @@ fn run<T: Element, C: Communicator>(
         pb
     });
     let log_every = (steps / 10).max(1);
+    // The data position: epoch, samples of its order consumed, steps done.
     let mut order = Vec::new();
     let mut epoch = u64::MAX;
     let mut cursor = 0usize;
+    let mut first_step = 0usize;
+    if let Some(state) = &resumed {
+        let field = |k: &str| {
+            state[k].as_u64().ok_or_else(|| zero::Error::Usage {
+                rank,
+                what: format!(
+                    "--resume: the checkpoint's client state has no `{k}` (not written by llama_sft?)"
+                ),
+            })
+        };
+        first_step = field("step")? as usize;
+        epoch = field("epoch")?;
+        cursor = field("cursor")? as usize;
+        order = data::epoch_order(s.task.train.len(), epoch, a.seed);
+        if field("seed")? != a.seed && lead {
+            eprintln!(
+                "warning: --resume: the checkpoint was trained with --seed {}, this run uses {}: \
+                 the data order differs",
+                field("seed")?,
+                a.seed
+            );
+        }
+        if lead {
+            println!(
+                "resumed from {} at step {first_step} (epoch {epoch}, sample {cursor} of its order)",
+                a.resume.as_ref().map_or(String::new(), |p| p.display().to_string())
+            );
+        }
+    }
     let mut tokens_total = 0f64;
     let mut flops_total = 0f64;
     let mut act_peak = 0u64;
     e.reset_stats();
     let t0 = Instant::now();
-    for step in 0..steps {
+    for step in first_step..steps {
         let ts = Instant::now();
         let mut loss_sum = 0f32;
         let mut target_tokens = 0usize;
@@ -632,6 +684,24 @@ fn run<T: Element, C: Communicator>(
                 rank,
                 what: format!("--metrics: {err}"),
             })?;
+        }
+        if let Some(dir) = &a.save_dir {
+            if (step + 1) % a.save_every.unwrap_or(usize::MAX) == 0 || step + 1 == steps {
+                let state = serde_json::json!({
+                    "step": step + 1,
+                    "epoch": epoch,
+                    "cursor": cursor,
+                    "seed": a.seed,
+                });
+                let path = e.save_checkpoint(dir, state)?;
+                if lead {
+                    let msg = format!("saved {}", path.display());
+                    match &bar {
+                        Some(pb) => pb.println(msg),
+                        None => println!("{msg}"),
+                    }
+                }
+            }
         }
         let tps = tokens_total / t0.elapsed().as_secs_f64();
         if let Some(pb) = &bar {

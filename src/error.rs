@@ -27,6 +27,16 @@ pub enum Error {
         /// What differs, naming the unit or key and the ranks.
         what: String,
     },
+    /// A checkpoint could not be written or read: a missing, truncated,
+    /// corrupted or foreign file, a manifest of an unknown version, units
+    /// that do not match the registered ones.
+    #[error("checkpoint {}: {what}", path.display())]
+    Checkpoint {
+        /// The file or directory concerned.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        what: String,
+    },
     /// The engine does not support this configuration (yet); `what` names
     /// the key or device.
     #[error("{what}")]

@@ -89,6 +89,7 @@
 //! shards are written home only after every rank's optimizer step
 //! succeeded: the parameters of the last completed step stay readable.
 
+mod checkpoint;
 mod dynbuf;
 mod init;
 mod offload;
@@ -109,6 +110,7 @@ use zero_offload::FaultPlan;
 
 use crate::trace::Tracer;
 use crate::{Error, Result};
+pub use checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
 use dynbuf::DynBuf;
 pub use init::Init;
 use init::{fnv1a, mix};
@@ -216,6 +218,7 @@ pub struct EngineBuilder<C: Communicator> {
     swap_faults: Option<FaultPlan>,
     param_swap_faults: Option<FaultPlan>,
     tracer: Tracer,
+    keep_last: usize,
 }
 
 /// The per-unit state.
@@ -283,6 +286,8 @@ pub struct Engine<C: Communicator> {
     // Steps.
     micro: usize,
     steps: u64,
+    /// Optimizer-step boundaries, skipped steps included.
+    global_steps: u64,
     scaler: Option<LossScaler>,
     last: StepOutcome,
     s3: Stage3,
@@ -308,6 +313,10 @@ pub struct Engine<C: Communicator> {
     /// Spans of this rank's phases (disabled unless
     /// [`EngineBuilder::tracer`]).
     tracer: Tracer,
+    /// The seed of the initialisers (recorded in checkpoints).
+    seed: u64,
+    /// Checkpoints kept by [`Engine::save_checkpoint`] (0: all).
+    keep_last: usize,
 }
 
 /// Every rank learns whether every rank could set up `what`, so that all
@@ -343,6 +352,7 @@ impl<C: Communicator> Engine<C> {
             swap_faults: None,
             param_swap_faults: None,
             tracer: Tracer::disabled(),
+            keep_last: 0,
         }
     }
 }
@@ -395,6 +405,14 @@ impl<C: Communicator> EngineBuilder<C> {
     /// clone of one tracer.
     pub fn tracer(mut self, tracer: Tracer) -> Self {
         self.tracer = tracer;
+        self
+    }
+
+    /// How many checkpoints [`Engine::save_checkpoint`] keeps under its
+    /// root: after a save, the oldest `step*` directories beyond the
+    /// newest `n` are deleted. Default 0: keep all.
+    pub fn keep_last_checkpoints(mut self, n: usize) -> Self {
+        self.keep_last = n;
         self
     }
 
@@ -453,6 +471,7 @@ impl<C: Communicator> EngineBuilder<C> {
             swap_faults,
             param_swap_faults,
             tracer,
+            keep_last,
         } = self;
         let rank = comm.rank();
         let world = comm.world_size();
@@ -676,6 +695,7 @@ impl<C: Communicator> EngineBuilder<C> {
             _bucket_allocs: bucket_allocs,
             micro: 0,
             steps: 0,
+            global_steps: 0,
             scaler,
             last: StepOutcome {
                 boundary: false,
@@ -696,6 +716,8 @@ impl<C: Communicator> EngineBuilder<C> {
             params_lost: false,
             tracer,
             cfg,
+            seed,
+            keep_last,
         };
         if let Some(off) = &engine.offload {
             for w in off.warnings() {
@@ -1017,6 +1039,13 @@ impl<C: Communicator> Engine<C> {
     /// Optimizer steps applied so far (skipped steps not counted).
     pub fn steps(&self) -> u64 {
         self.steps
+    }
+
+    /// Optimizer-step boundaries so far, skipped steps included
+    /// (DeepSpeed's `global_steps`): [`Engine::save_checkpoint`] names
+    /// its directory after it.
+    pub fn global_steps(&self) -> u64 {
+        self.global_steps
     }
 
     /// What the last [`Engine::step`] did.
@@ -1635,6 +1664,7 @@ impl<C: Communicator> Engine<C> {
         let span = self.tracer.span(self.rank, "optimizer", "optimizer");
         let t = Instant::now();
         let outcome = self.optimizer_step()?;
+        self.global_steps += 1;
         self.stats.optimizer_time += t.elapsed();
         drop(span);
         if !outcome.skipped {

@@ -409,6 +409,88 @@ impl Offload {
         }
         Ok(out)
     }
+    /// Calls `f(unit, local, master, m, v)` for every piece of real
+    /// elements, tile by tile in flat order (units in registration order,
+    /// each unit's pieces in increasing order); `local` is relative to the
+    /// start of the unit's state range. With nvme one tile is read at a
+    /// time into a pool buffer, so the whole state is never in memory
+    /// (checkpoint save).
+    pub(crate) fn visit(
+        &self,
+        mut f: impl FnMut(usize, Range<usize>, &[f32], &[f32], &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        for (t, tile) in self.tiles.iter().enumerate() {
+            let mut each = |state: &[f32]| -> Result<()> {
+                let len = tile.len();
+                for p in &tile.pieces {
+                    let a = p.at..p.at + p.local.len();
+                    f(
+                        p.unit,
+                        p.local.clone(),
+                        &state[a.clone()],
+                        &state[a.start + len..a.end + len],
+                        &state[a.start + 2 * len..a.end + 2 * len],
+                    )?;
+                }
+                Ok(())
+            };
+            match &self.store {
+                Store::Host(bufs) => each(bufs[t].as_slice_of()?)?,
+                Store::Nvme { swap, regions } => {
+                    let buf = self.pool.acquire(tile.bytes())?;
+                    let buf = swap.read(regions[t], buf).wait().map_err(|e| e.error)?;
+                    each(buf.as_slice_of()?)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Replaces the whole state, tile by tile: each tile is zeroed
+    /// (padding stays zero, as at build) and `f(unit, local, master, m, v)`
+    /// fills each of its pieces of real elements (as in
+    /// [`Offload::visit`]); with nvme the tile is then written to its
+    /// region before the next one is filled (checkpoint load).
+    pub(crate) fn fill(
+        &mut self,
+        mut f: impl FnMut(usize, Range<usize>, &mut [f32], &mut [f32], &mut [f32]) -> Result<()>,
+    ) -> Result<()> {
+        let Offload {
+            tiles, pool, store, ..
+        } = self;
+        for (t, tile) in tiles.iter().enumerate() {
+            let mut each = |state: &mut [f32]| -> Result<()> {
+                let len = tile.len();
+                let state = &mut state[..3 * len];
+                state.fill(0.0);
+                let (master, rest) = state.split_at_mut(len);
+                let (m, v) = rest.split_at_mut(len);
+                for p in &tile.pieces {
+                    let a = p.at..p.at + p.local.len();
+                    f(
+                        p.unit,
+                        p.local.clone(),
+                        &mut master[a.clone()],
+                        &mut m[a.clone()],
+                        &mut v[a],
+                    )?;
+                }
+                Ok(())
+            };
+            match store {
+                Store::Host(bufs) => each(bufs[t].as_mut_slice_of()?)?,
+                Store::Nvme { swap, regions } => {
+                    let mut buf = pool.acquire(tile.bytes())?;
+                    each(buf.as_mut_slice_of()?)?;
+                    drop(swap.write(regions[t], buf).wait().map_err(|e| e.error)?);
+                }
+            }
+        }
+        if let Store::Nvme { swap, .. } = store {
+            swap.verify()?;
+        }
+        Ok(())
+    }
 }
 
 /// AdamW on one tile: `state` is the tile's `[master | m | v]`, `staging`

@@ -1,0 +1,516 @@
+//! Sharded checkpoints on the threads backend: exact resume for every stage
+//! and offload mode, reshard on load (world size and stage), `latest` and
+//! `keep_last`, and the errors for missing, truncated, corrupted or
+//! foreign files, unknown manifest versions and mismatched units.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::mlp::{batch, Mlp};
+use common::*;
+use serde_json::{json, Value};
+use zero::comm::{Communicator, ThreadGroup};
+use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
+use zero::core::{bf16, f16, Element};
+use zero::{Engine, UnitState};
+
+/// A fresh directory.
+fn tmp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("zero-ckpt-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}
+
+/// What one rank of [`run`] saw.
+struct Out {
+    /// Every unit's state at the end (before the save, if any).
+    states: Vec<UnitState>,
+    losses: Vec<f32>,
+    /// The client_state of the loaded checkpoint (Null without).
+    client: Value,
+    saved: Option<PathBuf>,
+    steps: u64,
+}
+
+/// What to do on every rank.
+#[derive(Clone)]
+struct Plan<'a> {
+    cfg: ResolvedConfig,
+    dims: &'a [usize],
+    load: Option<&'a Path>,
+    /// Global index of the first step to train (the data position).
+    from: usize,
+    steps: usize,
+    save: Option<&'a Path>,
+    keep_last: usize,
+}
+
+fn rank_run<C: Communicator>(comm: C, p: &Plan<'_>) -> zero::Result<Out> {
+    match p.cfg.precision {
+        Precision::Fp16 => rank_run_as::<f16, C>(comm, p),
+        _ => rank_run_as::<bf16, C>(comm, p),
+    }
+}
+
+fn rank_run_as<T: Element, C: Communicator>(comm: C, p: &Plan<'_>) -> zero::Result<Out> {
+    let world = comm.world_size();
+    let rank = comm.rank();
+    let ga = p.cfg.gradient_accumulation_steps;
+    let mut b = Engine::builder(p.cfg.clone(), comm)
+        .seed(5)
+        .keep_last_checkpoints(p.keep_last);
+    let model = Mlp::register(&mut b, p.dims)?;
+    let (mut e, client) = match p.load {
+        Some(path) => Engine::load_checkpoint(b, path)?,
+        None => (b.build()?, Value::Null),
+    };
+    let mut losses = Vec::new();
+    for s in p.from..p.from + p.steps {
+        for m in 0..ga {
+            let first = (((s * ga + m) * world + rank) * MB) as u64;
+            let (x, y) = batch(first, MB, p.dims[0]);
+            losses.push(model.train_micro_batch::<T, C>(&mut e, &x, &y)?);
+            e.step()?;
+        }
+    }
+    let mut states = Vec::new();
+    for u in e.unit_ids() {
+        states.push(e.unit_state(u)?);
+    }
+    let saved = match p.save {
+        Some(root) => Some(e.save_checkpoint(
+            root,
+            json!({ "data_position": p.from + p.steps, "note": "trainer state" }),
+        )?),
+        None => None,
+    };
+    Ok(Out {
+        states,
+        losses,
+        client,
+        saved,
+        steps: e.steps(),
+    })
+}
+
+/// Every rank's result.
+fn run_all(world: usize, p: &Plan<'_>) -> Vec<zero::Result<Out>> {
+    ThreadGroup::run(world, |comm| rank_run(comm, p)).expect("ranks ran")
+}
+
+/// Rank 0's view; every rank must succeed.
+fn run(world: usize, p: &Plan<'_>) -> Out {
+    let mut all: Vec<Out> = run_all(world, p)
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|e| panic!("run failed: {e}")))
+        .collect();
+    all.swap_remove(0)
+}
+
+fn plan(cfg: ResolvedConfig) -> Plan<'static> {
+    Plan {
+        cfg,
+        dims: DIMS,
+        load: None,
+        from: 0,
+        steps: 0,
+        save: None,
+        keep_last: 0,
+    }
+}
+
+/// `config` with optimizer offload on `opt` (tiles of 97 elements cutting
+/// across units) and stage-3 parameter offload on `param`.
+fn offload_config(
+    world: usize,
+    stage: u8,
+    ga: usize,
+    opt: OffloadDevice,
+    param: OffloadDevice,
+    dir: &Path,
+) -> ResolvedConfig {
+    let mut c = config(world, stage, ga, Precision::Bf16);
+    c.zero.sub_group_size = 97;
+    c.zero.offload_optimizer.device = opt;
+    c.zero.offload_optimizer.buffer_count = 3;
+    c.zero.offload_optimizer.nvme_path = Some(dir.join("opt"));
+    c.zero.aio.block_size = 4096;
+    let p = &mut c.zero.offload_param;
+    p.device = param;
+    if param != OffloadDevice::None {
+        p.buffer_count = 4;
+        p.buffer_size = 1024;
+        if param == OffloadDevice::Nvme {
+            p.max_in_cpu = 0;
+            p.nvme_path = Some(dir.join("params"));
+        }
+    }
+    c
+}
+
+/// Training 2k steps equals training k, saving, dropping the engine,
+/// loading into a fresh one and training k more: every unit's parameters,
+/// master, m and v bit for bit, the same losses after the resume, and the
+/// client state back. Every stage × optimizer offload none/cpu/nvme,
+/// stage 3 with parameter offload cpu and nvme, and gradient accumulation.
+#[test]
+fn resume_is_bit_identical() {
+    let dir = tmp_dir("resume");
+    let (world, k) = (2, 3);
+    let none = OffloadDevice::None;
+    let mut cases = Vec::new();
+    for stage in 0..=3u8 {
+        for opt in [none, OffloadDevice::Cpu, OffloadDevice::Nvme] {
+            cases.push((stage, 1, opt, none));
+        }
+    }
+    cases.push((3, 1, none, OffloadDevice::Cpu));
+    cases.push((3, 1, OffloadDevice::Cpu, OffloadDevice::Nvme));
+    cases.push((2, 2, OffloadDevice::Nvme, none));
+    cases.push((3, 2, none, OffloadDevice::Nvme));
+    // Persistent units (re-gathered after the load) and fp16 with dynamic
+    // loss scaling (the scaler's state is restored): the last two cases.
+    cases.push((3, 1, OffloadDevice::Cpu, none));
+    cases.push((2, 1, none, none));
+    let n_cases = cases.len();
+    for (n, (stage, ga, opt, param)) in cases.into_iter().enumerate() {
+        let mut cfg = offload_config(world, stage, ga, opt, param, &dir);
+        if n == n_cases - 2 {
+            cfg.zero.param_persistence_threshold = 200;
+        }
+        if n == n_cases - 1 {
+            let fp16 = config(world, stage, ga, Precision::Fp16);
+            cfg.precision = fp16.precision;
+            cfg.loss_scale = fp16.loss_scale;
+        }
+        let what = format!(
+            "stage {stage} ga {ga} offload_optimizer {opt:?} offload_param {param:?} {:?} \
+             persistence {}",
+            cfg.precision, cfg.zero.param_persistence_threshold
+        );
+        let root = dir.join(format!("case{n}"));
+        let full = run(
+            world,
+            &Plan {
+                steps: 2 * k,
+                ..plan(cfg.clone())
+            },
+        );
+        let first = run(
+            world,
+            &Plan {
+                steps: k,
+                save: Some(&root),
+                ..plan(cfg.clone())
+            },
+        );
+        let saved = first.saved.expect("saved");
+        assert_eq!(saved, root.join(format!("step{k:08}")), "{what}");
+        let resumed = run(
+            world,
+            &Plan {
+                load: Some(&root),
+                from: k,
+                steps: k,
+                ..plan(cfg.clone())
+            },
+        );
+        assert_bits_eq(&full.states, &resumed.states, &what);
+        assert_eq!(full.losses[k * ga..], resumed.losses[..], "{what}");
+        assert_eq!(full.losses[..k * ga], first.losses[..], "{what}");
+        assert_eq!(resumed.steps, full.steps, "{what}");
+        assert_eq!(
+            resumed.client,
+            json!({ "data_position": k, "note": "trainer state" }),
+            "{what}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Saved at 3 ranks in stage 3, loaded at 1, 2 and 4 ranks in stages 0–3
+/// (and with cpu and nvme optimizer offload, and nvme parameter offload):
+/// every unit's state is the saved one exactly, and the loaded engines
+/// train on.
+#[test]
+fn reshard_on_load() {
+    let dir = tmp_dir("reshard");
+    let root = dir.join("ckpt");
+    let saved = run(
+        3,
+        &Plan {
+            steps: 3,
+            save: Some(&root),
+            ..plan(config(3, 3, 1, Precision::Bf16))
+        },
+    );
+    let none = OffloadDevice::None;
+    let mut cases = Vec::new();
+    for world in [1, 2, 4] {
+        for stage in 0..=3u8 {
+            cases.push((world, stage, none, none));
+        }
+    }
+    cases.push((2, 1, OffloadDevice::Cpu, none));
+    cases.push((4, 3, OffloadDevice::Nvme, none));
+    cases.push((2, 3, none, OffloadDevice::Nvme));
+    for (world, stage, opt, param) in cases {
+        let what = format!("3 ranks stage 3 → {world} ranks stage {stage} {opt:?} {param:?}");
+        let cfg = offload_config(world, stage, 1, opt, param, &dir);
+        let loaded = run(
+            world,
+            &Plan {
+                load: Some(&root),
+                ..plan(cfg.clone())
+            },
+        );
+        assert_bits_eq(&saved.states, &loaded.states, &what);
+        assert_eq!(loaded.steps, 3, "{what}");
+        // And it trains on.
+        let more = run(
+            world,
+            &Plan {
+                load: Some(&root),
+                from: 3,
+                steps: 1,
+                ..plan(cfg)
+            },
+        );
+        assert_eq!(more.steps, 4, "{what}");
+        assert!(more.losses.iter().all(|l| l.is_finite()), "{what}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Three saves with keep_last 2: the oldest is deleted, `latest` names the
+/// newest, loading the root loads it, and a stray `.tmp-*` directory is
+/// ignored. Saving the same step again is refused.
+#[test]
+fn latest_and_keep_last() {
+    let dir = tmp_dir("latest");
+    let root = dir.join("ckpt");
+    let cfg = config(2, 2, 1, Precision::Bf16);
+    let mut last = None;
+    for s in 0..3 {
+        last = Some(run(
+            2,
+            &Plan {
+                load: (s > 0).then_some(root.as_path()),
+                from: s,
+                steps: 1,
+                save: Some(&root),
+                keep_last: 2,
+                ..plan(cfg.clone())
+            },
+        ));
+    }
+    let last = last.expect("ran");
+    let mut names: Vec<String> = std::fs::read_dir(&root)
+        .expect("root")
+        .map(|e| e.expect("entry").file_name().into_string().expect("utf-8"))
+        .collect();
+    names.sort();
+    assert_eq!(names, ["latest", "step00000002", "step00000003"]);
+    let latest = std::fs::read_to_string(root.join("latest")).expect("latest");
+    assert_eq!(latest.trim(), "step00000003");
+    // A torn save: a temporary directory with a partial file.
+    let stray = root.join(".tmp-step00000004-00000000deadbeef");
+    std::fs::create_dir(&stray).expect("stray");
+    std::fs::write(stray.join("rank00000.bin"), b"ZEROCKPT partial").expect("stray file");
+    let loaded = run(
+        2,
+        &Plan {
+            load: Some(&root),
+            ..plan(cfg.clone())
+        },
+    );
+    assert_eq!(loaded.steps, 3);
+    assert_bits_eq(&last.states, &loaded.states, "latest");
+    assert_eq!(loaded.client["data_position"], 3);
+    // The same step again: an error naming the directory, on every rank.
+    let again = run_all(
+        2,
+        &Plan {
+            load: Some(&root),
+            save: Some(&root),
+            ..plan(cfg)
+        },
+    );
+    for r in again {
+        let m = r.err().expect("refused").to_string();
+        assert!(m.contains("step00000003") || m.contains("rank 0"), "{m}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Rank 0's error from loading `path` at 2 ranks in stage 2 (every rank
+/// must fail).
+fn load_error(path: &Path, dims: &[usize]) -> String {
+    let p = Plan {
+        load: Some(path),
+        dims,
+        ..plan(config(2, 2, 1, Precision::Bf16))
+    };
+    let mut errs: Vec<String> = run_all(2, &p)
+        .into_iter()
+        .map(|r| match r {
+            Ok(_) => panic!("loading {} succeeded", path.display()),
+            Err(e) => e.to_string(),
+        })
+        .collect();
+    errs.swap_remove(0)
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("dir");
+    for e in std::fs::read_dir(from).expect("read dir") {
+        let e = e.expect("entry");
+        std::fs::copy(e.path(), to.join(e.file_name())).expect("copy");
+    }
+}
+
+/// Each bad input is an error naming the file (or unit) and what is wrong.
+#[test]
+fn corrupted_checkpoints_are_refused() {
+    let dir = tmp_dir("corrupt");
+    let root = dir.join("ckpt");
+    let out = run(
+        2,
+        &Plan {
+            steps: 2,
+            save: Some(&root),
+            ..plan(config(2, 2, 1, Precision::Bf16))
+        },
+    );
+    let good = out.saved.expect("saved");
+    let case = |name: &str, f: &dyn Fn(&Path)| -> PathBuf {
+        let d = dir.join(name);
+        copy_dir(&good, &d);
+        f(&d);
+        d
+    };
+    // The good copy loads.
+    let ok = case("ok", &|_| {});
+    let loaded = run(
+        2,
+        &Plan {
+            load: Some(&ok),
+            ..plan(config(2, 2, 1, Precision::Bf16))
+        },
+    );
+    assert_bits_eq(&out.states, &loaded.states, "copy");
+
+    let d = case("missing", &|d| {
+        std::fs::remove_file(d.join("rank00001.bin")).expect("rm")
+    });
+    let m = load_error(&d, DIMS);
+    assert!(m.contains("rank00001.bin") && m.contains("missing"), "{m}");
+
+    let d = case("truncated", &|d| {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(d.join("rank00000.bin"))
+            .expect("open");
+        let len = f.metadata().expect("stat").len();
+        f.set_len(len - 8).expect("truncate");
+    });
+    let m = load_error(&d, DIMS);
+    assert!(
+        m.contains("rank00000.bin") && m.contains("truncated"),
+        "{m}"
+    );
+
+    let d = case("flipped", &|d| {
+        let p = d.join("rank00001.bin");
+        let mut b = std::fs::read(&p).expect("read");
+        b[100] ^= 0x10;
+        std::fs::write(&p, b).expect("write");
+    });
+    let m = load_error(&d, DIMS);
+    assert!(
+        m.contains("rank00001.bin") && m.contains("block 0") && m.contains("CRC"),
+        "{m}"
+    );
+
+    let d = case("foreign", &|d| {
+        let p = d.join("rank00000.bin");
+        let mut b = std::fs::read(&p).expect("read");
+        b[..8].copy_from_slice(b"GGUFxxxx");
+        std::fs::write(&p, b).expect("write");
+    });
+    let m = load_error(&d, DIMS);
+    assert!(
+        m.contains("rank00000.bin") && m.contains("bad magic"),
+        "{m}"
+    );
+
+    let d = case("version", &|d| {
+        let p = d.join("manifest.json");
+        let mut v: Value =
+            serde_json::from_str(&std::fs::read_to_string(&p).expect("read")).expect("json");
+        v["version"] = json!(99);
+        std::fs::write(&p, v.to_string()).expect("write");
+    });
+    let m = load_error(&d, DIMS);
+    assert!(
+        m.contains("manifest.json") && m.contains("version 99"),
+        "{m}"
+    );
+
+    let d = case("notjson", &|d| {
+        std::fs::write(d.join("manifest.json"), "{ not json").expect("write")
+    });
+    let m = load_error(&d, DIMS);
+    assert!(m.contains("manifest.json") && m.contains("not JSON"), "{m}");
+
+    // A model whose second layer has another shape.
+    let m = load_error(&good, &[6, 24, 41, 1]);
+    assert!(
+        m.contains("manifest.json") && m.contains("`layer1`") && m.contains("[41, 24]"),
+        "{m}"
+    );
+    // A model with one layer more.
+    let m = load_error(&good, &[6, 24, 40, 1, 1]);
+    assert!(
+        m.contains("`layer3`") && m.contains("not in the checkpoint"),
+        "{m}"
+    );
+
+    // Neither a checkpoint nor a root.
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).expect("dir");
+    let m = load_error(&empty, DIMS);
+    assert!(m.contains("empty") && m.contains("latest"), "{m}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Saving in the middle of gradient accumulation is a usage error; at the
+/// boundary it works.
+#[test]
+fn save_needs_a_step_boundary() {
+    let dir = tmp_dir("boundary");
+    let cfg = config(1, 1, 2, Precision::Bf16);
+    let out = ThreadGroup::run(1, |comm| -> zero::Result<()> {
+        let mut b = Engine::builder(cfg.clone(), comm).seed(5);
+        let model = Mlp::register(&mut b, DIMS)?;
+        let mut e = b.build()?;
+        let (x, y) = batch(0, MB, DIMS[0]);
+        model.train_micro_batch::<bf16, _>(&mut e, &x, &y)?;
+        assert!(!e.step()?.boundary);
+        let err = e.save_checkpoint(&dir, Value::Null).expect_err("refused");
+        assert!(matches!(err, zero::Error::Usage { .. }), "{err}");
+        assert!(err.to_string().contains("gradient accumulation"), "{err}");
+        model.train_micro_batch::<bf16, _>(&mut e, &x, &y)?;
+        assert!(e.step()?.boundary);
+        let p = e.save_checkpoint(&dir, Value::Null)?;
+        assert!(p.join("manifest.json").is_file());
+        Ok(())
+    })
+    .expect("ran");
+    for r in out {
+        r.expect("rank");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
