@@ -286,7 +286,9 @@ fn reshard_on_load() {
 
 /// Three saves with keep_last 2: the oldest is deleted, `latest` names the
 /// newest, loading the root loads it, and a stray `.tmp-*` directory is
-/// ignored. Saving the same step again is refused.
+/// ignored. Saving the step `latest` names again is refused; an orphaned
+/// step directory (an interrupted save) is found without `latest` and
+/// replaced by a new save of its step.
 #[test]
 fn latest_and_keep_last() {
     let dir = tmp_dir("latest");
@@ -335,13 +337,44 @@ fn latest_and_keep_last() {
         &Plan {
             load: Some(&root),
             save: Some(&root),
-            ..plan(cfg)
+            ..plan(cfg.clone())
         },
     );
     for r in again {
         let m = r.err().expect("refused").to_string();
         assert!(m.contains("step00000003") || m.contains("rank 0"), "{m}");
     }
+    // A save interrupted after its rename, before `latest` named it: the
+    // root without `latest` loads the newest step directory, and with
+    // `latest` pointing at an older step, saving that step again replaces
+    // the orphan.
+    std::fs::remove_file(root.join("latest")).unwrap();
+    let newest = run_all(
+        2,
+        &Plan {
+            load: Some(&root),
+            ..plan(cfg.clone())
+        },
+    );
+    assert_eq!(newest[0].as_ref().expect("loads").steps, 3);
+    std::fs::write(root.join("latest"), "step00000002").unwrap();
+    let redo = run_all(
+        2,
+        &Plan {
+            load: Some(&root),
+            from: 2,
+            steps: 1,
+            save: Some(&root),
+            ..plan(cfg)
+        },
+    );
+    for r in redo {
+        r.expect("the orphaned step00000003 is replaced");
+    }
+    assert_eq!(
+        std::fs::read_to_string(root.join("latest")).unwrap().trim(),
+        "step00000003"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -19,7 +19,13 @@
 //!   of 256 elements, checked the same way. Plus stage-3 parameter offload
 //!   groups (`offload_param` cpu, and nvme with `max_in_cpu` 0, 200 and
 //!   the default 1e9, each with cpu optimizer offload), checked bit for bit
-//!   against the threads backend and against stage 0.
+//!   against the threads backend and against stage 0. Plus exact resume
+//!   (stage 1, stage 3, and stage 3 with nvme optimizer offload and
+//!   accumulation 3): 3 steps, `save_checkpoint` (each rank writes its
+//!   shard into a directory shared by the ranks), the engine and its
+//!   communicator dropped, `load_checkpoint` into a fresh engine on a fresh
+//!   communicator, 3 more steps; bit for bit the uninterrupted 6-step run
+//!   (on MPI, and on the threads backend).
 //! - `-n 4` with `ZERO_MPI_SIMULATE_NODES=2` (two pseudo-nodes of two
 //!   ranks): fp32, gradient accumulation 3, stages 0–3. Between the nodes
 //!   partial sums meet in MPI's own collectives, whose order of summation is
@@ -48,7 +54,8 @@ use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::optim::LossScaleConfig;
 use zero::core::{bf16, f16, HostBuffer};
 
-use common::{train_with, Trained, MB};
+use common::mlp::{batch, Mlp};
+use common::{train_with, Trained, DIMS, MB};
 
 const STEPS: usize = 6;
 
@@ -77,6 +84,9 @@ const NODES_REL_TOL: f64 = 1e-4;
 
 const RUN_ENV: &str = "ZERO_ENGINE_MPI_RUN";
 const REF_ENV: &str = "ZERO_ENGINE_MPI_REF";
+/// The directory the ranks save checkpoints into (the driver's, removed by
+/// it at the end).
+const CKPT_ENV: &str = "ZERO_ENGINE_MPI_CKPT";
 
 fn main() {
     let code = if launched_by_mpi() {
@@ -103,6 +113,10 @@ struct Run {
     /// `offload_param.max_in_cpu`). Each group is stage 0 with cpu
     /// optimizer offload, then stage 3 with the parameters offloaded.
     param_offloads: &'static [(Precision, usize, OffloadDevice, usize)],
+    /// Exact-resume cases: (precision, ga, stage, optimizer offload).
+    /// Each must also be a case of the groups above (its uninterrupted
+    /// run is the reference).
+    resumes: &'static [(Precision, usize, u8, OffloadDevice)],
     /// `None`: bit-identical; `Some(tol)`: master weights within `tol`.
     tol: Option<f32>,
     limit: Duration,
@@ -132,6 +146,11 @@ const RUNS: &[Run] = &[
             // DeepSpeed's default: the whole shard cached.
             (Precision::Fp16, 1, OffloadDevice::Nvme, DEFAULT_MAX_IN_CPU),
         ],
+        resumes: &[
+            (Precision::Bf16, 1, 1, OffloadDevice::None),
+            (Precision::Bf16, 1, 3, OffloadDevice::None),
+            (Precision::Bf16, 3, 3, OffloadDevice::Nvme),
+        ],
         tol: None,
         limit: Duration::from_secs(60),
     },
@@ -146,6 +165,7 @@ const RUNS: &[Run] = &[
         gas: &[3],
         offloads: &[],
         param_offloads: &[],
+        resumes: &[],
         tol: Some(NODES_TOL),
         limit: Duration::from_secs(60),
     },
@@ -295,6 +315,106 @@ fn train<C: Communicator>(comm: C, case: Case) -> zero::Result<Record> {
         Precision::Fp16 => train_with::<f16, _>(comm, &cfg, STEPS, MB),
     }?;
     Ok(Record::from(&t))
+}
+
+/// Trains `steps` steps from step `from` of the data stream on an engine
+/// that is fresh or loaded from `load`, then saves into `save`; checks
+/// that the loaded client state holds the data position `from`.
+fn train_segment<T: zero::core::Element, C: Communicator>(
+    comm: C,
+    cfg: &ResolvedConfig,
+    load: Option<&Path>,
+    from: usize,
+    steps: usize,
+    save: Option<&Path>,
+) -> Result<Trained, String> {
+    let (world, rank) = (comm.world_size(), comm.rank());
+    let ga = cfg.gradient_accumulation_steps;
+    let mut b = zero::Engine::builder(cfg.clone(), comm).seed(5);
+    let model = Mlp::register(&mut b, DIMS).map_err(|e| e.to_string())?;
+    let mut e = match load {
+        Some(path) => {
+            let (e, client) = zero::Engine::load_checkpoint(b, path)
+                .map_err(|e| format!("load_checkpoint: {e}"))?;
+            if client["data_position"] != from {
+                return Err(format!(
+                    "client state {client}, expected data_position {from}"
+                ));
+            }
+            e
+        }
+        None => b.build().map_err(|e| e.to_string())?,
+    };
+    let (mut outcomes, mut losses) = (Vec::new(), Vec::new());
+    for s in from..from + steps {
+        for m in 0..ga {
+            // As `common::train_with`: rank r's micro-batch m of step s.
+            let first = (((s * ga + m) * world + rank) * MB) as u64;
+            let (x, y) = batch(first, MB, DIMS[0]);
+            let loss = model
+                .train_micro_batch::<T, C>(&mut e, &x, &y)
+                .map_err(|e| format!("training: {e}"))?;
+            losses.push(loss);
+            let o = e.step().map_err(|e| format!("step: {e}"))?;
+            if o.boundary {
+                outcomes.push(o);
+            }
+        }
+    }
+    let states = e
+        .unit_ids()
+        .into_iter()
+        .map(|u| e.unit_state(u))
+        .collect::<zero::Result<Vec<_>>>()
+        .map_err(|e| e.to_string())?;
+    if let Some(root) = save {
+        let dir = e
+            .save_checkpoint(root, serde_json::json!({ "data_position": from + steps }))
+            .map_err(|e| format!("save_checkpoint: {e}"))?;
+        let want = root.join(format!("step{:08}", from + steps));
+        if dir != want {
+            return Err(format!(
+                "saved {}, expected {}",
+                dir.display(),
+                want.display()
+            ));
+        }
+    }
+    Ok(Trained {
+        states,
+        outcomes,
+        losses,
+        stats: e.stats().clone(),
+    })
+}
+
+/// `case` for `STEPS / 2` steps on a fresh communicator, saved into
+/// `root`; the engine and communicator dropped; a fresh communicator and
+/// engine loaded from `root` train the other steps. The record of the
+/// whole run (outcomes and losses of both halves, the final states).
+fn train_resumed(opts: &CommOptions, case: Case, root: &Path) -> Result<Record, String> {
+    let k = STEPS / 2;
+    let half = |load: Option<&Path>, from: usize, steps: usize, save: Option<&Path>| {
+        let comm = MpiComm::init(opts).map_err(|e| format!("MpiComm::init: {e}"))?;
+        let cfg = config(comm.world_size(), case);
+        match case.precision {
+            Precision::Fp32 => train_segment::<f32, _>(comm, &cfg, load, from, steps, save),
+            Precision::Bf16 => train_segment::<bf16, _>(comm, &cfg, load, from, steps, save),
+            Precision::Fp16 => train_segment::<f16, _>(comm, &cfg, load, from, steps, save),
+        }
+    };
+    let first = half(None, 0, k, Some(root)).map_err(|e| format!("first {k} steps: {e}"))?;
+    let rest = half(Some(root), k, STEPS - k, None)
+        .map_err(|e| format!("after the resume at step {k}: {e}"))?;
+    let mut outcomes = first.outcomes;
+    outcomes.extend(rest.outcomes);
+    let mut losses = first.losses;
+    losses.extend(rest.losses);
+    Ok(Record::from(&Trained {
+        outcomes,
+        losses,
+        ..rest
+    }))
 }
 
 // ───────────────────────── records and comparisons ─────────────────────────
@@ -554,9 +674,10 @@ fn driver() -> i32 {
         return finish(passed, failed + 1);
     };
     let exe = std::env::current_exe().expect("the test binary's path");
+    let ckpt = std::env::temp_dir().join(format!("zero-engine-mpi-ckpt-{}", std::process::id()));
     for run in RUNS {
         let t = Instant::now();
-        let (p, f, notes) = run_mpirun(&mpirun, &exe, &ref_path, run);
+        let (p, f, notes) = run_mpirun(&mpirun, &exe, &ref_path, &ckpt, run);
         passed += p;
         failed += f;
         println!(
@@ -571,17 +692,25 @@ fn driver() -> i32 {
         }
     }
     let _ = std::fs::remove_file(&ref_path);
+    let _ = std::fs::remove_dir_all(&ckpt);
     finish(passed, failed)
 }
 
 /// Runs one mpirun; returns (passed, failed, lines worth showing).
-fn run_mpirun(mpirun: &Path, exe: &Path, refs: &Path, run: &Run) -> (usize, usize, Vec<String>) {
+fn run_mpirun(
+    mpirun: &Path,
+    exe: &Path,
+    refs: &Path,
+    ckpt: &Path,
+    run: &Run,
+) -> (usize, usize, Vec<String>) {
     let mut cmd = Command::new(mpirun);
     cmd.args(["-n", &run.ranks.to_string()])
         .args(["--oversubscribe", "--allow-run-as-root"])
         .arg(exe)
         .env(RUN_ENV, run.name)
         .env(REF_ENV, refs)
+        .env(CKPT_ENV, ckpt)
         .env_remove("ZERO_MPI_SIMULATE_NODES")
         .env_remove("ZERO_MPI_SHM_POOL")
         .stdin(Stdio::null())
@@ -810,6 +939,8 @@ fn checks(comm: &Comm, run: &Run, refs: &References, opts: &CommOptions, rep: &m
     );
     // Largest master |Δ| in the runs with a tolerance: [vs threads, vs stage 0].
     let mut worst = [0f32; 2];
+    // The MPI records of the uninterrupted runs, for the resume checks.
+    let mut uninterrupted: BTreeMap<String, Record> = BTreeMap::new();
     for group in run.groups() {
         let mut trained: Vec<Option<Record>> = Vec::new();
         for &case in &group {
@@ -871,6 +1002,7 @@ fn checks(comm: &Comm, run: &Run, refs: &References, opts: &CommOptions, rep: &m
                     },
                 );
             }
+            uninterrupted.insert(key, rec.clone());
             trained.push(Some(rec));
         }
 
@@ -891,11 +1023,84 @@ fn checks(comm: &Comm, run: &Run, refs: &References, opts: &CommOptions, rep: &m
             }
         }
     }
+    resume_checks(comm, run, refs, opts, &uninterrupted, rep);
     if run.tol.is_some() && rank == 0 {
         rep.note(&format!(
             "largest master |Δ|: {:e} against the threads backend, {:e} between stages",
             worst[0], worst[1]
         ));
+    }
+}
+
+/// Exact resume: for each of `run.resumes`, [`train_resumed`] into a
+/// checkpoint directory of the case under [`CKPT_ENV`] (or, started by
+/// hand, under the temporary directory, named after mpirun's pid), bit for
+/// bit against the uninterrupted run on MPI and on the threads backend.
+fn resume_checks(
+    comm: &Comm,
+    run: &Run,
+    refs: &References,
+    opts: &CommOptions,
+    uninterrupted: &BTreeMap<String, Record>,
+    rep: &mut Report,
+) {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let dir = std::env::var_os(CKPT_ENV).map_or_else(
+        || {
+            std::env::temp_dir().join(format!(
+                "zero-engine-mpi-ckpt-ppid-{}",
+                std::os::unix::process::parent_id()
+            ))
+        },
+        PathBuf::from,
+    );
+    for &(precision, ga, stage, offload) in run.resumes {
+        let case = Case::new(precision, ga, stage, offload);
+        let key = case.key(world);
+        let root = dir.join(format!("{}-{key}", run.name).replace(' ', "-"));
+        if rank == 0 {
+            // A stale directory of an earlier run by hand; the other ranks
+            // touch it only inside save_checkpoint, after rank 0 has made it.
+            let _ = std::fs::remove_dir_all(&root);
+        }
+        let k = STEPS / 2;
+        let resumed = train_resumed(opts, case, &root);
+        if rank == 0 {
+            // Every rank is done with it: loading ends in an exchange.
+            let _ = std::fs::remove_dir_all(&root);
+        }
+        let rec = match resumed {
+            Ok(r) => {
+                rep.result(&format!("{key}: {k} steps, save, load, {k} steps"), Ok(()));
+                r
+            }
+            Err(e) => {
+                rep.result(&format!("{key}: {k} steps, save, load, {k} steps"), Err(e));
+                continue;
+            }
+        };
+        let name = format!("{key}: resumed at step {k} vs uninterrupted");
+        rep.result(
+            &format!("{name} on MPI, bit for bit"),
+            match uninterrupted.get(&key) {
+                None => Err("no uninterrupted MPI run (not a case of the groups)".into()),
+                Some(u) => bit_identical(u, &rec),
+            },
+        );
+        rep.result(
+            &format!("{name} on the threads backend, bit for bit"),
+            match refs.get(&key).and_then(|v| v.get(rank)) {
+                None => Err("no reference".into()),
+                Some(t) => bit_identical(t, &rec),
+            },
+        );
+        rep.result(
+            &format!("{key}: resumed, all ranks hold rank 0's master weights"),
+            same_as_rank0(comm, &rec.master()),
+        );
+    }
+    if rank == 0 && std::env::var_os(CKPT_ENV).is_none() {
+        let _ = std::fs::remove_dir(&dir);
     }
 }
 

@@ -14,6 +14,10 @@
 //!  rank00000.bin    header: "ZEROCKPT", u32 LE version, u32 LE rank
 //!  rank00001.bin    then per unit u, over E_r(u) = shard_range(r) ∩ 0..numel:
 //!  …                  master[E_r(u)] | m[E_r(u)] | v[E_r(u)]   (f32 LE)
+//!  model.safetensors  only with stage3_gather_16bit_weights_on_model_save:
+//!                     the consolidated weights in the parameter dtype
+//!                     (listed in the manifest's optional `model`; see
+//!                     `src/engine/export.rs`)
 //! ```
 //!
 //! The files of the saving world hold every real element exactly once,
@@ -28,6 +32,7 @@
 //! ```text
 //!  rank 0: mkdir root/.tmp-stepN-<id>        ── exchange (id) ──
 //!  all:    write + fsync rankR.bin            ── exchange (CRCs) ──
+//!  all:    gather unit by unit; rank 0 writes model.safetensors (optional)
 //!  rank 0: manifest.json + fsync, fsync dir, rename → root/stepN, fsync root,
 //!          latest.tmp + fsync → rename latest, fsync root, prune keep_last
 //!                                             ── exchange (verdict) ──
@@ -60,6 +65,7 @@ use zero_core::optim::LossScaler;
 use zero_core::partition::{PartitionPlan, TensorSpec, UnitLayout, UnitSpec};
 use zero_core::{bf16, f16, DType, Element};
 
+use super::export::{ExportDtype, MODEL_FILE};
 use super::param_offload::ParamOffload;
 use super::{agree_on_setup, exchange_words, Engine, EngineBuilder, Init, StepOutcome};
 use crate::{Error, Result};
@@ -102,8 +108,20 @@ struct FileEntry {
     crc32: Vec<u32>,
 }
 
+/// The consolidated 16-bit weights written into the checkpoint directory
+/// when `stage3_gather_16bit_weights_on_model_save` is set.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct Manifest {
+struct ModelFileEntry {
+    name: String,
+    /// The safetensors dtype: `BF16`, `F16` or `F32` (the parameter dtype).
+    dtype: String,
+    bytes: u64,
+    /// CRC32 of the whole file.
+    crc32: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(super) struct Manifest {
     format: String,
     version: u32,
     world_size: usize,
@@ -117,6 +135,10 @@ struct Manifest {
     units: Vec<UnitEntry>,
     files: Vec<FileEntry>,
     client_state: Value,
+    /// Absent unless `stage3_gather_16bit_weights_on_model_save` (manifests
+    /// without it stay version 1 and load as before).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    model: Option<ModelFileEntry>,
 }
 
 fn ck(path: &Path, what: impl Into<String>) -> Error {
@@ -314,7 +336,7 @@ impl FileMap {
 
 /// Reads element ranges of the saved state, verifying the CRC of every
 /// block it touches.
-struct Reader<'a> {
+pub(super) struct Reader<'a> {
     dir: &'a Path,
     manifest: &'a Manifest,
     maps: Vec<FileMap>,
@@ -323,7 +345,7 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    fn new(dir: &'a Path, manifest: &'a Manifest, saved: &PartitionPlan) -> Self {
+    pub(super) fn new(dir: &'a Path, manifest: &'a Manifest, saved: &PartitionPlan) -> Self {
         let maps = (0..manifest.world_size)
             .map(|s| FileMap::new(saved.units(), s))
             .collect();
@@ -337,7 +359,7 @@ impl<'a> Reader<'a> {
     }
 
     /// `out[k] = kind[unit][abs.start + k]`.
-    fn read_into(
+    pub(super) fn read_into(
         &mut self,
         unit: usize,
         kind: usize,
@@ -422,11 +444,18 @@ fn read_manifest(path: &Path) -> Result<(PathBuf, Manifest)> {
     } else {
         let latest = path.join("latest");
         if !latest.is_file() {
-            return Err(ck(
-                path,
-                "neither a checkpoint directory (no manifest.json) nor a checkpoint root (no \
-                 `latest` file)",
-            ));
+            // A save killed between renaming its directory into place and
+            // writing `latest` (the first save, or `latest` deleted): the
+            // newest `step*` directory, which is complete (only finished
+            // checkpoints are renamed into place).
+            return match newest_step_dir(path) {
+                Some(dir) => read_manifest(&dir),
+                None => Err(ck(
+                    path,
+                    "neither a checkpoint directory (no manifest.json) nor a checkpoint root (no \
+                     `latest` file, no step* directory)",
+                )),
+            };
         }
         let name = fs::read_to_string(&latest).map_err(io(&latest, "read"))?;
         let name = name.trim();
@@ -554,6 +583,12 @@ fn check_units(
             (None, None) => unreachable!(),
         }
     }
+    saved_plan(mpath, m)
+}
+
+/// The plan the checkpoint was saved with, rebuilt from its manifest
+/// (`mpath`) alone.
+fn saved_plan(mpath: &Path, m: &Manifest) -> Result<PartitionPlan> {
     let specs: Vec<UnitSpec> = m
         .units
         .iter()
@@ -584,6 +619,16 @@ fn check_units(
         }
     }
     Ok(plan)
+}
+
+/// Opens the checkpoint `path` names (a directory, or a root whose
+/// `latest` names one) for reading without an engine: its directory,
+/// manifest and saving plan, every rank file checked as on load.
+pub(super) fn open_saved(path: &Path) -> Result<(PathBuf, Manifest, PartitionPlan)> {
+    let (dir, m) = read_manifest(path)?;
+    let plan = saved_plan(&dir.join("manifest.json"), &m)?;
+    check_files(&dir, &m, &plan)?;
+    Ok((dir, m, plan))
 }
 
 /// Every rank file exists, has the manifest's length and CRC count, and a
@@ -799,6 +844,28 @@ impl<C: Communicator> Engine<C> {
                  names it); no checkpoint was written"
             )));
         }
+        // `stage3_gather_16bit_weights_on_model_save`: the consolidated
+        // weights in the parameter dtype, inside the temporary directory so
+        // that the rename publishes them with the rest (a collective).
+        let model = if self.cfg.zero.gather_16bit_weights_on_model_save {
+            let dtype = ExportDtype::of(self.pdt);
+            match self.export_inner(&tmp.join(MODEL_FILE), dtype) {
+                Ok(written) => written.map(|(bytes, crc32)| ModelFileEntry {
+                    name: MODEL_FILE.into(),
+                    dtype: dtype.safetensors_name().into(),
+                    bytes,
+                    crc32,
+                }),
+                Err(e) => {
+                    if rank == 0 {
+                        let _ = fs::remove_dir_all(&tmp);
+                    }
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
         // Round 3: rank 0 writes the manifest and publishes the checkpoint.
         let done = if rank == 0 {
             let files = (0..self.world)
@@ -812,7 +879,8 @@ impl<C: Communicator> Engine<C> {
                         .collect(),
                 })
                 .collect();
-            let manifest = self.manifest(files, client_state);
+            let mut manifest = self.manifest(files, client_state);
+            manifest.model = model;
             let r = publish(root, &tmp, &dest, &name, &manifest, self.keep_last);
             if r.is_err() {
                 let _ = fs::remove_dir_all(&tmp);
@@ -866,6 +934,7 @@ impl<C: Communicator> Engine<C> {
                 .collect(),
             files,
             client_state,
+            model: None,
         }
     }
 
@@ -1074,13 +1143,39 @@ fn fill_home<P: Element>(
 
 /// Rank 0: `root` exists, `dest` does not; makes the temporary directory
 /// and returns its id.
+/// The `step*` directory of `root` with the highest step that has a
+/// manifest.
+fn newest_step_dir(root: &Path) -> Option<PathBuf> {
+    fs::read_dir(root)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let step: u64 = name.strip_prefix("step")?.parse().ok()?;
+            e.path()
+                .join("manifest.json")
+                .is_file()
+                .then_some((step, e.path()))
+        })
+        .max_by_key(|(step, _)| *step)
+        .map(|(_, p)| p)
+}
+
 fn prepare(root: &Path, dest: &Path, name: &str) -> Result<u64> {
     fs::create_dir_all(root).map_err(io(root, "create the checkpoint root"))?;
     if dest.exists() {
-        return Err(ck(
-            dest,
-            "already exists (this step was saved before); not overwriting it",
-        ));
+        let latest = fs::read_to_string(root.join("latest")).unwrap_or_default();
+        if latest.trim() == name {
+            return Err(ck(
+                dest,
+                "already exists and `latest` names it (this step was saved before); not \
+                 overwriting it",
+            ));
+        }
+        // Left by a save that was interrupted after its rename but before
+        // `latest` named it; a run resumed from `latest` saves this step
+        // again, so the new save replaces it.
+        fs::remove_dir_all(dest).map_err(io(dest, "replace (an interrupted save's copy)"))?;
     }
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -91,6 +91,7 @@
 
 mod checkpoint;
 mod dynbuf;
+mod export;
 mod init;
 mod offload;
 mod param_offload;
@@ -112,6 +113,7 @@ use crate::trace::Tracer;
 use crate::{Error, Result};
 pub use checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
 use dynbuf::DynBuf;
+pub use export::{export_checkpoint, ExportDtype};
 pub use init::Init;
 use init::{fnv1a, mix};
 use offload::{Offload, UnitRanges};
