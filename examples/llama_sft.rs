@@ -326,7 +326,10 @@ fn engine_config(a: &Args, world: usize, total_steps: usize) -> Result<ResolvedC
     // Flags given on the command line win over the file.
     if let Some(s) = a.stage {
         c.zero.stage = s;
-        c.zero.overlap_comm = s == 3 || c.zero.overlap_comm;
+        if a.config.is_none() {
+            // DeepSpeed's default: overlap_comm on for stage 3 only.
+            c.zero.overlap_comm = s == 3;
+        }
     }
     if let Some(b) = a.batch {
         c.micro_batch_size = b;

@@ -15,6 +15,7 @@
 
 pub mod engine;
 mod error;
+pub mod estimate;
 pub mod trace;
 
 pub use engine::{Engine, EngineBuilder, EngineStats, Init, StepOutcome, UnitId, UnitState};

@@ -48,9 +48,15 @@
 //! [`PartitionPlan::new`] on the saved units and world size). Each rank
 //! reads, for each unit, only the byte ranges of the saved files that hold
 //! the elements it needs now (its state range, and the master over its
-//! parameter range, cast to the parameter dtype), a few blocks at a time,
-//! verifying the CRC of every block it touches, and writes them straight
+//! parameter range, cast to the parameter dtype), [`READ_BLOCKS`] blocks
+//! at a time with the next window read ahead on a helper thread,
+//! verifying the CRC of every block it reads, and writes them straight
 //! into its store (host buffers, the offloaded tiles, the parameter home).
+//! Without optimizer offload the master is read once per unit: over the
+//! parameter range, its state part copied into the master and every piece
+//! cast into the parameters (in stage 3 the two ranges are the same; in
+//! stages 0–2 the parameter range is the whole unit). A window stays
+//! cached, so the block shared by two consecutive reads is read once.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
@@ -67,7 +73,7 @@ use zero_core::{bf16, f16, DType, Element};
 
 use super::export::{ExportDtype, MODEL_FILE};
 use super::param_offload::ParamOffload;
-use super::{agree_on_setup, exchange_words, Engine, EngineBuilder, Init, StepOutcome};
+use super::{agree_on_setup, exchange_words, Engine, EngineBuilder, Init, StepOutcome, Unit};
 use crate::{Error, Result};
 
 /// The `format` of a checkpoint manifest.
@@ -81,10 +87,15 @@ const HEADER: u64 = 16;
 const BLOCK: usize = 1 << 20;
 /// The write buffer of a rank file.
 const WRITE_BUF: usize = 4 << 20;
-/// Blocks read (and verified) at once on load.
+/// Blocks read (and verified) at once through a reader's window: the
+/// ends of each read, and reads without a whole block.
 const READ_BLOCKS: usize = 4;
-/// Elements cast to the parameter dtype at once on load.
-const CAST_CHUNK: usize = 1 << 18;
+/// Whole blocks read (and verified) at once straight into the
+/// destination; costs no buffer.
+const DIRECT_BLOCKS: usize = 8;
+/// Elements of the master outside the state range converted at once on
+/// load before the cast to the parameter dtype.
+const CAST_CHUNK: usize = 1 << 16;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct TensorEntry {
@@ -334,14 +345,100 @@ impl FileMap {
     }
 }
 
+/// A verified run of blocks of one rank file, kept after the read that
+/// loaded it: consecutive reads (a chunk and the next, an array and the
+/// next one of the file) share their boundary block, which is then read
+/// and verified once.
+struct Window {
+    /// The saved rank whose file it is.
+    file: usize,
+    /// Byte offset of its first byte (a block boundary).
+    start: u64,
+    /// Bytes of `buf` that hold the window.
+    len: usize,
+    /// [`READ_BLOCKS`] × [`BLOCK`] bytes once used.
+    buf: Vec<u8>,
+}
+
+impl Window {
+    fn holds(&self, file: usize, at: u64) -> bool {
+        self.file == file && self.start <= at && at < self.start + self.len as u64
+    }
+}
+
 /// Reads element ranges of the saved state, verifying the CRC of every
-/// block it touches.
+/// block it reads.
+///
+/// ```text
+///  bytes [off, end) of file s:   |  ·[===|=======|=======|====]·  |
+///                                   head     whole blocks     tail
+///  head, tail, and reads with no whole block: through the window
+///  (≤ READ_BLOCKS blocks, ending at the last block the read needs)
+///  whole blocks (little-endian hosts): pread straight into the
+///  destination, DIRECT_BLOCKS at a time, CRCs checked there
+/// ```
+///
+/// The window stays cached, so the block a read shares with the next one
+/// (an array's last and the next array's first, a chunk's last and the
+/// next chunk's first) is read once.
 pub(super) struct Reader<'a> {
     dir: &'a Path,
     manifest: &'a Manifest,
     maps: Vec<FileMap>,
     files: Vec<Option<File>>,
-    buf: Vec<u8>,
+    win: Window,
+}
+
+/// The CRC of block `bi` of the rank file `entry`, whose bytes are
+/// `bytes`, is the manifest's.
+fn verify(path: &Path, entry: &FileEntry, bi: u64, bytes: &[u8]) -> Result<()> {
+    let crc = crc32fast::hash(bytes);
+    let want = entry.crc32.get(bi as usize).copied();
+    if want == Some(crc) {
+        return Ok(());
+    }
+    let a = bi * BLOCK as u64;
+    Err(ck(
+        path,
+        format!(
+            "block {bi} (bytes {a}..{}) is corrupted: CRC32 {crc:#010x}, the manifest says {}",
+            a + bytes.len() as u64,
+            want.map_or("nothing".to_string(), |w| format!("{w:#010x}"))
+        ),
+    ))
+}
+
+/// Fills `buf` with the blocks of the rank file `entry` from block
+/// `first` on and verifies them; `buf` ends at a block boundary or at the
+/// file's end.
+fn read_blocks(
+    file: &File,
+    path: &Path,
+    entry: &FileEntry,
+    first: u64,
+    buf: &mut [u8],
+) -> Result<()> {
+    let start = first * BLOCK as u64;
+    let n = buf.len();
+    debug_assert!(start + n as u64 <= entry.bytes);
+    file.read_exact_at(buf, start)
+        .map_err(|e| ck(path, format!("read of {n} bytes at byte {start}: {e}")))?;
+    for (k, bytes) in buf.chunks(BLOCK).enumerate() {
+        verify(path, entry, first + k as u64, bytes)?;
+    }
+    Ok(())
+}
+
+/// `dst[k] = f32::from_le_bytes(src[4k..4k + 4])`.
+fn le_to_f32(src: &[u8], dst: &mut [f32]) {
+    debug_assert_eq!(src.len(), 4 * dst.len());
+    if cfg!(target_endian = "little") {
+        bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(src);
+    } else {
+        for (d, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+            *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+    }
 }
 
 impl<'a> Reader<'a> {
@@ -354,8 +451,42 @@ impl<'a> Reader<'a> {
             manifest,
             maps,
             files: (0..manifest.world_size).map(|_| None).collect(),
-            buf: Vec::new(),
+            win: Window {
+                file: usize::MAX,
+                start: 0,
+                len: 0,
+                buf: Vec::new(),
+            },
         }
+    }
+
+    /// The parts of `kind[unit][abs]` in the saved files: `(s, lo..hi,
+    /// off)`, elements `lo..hi` (unit coordinates) at byte `off` of file
+    /// `s`, in element order.
+    fn parts(
+        &self,
+        unit: usize,
+        kind: usize,
+        abs: Range<usize>,
+    ) -> Vec<(usize, Range<usize>, u64)> {
+        (0..self.maps.len())
+            .filter_map(|s| {
+                let e = &self.maps[s].ranges[unit];
+                let lo = abs.start.max(e.start);
+                let hi = abs.end.min(e.end);
+                (lo < hi).then(|| (s, lo..hi, self.maps[s].offset(unit, kind, lo)))
+            })
+            .collect()
+    }
+
+    /// The open file `s`, its path and manifest entry.
+    fn file(&mut self, s: usize) -> Result<(&File, PathBuf, &'a FileEntry)> {
+        let entry = &self.manifest.files[s];
+        let path = self.dir.join(&entry.name);
+        if self.files[s].is_none() {
+            self.files[s] = Some(File::open(&path).map_err(io(&path, "open"))?);
+        }
+        Ok((self.files[s].as_ref().expect("opened"), path, entry))
     }
 
     /// `out[k] = kind[unit][abs.start + k]`.
@@ -367,70 +498,107 @@ impl<'a> Reader<'a> {
         out: &mut [f32],
     ) -> Result<()> {
         debug_assert_eq!(abs.len(), out.len());
-        for s in 0..self.maps.len() {
-            let e = self.maps[s].ranges[unit].clone();
-            let lo = abs.start.max(e.start);
-            let hi = abs.end.min(e.end);
-            if lo >= hi {
-                continue;
-            }
-            let off = self.maps[s].offset(unit, kind, lo);
-            self.read_bytes(s, off, &mut out[lo - abs.start..hi - abs.start])?;
+        for (s, r, off) in self.parts(unit, kind, abs.clone()) {
+            let dst = &mut out[r.start - abs.start..r.end - abs.start];
+            self.read_file(s, off, dst)?;
         }
         Ok(())
     }
 
-    /// Fills `out` from saved file `s` at byte offset `off`.
-    fn read_bytes(&mut self, s: usize, off: u64, out: &mut [f32]) -> Result<()> {
-        let entry = &self.manifest.files[s];
-        let path = self.dir.join(&entry.name);
-        if self.files[s].is_none() {
-            self.files[s] = Some(File::open(&path).map_err(io(&path, "open"))?);
+    /// Calls `f(i, bytes)` for consecutive pieces of `kind[unit][abs]`, in
+    /// order, through the window: `bytes` holds elements `i..i +
+    /// bytes.len() / 4` (unit coordinates) as f32 LE, from verified blocks.
+    pub(super) fn for_each(
+        &mut self,
+        unit: usize,
+        kind: usize,
+        abs: Range<usize>,
+        mut f: impl FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        for (s, r, off) in self.parts(unit, kind, abs) {
+            let end = off + 4 * r.len() as u64;
+            self.windowed(s, off, end, |at, bytes| {
+                f(r.start + ((at - off) / 4) as usize, bytes)
+            })?;
         }
-        let file = self.files[s].as_ref().expect("opened");
+        Ok(())
+    }
+
+    /// Fills `out` from file `s` at byte `off`: its whole blocks straight
+    /// into `out`, the rest through the window.
+    fn read_file(&mut self, s: usize, off: u64, out: &mut [f32]) -> Result<()> {
         let end = off + 4 * out.len() as u64;
+        let bytes = self.manifest.files[s].bytes;
         let block = BLOCK as u64;
-        let mut b = off / block;
+        // Whole blocks in [off, end): the file's last block is whole when
+        // the read reaches the end of the file.
+        let (b0, b1) = (
+            off.div_ceil(block),
+            if end == bytes {
+                end.div_ceil(block)
+            } else {
+                end / block
+            },
+        );
+        let mut copy = |at: u64, src: &[u8]| {
+            let d = ((at - off) / 4) as usize;
+            le_to_f32(src, &mut out[d..d + src.len() / 4]);
+        };
+        if cfg!(target_endian = "big") || b0 >= b1 {
+            return self.windowed(s, off, end, copy);
+        }
+        let (lo, hi) = (b0 * block, (b1 * block).min(bytes));
+        self.windowed(s, off, lo, &mut copy)?;
+        let (file, path, entry) = self.file(s)?;
+        let direct: &mut [u8] = bytemuck::cast_slice_mut(out);
+        let direct = &mut direct[(lo - off) as usize..(hi - off) as usize];
+        for (k, chunk) in direct.chunks_mut(DIRECT_BLOCKS * BLOCK).enumerate() {
+            read_blocks(file, &path, entry, b0 + (k * DIRECT_BLOCKS) as u64, chunk)?;
+        }
+        self.windowed(s, hi, end, |at, src| {
+            let d = ((at - off) / 4) as usize;
+            le_to_f32(src, &mut out[d..d + src.len() / 4]);
+        })
+    }
+
+    /// Calls `f(at, bytes)` for consecutive pieces of bytes `off..end` of
+    /// file `s`, from the window, loading windows as needed.
+    fn windowed(
+        &mut self,
+        s: usize,
+        off: u64,
+        end: u64,
+        mut f: impl FnMut(u64, &[u8]),
+    ) -> Result<()> {
+        if off >= end {
+            return Ok(());
+        }
+        let block = BLOCK as u64;
         let last = (end - 1) / block;
-        while b <= last {
-            let nb = ((last - b + 1) as usize).min(READ_BLOCKS);
-            let start = b * block;
-            let stop = ((b + nb as u64) * block).min(entry.bytes);
-            let n = (stop - start) as usize;
-            self.buf.resize(n, 0);
-            file.read_exact_at(&mut self.buf[..n], start)
-                .map_err(|e| ck(&path, format!("read of {n} bytes at byte {start}: {e}")))?;
-            for k in 0..nb {
-                let bi = b as usize + k;
-                let a = k * BLOCK;
-                let z = (a + BLOCK).min(n);
-                let crc = crc32fast::hash(&self.buf[a..z]);
-                let want = entry.crc32.get(bi).copied();
-                if want != Some(crc) {
-                    return Err(ck(
-                        &path,
-                        format!(
-                            "block {bi} (bytes {}..{}) is corrupted: CRC32 {crc:#010x}, the \
-                             manifest says {}",
-                            start + a as u64,
-                            start + z as u64,
-                            want.map_or("nothing".to_string(), |w| format!("{w:#010x}"))
-                        ),
-                    ));
-                }
+        let mut at = off;
+        while at < end {
+            if !self.win.holds(s, at) {
+                let b = at / block;
+                let n = (last - b + 1).min(READ_BLOCKS as u64);
+                self.win.file = usize::MAX;
+                let mut buf = std::mem::take(&mut self.win.buf);
+                buf.resize(READ_BLOCKS * BLOCK, 0);
+                let (file, path, entry) = self.file(s)?;
+                let len = (((b + n) * block).min(entry.bytes) - b * block) as usize;
+                let read = read_blocks(file, &path, entry, b, &mut buf[..len]);
+                self.win = Window {
+                    file: if read.is_ok() { s } else { usize::MAX },
+                    start: b * block,
+                    len,
+                    buf,
+                };
+                read?;
             }
-            // The part of [off, end) in [start, stop), element aligned.
-            let lo = off.max(start);
-            let hi = end.min(stop);
-            let dst = ((lo - off) / 4) as usize;
-            let src = &self.buf[(lo - start) as usize..(hi - start) as usize];
-            for (d, c) in out[dst..dst + src.len() / 4]
-                .iter_mut()
-                .zip(src.chunks_exact(4))
-            {
-                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-            b += nb as u64;
+            let w = &self.win;
+            let hi = end.min(w.start + w.len as u64);
+            let a = (at - w.start) as usize;
+            f(at, &w.buf[a..a + (hi - at) as usize]);
+            at = hi;
         }
         Ok(())
     }
@@ -1030,69 +1198,72 @@ impl<C: Communicator> Engine<C> {
 
     fn load_state(&mut self, dir: &Path, m: &Manifest, saved: &PartitionPlan) -> Result<()> {
         let mut reader = Reader::new(dir, m, saved);
-        let n = self.units.len();
-        let bases: Vec<usize> = (0..n).map(|i| self.state_base(i)).collect();
-        // The parameter range: the whole unit in stages 0–2, the shard in 3.
-        let prange = |l: &UnitLayout, rank: usize, stage: u8| {
-            if stage == 3 {
-                (l.real_range(rank), rank * l.shard_len)
-            } else {
-                (0..l.numel, 0)
-            }
-        };
-        match self.offload.as_mut() {
-            Some(off) => off.fill(|u, local, master, mm, v| {
+        let (stage, rank, pdt) = (self.stage, self.rank, self.pdt);
+        let bases: Vec<usize> = (0..self.units.len()).map(|i| self.state_base(i)).collect();
+        let mut scratch = vec![0f32; CAST_CHUNK];
+        let Engine {
+            units,
+            offload,
+            poff,
+            ..
+        } = self;
+        // The offloaded optimizer state, tile by tile (the parameters
+        // below read the master a second time).
+        if let Some(off) = offload.as_mut() {
+            off.fill(|u, local, master, mm, v| {
                 let abs = local.start + bases[u]..local.end + bases[u];
                 reader.read_into(u, 0, abs.clone(), master)?;
                 reader.read_into(u, 1, abs.clone(), mm)?;
                 reader.read_into(u, 2, abs, v)
-            })?,
-            None => {
-                for (i, unit) in self.units.iter_mut().enumerate() {
-                    let l = &unit.layout;
-                    let abs = if self.stage == 0 {
-                        0..l.numel
-                    } else {
-                        l.real_range(self.rank)
-                    };
-                    if abs.is_empty() {
-                        continue;
-                    }
-                    let s = abs.start - bases[i]..abs.end - bases[i];
-                    reader.read_into(i, 0, abs.clone(), &mut unit.master[s.clone()])?;
-                    reader.read_into(i, 1, abs.clone(), &mut unit.m[s.clone()])?;
-                    reader.read_into(i, 2, abs, &mut unit.v[s])?;
-                }
-            }
+            })?;
         }
-        let mut chunk = vec![0f32; CAST_CHUNK];
-        match self.poff.as_mut() {
-            Some(po) => {
-                for i in 0..n {
-                    let (r, base) = prange(&self.units[i].layout, self.rank, self.stage);
-                    match self.pdt {
-                        DType::F32 => fill_home::<f32>(po, &mut reader, i, r, base, &mut chunk)?,
-                        DType::BF16 => fill_home::<bf16>(po, &mut reader, i, r, base, &mut chunk)?,
-                        DType::F16 => fill_home::<f16>(po, &mut reader, i, r, base, &mut chunk)?,
-                    }
-                }
-                po.flush()?;
-            }
-            None => {
-                for i in 0..n {
-                    let (r, base) = prange(&self.units[i].layout, self.rank, self.stage);
-                    let p = self.units[i]
-                        .params
+        for (i, unit) in units.iter_mut().enumerate() {
+            let Unit {
+                layout: l,
+                params,
+                master,
+                m: mm,
+                v,
+                ..
+            } = unit;
+            // The parameter range: the whole unit in stages 0–2, the
+            // shard in 3 (then equal to the state range).
+            let (prange, pbase) = if stage == 3 {
+                (l.real_range(rank), rank * l.shard_len)
+            } else {
+                (0..l.numel, 0)
+            };
+            let (state, sbase) = match offload {
+                Some(_) => (0..0, 0),
+                None if stage == 0 => (0..l.numel, 0),
+                None => (l.real_range(rank), bases[i]),
+            };
+            let mut job = MasterLoad {
+                reader: &mut reader,
+                unit: i,
+                params: prange,
+                state: state.clone(),
+                master: &mut master[..],
+                sbase,
+                scratch: &mut scratch,
+            };
+            match poff.as_mut() {
+                Some(po) => match pdt {
+                    DType::F32 => job.run_home::<f32>(po, pbase)?,
+                    DType::BF16 => job.run_home::<bf16>(po, pbase)?,
+                    DType::F16 => job.run_home::<f16>(po, pbase)?,
+                },
+                None => {
+                    let p = params
                         .as_mut()
                         .expect("params are home outside collectives");
-                    let mut at = r.start;
-                    while at < r.end {
-                        let k = (r.end - at).min(CAST_CHUNK);
-                        reader.read_into(i, 0, at..at + k, &mut chunk[..k])?;
-                        p.store_slice(at - base, &chunk[..k]);
-                        at += k;
-                    }
+                    job.run(|at, x| p.store_slice(at - pbase, x))?;
                 }
+            }
+            if !state.is_empty() {
+                let s = state.start - sbase..state.end - sbase;
+                reader.read_into(i, 1, state.clone(), &mut mm[s.clone()])?;
+                reader.read_into(i, 2, state, &mut v[s])?;
             }
         }
         self.steps = m.steps;
@@ -1117,32 +1288,64 @@ impl<C: Communicator> Engine<C> {
     }
 }
 
-/// Writes the cast master over `r` (unit coordinates; the shard starts at
-/// `base`) into unit `i`'s parameter home, `CAST_CHUNK` elements at a time.
-fn fill_home<P: Element>(
-    po: &mut ParamOffload,
-    reader: &mut Reader<'_>,
-    i: usize,
-    r: Range<usize>,
-    base: usize,
-    chunk: &mut [f32],
-) -> Result<()> {
-    po.write_with::<P>(i, |home| {
-        let mut at = r.start;
-        while at < r.end {
-            let k = (r.end - at).min(chunk.len());
-            reader.read_into(i, 0, at..at + k, &mut chunk[..k])?;
-            for (d, s) in home[at - base..at - base + k].iter_mut().zip(&chunk[..k]) {
-                *d = P::from_f32(*s);
-            }
-            at += k;
-        }
-        Ok(())
-    })
+/// One read of unit `unit`'s saved master over the parameter range
+/// `params` (unit coordinates), which contains the state range `state`:
+/// the part in `state` goes into `master` (`master[k]` holds element
+/// `sbase + k`), and every element is handed on as f32 to be cast to the
+/// parameter dtype, from `master` where it went there and through
+/// `scratch` ([`CAST_CHUNK`] elements) elsewhere.
+struct MasterLoad<'r, 'a, 'b> {
+    reader: &'r mut Reader<'a>,
+    unit: usize,
+    params: Range<usize>,
+    state: Range<usize>,
+    master: &'b mut [f32],
+    sbase: usize,
+    scratch: &'b mut [f32],
 }
 
-/// Rank 0: `root` exists, `dest` does not; makes the temporary directory
-/// and returns its id.
+impl MasterLoad<'_, '_, '_> {
+    /// Reads the master, calling `cast(i, x)` for consecutive pieces:
+    /// `x[k]` is element `i + k`.
+    fn run(&mut self, mut cast: impl FnMut(usize, &[f32])) -> Result<()> {
+        let (params, state) = (self.params.clone(), self.state.clone());
+        if state.is_empty() {
+            return self.outside(params, &mut cast);
+        }
+        debug_assert!(params.start <= state.start && state.end <= params.end);
+        self.outside(params.start..state.start, &mut cast)?;
+        let x = &mut self.master[state.start - self.sbase..state.end - self.sbase];
+        self.reader.read_into(self.unit, 0, state.clone(), x)?;
+        cast(state.start, x);
+        self.outside(state.end..params.end, &mut cast)
+    }
+
+    /// The master over `r`, outside the state range, through `scratch`.
+    fn outside(&mut self, r: Range<usize>, cast: &mut impl FnMut(usize, &[f32])) -> Result<()> {
+        let scratch = &mut *self.scratch;
+        self.reader.for_each(self.unit, 0, r, |at, bytes| {
+            let n = scratch.len();
+            for (k, src) in bytes.chunks(4 * n).enumerate() {
+                let x = &mut scratch[..src.len() / 4];
+                le_to_f32(src, x);
+                cast(at + k * n, x);
+            }
+        })
+    }
+
+    /// [`MasterLoad::run`] into unit `unit`'s offloaded parameter home
+    /// (its shard starts at element `pbase`).
+    fn run_home<P: Element>(&mut self, po: &mut ParamOffload, pbase: usize) -> Result<()> {
+        po.write_with::<P>(self.unit, |home| {
+            self.run(|at, x| {
+                for (d, s) in home[at - pbase..at - pbase + x.len()].iter_mut().zip(x) {
+                    *d = P::from_f32(*s);
+                }
+            })
+        })
+    }
+}
+
 /// The `step*` directory of `root` with the highest step that has a
 /// manifest.
 fn newest_step_dir(root: &Path) -> Option<PathBuf> {
@@ -1161,6 +1364,8 @@ fn newest_step_dir(root: &Path) -> Option<PathBuf> {
         .map(|(_, p)| p)
 }
 
+/// Rank 0: `root` exists, `dest` does not; makes the temporary directory
+/// and returns its id.
 fn prepare(root: &Path, dest: &Path, name: &str) -> Result<u64> {
     fs::create_dir_all(root).map_err(io(root, "create the checkpoint root"))?;
     if dest.exists() {

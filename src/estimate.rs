@@ -1,0 +1,1267 @@
+//! The memory estimator: what a configuration will hold per rank on the
+//! device, in host memory and on NVMe, before anything is allocated
+//! (`zero estimate` on the command line).
+//!
+//! # One source of truth
+//!
+//! The estimate is not a formula beside the engine: it replays, against a
+//! [`MemoryTracker`], every allocation the engine's
+//! [`EngineBuilder::build`](crate::EngineBuilder::build) and its steps
+//! account, with the same sizes:
+//!
+//! - units laid out by the same [`PartitionPlan`] (padding, shards);
+//! - per unit, the parameters (full, or the stage-3 shard), the stage 0/1
+//!   gradient buffer, the gradient-accumulation buffer `A` (absent when
+//!   `A = P`, no accumulation and no optimizer offload at stages 0/1), the
+//!   fp32 master and moments (full at stage 0, else the shard);
+//! - the gradient buckets: `min(reduce_bucket_size, model).max(largest
+//!   unit)` elements of `communication_data_type`, two when reductions
+//!   overlap backward (stage 0 always, stage 1 never, stages 2/3 with
+//!   `overlap_comm`);
+//! - stages 2/3: the pooled full-unit gradient buffers the trainer writes
+//!   into (one per unit size in flight);
+//! - stage 3: the gathered units, by running the engine's prefetch, reuse
+//!   (`stage3_max_reuse_distance`), live cap (`stage3_max_live_parameters`)
+//!   and persistence (`stage3_param_persistence_threshold`) rules over the
+//!   model's gather order;
+//! - optimizer offload: the tiles of `sub_group_size` elements, the host
+//!   pool (`buffer_count` tile buffers with nvme, one per tile with cpu,
+//!   plus the staging buffer, each rounded to whole pages) and the swap
+//!   file (header and regions rounded to `aio.block_size`);
+//! - parameter offload: the host homes or swap file, the staging buffers
+//!   (`buffer_count` × `buffer_size`, capped at the largest shard) and the
+//!   `max_in_cpu` host cache.
+//!
+//! The engine computes some of these sizes inline; this module repeats
+//! those rules, and `tests/estimate.rs` builds real engines and holds the
+//! estimate against their trackers, so a divergence fails a test.
+//!
+//! # Peaks
+//!
+//! The tracker keeps current and peak bytes per tier and category and the
+//! peak of each tier's sum. The estimate replays two optimizer steps
+//! (micro-batches of the model's gather order, gradient hand-offs and
+//! activations, then [`Engine::step`](crate::Engine::step)) and reports
+//! the peaks the tracker would report: the first micro-batch records the
+//! stage-3 gather order, and from the second on prefetch and reuse follow
+//! it, so two steps reach the steady state.
+//!
+//! # Activations
+//!
+//! Activations are those of the Llama model of `examples/llama` (f32
+//! compute): per block the cache of its forward pass, kept for backward
+//! (`x`, both norms' outputs and inverse RMS, `q`, `k`, `v`, the attention
+//! probabilities and output, the residual, the SwiGLU `h1`, `h3`, `a`, and
+//! the block output), or with activation checkpointing only the block
+//! input plus one recomputed cache during backward. A model given as unit
+//! sizes ([`Model::from_unit_sizes`]) has no activation estimate.
+//!
+//! ```
+//! use zero::core::config::{Precision, ResolvedConfig};
+//! use zero::core::memory::{Category, Tier};
+//! use zero::estimate::{estimate, Model, Workload};
+//!
+//! // 7e9 parameters in 32 units, bf16, stage 3 on 8 ranks.
+//! let model = Model::from_unit_sizes(&[7_000_000_000 / 32; 32])?;
+//! let mut cfg = ResolvedConfig::simple(3, 8, 1);
+//! cfg.precision = Precision::Bf16;
+//! let e = estimate(&model, &cfg, &Workload::default())?;
+//! // ZeRO's 16Ψ/N with an fp32 gradient shard: 18Ψ/N.
+//! let states = e.model_states(Tier::Device) as f64;
+//! assert!((states / (18.0 * 7e9 / 8.0) - 1.0).abs() < 0.01);
+//! assert!(e.tier_peak(Tier::Device) > e.peak(Tier::Device, Category::Master));
+//! println!("{e}");
+//! # Ok::<(), zero::Error>(())
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+
+use zero_core::config::{OffloadDevice, Precision, ResolvedConfig};
+use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier};
+use zero_core::partition::{PartitionPlan, TensorSpec, UnitSpec};
+use zero_core::DType;
+
+use crate::{Error, Result};
+
+/// The page size host pools round every buffer to (`zero_offload::host::PAGE_SIZE`).
+const PAGE: usize = zero_offload::host::PAGE_SIZE;
+
+/// The dimensions of a Llama-architecture model, as in `examples/llama`:
+/// units `model.embed_tokens` (`vocab × hidden`), one per block
+/// (`model.layers.{i}`: q, k, v, o projections, SwiGLU gate, up and down,
+/// two RMSNorm weights) and `lm_head` (final norm and an untied head).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LlamaDims {
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Model width (`hidden_size`, `dim` in the example).
+    pub hidden: usize,
+    /// SwiGLU inner width (`intermediate_size`).
+    pub intermediate: usize,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Key/value heads (grouped-query attention); `heads` for plain
+    /// multi-head attention.
+    pub kv_heads: usize,
+}
+
+impl LlamaDims {
+    /// Llama-2 7B: vocab 32000, hidden 4096, intermediate 11008, 32 layers,
+    /// 32 heads (6.74e9 parameters).
+    pub const LLAMA2_7B: LlamaDims = LlamaDims {
+        vocab: 32000,
+        hidden: 4096,
+        intermediate: 11008,
+        layers: 32,
+        heads: 32,
+        kv_heads: 32,
+    };
+
+    /// The intermediate width Llama derives from `hidden`: two thirds of
+    /// `4 × hidden`, rounded up to a multiple of 256 (4096 → 11008).
+    pub fn default_intermediate(hidden: usize) -> usize {
+        (8 * hidden / 3).div_ceil(256) * 256
+    }
+
+    /// Checks the dims as the example does; the error names the field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |key: &str, msg: String| Err(config(format!("model.{key}"), msg));
+        for (key, v) in [
+            ("vocab", self.vocab),
+            ("hidden", self.hidden),
+            ("intermediate", self.intermediate),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("kv_heads", self.kv_heads),
+        ] {
+            if v == 0 {
+                return bad(key, "must be positive".into());
+            }
+        }
+        if !self.hidden.is_multiple_of(self.heads) {
+            return bad(
+                "heads",
+                format!("{} heads do not divide hidden {}", self.heads, self.hidden),
+            );
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) {
+            return bad(
+                "kv_heads",
+                format!(
+                    "{} kv heads do not divide {} heads",
+                    self.kv_heads, self.heads
+                ),
+            );
+        }
+        if !self.head_dim().is_multiple_of(2) {
+            return bad(
+                "heads",
+                format!("the head dim {} must be even for RoPE", self.head_dim()),
+            );
+        }
+        Ok(())
+    }
+
+    fn head_dim(&self) -> usize {
+        self.hidden / self.heads
+    }
+
+    /// Parameters of one block.
+    pub fn block_numel(&self) -> usize {
+        let (d, h) = (self.hidden, self.intermediate);
+        let (qd, kd) = (
+            self.heads * self.head_dim(),
+            self.kv_heads * self.head_dim(),
+        );
+        2 * qd * d + 2 * kd * d + 3 * h * d + 2 * d
+    }
+
+    /// All parameters (Ψ).
+    pub fn numel(&self) -> usize {
+        2 * self.vocab * self.hidden + self.hidden + self.layers * self.block_numel()
+    }
+
+    /// Bytes of one block's forward cache (f32) for `micro` sequences of
+    /// `seq` tokens: what `examples/llama/train.rs` (`cache_bytes`) keeps
+    /// per block between forward and backward.
+    pub fn block_cache_bytes(&self, micro: usize, seq: usize) -> u64 {
+        let (d, h) = (self.hidden, self.intermediate);
+        let (qd, kd) = (
+            self.heads * self.head_dim(),
+            self.kv_heads * self.head_dim(),
+        );
+        let rows = (micro * seq) as u64;
+        let per_row = (5 * d + 2 + 2 * qd + 2 * kd + 3 * h) as u64;
+        let probs = (micro * self.heads * seq * seq) as u64;
+        4 * (rows * per_row + probs)
+    }
+
+    /// Bytes of one block's input (f32): what activation checkpointing
+    /// keeps per block.
+    pub fn block_input_bytes(&self, micro: usize, seq: usize) -> u64 {
+        4 * (micro * seq * self.hidden) as u64
+    }
+}
+
+/// The order in which a trainer uses the units in one micro-batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Script {
+    /// Forward over the units in order, backward in reverse, each gathered
+    /// both times; no activations.
+    Generic,
+    /// `examples/llama/train.rs`.
+    Llama(LlamaDims),
+}
+
+/// A model, as the estimator sees it: its units and the order a trainer
+/// uses them in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Model {
+    units: Vec<UnitSpec>,
+    script: Script,
+}
+
+impl Model {
+    /// A model of units of `sizes` elements (`unit.0`, `unit.1`, …), used
+    /// forward in order and backward in reverse. Its activations are not
+    /// estimated.
+    ///
+    /// # Errors
+    /// If there is no unit or a unit has no element.
+    pub fn from_unit_sizes(sizes: &[usize]) -> Result<Model> {
+        if sizes.is_empty() {
+            return Err(config("model.units".into(), "no unit given".into()));
+        }
+        if let Some(i) = sizes.iter().position(|&s| s == 0) {
+            return Err(config(
+                "model.units".into(),
+                format!("unit {i} has 0 elements"),
+            ));
+        }
+        let units = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| flat_unit(format!("unit.{i}"), n))
+            .collect();
+        Ok(Model {
+            units,
+            script: Script::Generic,
+        })
+    }
+
+    /// `params` elements split into `units` units as equal as possible (the
+    /// first ones one element larger), as [`Model::from_unit_sizes`].
+    ///
+    /// # Errors
+    /// If `units` is 0 or larger than `params`.
+    pub fn from_param_count(params: usize, units: usize) -> Result<Model> {
+        if units == 0 || units > params {
+            return Err(config(
+                "model.units".into(),
+                format!("cannot split {params} parameters into {units} units"),
+            ));
+        }
+        let sizes: Vec<usize> = (0..units)
+            .map(|i| params / units + usize::from(i < params % units))
+            .collect();
+        Model::from_unit_sizes(&sizes)
+    }
+
+    /// The Llama model of `examples/llama` with these dims: the units of
+    /// `SftModel::register` and the gather order and activations of
+    /// `SftModel::train_micro_batch`.
+    ///
+    /// # Errors
+    /// If the dims are inconsistent ([`LlamaDims::validate`]).
+    pub fn llama(dims: LlamaDims) -> Result<Model> {
+        dims.validate()?;
+        let mut units = vec![flat_unit(
+            "model.embed_tokens".into(),
+            dims.vocab * dims.hidden,
+        )];
+        for i in 0..dims.layers {
+            units.push(flat_unit(format!("model.layers.{i}"), dims.block_numel()));
+        }
+        units.push(flat_unit(
+            "lm_head".into(),
+            dims.hidden + dims.vocab * dims.hidden,
+        ));
+        Ok(Model {
+            units,
+            script: Script::Llama(dims),
+        })
+    }
+
+    /// The units, in registration order (one flat tensor each: only sizes
+    /// matter to the plan).
+    pub fn units(&self) -> &[UnitSpec] {
+        &self.units
+    }
+
+    /// The number of parameters (Ψ).
+    pub fn numel(&self) -> usize {
+        self.units.iter().map(UnitSpec::numel).sum()
+    }
+
+    /// The Llama dims, for a model built with [`Model::llama`].
+    pub fn llama_dims(&self) -> Option<&LlamaDims> {
+        match &self.script {
+            Script::Llama(d) => Some(d),
+            Script::Generic => None,
+        }
+    }
+}
+
+fn flat_unit(name: String, numel: usize) -> UnitSpec {
+    UnitSpec::new(name, vec![TensorSpec::new("flat", &[numel])])
+}
+
+/// What one micro-batch processes, besides the config: the micro-batch
+/// size is the config's `micro_batch_size` and the world size its
+/// `world_size`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Workload {
+    /// Tokens per sequence (0: no activations).
+    pub seq_len: usize,
+    /// Keep only block inputs in forward and recompute in backward.
+    pub activation_checkpointing: bool,
+}
+
+/// The per-rank memory plan of one configuration: the peaks the rank's
+/// [`MemoryTracker`] would report over training. Every rank of a plan
+/// holds the same sizes (shards are equal), so one estimate stands for
+/// each rank.
+#[derive(Debug, Clone)]
+pub struct Estimate {
+    /// Ranks.
+    pub world_size: usize,
+    /// ZeRO stage.
+    pub stage: u8,
+    /// `offload_optimizer.device`.
+    pub offload_optimizer: OffloadDevice,
+    /// `offload_param.device`.
+    pub offload_param: OffloadDevice,
+    /// Parameters (Ψ).
+    pub numel: usize,
+    /// Parameters including the padding of the partition plan.
+    pub padded_numel: usize,
+    /// Model states per tier once the engine is built, in [`Tier::ALL`]
+    /// order: ZeRO's figure (16Ψ, 4Ψ+12Ψ/N, …, plus padding and the
+    /// gradient-accumulation buffer where the engine keeps one).
+    built_states: [u64; 3],
+    /// The tracker after two optimizer steps: `peak` fields are the
+    /// estimate.
+    report: MemoryReport,
+}
+
+impl Estimate {
+    /// The peak bytes of (`tier`, `category`).
+    pub fn peak(&self, tier: Tier, category: Category) -> u64 {
+        self.report.get(tier, category).map_or(0, |r| r.peak)
+    }
+
+    /// The peak of the tier's sum over categories: what must fit.
+    pub fn tier_peak(&self, tier: Tier) -> u64 {
+        self.report.tier(tier).map_or(0, |t| t.peak)
+    }
+
+    /// The peak of the tier's model states (params, grads, master,
+    /// moments), transient gradient buffers of stages 2/3 included, as
+    /// [`MemoryTracker::model_states_peak`].
+    pub fn model_states_peak(&self, tier: Tier) -> u64 {
+        self.report.tier(tier).map_or(0, |t| t.model_states_peak)
+    }
+
+    /// The tier's model states right after the engine is built: ZeRO's
+    /// figure, without the stage-2/3 gradient buffers of the backward pass.
+    pub fn model_states(&self, tier: Tier) -> u64 {
+        self.built_states[tier_index(tier)]
+    }
+
+    /// The simulated tracker's report (peaks are the estimate).
+    pub fn report(&self) -> &MemoryReport {
+        &self.report
+    }
+
+    /// Whether anything is accounted in `tier`.
+    fn uses(&self, tier: Tier) -> bool {
+        self.tier_peak(tier) > 0
+    }
+}
+
+fn tier_index(tier: Tier) -> usize {
+    Tier::ALL
+        .iter()
+        .position(|&t| t == tier)
+        .expect("a tier of Tier::ALL")
+}
+
+impl fmt::Display for Estimate {
+    /// The per-rank table of [`Table`], for this configuration alone.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let label = setup_label(self.stage, self.offload_optimizer, self.offload_param);
+        write_table(f, &[(label, Ok(self))])
+    }
+}
+
+/// An error naming a config key.
+fn config(key: String, msg: String) -> Error {
+    Error::Core(zero_core::Error::Config { key, msg })
+}
+
+/// The settings the engine refuses (`check_offload`, `check_param_offload`
+/// of the engine), except that nvme needs no `nvme_path` here.
+fn check(cfg: &ResolvedConfig, plan: &PartitionPlan) -> Result<()> {
+    const OO: &str = "zero_optimization.offload_optimizer";
+    const OP: &str = "zero_optimization.offload_param";
+    let z = &cfg.zero;
+    if z.stage > 3 {
+        return Err(config(
+            "zero_optimization.stage".into(),
+            format!("{} is not a ZeRO stage (0..=3)", z.stage),
+        ));
+    }
+    let op = &z.offload_param;
+    if op.device != OffloadDevice::None && z.stage != 3 {
+        return Err(config(
+            format!("{OP}.device"),
+            format!(
+                "parameter offload (\"{}\") needs ZeRO stage 3, but zero_optimization.stage is {}",
+                op.device, z.stage
+            ),
+        ));
+    }
+    if z.offload_optimizer.device != OffloadDevice::None && z.offload_optimizer.ratio < 1.0 {
+        return Err(config(
+            format!("{OO}.ratio"),
+            format!(
+                "{}: partial optimizer offload is not implemented; use 1.0",
+                z.offload_optimizer.ratio
+            ),
+        ));
+    }
+    let largest = plan.units().iter().map(|u| u.shard_len).max().unwrap_or(0);
+    let total = plan.shard_numel();
+    match op.device {
+        OffloadDevice::Nvme if op.buffer_size < largest => Err(config(
+            format!("{OP}.buffer_size"),
+            format!(
+                "{} elements cannot hold the largest unit shard ({largest} elements); \
+                 raise it to at least {largest}",
+                op.buffer_size
+            ),
+        )),
+        OffloadDevice::Cpu if op.max_in_cpu < total => Err(config(
+            format!("{OP}.max_in_cpu"),
+            format!(
+                "{} elements, but with device \"cpu\" every parameter shard of the rank \
+                 ({total} elements) lives in host memory; raise it to at least {total}",
+                op.max_in_cpu
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Estimates the per-rank memory of training `model` with `cfg` (its
+/// `world_size` ranks, `micro_batch_size` sequences per micro-batch) on
+/// sequences of `work.seq_len` tokens.
+///
+/// # Errors
+/// A config the engine would refuse (stage, offload settings; the error
+/// names the key), or a model the partition plan rejects.
+pub fn estimate(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Result<Estimate> {
+    let plan = PartitionPlan::new(&model.units, cfg.world_size)?;
+    check(cfg, &plan)?;
+    let mut sim = Sim::build(cfg, plan);
+    let built_states = Tier::ALL.map(|t| sim.tracker.model_states(t));
+    let events = script(model, cfg.micro_batch_size, work);
+    let ga = cfg.gradient_accumulation_steps.max(1);
+    for _ in 0..2 * ga {
+        sim.micro_batch(&events);
+    }
+    Ok(Estimate {
+        world_size: cfg.world_size,
+        stage: cfg.zero.stage,
+        offload_optimizer: cfg.zero.offload_optimizer.device,
+        offload_param: cfg.zero.offload_param.device,
+        numel: sim.plan.numel(),
+        padded_numel: sim.plan.padded_numel(),
+        built_states,
+        report: sim.tracker.report(),
+    })
+}
+
+/// What a trainer does in one micro-batch, as the tracker sees it.
+#[derive(Debug, Clone, Copy)]
+enum Event {
+    Gather(usize),
+    Release(usize),
+    /// `grad_buffer(unit)`.
+    TakeGrad(usize),
+    /// `grad_ready(unit)`.
+    GiveGrad(usize),
+    /// Activations grow (or shrink) by this many bytes.
+    Act(i64),
+}
+
+/// The events of one micro-batch of `model`.
+fn script(model: &Model, micro: usize, work: &Workload) -> Vec<Event> {
+    use Event::*;
+    let n = model.units.len();
+    let mut ev = Vec::new();
+    match model.script {
+        Script::Generic => {
+            for i in 0..n {
+                ev.extend([Gather(i), Release(i)]);
+            }
+            for i in (0..n).rev() {
+                ev.extend([Gather(i), TakeGrad(i), Release(i), GiveGrad(i)]);
+            }
+        }
+        Script::Llama(d) => {
+            // Units: 0 embedding, 1..=layers blocks, layers + 1 head.
+            let (seq, ckpt) = (work.seq_len, work.activation_checkpointing);
+            let cache = d.block_cache_bytes(micro, seq) as i64;
+            let input = d.block_input_bytes(micro, seq) as i64;
+            let head = d.layers + 1;
+            ev.extend([Gather(0), Release(0)]);
+            for b in 1..=d.layers {
+                ev.extend([Gather(b), Release(b), Act(if ckpt { input } else { cache })]);
+            }
+            ev.extend([Gather(head), TakeGrad(head), Release(head), GiveGrad(head)]);
+            for b in (1..=d.layers).rev() {
+                ev.extend([Gather(b), Release(b)]);
+                if ckpt {
+                    ev.extend([Act(cache), Act(-input)]);
+                }
+                ev.extend([Act(-cache), TakeGrad(b), GiveGrad(b)]);
+            }
+            ev.extend([TakeGrad(0), GiveGrad(0)]);
+        }
+    }
+    ev
+}
+
+/// A stage-3 unit's gathered buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gathered {
+    None,
+    InFlight,
+    Full,
+}
+
+/// The engine's accounting of one rank, replayed (see the module docs).
+struct Sim<'a> {
+    cfg: &'a ResolvedConfig,
+    plan: PartitionPlan,
+    tracker: MemoryTracker,
+    /// Bytes per parameter element.
+    psize: u64,
+    stage: u8,
+    /// Everything allocated for the engine's life.
+    allocs: Vec<Allocation>,
+    /// Stages 2/3: free pooled gradient buffers per length.
+    grad_pool: HashMap<usize, usize>,
+    gathers: Vec<usize>,
+    // Stage 3 (`src/engine/stage3.rs`).
+    state: Vec<Gathered>,
+    persistent: Vec<bool>,
+    live: usize,
+    trace: Option<Vec<usize>>,
+    recording: Vec<usize>,
+    pos: usize,
+    on_track: bool,
+    pool: HashMap<usize, usize>,
+    released_at: Vec<u64>,
+    tick: u64,
+}
+
+fn pdt_of(p: Precision) -> DType {
+    p.param_dtype()
+}
+
+fn page(bytes: usize) -> u64 {
+    bytes.div_ceil(PAGE) as u64 * PAGE as u64
+}
+
+/// The length of a swap file of regions `regions` (name, bytes):
+/// `zero_offload::SwapFile::create`'s layout (header and each region
+/// rounded up to whole blocks).
+fn swap_file_len(block: u64, regions: &[(String, u64)]) -> u64 {
+    // Magic, version, length, run id, rank, block size, file length,
+    // region count; per region a u16 name length, the name, offset and
+    // length; the CRC32.
+    let fixed = 8 + 4 + 4 + 8 + 8 + 8 + 8 + 4;
+    let header = fixed + regions.iter().map(|(n, _)| 2 + n.len() + 16).sum::<usize>() + 4;
+    let block = block.max(1);
+    let mut len = (header as u64).div_ceil(block) * block;
+    for (_, bytes) in regions {
+        len += bytes.div_ceil(block) * block;
+    }
+    len
+}
+
+impl<'a> Sim<'a> {
+    /// `EngineBuilder::build`: every allocation it accounts.
+    fn build(cfg: &'a ResolvedConfig, plan: PartitionPlan) -> Sim<'a> {
+        let tracker = MemoryTracker::new(0);
+        let stage = cfg.zero.stage;
+        let pdt = pdt_of(cfg.precision);
+        let psize = pdt.size_in_bytes() as u64;
+        let asize = cfg.grad_accum_dtype.size_in_bytes() as u64;
+        let csize = cfg.communication_data_type.size_in_bytes() as u64;
+        let offloading = cfg.zero.offload_optimizer.device != OffloadDevice::None;
+        let alias = stage <= 1
+            && cfg.grad_accum_dtype == pdt
+            && cfg.gradient_accumulation_steps == 1
+            && !offloading;
+        let param_offloading = stage == 3 && cfg.zero.offload_param.device != OffloadDevice::None;
+        let mut allocs = Vec::new();
+        let mut track = |tier, cat, bytes: u64| allocs.push(tracker.allocate(tier, cat, bytes));
+        let mut state_lens = Vec::new();
+        for u in plan.units() {
+            let (full, shard) = (u.padded_numel as u64, u.shard_len as u64);
+            let state_len = if stage == 0 { full } else { shard };
+            let p_len = if stage == 3 { shard } else { full };
+            state_lens.push(state_len as usize);
+            if !offloading {
+                track(Tier::Device, Category::Master, state_len * 4);
+                track(Tier::Device, Category::Moments, state_len * 8);
+            }
+            if !param_offloading {
+                track(Tier::Device, Category::Params, p_len * psize);
+            }
+            if stage <= 1 {
+                track(Tier::Device, Category::Grads, full * psize);
+            }
+            if !alias {
+                let len = if stage == 0 { full } else { shard };
+                let tier = if offloading { Tier::Host } else { Tier::Device };
+                track(tier, Category::Grads, len * asize);
+            }
+        }
+        // Buckets.
+        let largest = plan
+            .units()
+            .iter()
+            .map(|u| u.padded_numel)
+            .max()
+            .unwrap_or(0);
+        let bucket_cap = cfg
+            .zero
+            .reduce_bucket_size
+            .min(plan.padded_numel())
+            .max(largest) as u64;
+        let overlaps = match stage {
+            0 => true,
+            1 => false,
+            _ => cfg.zero.overlap_comm,
+        };
+        for _ in 0..if overlaps { 2 } else { 1 } {
+            track(Tier::Device, Category::CommBuffers, bucket_cap * csize);
+        }
+        if offloading {
+            optimizer_offload(cfg, psize as usize, &state_lens, &mut track);
+        }
+        if param_offloading {
+            let shards: Vec<usize> = plan
+                .units()
+                .iter()
+                .map(|u| u.shard_len * psize as usize)
+                .collect();
+            param_offload(cfg, &shards, &mut track);
+        }
+        let n = plan.units().len();
+        let persistent = plan
+            .units()
+            .iter()
+            .map(|u| stage == 3 && u.numel < cfg.zero.param_persistence_threshold)
+            .collect();
+        let mut sim = Sim {
+            cfg,
+            plan,
+            tracker,
+            psize,
+            stage,
+            allocs,
+            grad_pool: HashMap::new(),
+            gathers: vec![0; n],
+            state: vec![Gathered::None; n],
+            persistent,
+            live: 0,
+            trace: None,
+            recording: Vec::new(),
+            pos: 0,
+            on_track: true,
+            pool: HashMap::new(),
+            released_at: vec![0; n],
+            tick: 0,
+        };
+        if stage == 3 {
+            sim.gather_persistent();
+        }
+        sim
+    }
+
+    fn padded(&self, i: usize) -> usize {
+        self.plan.units()[i].padded_numel
+    }
+
+    /// One micro-batch of `events`, then `Engine::step`.
+    fn micro_batch(&mut self, events: &[Event]) {
+        let mut act = self
+            .tracker
+            .allocate(Tier::Device, Category::Activations, 0);
+        let mut live_act = 0i64;
+        for &e in events {
+            match e {
+                Event::Gather(i) => {
+                    if self.stage == 3 {
+                        self.s3_gather(i);
+                    }
+                    self.gathers[i] += 1;
+                }
+                Event::Release(i) => {
+                    self.gathers[i] -= 1;
+                    if self.stage == 3 && self.gathers[i] == 0 {
+                        self.s3_release(i);
+                    }
+                }
+                Event::TakeGrad(i) => {
+                    if self.stage >= 2 {
+                        let len = self.padded(i);
+                        match self.grad_pool.get_mut(&len).filter(|c| **c > 0) {
+                            Some(c) => *c -= 1,
+                            None => {
+                                let bytes = len as u64 * self.psize;
+                                let a = self.tracker.allocate(Tier::Device, Category::Grads, bytes);
+                                self.allocs.push(a);
+                            }
+                        }
+                    }
+                }
+                Event::GiveGrad(i) => {
+                    if self.stage >= 2 {
+                        *self.grad_pool.entry(self.padded(i)).or_default() += 1;
+                    }
+                }
+                Event::Act(by) => {
+                    live_act += by;
+                    act.resize(live_act.max(0) as u64);
+                }
+            }
+        }
+        drop(act);
+        // `Engine::step`: the end of a stage-3 micro-batch; after the
+        // optimizer, persistent units are refreshed in their buffers
+        // (no allocation).
+        if self.stage == 3 {
+            self.s3_end_micro_batch();
+        }
+    }
+
+    // Stage 3, as `src/engine/stage3.rs`.
+
+    fn s3_launch(&mut self, i: usize) {
+        if self.state[i] != Gathered::Full {
+            let padded = self.padded(i);
+            self.live += padded;
+            match self.pool.get_mut(&padded).filter(|c| **c > 0) {
+                Some(c) => *c -= 1,
+                None => {
+                    let bytes = padded as u64 * self.psize;
+                    let a = self
+                        .tracker
+                        .allocate(Tier::Device, Category::GatheredParams, bytes);
+                    self.allocs.push(a);
+                }
+            }
+        }
+        self.state[i] = Gathered::InFlight;
+    }
+
+    fn s3_wait(&mut self, i: usize) {
+        if self.state[i] == Gathered::InFlight {
+            self.state[i] = Gathered::Full;
+        }
+    }
+
+    fn s3_free(&mut self, i: usize) {
+        if self.state[i] == Gathered::Full {
+            let padded = self.padded(i);
+            self.live -= padded;
+            *self.pool.entry(padded).or_default() += 1;
+            self.state[i] = Gathered::None;
+        }
+    }
+
+    fn s3_make_room(&mut self, need: usize) {
+        let max_live = self.cfg.zero.max_live_parameters;
+        while self.live + need > max_live {
+            let victim = (0..self.state.len())
+                .filter(|&j| {
+                    self.state[j] == Gathered::Full && self.gathers[j] == 0 && !self.persistent[j]
+                })
+                .min_by_key(|&j| self.released_at[j]);
+            match victim {
+                Some(j) => self.s3_free(j),
+                None => break,
+            }
+        }
+    }
+
+    fn s3_gather(&mut self, i: usize) {
+        self.recording.push(i);
+        if let Some(trace) = &self.trace {
+            if self.on_track {
+                if trace.get(self.pos) == Some(&i) {
+                    self.pos += 1;
+                } else {
+                    self.on_track = false;
+                }
+            }
+        }
+        if self.state[i] == Gathered::None {
+            self.s3_make_room(self.padded(i));
+            self.s3_launch(i);
+        }
+        if self.on_track && self.trace.is_some() {
+            self.s3_prefetch();
+        }
+        self.s3_wait(i);
+    }
+
+    fn s3_prefetch(&mut self) {
+        let window = self.cfg.zero.prefetch_bucket_size;
+        let max_live = self.cfg.zero.max_live_parameters;
+        let Some(trace) = self.trace.clone() else {
+            return;
+        };
+        let mut ahead = 0;
+        for &j in &trace[self.pos.min(trace.len())..] {
+            let n = self.padded(j);
+            ahead += n;
+            if ahead > window {
+                break;
+            }
+            if self.state[j] != Gathered::None {
+                continue;
+            }
+            if self.live + n > max_live {
+                break;
+            }
+            self.s3_launch(j);
+        }
+    }
+
+    fn s3_release(&mut self, i: usize) {
+        if self.persistent[i] {
+            return;
+        }
+        self.tick += 1;
+        self.released_at[i] = self.tick;
+        let keep = match &self.trace {
+            Some(trace) if self.on_track => {
+                let rest = &trace[self.pos.min(trace.len())..];
+                rest.iter().position(|&j| j == i).is_some_and(|k| {
+                    let distance: usize = rest[..k].iter().map(|&j| self.padded(j)).sum();
+                    distance <= self.cfg.zero.max_reuse_distance
+                })
+            }
+            _ => false,
+        };
+        if !keep {
+            self.s3_free(i);
+        }
+    }
+
+    fn s3_end_micro_batch(&mut self) {
+        let recorded = std::mem::take(&mut self.recording);
+        let followed = self.on_track && self.trace.as_ref().is_some_and(|t| t.len() == self.pos);
+        if !followed {
+            self.trace = Some(recorded);
+        }
+        self.pos = 0;
+        self.on_track = true;
+        for i in 0..self.state.len() {
+            self.s3_wait(i);
+            if !self.persistent[i] {
+                self.s3_free(i);
+            }
+        }
+    }
+
+    fn gather_persistent(&mut self) {
+        for i in 0..self.state.len() {
+            if self.persistent[i] {
+                self.s3_launch(i);
+            }
+        }
+        for i in 0..self.state.len() {
+            self.s3_wait(i);
+        }
+    }
+}
+
+/// `Offload::new` (`src/engine/offload.rs`): tiles of `sub_group_size`
+/// elements over the rank's flat state, `[master | m | v]` per tile.
+fn optimizer_offload(
+    cfg: &ResolvedConfig,
+    psize: usize,
+    state_lens: &[usize],
+    track: &mut impl FnMut(Tier, Category, u64),
+) {
+    let oo = &cfg.zero.offload_optimizer;
+    let total: usize = state_lens.iter().sum();
+    let sg = cfg.zero.sub_group_size.max(1);
+    let tiles: Vec<usize> = (0..total.div_ceil(sg))
+        .map(|t| 12 * ((t + 1) * sg).min(total).saturating_sub(t * sg))
+        .collect();
+    let max_tile = tiles.iter().copied().max().unwrap_or(0);
+    let staging = (total * psize).max(1);
+    let nvme = oo.device == OffloadDevice::Nvme;
+    let buffers = oo.buffer_count.max(1);
+    let mut held: u64 = if nvme {
+        buffers as u64 * page(max_tile.max(1))
+    } else {
+        tiles.iter().map(|&b| page(b)).sum()
+    };
+    held += page(staging);
+    let state_bytes = (total * 4) as u64;
+    let tier = if nvme { Tier::Nvme } else { Tier::Host };
+    track(tier, Category::Master, state_bytes);
+    track(tier, Category::Moments, 2 * state_bytes);
+    let stored = if nvme {
+        let regions: Vec<(String, u64)> = tiles
+            .iter()
+            .enumerate()
+            .map(|(t, &b)| (format!("tile{t}"), b as u64))
+            .collect();
+        let file = swap_file_len(cfg.zero.aio.block_size as u64, &regions);
+        track(
+            Tier::Nvme,
+            Category::CommBuffers,
+            file.saturating_sub(3 * state_bytes),
+        );
+        0
+    } else {
+        3 * state_bytes
+    };
+    track(
+        Tier::Host,
+        Category::CommBuffers,
+        held.saturating_sub(stored),
+    );
+}
+
+/// `ParamOffload::new` (`src/engine/param_offload.rs`): `shards[i]` is
+/// unit `i`'s shard in bytes.
+fn param_offload(
+    cfg: &ResolvedConfig,
+    shards: &[usize],
+    track: &mut impl FnMut(Tier, Category, u64),
+) {
+    let op = &cfg.zero.offload_param;
+    let size = pdt_of(cfg.precision).size_in_bytes();
+    let total: u64 = shards.iter().map(|&b| b as u64).sum();
+    let buffers = op.buffer_count.max(1);
+    if op.device == OffloadDevice::Nvme {
+        let largest = shards.iter().copied().max().unwrap_or(0);
+        let staging = op.buffer_size.saturating_mul(size).min(largest).max(1);
+        let mut room = op.max_in_cpu.saturating_mul(size);
+        let mut cache = 0u64;
+        for &b in shards {
+            if b <= room {
+                room -= b;
+                cache += page(b.max(1));
+            }
+        }
+        if cache > 0 {
+            track(Tier::Host, Category::Params, cache);
+        }
+        let regions: Vec<(String, u64)> = shards
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| (format!("unit{i}"), b.max(1) as u64))
+            .collect();
+        let file = swap_file_len(cfg.zero.aio.block_size as u64, &regions);
+        track(Tier::Nvme, Category::Params, total);
+        track(
+            Tier::Nvme,
+            Category::CommBuffers,
+            file.saturating_sub(total),
+        );
+        track(
+            Tier::Host,
+            Category::CommBuffers,
+            buffers as u64 * page(staging),
+        );
+    } else {
+        let held: u64 = shards.iter().map(|&b| page(b.max(1))).sum();
+        track(Tier::Host, Category::Params, total);
+        track(
+            Tier::Host,
+            Category::CommBuffers,
+            held.saturating_sub(total),
+        );
+    }
+}
+
+/// A row of the trade-off table: a stage and where optimizer state and
+/// parameters live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Setup {
+    /// Stage 0 (data parallel: everything replicated).
+    Stage0,
+    /// Stage 1 (optimizer state sharded).
+    Stage1,
+    /// Stage 2 (and gradients).
+    Stage2,
+    /// Stage 3 (and parameters).
+    Stage3,
+    /// Stage 3, `offload_optimizer.device = "cpu"`.
+    Stage3OffloadOptimizer,
+    /// Stage 3, `offload_optimizer` and `offload_param` on `"cpu"`.
+    Stage3OffloadAll,
+    /// Stage 3, `offload_optimizer` and `offload_param` on `"nvme"`.
+    Stage3Nvme,
+}
+
+impl Setup {
+    /// Every row, in table order.
+    pub const ALL: [Setup; 7] = [
+        Setup::Stage0,
+        Setup::Stage1,
+        Setup::Stage2,
+        Setup::Stage3,
+        Setup::Stage3OffloadOptimizer,
+        Setup::Stage3OffloadAll,
+        Setup::Stage3Nvme,
+    ];
+
+    /// The stage and the optimizer and parameter offload devices.
+    pub fn parts(self) -> (u8, OffloadDevice, OffloadDevice) {
+        use OffloadDevice::{Cpu, None, Nvme};
+        match self {
+            Setup::Stage0 => (0, None, None),
+            Setup::Stage1 => (1, None, None),
+            Setup::Stage2 => (2, None, None),
+            Setup::Stage3 => (3, None, None),
+            Setup::Stage3OffloadOptimizer => (3, Cpu, None),
+            Setup::Stage3OffloadAll => (3, Cpu, Cpu),
+            Setup::Stage3Nvme => (3, Nvme, Nvme),
+        }
+    }
+
+    /// `cfg` with this row's stage and offload devices (other settings
+    /// kept; `overlap_comm` turned on for stage 3, as DeepSpeed's default).
+    pub fn apply(self, cfg: &ResolvedConfig) -> ResolvedConfig {
+        let (stage, oo, op) = self.parts();
+        let mut c = cfg.clone();
+        c.zero.stage = stage;
+        c.zero.overlap_comm = c.zero.overlap_comm || stage == 3;
+        c.zero.offload_optimizer.device = oo;
+        c.zero.offload_param.device = op;
+        c
+    }
+
+    /// The row's label (`"0"`, …, `"3+opt cpu"`, `"3+opt+param cpu"`,
+    /// `"3+nvme"`).
+    pub fn label(self) -> String {
+        let (s, oo, op) = self.parts();
+        setup_label(s, oo, op)
+    }
+}
+
+fn setup_label(stage: u8, oo: OffloadDevice, op: OffloadDevice) -> String {
+    use OffloadDevice::None;
+    match (oo, op) {
+        (None, None) => stage.to_string(),
+        (o, None) => format!("{stage}+opt {o}"),
+        (None, p) => format!("{stage}+param {p}"),
+        (o, p) if o == p => {
+            if o == OffloadDevice::Nvme {
+                format!("{stage}+nvme")
+            } else {
+                format!("{stage}+opt+param {o}")
+            }
+        }
+        (o, p) => format!("{stage}+opt {o}+param {p}"),
+    }
+}
+
+/// The trade-off table: one [`Estimate`] per [`Setup`] (or the error that
+/// configuration gets, e.g. an `offload_param.buffer_size` too small for
+/// a shard).
+#[derive(Debug)]
+pub struct Table {
+    /// The rows, in [`Setup::ALL`] order.
+    pub rows: Vec<(Setup, Result<Estimate>)>,
+}
+
+/// Estimates every [`Setup`] of `cfg` (see [`estimate`]), like DeepSpeed's
+/// `estimate_zero3_model_states_mem_needs_all_live` but for every stage
+/// and with buffers and activations.
+pub fn estimate_table(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Table {
+    let rows = Setup::ALL
+        .iter()
+        .map(|&s| (s, estimate(model, &s.apply(cfg), work)))
+        .collect();
+    Table { rows }
+}
+
+impl fmt::Display for Table {
+    /// One line per row and tier in use: the tier's peak, ZeRO's model
+    /// states at build, and each category's peak.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let rows: Vec<(String, std::result::Result<&Estimate, String>)> = self
+            .rows
+            .iter()
+            .map(|(s, r)| (s.label(), r.as_ref().map_err(ToString::to_string)))
+            .collect();
+        write_table(f, &rows)
+    }
+}
+
+/// Bytes in binary units: `512 B`, `3.0 KiB`, `12.5 MiB`, `104.36 GiB`.
+pub fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u >= 3 {
+        format!("{v:.2} {}", UNITS[u])
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+fn write_table(
+    f: &mut fmt::Formatter<'_>,
+    rows: &[(String, std::result::Result<&Estimate, String>)],
+) -> fmt::Result {
+    let mut header = vec![
+        "setup".to_string(),
+        "tier".into(),
+        "peak".into(),
+        "states".into(),
+    ];
+    header.extend(Category::ALL.iter().map(|c| match c {
+        Category::GatheredParams => "gathered".to_string(),
+        Category::CommBuffers => "comm".to_string(),
+        c => c.as_str().to_string(),
+    }));
+    let mut lines = vec![header];
+    let mut errors = Vec::new();
+    for (label, r) in rows {
+        match r {
+            Ok(e) => {
+                let mut first = true;
+                for tier in Tier::ALL {
+                    // The device line always shows; others where used.
+                    let shown = e.uses(tier) || (tier == Tier::Device && first);
+                    if !shown {
+                        continue;
+                    }
+                    let mut line = vec![
+                        if first { label.clone() } else { String::new() },
+                        tier.as_str().to_string(),
+                        format_bytes(e.tier_peak(tier)),
+                        format_bytes(e.model_states(tier)),
+                    ];
+                    line.extend(Category::ALL.iter().map(|&c| match e.peak(tier, c) {
+                        0 => "-".to_string(),
+                        b => format_bytes(b),
+                    }));
+                    lines.push(line);
+                    first = false;
+                }
+            }
+            Err(msg) => errors.push(format!("{label}: not possible: {msg}")),
+        }
+    }
+    let widths: Vec<usize> = (0..lines[0].len())
+        .map(|i| lines.iter().map(|l| l[i].len()).max().unwrap_or(0))
+        .collect();
+    for (k, line) in lines.iter().enumerate() {
+        if k > 0 {
+            writeln!(f)?;
+        }
+        let mut text = String::new();
+        for (i, (cell, w)) in line.iter().zip(&widths).enumerate() {
+            if i < 2 {
+                text.push_str(&format!("{cell:<w$}  "));
+            } else {
+                text.push_str(&format!("{cell:>w$}  "));
+            }
+        }
+        f.write_str(text.trim_end())?;
+    }
+    for e in errors {
+        write!(f, "\n{e}")?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units_in_binary_prefixes() {
+        assert_eq!(format_bytes(0), "0 B");
+        assert_eq!(format_bytes(1023), "1023 B");
+        assert_eq!(format_bytes(1536), "1.5 KiB");
+        assert_eq!(format_bytes(3 << 20), "3.0 MiB");
+        assert_eq!(format_bytes(112 << 30), "112.00 GiB");
+    }
+
+    #[test]
+    fn llama_dims_count_parameters_as_the_example() {
+        let d = LlamaDims::LLAMA2_7B;
+        assert_eq!(d.numel(), 6_738_415_616);
+        assert_eq!(LlamaDims::default_intermediate(4096), 11008);
+        let m = Model::llama(d).unwrap();
+        assert_eq!(m.units().len(), 34);
+        assert_eq!(m.numel(), d.numel());
+        let bad = LlamaDims { kv_heads: 5, ..d };
+        assert!(Model::llama(bad)
+            .unwrap_err()
+            .to_string()
+            .contains("model.kv_heads"));
+    }
+
+    #[test]
+    fn swap_header_takes_one_block() {
+        let regions = [("tile0".to_string(), 10u64), ("tile1".to_string(), 1 << 20)];
+        assert_eq!(swap_file_len(1 << 20, &regions), 3 << 20);
+    }
+
+    #[test]
+    fn split_param_count() {
+        let m = Model::from_param_count(10, 3).unwrap();
+        let sizes: Vec<usize> = m.units().iter().map(UnitSpec::numel).collect();
+        assert_eq!(sizes, [4, 3, 3]);
+        assert!(Model::from_param_count(2, 3).is_err());
+        assert!(Model::from_unit_sizes(&[]).is_err());
+    }
+
+    #[test]
+    fn labels() {
+        let labels: Vec<String> = Setup::ALL.iter().map(|s| s.label()).collect();
+        assert_eq!(
+            labels,
+            ["0", "1", "2", "3", "3+opt cpu", "3+opt+param cpu", "3+nvme"]
+        );
+    }
+}
