@@ -16,7 +16,7 @@
 //! - **tokens/s** (padded tokens of every rank), **achieved FLOP/s**
 //!   (3 × `forward_flops`, summed over ranks) and **MFU** against the fp32
 //!   GEMM peak measured on every rank at once (the example's
-//!   `measure_peak`) right before each setup runs; the best of those
+//!   `llama::train::measure_gemm_peak`) right before each setup runs; the best of those
 //!   measurements is the machine's peak (one taken while something else
 //!   ran is low);
 //! - **bytes sent per rank per step** (`EngineStats::reduce_bytes +
@@ -83,7 +83,6 @@ use zero::trace::Event;
 use zero::{Engine, Tracer};
 
 use llama::data;
-use llama::ops::{matmul, Mm};
 use llama::train::{forward_flops, SftModel};
 use llama::Config;
 
@@ -244,28 +243,6 @@ fn engine_config(setup: Setup, micro: usize, steps: usize, nvme: &Path) -> Resol
 // ----------------------------------------------------------------------
 // Baselines measured next to each setup
 
-/// The peak fp32 GEMM rate of this rank with `threads` threads (FLOP/s),
-/// measured while every rank does the same (`measure_peak` of the example).
-fn measure_peak(threads: usize) -> f64 {
-    let n = 384;
-    let a = vec![0.5f32; n * n];
-    let b = vec![0.25f32; n * n];
-    let mut c = vec![0f32; n * n];
-    let p = Mm::new(n, n, n).threads(threads);
-    matmul(&mut c, &a, &b, p);
-    let mut best = 0f64;
-    for _ in 0..5 {
-        let t = Instant::now();
-        let mut reps = 0u32;
-        while t.elapsed() < Duration::from_millis(80) {
-            matmul(&mut c, &a, &b, p);
-            reps += 1;
-        }
-        best = best.max(2.0 * (n * n * n) as f64 * f64::from(reps) / t.elapsed().as_secs_f64());
-    }
-    best
-}
-
 #[derive(Clone, Copy)]
 enum Coll {
     AllReduce,
@@ -370,7 +347,7 @@ fn run_rank(
     let micro = cfg.micro_batch_size;
 
     // Baselines, every rank at once, right before the setup runs.
-    let peak = measure_peak(threads);
+    let peak = llama::train::measure_gemm_peak(threads);
     let psi = llama::param_count(&model_cfg);
     let reduce_rate = if cfg.zero.stage == 0 {
         coll_rate_dt(

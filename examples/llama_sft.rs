@@ -20,7 +20,7 @@ use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::exit;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -33,8 +33,7 @@ use zero::trace::{gather_events, write_chrome_trace, Tracer};
 use zero::Engine;
 
 use llama::data::{self, Sample, Task};
-use llama::ops::{matmul, Mm};
-use llama::train::{forward_flops, generate, SftModel};
+use llama::train::{forward_flops, generate, measure_gemm_peak, SftModel};
 use llama::Config;
 
 /// Where offloaded state lives.
@@ -408,29 +407,6 @@ struct Outcome {
     accuracy: f64,
 }
 
-/// The peak fp32 GEMM rate of this rank with `threads` threads (FLOP/s),
-/// measured while every rank does the same.
-fn measure_peak(threads: usize) -> f64 {
-    let n = 384;
-    let a = vec![0.5f32; n * n];
-    let b = vec![0.25f32; n * n];
-    let mut c = vec![0f32; n * n];
-    let p = Mm::new(n, n, n).threads(threads);
-    matmul(&mut c, &a, &b, p);
-    // The best of several short windows: the machine is shared and noisy.
-    let mut best = 0f64;
-    for _ in 0..5 {
-        let t = Instant::now();
-        let mut reps = 0u32;
-        while t.elapsed() < Duration::from_millis(80) {
-            matmul(&mut c, &a, &b, p);
-            reps += 1;
-        }
-        best = best.max(2.0 * (n * n * n) as f64 * f64::from(reps) / t.elapsed().as_secs_f64());
-    }
-    best
-}
-
 /// Sums `values` over ranks (f32; exact for the counts used here).
 fn sum_over_ranks<C: Communicator>(comm: &C, values: &[f32]) -> zero::Result<Vec<f32>> {
     Ok(comm
@@ -568,7 +544,7 @@ fn run<T: Element, C: Communicator>(
     // the machine's.
     let peak = match a.peak_tflops {
         Some(t) => t * 1e12,
-        None => f64::from(sum_over_ranks(e.comm(), &[measure_peak(threads) as f32])?[0]),
+        None => f64::from(sum_over_ranks(e.comm(), &[measure_gemm_peak(threads) as f32])?[0]),
     };
 
     let (acc_before, _) = evaluate(&mut e, &model, s, threads)?;

@@ -441,7 +441,7 @@ pub fn gather_events<C: Communicator>(comm: &C, events: Vec<Event>) -> Result<Op
     // Round 1: every rank's byte length; round 2: the bytes, padded to the
     // longest (all_gather takes the same count from every rank). Bytes
     // travel as bf16 bit patterns, which collectives copy exactly.
-    let lens = all_gather_words(comm, &[bytes.len() as u64])?;
+    let lens = crate::engine::exchange_words(comm, &[bytes.len() as u64])?;
     let lens: Vec<usize> = lens.iter().map(|w| w[0] as usize).collect();
     let n = lens.iter().copied().max().unwrap_or(0).div_ceil(2);
     if n == 0 {
@@ -471,28 +471,6 @@ pub fn gather_events<C: Communicator>(comm: &C, events: Vec<Event>) -> Result<Op
         })?;
     }
     Ok(Some(all))
-}
-
-/// All-gathers `words.len()` u64 per rank (the same length on every rank).
-fn all_gather_words<C: Communicator>(comm: &C, words: &[u64]) -> Result<Vec<Vec<u64>>> {
-    let n = words.len() * 4;
-    let world = comm.world_size();
-    let send = HostBuffer::from_fn(n, |i| {
-        bf16::from_bits((words[i / 4] >> (16 * (i % 4))) as u16)
-    })?;
-    let recv = HostBuffer::<bf16>::zeros(n * world)?;
-    let (_, recv) = comm.all_gather(send, recv, &vec![n; world]).wait()?;
-    Ok((0..world)
-        .map(|r| {
-            (0..words.len())
-                .map(|w| {
-                    (0..4).fold(0u64, |acc, k| {
-                        acc | (u64::from(recv[r * n + w * 4 + k].to_bits()) << (16 * k))
-                    })
-                })
-                .collect()
-        })
-        .collect())
 }
 
 /// Events as bytes, exactly (f64 bit patterns): per event

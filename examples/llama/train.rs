@@ -16,7 +16,7 @@
 //! gradients are written back as `T`.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use zero::comm::Communicator;
 use zero::core::memory::{Category, Tier};
@@ -542,4 +542,27 @@ pub fn timed<R>(f: impl FnOnce() -> R) -> (R, f64) {
     let t = Instant::now();
     let r = f();
     (r, t.elapsed().as_secs_f64())
+}
+
+/// The peak fp32 GEMM rate of this rank with `threads` threads (FLOP/s),
+/// measured while every rank does the same.
+pub fn measure_gemm_peak(threads: usize) -> f64 {
+    let n = 384;
+    let a = vec![0.5f32; n * n];
+    let b = vec![0.25f32; n * n];
+    let mut c = vec![0f32; n * n];
+    let p = ops::Mm::new(n, n, n).threads(threads);
+    ops::matmul(&mut c, &a, &b, p);
+    // The best of several short windows: the machine is shared and noisy.
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let mut reps = 0u32;
+        while t.elapsed() < Duration::from_millis(80) {
+            ops::matmul(&mut c, &a, &b, p);
+            reps += 1;
+        }
+        best = best.max(2.0 * (n * n * n) as f64 * f64::from(reps) / t.elapsed().as_secs_f64());
+    }
+    best
 }

@@ -904,7 +904,7 @@ fn check_agreement<C: Communicator>(
 
 /// All-gathers `words.len()` u64 per rank (the same length on every rank),
 /// bit-exactly (carried as bf16 bit patterns, which collectives copy).
-fn exchange_words<C: Communicator>(comm: &C, words: &[u64]) -> Result<Vec<Vec<u64>>> {
+pub(crate) fn exchange_words<C: Communicator>(comm: &C, words: &[u64]) -> Result<Vec<Vec<u64>>> {
     let n = words.len() * 4;
     let world = comm.world_size();
     let send = HostBuffer::from_fn(n, |i| {
