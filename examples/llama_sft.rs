@@ -373,6 +373,14 @@ fn engine_config(a: &Args, world: usize, total_steps: usize) -> Result<ResolvedC
     Ok(c)
 }
 
+/// Optimizer steps of the run: --steps, or --epochs over `samples` in
+/// global batches of `per_step` samples.
+fn total_steps(a: &Args, samples: usize, per_step: usize) -> usize {
+    let per_epoch = (samples / per_step.max(1)).max(1);
+    a.steps
+        .unwrap_or(((a.epochs * per_epoch as f64).round() as usize).max(1))
+}
+
 /// `--nvme-path`'s default: a directory of this process under the temp dir.
 fn default_nvme_dir() -> PathBuf {
     std::env::temp_dir().join(format!("zero-llama-sft-{}", std::process::id()))
@@ -483,10 +491,7 @@ fn run<T: Element, C: Communicator>(
             ),
         });
     }
-    let steps_per_epoch = (s.task.train.len() / per_step).max(1);
-    let steps = a
-        .steps
-        .unwrap_or(((a.epochs * steps_per_epoch as f64).round() as usize).max(1));
+    let steps = total_steps(a, s.task.train.len(), per_step);
     let tracer = if a.trace.is_some() {
         Tracer::new()
     } else {
@@ -850,14 +855,19 @@ fn main() {
         &CommOptions::from_env().unwrap_or_default(),
         |comm| {
             let world = comm.world_size();
-            let micro = s.args.batch.unwrap_or(DEFAULT_BATCH);
-            let ga = s.args.grad_accum.unwrap_or(1);
-            let per_step = (micro * ga * world).max(1);
-            let steps = s.args.steps.unwrap_or(
-                ((s.args.epochs * (s.task.train.len() / per_step).max(1) as f64).round() as usize)
-                    .max(1),
+            // The schedule's total_num_steps depends on the batch, which a
+            // --config file may set: resolve, count the steps with the
+            // resolved batch, and resolve again if the count changed.
+            let guess = total_steps(
+                &s.args,
+                s.task.train.len(),
+                s.args.batch.unwrap_or(DEFAULT_BATCH) * s.args.grad_accum.unwrap_or(1) * world,
             );
-            let cfg = engine_config(&s.args, world, steps)?;
+            let mut cfg = engine_config(&s.args, world, guess)?;
+            let steps = total_steps(&s.args, s.task.train.len(), cfg.train_batch_size);
+            if steps != guess {
+                cfg = engine_config(&s.args, world, steps)?;
+            }
             match cfg.precision {
                 Precision::Fp32 => run::<f32, _>(comm, &s, cfg),
                 Precision::Bf16 => run::<bf16, _>(comm, &s, cfg),
