@@ -844,10 +844,10 @@ impl<'a> Sim<'a> {
         let mut ahead = 0;
         for &j in &trace[self.pos.min(trace.len())..] {
             let n = self.padded(j);
-            ahead += n;
-            if ahead > window {
+            if ahead >= window {
                 break;
             }
+            ahead += n;
             if self.state[j] != Gathered::None {
                 continue;
             }

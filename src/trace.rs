@@ -1,8 +1,10 @@
 //! Span tracing to a Chrome trace (JSON), to see per rank how forward,
 //! backward, gradient reductions, parameter gathers, the optimizer step and
 //! offload traffic overlap. The file opens in [Perfetto](https://ui.perfetto.dev)
-//! or `chrome://tracing`; each rank is one row (`tid` = rank, named
-//! `rank N`).
+//! or `chrome://tracing`; each rank is one process (`rank N`) with a track
+//! per category: compute, optimizer, waits for communication, the
+//! collectives themselves (when the progress thread ran them) and offload
+//! (see [`write_chrome_trace`]).
 //!
 //! A [`Tracer`] is a cheap handle (an `Option<Arc<…>>`): clones record into
 //! the same list. [`Tracer::disabled`] (the default) records nothing and
@@ -19,7 +21,7 @@
 //!
 //! | name | cat | where |
 //! |---|---|---|
-//! | `gather` | `comm` | parameter all-gathers the rank waits for (stage 3 `gather`; after the step: stages 1–2, stage 3's persistent units) |
+//! | `gather` | `comm` | parameter all-gathers the rank waits for (stage 3 `gather`; stages 1–2: after the step, or in `gather` with `overlap_comm`; stage 3's persistent units) |
 //! | `reduce` | `comm` | adding a gradient to a bucket, waiting for and storing reductions |
 //! | `optimizer` | `optimizer` | norm, clipping and AdamW (offload write-back included) |
 //! | `grad to host` | `offload` | storing a reduced gradient into the host shard (optimizer offload) |
@@ -28,6 +30,11 @@
 //! | `swap read`, `swap write` | `offload` | waiting for a swap-file read or write |
 //! | `param fetch` | `offload` | a parameter shard from its offload home into the gathered unit |
 //! | `param write back` | `offload` | an updated parameter shard to its offload home (nvme without optimizer offload: the unit's AdamW included) |
+//! | `all_gather`, `reduce_scatter`, `all_reduce` | `collective` | when a parameter all-gather or gradient reduction ran on the communicator's progress thread (from its start, which may wait for peers, to its result), recorded when the engine collects it |
+//!
+//! `comm` spans are time the trainer's thread was blocked; `collective`
+//! spans are when the transfer happened. Their difference against the
+//! `compute` spans is the overlap: [`overlap`] computes it.
 //!
 //! Timestamps are microseconds since the UNIX epoch (the wall clock read
 //! once when the tracer is made, advanced by the monotonic clock), so ranks
@@ -320,7 +327,7 @@ struct ChromeEvent<'a> {
     ph: &'static str,
     ts: f64,
     dur: f64,
-    pid: u32,
+    pid: usize,
     tid: usize,
 }
 
@@ -329,7 +336,7 @@ struct ChromeEvent<'a> {
 struct Meta<'a> {
     name: &'static str,
     ph: &'static str,
-    pid: u32,
+    pid: usize,
     tid: usize,
     args: MetaArgs<'a>,
 }
@@ -342,75 +349,143 @@ struct MetaArgs<'a> {
     sort_index: Option<usize>,
 }
 
+impl<'a> MetaArgs<'a> {
+    fn name(name: &'a str) -> Self {
+        MetaArgs {
+            name: Some(name),
+            sort_index: None,
+        }
+    }
+
+    fn sort(i: usize) -> Self {
+        MetaArgs {
+            name: None,
+            sort_index: Some(i),
+        }
+    }
+}
+
+/// The tracks of a rank, in display order: a category's spans go to its
+/// track (unknown categories after these, by name).
+const TRACKS: [(&str, &str); 5] = [
+    ("compute", "compute"),
+    ("optimizer", "optimizer"),
+    ("comm", "waits for communication"),
+    ("collective", "collectives (progress thread)"),
+    ("offload", "offload"),
+];
+
 /// Writes `events` to `path` as a Chrome trace:
 /// `{"traceEvents": [...], "displayTimeUnit": "ms"}` with one complete
-/// event (`"ph": "X"`, `ts` and `dur` in µs, `pid` 0, `tid` the rank) per
-/// span, and metadata naming each rank's row `rank N`, in rank order.
+/// event (`"ph": "X"`, `ts` and `dur` in µs) per span. Each rank is a
+/// process (`pid` = rank, named `rank N`, in rank order) with one track
+/// (`tid`) per category: `compute`, `optimizer`, `waits for communication`
+/// (cat `comm`), `collectives (progress thread)` (cat `collective`: when
+/// each collective ran), `offload`, then any other category. Spans of one
+/// category that overlap without nesting (e.g. two I/O threads) go to extra
+/// tracks of that category (`offload 2`, …), since a viewer shows one track
+/// as a stack of nested slices.
 pub fn write_chrome_trace(path: &Path, events: &[Event]) -> std::io::Result<()> {
     let mut w = BufWriter::new(File::create(path)?);
     write_trace(&mut w, events)?;
     w.flush()
 }
 
+/// Places each event on a track: `(rank, track name, tid)` per event, and
+/// the tracks in display order. Within a (rank, category), events are
+/// visited by start (longest first) and each goes to the first lane where
+/// it is disjoint from or nested in what is open there.
+fn lay_out(events: &[Event]) -> (Vec<usize>, Vec<(usize, usize, String)>) {
+    use std::collections::BTreeMap;
+    let rank_of_cat = |cat: &str| TRACKS.iter().position(|(c, _)| *c == cat);
+    // (rank, category order key) → event indices.
+    let mut groups: BTreeMap<(usize, usize, &str), Vec<usize>> = BTreeMap::new();
+    for (i, e) in events.iter().enumerate() {
+        let key = rank_of_cat(&e.cat).unwrap_or(TRACKS.len());
+        groups.entry((e.rank, key, &e.cat)).or_default().push(i);
+    }
+    let mut tid_of = vec![0; events.len()];
+    let mut tracks = Vec::new();
+    let mut next_tid: BTreeMap<usize, usize> = BTreeMap::new();
+    for ((rank, key, cat), mut idx) in groups {
+        idx.sort_by(|&a, &b| {
+            let (x, y) = (&events[a], &events[b]);
+            x.ts_us
+                .total_cmp(&y.ts_us)
+                .then(y.dur_us.total_cmp(&x.dur_us))
+        });
+        // Per lane: the ends of the spans open at the current start.
+        let mut lanes: Vec<Vec<f64>> = Vec::new();
+        let mut lane_tid: Vec<usize> = Vec::new();
+        for i in idx {
+            let (start, end) = (events[i].ts_us, events[i].ts_us + events[i].dur_us.max(0.0));
+            let fits = |open: &mut Vec<f64>| {
+                while open.last().is_some_and(|&e| e <= start) {
+                    open.pop();
+                }
+                open.last().is_none_or(|&e| e >= end)
+            };
+            let lane = match lanes.iter_mut().position(fits) {
+                Some(l) => l,
+                None => {
+                    lanes.push(Vec::new());
+                    let tid = next_tid.entry(rank).or_insert(0);
+                    lane_tid.push(*tid);
+                    let base = key.min(TRACKS.len());
+                    let name = match TRACKS.get(base) {
+                        Some((_, n)) if lanes.len() == 1 => (*n).to_string(),
+                        Some((_, n)) => format!("{n} {}", lanes.len()),
+                        None if lanes.len() == 1 => cat.to_string(),
+                        None => format!("{cat} {}", lanes.len()),
+                    };
+                    tracks.push((rank, *tid, name));
+                    *tid += 1;
+                    lanes.len() - 1
+                }
+            };
+            lanes[lane].push(end);
+            tid_of[i] = lane_tid[lane];
+        }
+    }
+    (tid_of, tracks)
+}
+
 fn write_trace<W: Write>(w: &mut W, events: &[Event]) -> std::io::Result<()> {
+    let (tid_of, tracks) = lay_out(events);
     let mut ranks: Vec<usize> = events.iter().map(|e| e.rank).collect();
     ranks.sort_unstable();
     ranks.dedup();
     w.write_all(b"{\"traceEvents\":[\n")?;
     let mut first = true;
-    let mut sep = |w: &mut W| -> std::io::Result<()> {
+    let mut meta = |w: &mut W, name: &'static str, pid: usize, tid: usize, args: MetaArgs| {
         if !std::mem::take(&mut first) {
             w.write_all(b",\n")?;
         }
-        Ok(())
-    };
-    sep(w)?;
-    serde_json::to_writer(
-        &mut *w,
-        &Meta {
-            name: "process_name",
-            ph: "M",
-            pid: 0,
-            tid: 0,
-            args: MetaArgs {
-                name: Some("zero"),
-                sort_index: None,
+        serde_json::to_writer(
+            &mut *w,
+            &Meta {
+                name,
+                ph: "M",
+                pid,
+                tid,
+                args,
             },
-        },
-    )?;
+        )
+        .map_err(std::io::Error::from)
+    };
     for &r in &ranks {
         let label = format!("rank {r}");
-        for (name, args) in [
-            (
-                "thread_name",
-                MetaArgs {
-                    name: Some(&label),
-                    sort_index: None,
-                },
-            ),
-            (
-                "thread_sort_index",
-                MetaArgs {
-                    name: None,
-                    sort_index: Some(r),
-                },
-            ),
-        ] {
-            sep(w)?;
-            serde_json::to_writer(
-                &mut *w,
-                &Meta {
-                    name,
-                    ph: "M",
-                    pid: 0,
-                    tid: r,
-                    args,
-                },
-            )?;
-        }
+        meta(w, "process_name", r, 0, MetaArgs::name(&label))?;
+        meta(w, "process_sort_index", r, 0, MetaArgs::sort(r))?;
     }
-    for e in events {
-        sep(w)?;
+    for (k, (rank, tid, name)) in tracks.iter().enumerate() {
+        meta(w, "thread_name", *rank, *tid, MetaArgs::name(name))?;
+        meta(w, "thread_sort_index", *rank, *tid, MetaArgs::sort(k))?;
+    }
+    for (e, &tid) in events.iter().zip(&tid_of) {
+        if !std::mem::take(&mut first) {
+            w.write_all(b",\n")?;
+        }
         serde_json::to_writer(
             &mut *w,
             &ChromeEvent {
@@ -419,12 +494,83 @@ fn write_trace<W: Write>(w: &mut W, events: &[Event]) -> std::io::Result<()> {
                 ph: "X",
                 ts: e.ts_us,
                 dur: e.dur_us.max(0.0),
-                pid: 0,
-                tid: e.rank,
+                pid: e.rank,
+                tid,
             },
         )?;
     }
     w.write_all(b"\n],\"displayTimeUnit\":\"ms\"}\n")
+}
+
+/// How much of one rank's communication ran while the rank computed: see
+/// [`overlap`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Overlap {
+    /// Time in which collectives ran (union of the `collective` spans), µs.
+    pub collective_us: f64,
+    /// Of that, the time in which the trainer computed (inside a `compute`
+    /// or `optimizer` span) and was not blocked in a `comm` wait, µs.
+    pub hidden_us: f64,
+    /// Time the trainer was blocked in `comm` waits (union), µs.
+    pub wait_us: f64,
+}
+
+impl Overlap {
+    /// `hidden_us / collective_us`; `None` when no collective ran.
+    pub fn fraction(&self) -> Option<f64> {
+        (self.collective_us > 0.0).then(|| self.hidden_us / self.collective_us)
+    }
+}
+
+/// The communication/compute overlap of `rank` in `events`: the time its
+/// collectives ran (`collective` spans), and how much of it the rank spent
+/// computing rather than waiting — `|C ∩ (F ∖ W)|` with `C` the union of
+/// `collective` spans, `F` of `compute` and `optimizer` spans and `W` of
+/// `comm` waits (the trainer's compute spans enclose its engine calls, so
+/// the waits are taken out).
+pub fn overlap(events: &[Event], rank: usize) -> Overlap {
+    let union = |cats: &[&str]| {
+        let mut v: Vec<(f64, f64)> = events
+            .iter()
+            .filter(|e| e.rank == rank && cats.contains(&e.cat.as_ref()))
+            .map(|e| (e.ts_us, e.ts_us + e.dur_us.max(0.0)))
+            .collect();
+        v.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut out: Vec<(f64, f64)> = Vec::with_capacity(v.len());
+        for (a, b) in v {
+            match out.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => out.push((a, b)),
+            }
+        }
+        out
+    };
+    let len = |v: &[(f64, f64)]| v.iter().map(|(a, b)| b - a).sum::<f64>();
+    // Intersection of two sorted disjoint interval lists.
+    let meet = |x: &[(f64, f64)], y: &[(f64, f64)]| {
+        let (mut i, mut j, mut out) = (0, 0, Vec::new());
+        while i < x.len() && j < y.len() {
+            let (a, b) = (x[i].0.max(y[j].0), x[i].1.min(y[j].1));
+            if a < b {
+                out.push((a, b));
+            }
+            if x[i].1 < y[j].1 {
+                i += 1;
+            } else {
+                j += 1;
+            }
+        }
+        out
+    };
+    let c = union(&["collective"]);
+    let f = union(&["compute", "optimizer"]);
+    let w = union(&["comm"]);
+    let cf = meet(&c, &f);
+    Overlap {
+        collective_us: len(&c),
+        hidden_us: len(&cf) - len(&meet(&cf, &w)),
+        wait_us: len(&w),
+    }
 }
 
 /// Collects every rank's `events` on rank 0 (a collective: every rank
@@ -606,31 +752,123 @@ mod tests {
         assert!(t.events().is_empty());
     }
 
+    fn span(rank: usize, cat: &'static str, name: &str, ts: f64, dur: f64) -> Event {
+        Event {
+            name: Cow::Owned(name.into()),
+            cat: Cow::Borrowed(cat),
+            rank,
+            ts_us: ts,
+            dur_us: dur,
+        }
+    }
+
     #[test]
-    fn chrome_trace_is_json_with_named_rows() {
+    fn chrome_trace_has_a_process_per_rank_and_a_track_per_category() {
+        let events = [
+            ev(1, "reduce", 10.0),
+            ev(0, "gather", 5.0),
+            span(0, "compute", "forward", 0.0, 100.0),
+            span(0, "compute", "layer0", 10.0, 20.0),
+            span(0, "collective", "all_gather", 2.0, 50.0),
+            // Two offload spans that overlap without nesting: two tracks.
+            span(0, "offload", "swap read", 0.0, 30.0),
+            span(0, "offload", "swap write", 20.0, 30.0),
+            // Nested in the first: same track.
+            span(0, "offload", "inner", 5.0, 5.0),
+            span(0, "custom", "x", 0.0, 1.0),
+        ];
         let mut out = Vec::new();
-        write_trace(&mut out, &[ev(1, "reduce", 10.0), ev(0, "gather", 5.0)]).unwrap();
+        write_trace(&mut out, &events).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         let evs = v["traceEvents"].as_array().unwrap();
-        let names: Vec<_> = evs
-            .iter()
-            .filter(|e| e["name"] == "thread_name")
-            .map(|e| {
-                (
-                    e["tid"].as_u64().unwrap(),
-                    e["args"]["name"].as_str().unwrap(),
-                )
-            })
-            .collect();
-        assert_eq!(names, [(0, "rank 0"), (1, "rank 1")]);
+        let names = |what: &str| -> Vec<(u64, u64, String)> {
+            evs.iter()
+                .filter(|e| e["name"] == what)
+                .map(|e| {
+                    (
+                        e["pid"].as_u64().unwrap(),
+                        e["tid"].as_u64().unwrap(),
+                        e["args"]["name"].as_str().unwrap().to_string(),
+                    )
+                })
+                .collect()
+        };
+        assert_eq!(
+            names("process_name"),
+            [(0, 0, "rank 0".to_string()), (1, 0, "rank 1".to_string())]
+        );
+        let tracks = names("thread_name");
+        let t = |pid: u64, name: &str| {
+            tracks
+                .iter()
+                .find(|(p, _, n)| *p == pid && n == name)
+                .unwrap_or_else(|| panic!("no track {name} on rank {pid}: {tracks:?}"))
+                .1
+        };
         let x: Vec<_> = evs.iter().filter(|e| e["ph"] == "X").collect();
-        assert_eq!(x.len(), 2);
-        assert_eq!(x[0]["tid"], 1);
+        assert_eq!(x.len(), events.len());
+        let tid_of = |name: &str| {
+            let e = x.iter().find(|e| e["name"] == name).unwrap();
+            (e["pid"].as_u64().unwrap(), e["tid"].as_u64().unwrap())
+        };
+        assert_eq!(tid_of("reduce"), (1, t(1, "waits for communication")));
+        assert_eq!(tid_of("gather"), (0, t(0, "waits for communication")));
+        assert_eq!(tid_of("forward"), (0, t(0, "compute")));
+        assert_eq!(tid_of("layer0"), (0, t(0, "compute")));
+        assert_eq!(
+            tid_of("all_gather"),
+            (0, t(0, "collectives (progress thread)"))
+        );
+        assert_eq!(tid_of("swap read"), (0, t(0, "offload")));
+        assert_eq!(tid_of("inner"), (0, t(0, "offload")));
+        assert_eq!(tid_of("swap write"), (0, t(0, "offload 2")));
+        assert_eq!(tid_of("x"), (0, t(0, "custom")));
+        // Tracks of a rank are distinct and in the documented order.
+        let rank0: Vec<&str> = tracks
+            .iter()
+            .filter(|(p, _, _)| *p == 0)
+            .map(|(_, _, n)| n.as_str())
+            .collect();
+        assert_eq!(
+            rank0,
+            [
+                "compute",
+                "waits for communication",
+                "collectives (progress thread)",
+                "offload",
+                "offload 2",
+                "custom"
+            ]
+        );
         assert_eq!(x[0]["dur"], 1.5);
         assert_eq!(v["displayTimeUnit"], "ms");
         // No events: still a valid trace.
         let mut out = Vec::new();
         write_trace(&mut out, &[]).unwrap();
         serde_json::from_slice::<serde_json::Value>(&out).unwrap();
+    }
+
+    #[test]
+    fn overlap_counts_collective_time_spent_computing() {
+        let events = [
+            // Compute 0..100 with a wait 60..80 inside it; the optimizer
+            // 100..120.
+            span(0, "compute", "forward", 0.0, 100.0),
+            span(0, "compute", "layer", 10.0, 10.0),
+            span(0, "comm", "gather", 60.0, 20.0),
+            span(0, "optimizer", "optimizer", 100.0, 20.0),
+            // Collectives: 50..90 (hidden 50..60 and 80..90) and 115..130
+            // (hidden 115..120).
+            span(0, "collective", "all_gather", 50.0, 40.0),
+            span(0, "collective", "reduce_scatter", 115.0, 15.0),
+            // Another rank's spans do not count.
+            span(1, "collective", "all_gather", 0.0, 1000.0),
+        ];
+        let o = overlap(&events, 0);
+        assert_eq!(o.collective_us, 55.0);
+        assert_eq!(o.hidden_us, 25.0);
+        assert_eq!(o.wait_us, 20.0);
+        assert_eq!(o.fraction(), Some(25.0 / 55.0));
+        assert_eq!(overlap(&events, 2).fraction(), None);
     }
 }

@@ -78,6 +78,77 @@ fn stage3_settings_do_not_change_results() {
     }
 }
 
+/// `overlap_comm` at stages 1 and 2: the all-gather of the updated
+/// parameters starts in `step` and each unit's part is waited for in the
+/// next `gather` (bucketed by `allgather_bucket_size`: one unit at a time,
+/// a few, or all at once). The results equal stage 0's bit for bit, also
+/// with gradient accumulation, fp16 loss scaling (skipped steps start no
+/// gathers) and full-state reads (`unit_state`) between steps.
+#[test]
+fn stages_1_2_overlap_comm_does_not_change_results() {
+    let world = 2;
+    for (precision, ga) in [
+        (Precision::Bf16, 1),
+        (Precision::Bf16, 2),
+        (Precision::Fp16, 1),
+    ] {
+        let steps = if precision == Precision::Fp16 { 12 } else { 5 };
+        let base = train(world, &config(world, 0, ga, precision), steps, MB);
+        for stage in [1u8, 2] {
+            for ag in [1usize, 900, 1 << 30] {
+                let mut c = config(world, stage, ga, precision);
+                c.zero.overlap_comm = true;
+                c.zero.allgather_bucket_size = ag;
+                let t = train(world, &c, steps, MB);
+                let what = format!(
+                    "{precision:?} ga {ga}: stage 0 vs {stage} with overlap_comm, \
+                     allgather_bucket_size {ag}"
+                );
+                assert_same_run(&base, &t, &what);
+            }
+        }
+    }
+    // Reading the full state between steps (an evaluation) finishes the
+    // pending all-gathers first: the same states and predictions as stage 0.
+    let run = |stage: u8| {
+        ThreadGroup::run(world, |comm| {
+            let rank = comm.rank();
+            let mut c = config(world, stage, 1, Precision::Bf16);
+            c.zero.overlap_comm = true;
+            let mut b = Engine::builder(c, comm).seed(3);
+            let model = Mlp::register(&mut b, DIMS).unwrap();
+            let mut e = b.build().unwrap();
+            let mut seen = Vec::new();
+            for s in 0..4 {
+                let (x, y) = batch(((s * world + rank) * MB) as u64, MB, DIMS[0]);
+                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                e.step().unwrap();
+                let first = e.unit_ids()[0];
+                seen.push(e.unit_state(first).unwrap());
+                seen.push(UnitState {
+                    params: model.predict::<bf16, _>(&mut e, &x).unwrap(),
+                    master: Vec::new(),
+                    m: Vec::new(),
+                    v: Vec::new(),
+                });
+            }
+            seen
+        })
+        .unwrap()
+    };
+    let base = run(0);
+    for stage in [1u8, 2] {
+        let t = run(stage);
+        for r in 0..world {
+            assert_bits_eq(
+                &base[r],
+                &t[r],
+                &format!("stage {stage}: reads between steps"),
+            );
+        }
+    }
+}
+
 /// A later step gathers in another order than the first (an evaluation
 /// pass before each training micro-batch): stage 3 warns, naming the unit,
 /// stops prefetching for that micro-batch, and the results stay those of

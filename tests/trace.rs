@@ -232,14 +232,22 @@ fn disabled_tracer_records_nothing() {
     assert!(explicit.events().is_empty());
 }
 
-/// The Chrome trace file is JSON with a complete (`X`) event per span on
-/// rows 0 and 1, named `rank 0` and `rank 1` by metadata.
+/// The Chrome trace file is JSON with a complete (`X`) event per span;
+/// each rank is a process named `rank N`, each of its tracks is named, the
+/// engine's collectives have their own track, and the slices of every
+/// track nest properly (what a viewer needs to draw them).
 #[test]
 fn chrome_trace_file_parses() {
     let dir = tmp_dir("file");
     let tracer = Tracer::new();
     run(&cpu_offload_config(3), 2, |_| tracer.clone());
     let events = tracer.events();
+    assert!(
+        events.iter().any(
+            |e| e.cat == "collective" && (e.name == "all_gather" || e.name == "reduce_scatter")
+        ),
+        "the engine records when its collectives ran"
+    );
     let path = dir.join("trace.json");
     write_chrome_trace(&path, &events).unwrap();
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
@@ -247,27 +255,57 @@ fn chrome_trace_file_parses() {
     let all = v["traceEvents"].as_array().expect("traceEvents");
     let x: Vec<_> = all.iter().filter(|e| e["ph"] == "X").collect();
     assert_eq!(x.len(), events.len());
-    let tids: BTreeSet<u64> = x.iter().map(|e| e["tid"].as_u64().unwrap()).collect();
-    assert_eq!(tids, BTreeSet::from([0, 1]));
+    let pids: BTreeSet<u64> = x.iter().map(|e| e["pid"].as_u64().unwrap()).collect();
+    assert_eq!(pids, BTreeSet::from([0, 1]));
+    let named = |what: &str| -> BTreeSet<(u64, u64, String)> {
+        all.iter()
+            .filter(|e| e["ph"] == "M" && e["name"] == what)
+            .map(|e| {
+                (
+                    e["pid"].as_u64().unwrap(),
+                    e["tid"].as_u64().unwrap(),
+                    e["args"]["name"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(
+        named("process_name"),
+        BTreeSet::from([(0, 0, "rank 0".to_string()), (1, 0, "rank 1".to_string())])
+    );
+    let tracks = named("thread_name");
+    let mut per_track: std::collections::BTreeMap<(u64, u64), Vec<(f64, f64)>> = Default::default();
     for e in &x {
         assert!(e["name"].is_string() && e["cat"].is_string(), "{e}");
         assert!(e["ts"].as_f64().unwrap() > 0.0 && e["dur"].as_f64().unwrap() >= 0.0);
-        assert_eq!(e["pid"], 0);
+        let (pid, tid) = (e["pid"].as_u64().unwrap(), e["tid"].as_u64().unwrap());
+        let track = tracks
+            .iter()
+            .find(|(p, t, _)| (*p, *t) == (pid, tid))
+            .unwrap_or_else(|| panic!("{e}: its track has no name"));
+        if e["cat"] == "collective" {
+            assert!(track.2.starts_with("collectives"), "{e} on {track:?}");
+        }
+        let ts = e["ts"].as_f64().unwrap();
+        per_track
+            .entry((pid, tid))
+            .or_default()
+            .push((ts, ts + e["dur"].as_f64().unwrap()));
     }
-    let rows: BTreeSet<(u64, String)> = all
-        .iter()
-        .filter(|e| e["ph"] == "M" && e["name"] == "thread_name")
-        .map(|e| {
-            (
-                e["tid"].as_u64().unwrap(),
-                e["args"]["name"].as_str().unwrap().to_string(),
-            )
-        })
-        .collect();
-    assert_eq!(
-        rows,
-        BTreeSet::from([(0, "rank 0".to_string()), (1, "rank 1".to_string())])
-    );
+    for (track, mut spans) in per_track {
+        spans.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.total_cmp(&a.1)));
+        let mut open: Vec<f64> = Vec::new();
+        for (a, b) in spans {
+            while open.last().is_some_and(|&end| end <= a) {
+                open.pop();
+            }
+            assert!(
+                open.last().is_none_or(|&end| end >= b),
+                "track {track:?}: a slice {a}..{b} overlaps another without nesting"
+            );
+            open.push(b);
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -248,6 +248,9 @@ struct Unit {
     ready: bool,
     /// How many `gather`s are not yet `release`d.
     gathers: usize,
+    /// Stages 1–2: the updated parameters' all-gather is queued or in
+    /// flight (the local copy is stale or lent to the collective).
+    stale: bool,
     _allocs: Vec<Allocation>,
 }
 
@@ -283,6 +286,14 @@ pub struct Engine<C: Communicator> {
     open: Option<OpenBucket>,
     inflight: VecDeque<InFlight>,
     deferred: Vec<usize>,
+    /// Stages 1–2: the all-gathers of updated parameters in flight (unit,
+    /// handle), in launch order, and their padded elements …
+    param_gathers: VecDeque<(usize, Work<DynBuf>)>,
+    param_gather_elems: usize,
+    /// … and the units whose all-gather is not launched yet (over
+    /// `allgather_bucket_size`). With `overlap_comm` both drain during the
+    /// next forward pass, as `gather` asks for each unit.
+    param_gather_queue: VecDeque<usize>,
     grad_pool: HashMap<usize, Vec<DynBuf>>,
     _bucket_allocs: Vec<Allocation>,
     // Steps.
@@ -602,6 +613,7 @@ impl<C: Communicator> EngineBuilder<C> {
                 lent: false,
                 ready: false,
                 gathers: 0,
+                stale: false,
                 _allocs: allocs,
             });
         }
@@ -693,6 +705,9 @@ impl<C: Communicator> EngineBuilder<C> {
             open: None,
             inflight: VecDeque::new(),
             deferred: Vec::new(),
+            param_gathers: VecDeque::new(),
+            param_gather_elems: 0,
+            param_gather_queue: VecDeque::new(),
             grad_pool: HashMap::new(),
             _bucket_allocs: bucket_allocs,
             micro: 0,
@@ -904,6 +919,18 @@ fn check_agreement<C: Communicator>(
 
 /// All-gathers `words.len()` u64 per rank (the same length on every rank),
 /// bit-exactly (carried as bf16 bit patterns, which collectives copy).
+/// Waits for a collective and records, on the tracer's `collective` track,
+/// when it ran on the progress thread (so that a trace shows how much of
+/// it overlapped compute).
+pub(crate) fn wait_traced<R: 'static>(tracer: &Tracer, rank: usize, work: Work<R>) -> Result<R> {
+    let op = work.op();
+    let (r, timing) = work.wait_timed()?;
+    if let Some(t) = timing {
+        tracer.record(rank, op, "collective", t.started, t.finished);
+    }
+    Ok(r)
+}
+
 pub(crate) fn exchange_words<C: Communicator>(comm: &C, words: &[u64]) -> Result<Vec<Vec<u64>>> {
     let n = words.len() * 4;
     let world = comm.world_size();
@@ -1144,6 +1171,16 @@ impl<C: Communicator> Engine<C> {
             let t = Instant::now();
             self.s3_gather(i)?;
             self.stats.gather_time += t.elapsed();
+        } else if self.units[i].stale {
+            // Stages 1–2 with overlap_comm: the all-gather of this unit's
+            // updated parameters started in step(); wait for it (and keep
+            // launching the next ones).
+            let _span = self.tracer.span(self.rank, "gather", "comm");
+            let t = Instant::now();
+            self.advance_param_gathers(Some(i))?;
+            self.stats.gather_time += t.elapsed();
+        } else if !self.param_gather_queue.is_empty() {
+            self.advance_param_gathers(None)?;
         }
         self.units[i].gathers += 1;
         Ok(())
@@ -1223,6 +1260,7 @@ impl<C: Communicator> Engine<C> {
     fn unit_state_inner(&mut self, unit: UnitId) -> Result<UnitState> {
         let i = self.check(unit, "unit_state")?;
         self.check_swap("unit_state")?;
+        self.finish_param_gathers()?;
         let numel = self.units[i].layout.numel;
         let shard = self.units[i].layout.shard_len;
         let gather_f32 = |this: &Self, local: &[f32]| -> Result<Vec<f32>> {
@@ -1537,7 +1575,7 @@ impl<C: Communicator> Engine<C> {
         let Some(f) = self.inflight.pop_front() else {
             return Ok(());
         };
-        let buf = f.work.wait()?;
+        let buf = wait_traced(&self.tracer, self.rank, f.work)?;
         // With optimizer offload the accumulated shard is host memory:
         // this is the device→host copy of the reduced gradient.
         let _span = self
@@ -1638,6 +1676,7 @@ impl<C: Communicator> Engine<C> {
                 )));
             }
         }
+        self.finish_param_gathers()?;
         let span = self.tracer.span(self.rank, "reduce", "comm");
         let t = Instant::now();
         self.finish_reductions()?;
@@ -2048,35 +2087,79 @@ impl<C: Communicator> Engine<C> {
 
     /// Stages 1 and 2: every rank updated its shard of the full parameters;
     /// all-gather them in place, unit by unit, with up to
-    /// `allgather_bucket_size` elements in flight. Stage 3 refreshes its
+    /// `allgather_bucket_size` elements in flight. With `overlap_comm` this
+    /// only starts them: the next forward pass waits for each unit in
+    /// `gather` (as FSDP's forward all-gather), so the transfer hides
+    /// behind the compute of the units before it. Stage 3 refreshes its
     /// persistent units.
     fn gather_updated_params(&mut self) -> Result<()> {
         match self.stage {
             0 => Ok(()),
             3 => self.gather_persistent(),
             _ => {
-                let limit = self.cfg.zero.allgather_bucket_size;
-                let mut inflight: VecDeque<(usize, Work<DynBuf>)> = VecDeque::new();
-                let mut elems = 0;
-                for i in 0..self.units.len() {
-                    let l = &self.units[i].layout;
-                    let (n, s) = (l.padded_numel, l.shard_len);
-                    while !inflight.is_empty() && elems + n > limit {
-                        let (j, w) = inflight.pop_front().expect("not empty");
-                        elems -= self.units[j].layout.padded_numel;
-                        self.units[j].params = Some(w.wait()?);
-                    }
-                    let p = self.units[i].params.take().expect("params are home");
-                    self.stats.gather_bytes += ring_bytes(n, self.world, self.pdt);
-                    inflight.push_back((i, p.all_gather(&self.comm, &vec![s; self.world])));
-                    elems += n;
+                self.param_gather_queue = (0..self.units.len()).collect();
+                for u in &mut self.units {
+                    u.stale = true;
                 }
-                for (j, w) in inflight {
-                    self.units[j].params = Some(w.wait()?);
+                if self.cfg.zero.overlap_comm {
+                    self.advance_param_gathers(None)
+                } else {
+                    self.finish_param_gathers()
                 }
-                Ok(())
             }
         }
+    }
+
+    /// Launches queued parameter all-gathers while they fit in
+    /// `allgather_bucket_size` (at least one in flight), completing the
+    /// oldest to make room, until unit `until` is home; with `None`, only
+    /// launches what fits now.
+    fn advance_param_gathers(&mut self, until: Option<usize>) -> Result<()> {
+        let limit = self.cfg.zero.allgather_bucket_size;
+        loop {
+            while let Some(&j) = self.param_gather_queue.front() {
+                let l = &self.units[j].layout;
+                let (n, s) = (l.padded_numel, l.shard_len);
+                if !self.param_gathers.is_empty() && self.param_gather_elems + n > limit {
+                    break;
+                }
+                self.param_gather_queue.pop_front();
+                let p = self.units[j].params.take().expect("params are home");
+                self.stats.gather_bytes += ring_bytes(n, self.world, self.pdt);
+                let work = p.all_gather(&self.comm, &vec![s; self.world]);
+                self.param_gathers.push_back((j, work));
+                self.param_gather_elems += n;
+            }
+            match until {
+                Some(i) if self.units[i].stale => {}
+                _ => return Ok(()),
+            }
+            let (j, w) = self
+                .param_gathers
+                .pop_front()
+                .expect("a stale unit has its all-gather queued or in flight");
+            self.param_gather_elems -= self.units[j].layout.padded_numel;
+            self.units[j].params = Some(wait_traced(&self.tracer, self.rank, w)?);
+            self.units[j].stale = false;
+        }
+    }
+
+    /// Completes every parameter all-gather still queued or in flight
+    /// (before anything reads or writes the parameters as a whole).
+    pub(crate) fn finish_param_gathers(&mut self) -> Result<()> {
+        while !self.param_gathers.is_empty() || !self.param_gather_queue.is_empty() {
+            let last = self.param_gather_queue.back().copied();
+            match last {
+                Some(j) => self.advance_param_gathers(Some(j))?,
+                None => {
+                    let (j, w) = self.param_gathers.pop_front().expect("not empty");
+                    self.param_gather_elems -= self.units[j].layout.padded_numel;
+                    self.units[j].params = Some(wait_traced(&self.tracer, self.rank, w)?);
+                    self.units[j].stale = false;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Drops the gradients accumulated since the last optimizer step (all

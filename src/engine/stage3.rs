@@ -126,7 +126,7 @@ impl<C: Communicator> Engine<C> {
 
     fn s3_wait(&mut self, i: usize) -> Result<()> {
         if let Some(w) = self.s3.inflight[i].take() {
-            self.s3.full[i] = Some(w.wait()?);
+            self.s3.full[i] = Some(super::wait_traced(&self.tracer, self.rank, w)?);
         }
         Ok(())
     }
@@ -205,13 +205,16 @@ impl<C: Communicator> Engine<C> {
         let mut ahead = 0;
         let rest = &trace[self.s3.pos.min(trace.len())..];
         let mut covered = rest.len();
+        // The units within `window` elements ahead, counting the one that
+        // crosses it (so any window > 0 prefetches at least the next unit,
+        // as DeepSpeed's prefetch_bucket_size; 0 turns prefetching off).
         for (k, &j) in rest.iter().enumerate() {
             let n = self.units[j].layout.padded_numel;
-            ahead += n;
-            if ahead > window {
+            if ahead >= window {
                 covered = k;
                 break;
             }
+            ahead += n;
             if self.s3.full[j].is_some() || self.s3.inflight[j].is_some() {
                 continue;
             }

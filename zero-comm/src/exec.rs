@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{unbounded, Sender};
 
 use crate::communicator::RawOp;
-use crate::work::{Completion, Work};
+use crate::work::{Completion, OpTiming, Work};
 use crate::{Error, Result};
 
 /// Runs one collective; called on the progress thread in sequence order.
@@ -50,6 +50,7 @@ impl Executor {
                 while let Some(Job { seq, mut op, done }) = next_job(&rx) {
                     let name = op.desc.name();
                     let first = p2.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                    let started = std::time::Instant::now();
                     let r = if let Some(first) = first {
                         Err(Error::Poisoned {
                             rank,
@@ -69,7 +70,13 @@ impl Executor {
                             })
                     };
                     match r {
-                        Ok(()) => done.complete(Ok(Box::new(op.keep))),
+                        Ok(()) => {
+                            let timing = OpTiming {
+                                started,
+                                finished: std::time::Instant::now(),
+                            };
+                            done.complete_timed(Ok(Box::new(op.keep)), Some(timing));
+                        }
                         Err(e) => {
                             let mut g = p2.lock().unwrap_or_else(|e| e.into_inner());
                             if g.is_none() {

@@ -44,4 +44,4 @@ pub use mpi::MpiComm;
 pub use options::CommOptions;
 pub use reduce::{reference_reduce, ReduceOp};
 pub use threads::{ThreadComm, ThreadGroup};
-pub use work::Work;
+pub use work::{OpTiming, Work};

@@ -10,7 +10,7 @@ use crate::{Error, Result};
 /// The completion slot shared by a backend (which fills it) and a [`Work`]
 /// handle (which waits on it).
 pub(crate) struct Completion<R> {
-    slot: Mutex<Option<Result<R>>>,
+    slot: Mutex<Option<(Result<R>, Option<OpTiming>)>>,
     cv: Condvar,
     /// Set after `slot` is filled, so waiters can poll without the lock.
     ready: AtomicBool,
@@ -32,8 +32,13 @@ impl<R> Completion<R> {
     }
 
     pub(crate) fn complete(&self, r: Result<R>) {
+        self.complete_timed(r, None);
+    }
+
+    /// Completes with the interval in which the collective ran.
+    pub(crate) fn complete_timed(&self, r: Result<R>, timing: Option<OpTiming>) {
         let mut g = self.slot.lock().unwrap_or_else(|e| e.into_inner());
-        *g = Some(r);
+        *g = Some((r, timing));
         self.ready.store(true, Ordering::Release);
         self.cv.notify_all();
     }
@@ -46,7 +51,7 @@ impl<R> Completion<R> {
     }
 
     /// Waits until completed or `deadline`; `None` on expiry.
-    fn take(&self, deadline: Option<Instant>) -> Option<Result<R>> {
+    fn take(&self, deadline: Option<Instant>) -> Option<(Result<R>, Option<OpTiming>)> {
         let start = Instant::now();
         let mut polls = 0u32;
         while !self.ready.load(Ordering::Acquire) {
@@ -81,6 +86,19 @@ impl<R> Completion<R> {
             }
         }
     }
+}
+
+/// When a collective ran on its rank's progress thread: from the moment the
+/// thread started it (it may then wait for peers to arrive) to the moment
+/// its result was ready. Profilers compare it with the trainer's compute to
+/// see how much communication was hidden (overlapped) and how much the
+/// trainer waited for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpTiming {
+    /// The progress thread started the collective.
+    pub started: Instant,
+    /// Its result was ready.
+    pub finished: Instant,
 }
 
 type Mapper<R> = Box<dyn FnOnce(Box<dyn Any + Send>) -> R + Send>;
@@ -152,6 +170,17 @@ impl<R: 'static> Work<R> {
     pub fn wait(mut self) -> Result<R> {
         self.finish(None)
             .expect("a wait without deadline always completes")
+            .0
+    }
+
+    /// Like [`Work::wait`], and also says when the collective ran on the
+    /// progress thread (`None` if it never started: e.g. the communicator
+    /// had already failed).
+    pub fn wait_timed(mut self) -> Result<(R, Option<OpTiming>)> {
+        let (r, timing) = self
+            .finish(None)
+            .expect("a wait without deadline always completes");
+        r.map(|r| (r, timing))
     }
 
     /// Like [`Work::wait`], but gives up after `timeout` with
@@ -160,6 +189,7 @@ impl<R: 'static> Work<R> {
     pub fn wait_timeout(mut self, timeout: Duration) -> Result<R> {
         let (op, seq) = (self.op, self.seq);
         self.finish(Some(Instant::now() + timeout))
+            .map(|(r, _)| r)
             .unwrap_or(Err(Error::WaitTimeout {
                 op,
                 seq,
@@ -167,12 +197,12 @@ impl<R: 'static> Work<R> {
             }))
     }
 
-    fn finish(&mut self, deadline: Option<Instant>) -> Option<Result<R>> {
+    fn finish(&mut self, deadline: Option<Instant>) -> Option<(Result<R>, Option<OpTiming>)> {
         let done = self.done.take()?;
         match done.take(deadline) {
-            Some(r) => {
+            Some((r, timing)) => {
                 let map = self.map.take().expect("map present until finished");
-                Some(r.map(map))
+                Some((r.map(map), timing))
             }
             None => {
                 // Expired: the backend still holds its own reference to the

@@ -587,3 +587,31 @@ fn results_do_not_depend_on_thread_timing() {
         }
     }
 }
+
+/// `wait_timed` says when the collective ran on the progress thread: after
+/// it was issued, before its result came back, and not before the last
+/// rank arrived (a rank that starts late holds everyone's collective).
+#[test]
+fn wait_timed_reports_when_the_collective_ran() {
+    let late = Duration::from_millis(30);
+    let out = ThreadGroup::run(2, |comm| {
+        if comm.rank() == 1 {
+            std::thread::sleep(late);
+        }
+        let issued = std::time::Instant::now();
+        let buf = HostBuffer::from_slice(&[1.0f32; 1024]).unwrap();
+        let (buf, timing) = comm
+            .all_reduce(buf, ReduceOp::Sum)
+            .wait_timed()
+            .expect("all-reduce");
+        let back = std::time::Instant::now();
+        assert_eq!(buf[0], 2.0);
+        let t = timing.expect("a collective that ran has its timing");
+        assert!(issued <= t.started && t.started <= t.finished && t.finished <= back);
+        (comm.rank(), t.finished.duration_since(t.started))
+    })
+    .unwrap();
+    // Rank 0 issued at once and waited inside the collective for rank 1.
+    let (_, waited) = out.iter().find(|(r, _)| *r == 0).copied().unwrap();
+    assert!(waited >= late / 2, "rank 0's collective ran {waited:?}");
+}

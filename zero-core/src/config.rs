@@ -679,8 +679,11 @@ pub struct ZeroConfig {
     pub stage: u8,
     /// `contiguous_gradients`. Default true.
     pub contiguous_gradients: bool,
-    /// `overlap_comm`: reduce gradient buckets while backward continues.
-    /// Default false, except true for stage 3 (as DeepSpeed).
+    /// `overlap_comm`: reduce gradient buckets while backward continues
+    /// (stages 2–3; stage 0 always does); at stages 1–2 also all-gather the
+    /// updated parameters during the next forward pass (`step` starts the
+    /// all-gathers, `gather` waits for each unit's) instead of inside
+    /// `step`. Default false, except true for stage 3 (as DeepSpeed).
     pub overlap_comm: bool,
     /// `reduce_scatter`. Default true.
     pub reduce_scatter: bool,
