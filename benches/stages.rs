@@ -64,7 +64,8 @@
 //! would keep the whole model gathered.)
 //!
 //! Output: the tables on stdout, `target/zero-bench/stages.json` and
-//! `stages.csv`, and `target/zero-bench/stages.svg` (peak device and host
+//! `stages.csv`, a Chrome trace of each setup's timed steps
+//! (`stages-trace-<setup>.json`, `+` and spaces as `_`), and `target/zero-bench/stages.svg` (peak device and host
 //! memory per rank against median step time, one labelled point per
 //! setup: the picture to choose from).
 //!
@@ -93,7 +94,7 @@ use zero::core::memory::Tier;
 use zero::core::optim::{LrSchedule, WarmupType};
 use zero::core::{bf16, f16, DType, Element};
 use zero::estimate::{estimate, LlamaDims, Model, Setup, Workload};
-use zero::trace::overlap;
+use zero::trace::{overlap, write_chrome_trace};
 use zero::{Engine, Tracer};
 
 use llama::data;
@@ -528,6 +529,15 @@ fn run_setup(a: &Args, setup: Setup, model_cfg: Config, seq: usize, nvme: &Path)
     let (cpu, wall) = runs[0].cpu.expect("rank 0 timed the steps");
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let events = tracer.events();
+    let trace_file = out_dir().join(format!(
+        "stages-trace-{}.json",
+        setup.label().replace(['+', ' '], "_")
+    ));
+    if let Err(e) =
+        std::fs::create_dir_all(out_dir()).and_then(|()| write_chrome_trace(&trace_file, &events))
+    {
+        eprintln!("error: writing {}: {e}", trace_file.display());
+    }
     let n = runs.len() as f64;
     let (mut coll, mut wait, mut bare_sum, mut hidden) = (0.0, 0.0, 0.0, Some(0.0));
     for (rank, r) in runs.iter().enumerate() {

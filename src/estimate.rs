@@ -758,9 +758,13 @@ impl<'a> Sim<'a> {
         drop(act);
         // `Engine::step`: the end of a stage-3 micro-batch; after the
         // optimizer, persistent units are refreshed in their buffers
-        // (no allocation).
+        // (no allocation) …
         if self.stage == 3 {
             self.s3_end_micro_batch();
+            // … and the next micro-batch's first units are prefetched.
+            if self.on_track && self.trace.is_some() {
+                self.s3_prefetch();
+            }
         }
     }
 

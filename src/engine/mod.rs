@@ -1691,6 +1691,9 @@ impl<C: Communicator> Engine<C> {
         self.param_swap_check()?;
         self.micro += 1;
         if self.micro < self.cfg.gradient_accumulation_steps {
+            if self.stage == 3 {
+                self.s3_prefetch_next()?;
+            }
             self.last = StepOutcome {
                 boundary: false,
                 skipped: false,
@@ -1713,6 +1716,9 @@ impl<C: Communicator> Engine<C> {
             let t = Instant::now();
             self.gather_updated_params()?;
             self.stats.gather_time += t.elapsed();
+        }
+        if self.stage == 3 {
+            self.s3_prefetch_next()?;
         }
         self.last = outcome;
         Ok(outcome)
@@ -1789,20 +1795,33 @@ impl<C: Communicator> Engine<C> {
         if self.poff.is_some() {
             return self.adamw_param_offload::<G, P>(k);
         }
-        let ranges: Vec<_> = (0..self.units.len()).map(|i| self.ranges(i)).collect();
-        let mut parts = Vec::with_capacity(self.units.len());
-        for (u, (state, grad, params)) in self.units.iter_mut().zip(ranges) {
-            let g = u.acc.as_ref().or(u.grad.as_ref()).expect("a gradient home");
-            let p = u.params.as_mut().expect("params are home");
-            parts.push(AdamWSlices {
-                master: &mut u.master[state.clone()],
-                grad: &g.slice::<G>().expect("one gradient dtype")[grad],
-                m: &mut u.m[state.clone()],
-                v: &mut u.v[state],
-                low: Some(&mut p.slice_mut::<P>().expect("the parameter dtype")[params]),
-            });
+        if !self.cfg.zero.overlap_comm || self.stage == 0 {
+            let ranges: Vec<_> = (0..self.units.len()).map(|i| self.ranges(i)).collect();
+            let mut parts = Vec::with_capacity(self.units.len());
+            for (u, (state, grad, params)) in self.units.iter_mut().zip(ranges) {
+                parts.push(adamw_slices::<G, P>(u, state, grad, params));
+            }
+            self.adam.step_many(k, parts)?;
+            return Ok(());
         }
-        self.adam.step_many(k, parts)?;
+        // overlap_comm: unit by unit, so that the all-gathers of updated
+        // parameters start while AdamW runs on the next units — every
+        // unit's at stages 1–2, the head of the recorded order (what the
+        // next forward gathers first) at stage 3. AdamW is elementwise: the
+        // same bits as one call over all units.
+        let head = self.s3_head();
+        for i in 0..self.units.len() {
+            let (state, grad, params) = self.ranges(i);
+            let part = adamw_slices::<G, P>(&mut self.units[i], state, grad, params);
+            self.adam.step_many(k, vec![part])?;
+            if self.stage < 3 {
+                self.param_gather_queue.push_back(i);
+                self.units[i].stale = true;
+                self.advance_param_gathers(None)?;
+            } else if head == Some(i + 1) {
+                self.s3_prefetch()?;
+            }
+        }
         Ok(())
     }
 
@@ -2097,9 +2116,13 @@ impl<C: Communicator> Engine<C> {
             0 => Ok(()),
             3 => self.gather_persistent(),
             _ => {
-                self.param_gather_queue = (0..self.units.len()).collect();
-                for u in &mut self.units {
-                    u.stale = true;
+                // (With overlap_comm and the optimizer state on the device
+                // tier, AdamW queued each unit as it finished it.)
+                for i in 0..self.units.len() {
+                    if !self.units[i].stale {
+                        self.param_gather_queue.push_back(i);
+                        self.units[i].stale = true;
+                    }
                 }
                 if self.cfg.zero.overlap_comm {
                     self.advance_param_gathers(None)
@@ -2183,6 +2206,25 @@ impl<C: Communicator> Engine<C> {
             }
         }
         Ok(())
+    }
+}
+
+/// The AdamW slices of unit `u` for the given ranges of its state,
+/// gradient and parameters.
+fn adamw_slices<G: Element, P: Element>(
+    u: &mut Unit,
+    state: Range<usize>,
+    grad: Range<usize>,
+    params: Range<usize>,
+) -> AdamWSlices<'_, G, f32, P> {
+    let g = u.acc.as_ref().or(u.grad.as_ref()).expect("a gradient home");
+    let p = u.params.as_mut().expect("params are home");
+    AdamWSlices {
+        master: &mut u.master[state.clone()],
+        grad: &g.slice::<G>().expect("one gradient dtype")[grad],
+        m: &mut u.m[state.clone()],
+        v: &mut u.v[state],
+        low: Some(&mut p.slice_mut::<P>().expect("the parameter dtype")[params]),
     }
 }
 

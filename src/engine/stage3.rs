@@ -195,8 +195,40 @@ impl<C: Communicator> Engine<C> {
         self.s3_wait(i)
     }
 
+    /// With a recorded order and prefetching on: one past the highest unit
+    /// index among the units the next micro-batch gathers first (those
+    /// [`Engine::s3_prefetch`] starts from the beginning of the order), so
+    /// that the step can start them as soon as AdamW has updated them.
+    pub(super) fn s3_head(&self) -> Option<usize> {
+        if self.stage != 3 || !self.s3.on_track {
+            return None;
+        }
+        let trace = self.s3.trace.as_ref()?;
+        let window = self.cfg.zero.prefetch_bucket_size;
+        let mut ahead = 0;
+        let mut last = None;
+        for &j in trace {
+            if ahead >= window {
+                break;
+            }
+            ahead += self.units[j].layout.padded_numel;
+            last = last.max(Some(j));
+        }
+        last.map(|j| j + 1)
+    }
+
+    /// The end of `step`: start gathering what the next micro-batch
+    /// gathers first (the prefetch window from the start of the recorded
+    /// order), so that its first gathers do not wait.
+    pub(super) fn s3_prefetch_next(&mut self) -> Result<()> {
+        if self.s3.on_track && self.s3.trace.is_some() {
+            self.s3_prefetch()?;
+        }
+        Ok(())
+    }
+
     /// Starts the all-gathers of the next units along the trace.
-    fn s3_prefetch(&mut self) -> Result<()> {
+    pub(super) fn s3_prefetch(&mut self) -> Result<()> {
         let window = self.cfg.zero.prefetch_bucket_size;
         let max_live = self.cfg.zero.max_live_parameters;
         let Some(trace) = self.s3.trace.clone() else {
