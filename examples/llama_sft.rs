@@ -29,7 +29,7 @@ use zero::core::config::{AutoValues, DeepSpeedConfig, OffloadDevice, Precision, 
 use zero::core::memory::Tier;
 use zero::core::optim::{LossScaleConfig, LrSchedule, WarmupType};
 use zero::core::{bf16, f16, Element, HostBuffer};
-use zero::trace::{gather_events, write_chrome_trace, Tracer};
+use zero::trace::{gather_events, overlap, write_chrome_trace, Tracer};
 use zero::Engine;
 
 use llama::data::{self, Sample, Task};
@@ -173,8 +173,10 @@ struct Args {
     /// memory) to this file.
     #[arg(long)]
     metrics: Option<PathBuf>,
-    /// Write a Chrome trace (open in https://ui.perfetto.dev) of forward, backward, reduce,
-    /// gather, optimizer and offload spans per rank to this file.
+    /// Write a Chrome trace (open in https://ui.perfetto.dev) to this file: per rank, tracks
+    /// for compute (forward, backward), the optimizer, waits for communication (gather,
+    /// reduce), the collectives themselves and offload; prints how much communication was
+    /// hidden behind compute.
     #[arg(long)]
     trace: Option<PathBuf>,
     /// The machine's peak TFLOP/s for MFU. Default: measured (an fp32 GEMM on every rank at once).
@@ -747,6 +749,26 @@ fn run<T: Element, C: Communicator>(
             what: format!("--trace {}: {err}", path.display()),
         })?;
         println!("trace: {} ({} spans)", path.display(), events.len());
+        let mut ranks: Vec<usize> = events.iter().map(|e| e.rank).collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        let per_rank: Vec<String> = ranks
+            .iter()
+            .map(|&r| {
+                let o = overlap(&events, r);
+                format!(
+                    "rank {r} {} of {:.0} ms (waited {:.0} ms)",
+                    o.fraction()
+                        .map_or("-".into(), |f| format!("{:.0}%", 100.0 * f)),
+                    o.collective_us / 1e3,
+                    o.wait_us / 1e3
+                )
+            })
+            .collect();
+        println!(
+            "communication hidden behind compute: {}",
+            per_rank.join(", ")
+        );
     }
     let mut lines = Vec::new();
     if lead {
