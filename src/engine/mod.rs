@@ -917,8 +917,6 @@ fn check_agreement<C: Communicator>(
     Ok(())
 }
 
-/// All-gathers `words.len()` u64 per rank (the same length on every rank),
-/// bit-exactly (carried as bf16 bit patterns, which collectives copy).
 /// Waits for a collective and records, on the tracer's `collective` track,
 /// when it ran on the progress thread (so that a trace shows how much of
 /// it overlapped compute).
@@ -931,6 +929,8 @@ pub(crate) fn wait_traced<R: 'static>(tracer: &Tracer, rank: usize, work: Work<R
     Ok(r)
 }
 
+/// All-gathers `words.len()` u64 per rank (the same length on every rank),
+/// bit-exactly (carried as bf16 bit patterns, which collectives copy).
 pub(crate) fn exchange_words<C: Communicator>(comm: &C, words: &[u64]) -> Result<Vec<Vec<u64>>> {
     let n = words.len() * 4;
     let world = comm.world_size();
