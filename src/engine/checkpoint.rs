@@ -1360,6 +1360,7 @@ impl<C: Communicator> Engine<C> {
         for (_, inits) in &mut builder.specs {
             inits.fill(Init::Zeros);
         }
+        builder.for_load = true;
         let (tracer, rank) = (builder.tracer.clone(), builder.comm.rank());
         let t0 = Instant::now();
         let built = builder.build();

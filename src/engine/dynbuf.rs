@@ -57,6 +57,12 @@ impl DynBuf {
         Ok(())
     }
 
+    /// Makes every page resident, keeping the contents
+    /// ([`HostBuffer::prefault`]).
+    pub(crate) fn prefault(&mut self) {
+        with_buf!(self, b => b.prefault());
+    }
+
     /// Bytes of the whole allocation.
     pub(crate) fn capacity_bytes(&self) -> u64 {
         (self.capacity() * self.dtype().size_in_bytes()) as u64

@@ -221,6 +221,10 @@ pub struct EngineBuilder<C: Communicator> {
     param_swap_faults: Option<FaultPlan>,
     tracer: Tracer,
     keep_last: usize,
+    /// Set by [`Engine::load_checkpoint`]: the load fills the master, m, v
+    /// and parameters completely, so the build leaves their pages to be
+    /// faulted in by the load instead of pre-faulting them.
+    pub(crate) for_load: bool,
 }
 
 /// The per-unit state.
@@ -366,6 +370,7 @@ impl<C: Communicator> Engine<C> {
             param_swap_faults: None,
             tracer: Tracer::disabled(),
             keep_last: 0,
+            for_load: false,
         }
     }
 }
@@ -485,6 +490,7 @@ impl<C: Communicator> EngineBuilder<C> {
             param_swap_faults,
             tracer,
             keep_last,
+            for_load,
         } = self;
         let rank = comm.rank();
         let world = comm.world_size();
@@ -549,18 +555,30 @@ impl<C: Communicator> EngineBuilder<C> {
             let mut master = HostBuffer::<f32>::zeros(state_len)?;
             let mut params = DynBuf::alloc(&comm, pdt, p_len)?;
             // Initialise only what this rank stores: the union of its
-            // master and parameter ranges.
-            let lo = state_start.min(p_start);
-            let hi = (state_start + state_len).max(p_start + p_len);
-            let mut values = vec![0f32; hi - lo];
-            for (ti, t) in layout.tensors.iter().enumerate() {
-                let r = t.offset.max(lo)..(t.offset + t.numel).min(hi);
-                for i in r {
-                    values[i - lo] = inits[ti].value(seed, key, ti, i - t.offset);
+            // master and parameter ranges (new buffers are zero already).
+            if inits.iter().any(|i| *i != Init::Zeros) {
+                let lo = state_start.min(p_start);
+                let hi = (state_start + state_len).max(p_start + p_len);
+                let mut values = vec![0f32; hi - lo];
+                for (ti, t) in layout.tensors.iter().enumerate() {
+                    let r = t.offset.max(lo)..(t.offset + t.numel).min(hi);
+                    for i in r {
+                        values[i - lo] = inits[ti].value(seed, key, ti, i - t.offset);
+                    }
                 }
+                master.copy_from_slice(&values[state_start - lo..state_start - lo + state_len]);
+                params.store_slice(0, &values[p_start - lo..p_start - lo + p_len]);
             }
-            master.copy_from_slice(&values[state_start - lo..state_start - lo + state_len]);
-            params.store_slice(0, &values[p_start - lo..p_start - lo + p_len]);
+            // Large buffers are fresh mappings: fault every page in now so
+            // that the step takes no page faults — except what a checkpoint
+            // load is about to fill completely (and what offload copies
+            // out and drops here).
+            if !for_load && !offloading {
+                master.prefault();
+            }
+            if !for_load && !param_offloading {
+                params.prefault();
+            }
             if !offloading {
                 track(Tier::Device, Category::Master, (state_len * 4) as u64);
                 track(Tier::Device, Category::Moments, (state_len * 8) as u64);
@@ -569,7 +587,8 @@ impl<C: Communicator> EngineBuilder<C> {
                 track(Tier::Device, Category::Params, params.capacity_bytes());
             }
             let grad = if stage <= 1 {
-                let g = DynBuf::alloc(&comm, pdt, full)?;
+                let mut g = DynBuf::alloc(&comm, pdt, full)?;
+                g.prefault();
                 track(Tier::Device, Category::Grads, g.capacity_bytes());
                 Some(g)
             } else {
@@ -579,7 +598,8 @@ impl<C: Communicator> EngineBuilder<C> {
                 None
             } else {
                 let len = if stage == 0 { full } else { shard };
-                let a = DynBuf::alloc(&comm, adt, len)?;
+                let mut a = DynBuf::alloc(&comm, adt, len)?;
+                a.prefault();
                 // With optimizer offload the gradient shard feeding AdamW
                 // is host memory (device→host as buckets complete).
                 let tier = if offloading { Tier::Host } else { Tier::Device };
@@ -587,6 +607,11 @@ impl<C: Communicator> EngineBuilder<C> {
                 Some(a)
             };
             let moments = if offloading { 0 } else { state_len };
+            let (mut m, mut v) = (HostBuffer::zeros(moments)?, HostBuffer::zeros(moments)?);
+            if !for_load {
+                m.prefault();
+                v.prefault();
+            }
             if offloading {
                 let abs = if stage == 0 {
                     0..layout.numel
@@ -606,8 +631,8 @@ impl<C: Communicator> EngineBuilder<C> {
                 layout: layout.clone(),
                 params: Some(params),
                 master,
-                m: HostBuffer::zeros(moments)?,
-                v: HostBuffer::zeros(moments)?,
+                m,
+                v,
                 grad,
                 acc,
                 lent: false,
@@ -636,7 +661,8 @@ impl<C: Communicator> EngineBuilder<C> {
         let mut free_buckets = Vec::new();
         let mut bucket_allocs = Vec::new();
         for _ in 0..n_buckets {
-            let b = DynBuf::alloc(&comm, cdt, bucket_cap)?;
+            let mut b = DynBuf::alloc(&comm, cdt, bucket_cap)?;
+            b.prefault();
             bucket_allocs.push(tracker.allocate(
                 Tier::Device,
                 Category::CommBuffers,

@@ -10,12 +10,24 @@ use crate::{DType, Element, Error, Result};
 /// for AVX-512 loads and O_DIRECT-free collectives.
 pub const BUFFER_ALIGN: usize = 64;
 
+/// Buffers of at least this many bytes are anonymous mappings: the kernel
+/// hands out zeroed pages, so [`HostBuffer::zeros`] writes nothing (the
+/// pages are faulted in on first touch; see [`HostBuffer::prefault`]).
+const MAP_THRESHOLD: usize = 1 << 20;
+
+/// The page size assumed for pre-faulting (x86-64 and most aarch64 kernels;
+/// a larger real page only means some writes are redundant).
+const PAGE: usize = 4096;
+
 enum Storage {
     /// Allocated by this type with `layout` (zero-sized buffers allocate nothing).
     Heap(Layout),
     /// Memory owned by someone else (a shared-memory window, a pool); the
     /// owner is dropped, returning the memory, when the buffer is dropped.
     External(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
+    /// An anonymous private mapping of this many bytes (a multiple of
+    /// [`PAGE`]), page-aligned and so [`BUFFER_ALIGN`]-aligned.
+    Mapped(usize),
 }
 
 /// A contiguous, 64-byte-aligned array of `T` in host memory, owned.
@@ -43,6 +55,11 @@ unsafe impl<T: Element> Sync for HostBuffer<T> {}
 
 impl<T: Element> HostBuffer<T> {
     /// A buffer of `len` zeros.
+    ///
+    /// Buffers of 1 MiB or more are anonymous mappings (advised
+    /// `MADV_HUGEPAGE`) whose zero pages the kernel supplies on first touch:
+    /// creating one writes nothing. Call [`prefault`](Self::prefault) where
+    /// the first touch must not happen later, in a hot loop.
     pub fn zeros(len: usize) -> Result<Self> {
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
@@ -55,6 +72,9 @@ impl<T: Element> HostBuffer<T> {
                 storage: Storage::Heap(Layout::new::<()>()),
             });
         }
+        if bytes >= MAP_THRESHOLD {
+            return Self::mapped(len, bytes);
+        }
         let layout = Layout::from_size_align(bytes, BUFFER_ALIGN)
             .map_err(|_| Error::OutOfHostMemory { bytes })?;
         // SAFETY: layout has non-zero size (checked above).
@@ -66,6 +86,72 @@ impl<T: Element> HostBuffer<T> {
             cap: len,
             storage: Storage::Heap(layout),
         })
+    }
+
+    /// `len` zeros (`bytes` of them, at least [`MAP_THRESHOLD`]) in an
+    /// anonymous mapping.
+    fn mapped(len: usize, bytes: usize) -> Result<Self> {
+        let map_len = bytes
+            .checked_add(PAGE - 1)
+            .map(|b| b & !(PAGE - 1))
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or(Error::OutOfHostMemory { bytes })?;
+        // SAFETY: an anonymous private mapping at an address the kernel
+        // picks touches no existing memory.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(Error::OutOfHostMemory { bytes });
+        }
+        // SAFETY: [raw, raw + map_len) is the mapping just made; madvise
+        // only changes how the kernel backs it, and a failure (no THP
+        // support) leaves ordinary pages.
+        unsafe { libc::madvise(raw, map_len, libc::MADV_HUGEPAGE) };
+        let ptr = NonNull::new(raw.cast::<T>()).ok_or(Error::OutOfHostMemory { bytes })?;
+        debug_assert_eq!(ptr.as_ptr() as usize % BUFFER_ALIGN, 0);
+        Ok(Self {
+            ptr,
+            len,
+            cap: len,
+            storage: Storage::Mapped(map_len),
+        })
+    }
+
+    /// Makes every page of the memory resident and writable, keeping the
+    /// contents, so that later accesses take no page fault: one
+    /// `madvise(MADV_POPULATE_WRITE)` for a mapping, else (older kernels,
+    /// heap or external memory) a volatile read and write of one byte per
+    /// page. Cheap for memory already touched.
+    pub fn prefault(&mut self) {
+        if let Storage::Mapped(map_len) = self.storage {
+            // SAFETY: [ptr, ptr + map_len) is the mapping this buffer owns;
+            // populating it only allocates its pages (contents unchanged).
+            let rc = unsafe {
+                libc::madvise(self.ptr.as_ptr().cast(), map_len, libc::MADV_POPULATE_WRITE)
+            };
+            if rc == 0 {
+                return;
+            }
+        }
+        let bytes = self.cap * std::mem::size_of::<T>();
+        let base = self.ptr.as_ptr().cast::<u8>();
+        for offset in (0..bytes).step_by(PAGE) {
+            // SAFETY: offset < bytes, inside the memory this buffer owns
+            // exclusively (&mut self); the byte is written back unchanged.
+            // Volatile, so that the compiler keeps the write.
+            unsafe {
+                let p = base.add(offset);
+                p.write_volatile(p.read_volatile());
+            }
+        }
     }
 
     /// A buffer holding a copy of `data`.
@@ -151,7 +237,7 @@ impl<T: Element> HostBuffer<T> {
     pub fn external_owner(&self) -> Option<&(dyn Any + Send + Sync)> {
         match &self.storage {
             Storage::External(o) => Some(o.as_ref()),
-            Storage::Heap(_) => None,
+            Storage::Heap(_) | Storage::Mapped(_) => None,
         }
     }
 
@@ -169,11 +255,21 @@ fn aligned_dangling<T>() -> NonNull<T> {
 
 impl<T: Element> Drop for HostBuffer<T> {
     fn drop(&mut self) {
-        if let Storage::Heap(layout) = self.storage {
-            if layout.size() != 0 {
-                // SAFETY: ptr was returned by alloc_zeroed with this layout.
-                unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), layout) };
+        match self.storage {
+            Storage::Heap(layout) => {
+                if layout.size() != 0 {
+                    // SAFETY: ptr was returned by alloc_zeroed with this layout.
+                    unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), layout) };
+                }
             }
+            Storage::Mapped(map_len) => {
+                // SAFETY: [ptr, ptr + map_len) is the mapping this buffer
+                // owns and no reference into it outlives `self`. A failure
+                // cannot be reported from drop and leaves the mapping in
+                // place, which is safe.
+                unsafe { libc::munmap(self.ptr.as_ptr().cast(), map_len) };
+            }
+            Storage::External(_) => {}
         }
         // External storage: dropping the owner returns the memory.
     }
@@ -231,6 +327,31 @@ mod tests {
             }
             assert_eq!(b.to_vec(), (0..len).map(|i| i as f32).collect::<Vec<_>>());
         }
+    }
+
+    #[test]
+    fn mapped_buffers_are_aligned_zeroed_and_prefault_keeps_contents() {
+        // Around the mapping threshold, including lengths that are not a
+        // page multiple.
+        for len in [(MAP_THRESHOLD / 4) - 1, MAP_THRESHOLD / 4, (3 << 20) + 5] {
+            let mut b = HostBuffer::<f32>::zeros(len).unwrap();
+            assert_eq!(b.len(), len);
+            assert_eq!(b.as_ptr() as usize % BUFFER_ALIGN, 0);
+            assert!(b.iter().all(|&x| x == 0.0));
+            for (i, x) in b.iter_mut().enumerate() {
+                *x = i as f32;
+            }
+            b.prefault();
+            assert!(b.iter().enumerate().all(|(i, &x)| x == i as f32));
+            let c = HostBuffer::from_slice(&b[..]).unwrap();
+            assert_eq!(c.to_vec(), b.to_vec());
+            b.set_len(1).unwrap();
+            b.set_len(len).unwrap();
+            assert_eq!(b[len - 1], (len - 1) as f32);
+        }
+        let mut small = HostBuffer::<bf16>::zeros(100).unwrap();
+        small.prefault();
+        assert!(small.iter().all(|&x| x == bf16::ZERO));
     }
 
     #[test]
