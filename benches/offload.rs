@@ -30,17 +30,31 @@
 //! no-compute trainer (gradients filled with constants), `--steps K`
 //! measured steps after one warm-up: median step time with
 //! `offload_optimizer` none, cpu and nvme (tiles of `--tile` elements,
-//! `--buffers` buffers, the swap files under `--dir`), the ratios to no
-//! offload (targets: cpu ≤ 1.2×; nvme ≤ the time the disk needs to read and
-//! write every rank's state once, measured raw in the same run), and the
-//! overlap of transfers and compute: with `c` the optimizer time under cpu
-//! offload (compute alone), `t` the time of the same bytes through the swap
-//! path alone in the step's pattern, and `o` the optimizer time under nvme,
-//! `(c + t − o) / min(c, t)` (1: `o = max(c, t)`, fully hidden; 0: `o = c + t`).
+//! `--buffers` buffers, `--threads` I/O threads, the swap files under
+//! `--dir`; nvme with the schedule `--pipeline both|read|write|none`,
+//! default both, i.e. `pipeline_read` and `pipeline_write` true, and with
+//! both false for comparison), the ratios to no offload (targets: cpu ≤
+//! 1.2×; nvme ≤ the time the disk needs to read and write every rank's
+//! state once, measured raw in the same run), and the overlap of transfers
+//! and compute: with `c` the optimizer time under cpu offload (compute
+//! alone), `t` the time of the same bytes through the swap path alone in
+//! the step's pattern (one swap file per rank, each with its rank's state,
+//! all ranks at once, as in the step), and `o` the optimizer time under
+//! nvme, `(c + t − o) / min(c, t)` (1: `o = max(c, t)`, fully hidden; 0:
+//! `o = c + t`); and against the nvme step without pipeline (both keys
+//! false) in the same repetition, `(o_none − o) / c`, the share of the
+//! compute that the pipeline took off the step (less sensitive to the
+//! disk's drift than `t`, measured apart). The engine part runs `--reps`
+//! times, alternating the modes (the disk's speed drifts, and other work
+//! on the machine changes the compute time): each figure is printed as
+//! the median and the range over the repetitions, and the overlap per
+//! repetition. With `--trace FILE`, a last nvme run records a Chrome
+//! trace (open in Perfetto) and prints, per rank, the time of the AdamW
+//! tiles and the time the update waited for reads and writes.
 //!
 //! `cargo bench --bench offload [-- --dir /path/on/nvme --elems N --tile E
 //! --buffers B --block BYTES --threads T --reps R --params P --ranks N
-//! --stage S --steps K --no-step]`
+//! --stage S --steps K --pipeline MODE --trace FILE --no-step]`
 
 use std::collections::VecDeque;
 use std::fs::OpenOptions;
@@ -53,7 +67,8 @@ use zero::core::bf16;
 use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::partition::{TensorSpec, UnitSpec};
 use zero::offload::{AlignedBuf, IoTicket, RegionId, RegionSpec, SwapFile, SwapOptions};
-use zero::{Engine, Init};
+use zero::trace::{write_chrome_trace, Event};
+use zero::{Engine, Init, Tracer};
 
 struct Args {
     dir: PathBuf,
@@ -68,6 +83,9 @@ struct Args {
     stage: u8,
     steps: usize,
     step: bool,
+    /// `pipeline_read`, `pipeline_write` of the nvme runs.
+    pipeline: (bool, bool),
+    trace: Option<PathBuf>,
 }
 
 fn fail(msg: &str) -> ! {
@@ -89,6 +107,8 @@ fn parse_args() -> Args {
         stage: 2,
         steps: 3,
         step: true,
+        pipeline: (true, true),
+        trace: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -114,9 +134,21 @@ fn parse_args() -> Args {
             "--stage" => a.stage = num("--stage").min(3) as u8,
             "--steps" => a.steps = num("--steps"),
             "--no-step" => a.step = false,
+            "--pipeline" => {
+                a.pipeline = match value().as_str() {
+                    "both" => (true, true),
+                    "read" => (true, false),
+                    "write" => (false, true),
+                    "none" => (false, false),
+                    other => fail(&format!(
+                        "--pipeline: {other}; expected both, read, write or none"
+                    )),
+                }
+            }
+            "--trace" => a.trace = Some(PathBuf::from(value())),
             "--bench" => {}
             other => fail(&format!(
-                "unknown option {other}; options: --dir D --elems N --tile E --buffers B --block BYTES --threads T --reps R --params P --ranks N --stage S --steps K --no-step"
+                "unknown option {other}; options: --dir D --elems N --tile E --buffers B --block BYTES --threads T --reps R --params P --ranks N --stage S --steps K --pipeline both|read|write|none --trace FILE --no-step"
             )),
         }
     }
@@ -408,9 +440,33 @@ fn block(name: String, d: usize) -> (UnitSpec, Vec<Init>) {
     (UnitSpec::new(name, specs), inits)
 }
 
-/// Median step time and median optimizer time of rank 0, and the bytes of
-/// fp32 state (master, m, v) of all ranks.
-fn run_engine(a: &Args, device: OffloadDevice) -> (Duration, Duration, usize) {
+/// An nvme schedule: (`pipeline_read`, `pipeline_write`).
+type Schedule = (bool, bool);
+
+fn schedule_name((read, write): Schedule) -> &'static str {
+    match (read, write) {
+        (true, true) => "pipeline_read+write",
+        (true, false) => "pipeline_read",
+        (false, true) => "pipeline_write",
+        (false, false) => "no pipeline",
+    }
+}
+
+/// One engine run: rank 0's median step and optimizer times over the
+/// measured steps, and the bytes of fp32 state (master, m, v) of all
+/// ranks. With `tracer`, the spans of the measured steps are recorded.
+struct EngineRun {
+    step: Duration,
+    opt: Duration,
+    state_all: usize,
+}
+
+fn run_engine(
+    a: &Args,
+    device: OffloadDevice,
+    schedule: Schedule,
+    tracer: Option<&Tracer>,
+) -> EngineRun {
     const UNITS: usize = 12;
     let d = ((a.params / UNITS) as f64 / 12.0).sqrt().max(1.0) as usize;
     let mut cfg = ResolvedConfig::simple(a.stage, a.ranks, 1);
@@ -419,9 +475,15 @@ fn run_engine(a: &Args, device: OffloadDevice) -> (Duration, Duration, usize) {
     cfg.zero.offload_optimizer.device = device;
     cfg.zero.offload_optimizer.buffer_count = a.buffers;
     cfg.zero.offload_optimizer.nvme_path = Some(a.dir.clone());
+    cfg.zero.offload_optimizer.pipeline_read = schedule.0;
+    cfg.zero.offload_optimizer.pipeline_write = schedule.1;
     cfg.zero.aio.block_size = a.block;
+    cfg.zero.aio.thread_count = a.threads;
     let out = ThreadGroup::run(a.ranks, |comm| {
         let mut b = Engine::builder(cfg.clone(), comm);
+        if let Some(t) = tracer {
+            b = b.tracer(t.clone());
+        }
         let units: Vec<_> = (0..UNITS)
             .map(|u| {
                 let (spec, init) = block(format!("block{u}"), d);
@@ -437,6 +499,13 @@ fn run_engine(a: &Args, device: OffloadDevice) -> (Duration, Duration, usize) {
             .collect();
         let (mut steps, mut opt) = (Vec::new(), Vec::new());
         for s in 0..=a.steps {
+            e.comm().barrier().wait().expect("barrier");
+            if s == 1 && e.rank() == 0 {
+                // The warm-up step is not part of the trace.
+                if let Some(t) = tracer {
+                    t.clear();
+                }
+            }
             e.comm().barrier().wait().expect("barrier");
             e.reset_stats();
             let t0 = Instant::now();
@@ -458,65 +527,185 @@ fn run_engine(a: &Args, device: OffloadDevice) -> (Duration, Duration, usize) {
         (median(steps), median(opt), state)
     })
     .unwrap_or_else(|err| fail(&format!("threads: {err}")));
-    let state_all: usize = out.iter().map(|o| o.2).sum();
-    (out[0].0, out[0].1, state_all)
+    EngineRun {
+        step: out[0].0,
+        opt: out[0].1,
+        state_all: out.iter().map(|o| o.2).sum(),
+    }
+}
+
+/// The swap path alone in the step's pattern, as the nvme step runs it:
+/// `ranks` swap files at once, each with `state_all / ranks` bytes of
+/// master, m and v; the wall time of the slowest.
+fn io_alone(a: &Args, state_all: usize) -> Duration {
+    let elems = state_all / 12 / a.ranks;
+    let barrier = std::sync::Barrier::new(a.ranks);
+    std::thread::scope(|scope| {
+        let runs: Vec<_> = (0..a.ranks)
+            .map(|_| {
+                scope.spawn(|| {
+                    let sw = create_swap(a, elems);
+                    let mut free = buffers(&sw, a.buffers);
+                    pass(&sw, &mut free, false, true);
+                    barrier.wait();
+                    pass(&sw, &mut free, true, true)
+                })
+            })
+            .collect();
+        runs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| fail("an I/O thread panicked")))
+            .max()
+            .unwrap_or_default()
+    })
+}
+
+/// `(median, min, max)` of `v`.
+fn spread(v: &[Duration]) -> (f64, f64, f64) {
+    let mut s: Vec<f64> = v.iter().map(Duration::as_secs_f64).collect();
+    s.sort_by(f64::total_cmp);
+    (s[s.len() / 2], s[0], s[s.len() - 1])
+}
+
+fn fmt_spread(v: &[Duration]) -> String {
+    let (m, lo, hi) = spread(v);
+    format!("{m:.3} ({lo:.3}-{hi:.3})")
+}
+
+/// Per rank: the time of the `adam tile` spans and the time the update
+/// waited for reads (`swap read`) and writes (`swap write`) of the nvme
+/// step, summed over the measured steps.
+fn trace_summary(events: &[Event], ranks: usize) {
+    println!(
+        "{:<6} {:>14} {:>18} {:>18} {:>10}",
+        "rank", "adam tiles s", "wait for reads s", "wait for writes s", "tiles"
+    );
+    for r in 0..ranks {
+        let sum = |name: &str| -> (f64, usize) {
+            events
+                .iter()
+                .filter(|e| e.rank == r && e.name == name)
+                .fold((0.0, 0), |(t, n), e| (t + e.dur_us / 1e6, n + 1))
+        };
+        let (adam, tiles) = sum("adam tile");
+        println!(
+            "{r:<6} {:>14.3} {:>18.3} {:>18.3} {:>10}",
+            adam,
+            sum("swap read").0,
+            sum("swap write").0,
+            tiles
+        );
+    }
 }
 
 fn step_overhead(a: &Args) {
     println!();
     println!(
-        "engine step with offload: ~{}M parameters, {} ranks (threads), stage {}, bf16, tiles of {} elements, {} buffers, {} measured steps (medians, rank 0)",
+        "engine step with offload: ~{}M parameters, {} ranks (threads), stage {}, bf16, tiles of {} elements, {} buffers, {} I/O threads per file (+1), {} measured steps (medians, rank 0), {} repetitions: median (min-max)",
         a.params / 1_000_000,
         a.ranks,
         a.stage,
         a.tile,
         a.buffers,
-        a.steps
+        a.threads,
+        a.steps,
+        a.reps
     );
-    let (none, none_opt, bytes) = run_engine(a, OffloadDevice::None);
-    let (cpu, cpu_opt, _) = run_engine(a, OffloadDevice::Cpu);
-    let (nvme, nvme_opt, _) = run_engine(a, OffloadDevice::Nvme);
+    let none = run_engine(a, OffloadDevice::None, (false, false), None);
+    let bytes = none.state_all;
+    let (mut cpu, mut cpu_opt) = (vec![], vec![]);
+    let (mut nvme, mut nvme_opt) = (vec![], vec![]);
+    let (mut serial, mut serial_opt) = (vec![], vec![]);
+    let (mut io, mut overlap, mut ab) = (vec![], vec![], vec![]);
+    let s = |d: Duration| d.as_secs_f64();
+    for _ in 0..a.reps {
+        let c = run_engine(a, OffloadDevice::Cpu, (false, false), None);
+        let n = run_engine(a, OffloadDevice::Nvme, a.pipeline, None);
+        let t = io_alone(a, bytes);
+        let z = run_engine(a, OffloadDevice::Nvme, (false, false), None);
+        // Perfect overlap: optimizer time = max(compute, io); none: their sum.
+        overlap.push((s(c.opt) + s(t) - s(n.opt)) / s(c.opt).min(s(t)));
+        // The same step without any overlap pays the compute on top.
+        ab.push((s(z.opt) - s(n.opt)) / s(c.opt));
+        cpu.push(c.step);
+        cpu_opt.push(c.opt);
+        nvme.push(n.step);
+        nvme_opt.push(n.opt);
+        serial.push(z.step);
+        serial_opt.push(z.opt);
+        io.push(t);
+    }
     let (rw, rr) = raw(&a.dir, bytes, a.block);
     let disk = rw + rr;
-    let s = |d: Duration| d.as_secs_f64();
     println!(
-        "{:<30} {:>9} {:>14} {:>12}",
+        "{:<34} {:>22} {:>22} {:>12}",
         "offload_optimizer", "step s", "optimizer s", "vs none"
     );
+    println!(
+        "{:<34} {:>22} {:>22} {:>11.2}x",
+        "none",
+        format!("{:.3}", s(none.step)),
+        format!("{:.3}", s(none.opt)),
+        1.0
+    );
+    let nvme_name = format!("nvme, {}", schedule_name(a.pipeline));
     for (name, t, o) in [
-        ("none", none, none_opt),
-        ("cpu", cpu, cpu_opt),
-        ("nvme", nvme, nvme_opt),
+        ("cpu", &cpu, &cpu_opt),
+        (nvme_name.as_str(), &nvme, &nvme_opt),
+        ("nvme, no pipeline", &serial, &serial_opt),
     ] {
         println!(
-            "{name:<30} {:>9.3} {:>14.3} {:>11.2}x",
-            s(t),
-            s(o),
-            s(t) / s(none)
+            "{name:<34} {:>22} {:>22} {:>11.2}x",
+            fmt_spread(t),
+            fmt_spread(o),
+            spread(t).0 / s(none.step)
         );
     }
     println!(
         "raw disk time to write and read all ranks' state once ({:.0} MiB): {:.3} s; nvme step / that = {:.2} (target <= 1)",
         bytes as f64 / (1 << 20) as f64,
         s(disk),
-        s(nvme) / s(disk)
-    );
-    // The same bytes through the swap path alone, in the step's pattern:
-    // the transfer the nvme step has to hide.
-    let sw = create_swap(a, bytes / 12);
-    let mut free = buffers(&sw, a.buffers);
-    pass(&sw, &mut free, false, true);
-    let io = pass(&sw, &mut free, true, true);
-    // Perfect overlap: optimizer time = max(compute, io); none: their sum.
-    let overlap = (s(cpu_opt) + s(io) - s(nvme_opt)) / s(cpu_opt).min(s(io));
-    println!(
-        "swap-path I/O alone for that state (step pattern): {:.3} s; compute alone (cpu offload): {:.3} s; with nvme: {:.3} s",
-        s(io),
-        s(cpu_opt),
-        s(nvme_opt)
+        spread(&nvme).0 / s(disk)
     );
     println!(
-        "hidden: {:.0}% of the shorter of compute and I/O runs under the other (100% = optimizer time is max(compute, I/O), 0% = their sum)",
-        100.0 * overlap.clamp(0.0, 1.0)
+        "swap-path I/O alone for that state (one file per rank, step pattern): {} s; compute alone (cpu offload optimizer): {} s; with nvme ({}): {} s",
+        fmt_spread(&io),
+        fmt_spread(&cpu_opt),
+        schedule_name(a.pipeline),
+        fmt_spread(&nvme_opt)
     );
+    let pct = |v: &[f64]| -> (String, String) {
+        let per: Vec<String> = v
+            .iter()
+            .map(|x| format!("{:.0}%", 100.0 * x.clamp(0.0, 1.0)))
+            .collect();
+        let mut sorted = v.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        (
+            format!("{:.0}%", 100.0 * sorted[sorted.len() / 2].clamp(0.0, 1.0)),
+            per.join(", "),
+        )
+    };
+    let (m, per) = pct(&overlap);
+    println!(
+        "hidden: {m} of the shorter of compute and I/O runs under the other (median; per repetition {per}; 100% = optimizer time is max(compute, I/O), 0% = their sum)"
+    );
+    let (m, per) = pct(&ab);
+    println!(
+        "hidden, against nvme without pipeline in the same repetition: {m} of the compute ((o_none - o_pipelined) / c; median; per repetition {per})"
+    );
+    if let Some(path) = &a.trace {
+        let tracer = Tracer::new();
+        run_engine(a, OffloadDevice::Nvme, a.pipeline, Some(&tracer));
+        let events = tracer.events();
+        println!(
+            "trace of one more nvme run ({}), {} measured steps:",
+            schedule_name(a.pipeline),
+            a.steps
+        );
+        trace_summary(&events, a.ranks);
+        match write_chrome_trace(path, &events) {
+            Ok(()) => println!("Chrome trace written to {}", path.display()),
+            Err(e) => fail(&format!("{}: {e}", path.display())),
+        }
+    }
 }

@@ -1,13 +1,17 @@
 //! ZeRO-Offload of the optimizer state (`offload_optimizer.device` cpu and
 //! nvme) and stage-3 parameter offload (`offload_param.device` cpu and
 //! nvme) on the threads backend: bit-exact equivalence with the run
-//! without offload, where the memory tracker puts each buffer, and swap
-//! file faults at engine level (each an error naming the file, parameters
-//! of the last good step still readable).
+//! without offload (with every `pipeline_read` / `pipeline_write`
+//! schedule), where the memory tracker puts each buffer, and swap file
+//! faults at engine level (each an error naming the file; parameters of
+//! the last good step still readable; after a failed write, the whole
+//! state after the step readable and saved to a checkpoint elsewhere).
 
 mod common;
 
 use std::path::{Path, PathBuf};
+
+use serde_json::Value;
 
 use common::mlp::{batch, Mlp};
 use common::*;
@@ -52,31 +56,40 @@ fn offload_config(
 /// Every stage (0 included), world sizes 1–3, gradient accumulation 2 or 3
 /// with clipping: cpu and nvme optimizer offload end with the parameters,
 /// master, m and v of the run without offload, bit for bit, whatever the
-/// tile size (tiles cut across units) and the number of nvme buffers.
+/// tile size (tiles cut across units), the number of nvme buffers and the
+/// nvme schedule (`pipeline_read`, `pipeline_write`: all four).
 #[test]
 fn optimizer_offload_is_bit_identical() {
     let dir = tmp_dir("exact");
     let steps = 5;
+    // (device, sub_group_size, buffer_count, (pipeline_read, pipeline_write))
+    let off = (false, false);
     let variants = [
-        (OffloadDevice::Cpu, 256, 4),
-        (OffloadDevice::Cpu, 97, 4),
-        (OffloadDevice::Cpu, 1 << 20, 4),
-        (OffloadDevice::Nvme, 256, 4),
-        (OffloadDevice::Nvme, 97, 1),
-        (OffloadDevice::Nvme, 300, 2),
+        (OffloadDevice::Cpu, 256, 4, off),
+        (OffloadDevice::Cpu, 97, 4, off),
+        (OffloadDevice::Cpu, 1 << 20, 4, off),
+        (OffloadDevice::Nvme, 256, 4, off),
+        (OffloadDevice::Nvme, 97, 1, off),
+        (OffloadDevice::Nvme, 300, 2, off),
+        (OffloadDevice::Nvme, 97, 4, (true, true)),
+        (OffloadDevice::Nvme, 97, 2, (true, true)),
+        (OffloadDevice::Nvme, 256, 3, (true, false)),
+        (OffloadDevice::Nvme, 97, 3, (false, true)),
     ];
     for world in 1..=3 {
         for stage in 0..=3u8 {
             let ga = 2 + (stage as usize % 2);
             let base = train(world, &config(world, stage, ga, Precision::Bf16), steps, MB);
             assert_eq!(base.outcomes.len(), steps);
-            for (device, sg, buffers) in variants {
-                let c =
+            for (device, sg, buffers, (read, write)) in variants {
+                let mut c =
                     offload_config(world, stage, ga, Precision::Bf16, device, sg, buffers, &dir);
+                c.zero.offload_optimizer.pipeline_read = read;
+                c.zero.offload_optimizer.pipeline_write = write;
                 let t = train(world, &c, steps, MB);
                 let what = format!(
                     "world {world} stage {stage} ga {ga}: offload {device:?} sub_group {sg} \
-                     buffers {buffers} vs none"
+                     buffers {buffers} pipeline_read {read} pipeline_write {write} vs none"
                 );
                 assert_same_run(&base, &t, &what);
             }
@@ -87,7 +100,9 @@ fn optimizer_offload_is_bit_identical() {
         for stage in [1u8, 3] {
             let base = train(2, &config(2, stage, 2, precision), 6, MB);
             for device in [OffloadDevice::Cpu, OffloadDevice::Nvme] {
-                let c = offload_config(2, stage, 2, precision, device, 200, 3, &dir);
+                let mut c = offload_config(2, stage, 2, precision, device, 200, 3, &dir);
+                c.zero.offload_optimizer.pipeline_read = true;
+                c.zero.offload_optimizer.pipeline_write = true;
                 let t = train(2, &c, 6, MB);
                 let what = format!("{precision:?} stage {stage}: offload {device:?} vs none");
                 assert_same_run(&base, &t, &what);
@@ -213,7 +228,6 @@ enum Damage {
     Corrupt,
     Delete,
     ForeignHeader,
-    WriteFault,
 }
 
 /// What one rank saw in a damaged run.
@@ -246,7 +260,7 @@ fn read_params(e: &mut Engine<ThreadComm>) -> Vec<Vec<u16>> {
 const GA: usize = 2;
 
 /// Trains up to 6 steps on 2 ranks with nvme offload; before step 3,
-/// rank 0's swap file is damaged (or a write fault was planned).
+/// rank 0's swap file is damaged.
 fn damaged_run(stage: u8, damage: Damage, dir: &Path) -> Vec<Damaged> {
     let world = 2;
     ThreadGroup::run(world, |comm| {
@@ -262,10 +276,6 @@ fn damaged_run(stage: u8, damage: Damage, dir: &Path) -> Vec<Damaged> {
             dir,
         );
         let mut b = Engine::builder(c, comm).seed(5);
-        if damage == Damage::WriteFault && rank == 0 {
-            // Build writes each tile once; fail a write of the second step.
-            b = b.swap_faults(FaultPlan::enospc_at(7));
-        }
         let model = Mlp::register(&mut b, DIMS).unwrap();
         let mut e = b.build().unwrap();
         let path = e.optimizer_swap_path().map(Path::to_path_buf);
@@ -287,7 +297,6 @@ fn damaged_run(stage: u8, damage: Damage, dir: &Path) -> Vec<Damaged> {
                         use std::os::unix::fs::FileExt;
                         open().write_all_at(b"NOTZERO!", 0).unwrap();
                     }
-                    Damage::WriteFault => {}
                 }
             }
             for m in 0..GA {
@@ -345,11 +354,12 @@ fn reference_params(stage: u8, steps: usize) -> Vec<Vec<Vec<u16>>> {
     .unwrap()
 }
 
-/// A truncated, corrupted, deleted or foreign swap file, or a failed
-/// write: the step fails on every rank with an error (rank 0's names its
-/// file), nothing panics, later steps and `unit_state` refuse with a
-/// message about the swap-file error, and the parameters of the last
-/// completed step stay readable on every rank.
+/// A truncated, corrupted, deleted or foreign swap file: the step fails on
+/// every rank with an error (rank 0's names its file), nothing panics,
+/// later steps and `unit_state` refuse with a message about the swap-file
+/// error (the optimizer state is lost), and the parameters of the last
+/// completed step stay readable on every rank. (A failed write loses
+/// nothing: `a_failed_swap_write_keeps_the_state_after_the_step`.)
 #[test]
 fn swap_faults_are_errors_naming_the_file() {
     let dir = tmp_dir("faults");
@@ -359,7 +369,6 @@ fn swap_faults_are_errors_naming_the_file() {
             Damage::Corrupt,
             Damage::Delete,
             Damage::ForeignHeader,
-            Damage::WriteFault,
         ] {
             let what = format!("stage {stage} {damage:?}");
             let ranks = damaged_run(stage, damage, &dir);
@@ -371,7 +380,6 @@ fn swap_faults_are_errors_naming_the_file() {
                 Damage::Corrupt => "checksum",
                 Damage::Delete => "deleted",
                 Damage::ForeignHeader => "header",
-                Damage::WriteFault => "No space left",
             };
             assert!(r0.error.contains(words), "{what}: `{}`", r0.error);
             assert!(
@@ -380,8 +388,7 @@ fn swap_faults_are_errors_naming_the_file() {
                 ranks[1].error
             );
             let completed = r0.completed;
-            let want_completed = if damage == Damage::WriteFault { 1 } else { 2 };
-            assert_eq!(completed, want_completed, "{what}");
+            assert_eq!(completed, 2, "{what}");
             let reference = reference_params(stage, completed);
             for (r, d) in ranks.iter().enumerate() {
                 assert_eq!(d.completed, completed, "{what} rank {r}");
@@ -400,6 +407,281 @@ fn swap_faults_are_errors_naming_the_file() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ---------------------------------------------------------------------------
+// A failed swap write keeps the state
+
+/// Where swap writes of rank 0's second step fail (one block per tile:
+/// tiles of 97 elements, 4096-byte aio blocks).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum WriteFail {
+    /// The step's first tile.
+    First,
+    /// A tile in the middle.
+    Middle,
+    /// The step's last tile.
+    Last,
+    /// Every write from the step's first tile on (a full disk).
+    DiskFull,
+    /// The middle tile on rank 0 and the last on rank 1.
+    BothRanks,
+}
+
+const FAIL_TILE: usize = 97;
+
+/// Elements of each rank's optimizer state (its units' state ranges,
+/// padding included) on 2 ranks.
+fn state_elems(stage: u8) -> Vec<usize> {
+    ThreadGroup::run(2, |comm| {
+        let mut b = Engine::builder(config(2, stage, GA, Precision::Bf16), comm);
+        Mlp::register(&mut b, DIMS).unwrap();
+        let e = b.build().unwrap();
+        e.plan()
+            .units()
+            .iter()
+            .map(|u| {
+                if stage == 0 {
+                    u.padded_numel
+                } else {
+                    u.shard_len
+                }
+            })
+            .sum()
+    })
+    .unwrap()
+}
+
+/// What one rank saw when writes of its second step failed.
+struct Rescued {
+    error: String,
+    completed: usize,
+    path: PathBuf,
+    states: Vec<zero::UnitState>,
+    params: Vec<Vec<u16>>,
+    host_master: u64,
+    step_error: String,
+    grad_error: String,
+    saved: PathBuf,
+}
+
+/// 2 ranks, nvme optimizer offload with schedule (`read`, `write`), one
+/// block per tile and `aio.queue_depth` 1 (block writes happen in
+/// submission order, so the faults hit the tiles planned): writes of the
+/// second step fail as `fail` says. Each rank then reads the whole state
+/// with `unit_state`, tries to go on, and saves a checkpoint under `ckpt`.
+fn write_fault_run(
+    stage: u8,
+    fail: WriteFail,
+    (read, write): (bool, bool),
+    dir: &Path,
+    ckpt: &Path,
+) -> Vec<Rescued> {
+    let world = 2;
+    let elems = state_elems(stage);
+    ThreadGroup::run(world, |comm| {
+        let rank = comm.rank();
+        let tiles = elems[rank].div_ceil(FAIL_TILE) as u64;
+        // The build writes every tile once, step 1 once more: the second
+        // step's tile t is block write 2·tiles + t.
+        let at = |t: u64| 2 * tiles + t;
+        let faults = match (fail, rank) {
+            (WriteFail::First, 0) => Some(FaultPlan::enospc_at(at(0))),
+            (WriteFail::Middle | WriteFail::BothRanks, 0) => {
+                Some(FaultPlan::enospc_at(at(tiles / 2)))
+            }
+            (WriteFail::Last, 0) | (WriteFail::BothRanks, 1) => {
+                Some(FaultPlan::enospc_at(at(tiles - 1)))
+            }
+            (WriteFail::DiskFull, 0) => Some(FaultPlan::disk_full_from(at(0))),
+            _ => None,
+        };
+        let mut c = offload_config(
+            world,
+            stage,
+            GA,
+            Precision::Bf16,
+            OffloadDevice::Nvme,
+            FAIL_TILE,
+            4,
+            dir,
+        );
+        c.zero.aio.queue_depth = 1;
+        c.zero.offload_optimizer.pipeline_read = read;
+        c.zero.offload_optimizer.pipeline_write = write;
+        let mut b = Engine::builder(c, comm).seed(5);
+        if let Some(f) = faults {
+            b = b.swap_faults(f);
+        }
+        let model = Mlp::register(&mut b, DIMS).unwrap();
+        let mut e = b.build().unwrap();
+        let path = e.optimizer_swap_path().unwrap().to_path_buf();
+        let mut error = String::new();
+        let mut completed = 0;
+        'steps: for s in 0..4 {
+            for m in 0..GA {
+                let first = (((s * GA + m) * world + rank) * MB) as u64;
+                let (x, y) = batch(first, MB, DIMS[0]);
+                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                match e.step() {
+                    Ok(o) => completed += usize::from(o.boundary),
+                    Err(err) => {
+                        error = err.to_string();
+                        break 'steps;
+                    }
+                }
+            }
+        }
+        let states = e
+            .unit_ids()
+            .into_iter()
+            .map(|u| {
+                e.unit_state(u)
+                    .unwrap_or_else(|err| panic!("rank {rank}: {err}"))
+            })
+            .collect();
+        let host_master = e.tracker().current(Tier::Host, Category::Master);
+        let step_error = e.step().map(|_| ()).unwrap_err().to_string();
+        let u = e.unit_ids()[0];
+        let grad_error = e
+            .grad_buffer::<bf16>(u)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        let saved = e
+            .save_checkpoint(ckpt, Value::Null)
+            .unwrap_or_else(|err| panic!("rank {rank}: save_checkpoint: {err}"));
+        Rescued {
+            error,
+            completed,
+            path,
+            states,
+            params: read_params(&mut e),
+            host_master,
+            step_error,
+            grad_error,
+            saved,
+        }
+    })
+    .unwrap()
+}
+
+/// Loads the checkpoint at `path` into 2 ranks without offload: the
+/// state there, and the state after one more step (the third).
+fn resume(stage: u8, path: &Path) -> (Vec<zero::UnitState>, Vec<zero::UnitState>) {
+    let world = 2;
+    let out = ThreadGroup::run(world, |comm| {
+        let rank = comm.rank();
+        let mut b = Engine::builder(config(world, stage, GA, Precision::Bf16), comm).seed(5);
+        let model = Mlp::register(&mut b, DIMS).unwrap();
+        let (mut e, _) = Engine::load_checkpoint(b, path).unwrap();
+        let read = |e: &mut Engine<ThreadComm>| -> Vec<zero::UnitState> {
+            e.unit_ids()
+                .into_iter()
+                .map(|u| e.unit_state(u).unwrap())
+                .collect()
+        };
+        let loaded = read(&mut e);
+        let s = 2;
+        for m in 0..GA {
+            let first = (((s * GA + m) * world + rank) * MB) as u64;
+            let (x, y) = batch(first, MB, DIMS[0]);
+            model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+            e.step().unwrap();
+        }
+        (loaded, read(&mut e))
+    })
+    .unwrap();
+    out.into_iter().next().unwrap()
+}
+
+/// A swap write that fails in the second step (ENOSPC injected at the
+/// step's first, a middle or the last tile, every write of the step, or
+/// on both ranks; every `pipeline_read` / `pipeline_write` schedule) loses
+/// nothing: the step fails on every rank with an error (naming the file
+/// and what was kept on the rank whose write failed, that rank on the
+/// other), but it completed: `unit_state` of every unit on every rank is,
+/// bit for bit, the state without offload after 2 steps (parameters
+/// included: they match the master kept), the kept tiles are host-tier
+/// master and moments, steps and the gradient calls are refused, and a
+/// checkpoint saved to another directory holds that state and resumes
+/// bit-identically.
+#[test]
+fn a_failed_swap_write_keeps_the_state_after_the_step() {
+    let dir = tmp_dir("write-fault");
+    let ckpt = tmp_dir("write-fault-ckpt");
+    let cases = [
+        (WriteFail::First, (true, true)),
+        (WriteFail::Middle, (false, false)),
+        (WriteFail::Last, (true, true)),
+        (WriteFail::DiskFull, (true, false)),
+        (WriteFail::BothRanks, (false, true)),
+    ];
+    for stage in 0..=3u8 {
+        let elems = state_elems(stage);
+        let reference = train(2, &config(2, stage, GA, Precision::Bf16), 2, MB).states;
+        let reference3 = train(2, &config(2, stage, GA, Precision::Bf16), 3, MB).states;
+        for (fail, schedule) in cases {
+            let what = format!("stage {stage} {fail:?} pipeline (read, write) {schedule:?}");
+            let root = ckpt.join(format!("stage{stage}-{fail:?}"));
+            let ranks = write_fault_run(stage, fail, schedule, &dir, &root);
+            for (r, d) in ranks.iter().enumerate() {
+                let what = format!("{what} rank {r}");
+                assert_eq!(d.completed, 1, "{what}: `{}`", d.error);
+                let failed_here = r == 0 || fail == WriteFail::BothRanks;
+                if failed_here {
+                    let path = d.path.display().to_string();
+                    assert!(d.error.contains(&path), "{what}: `{}`", d.error);
+                    assert!(d.error.contains("No space left"), "{what}: `{}`", d.error);
+                    assert!(
+                        d.error.contains("kept in host memory"),
+                        "{what}: `{}`",
+                        d.error
+                    );
+                } else {
+                    assert!(
+                        d.error.contains("swap file of rank 0"),
+                        "{what}: `{}`",
+                        d.error
+                    );
+                }
+                assert_bits_eq(&reference, &d.states, &format!("{what}: unit_state"));
+                // gather/params give the same parameters.
+                for (u, p) in d.params.iter().enumerate() {
+                    let want: Vec<u16> = reference[u]
+                        .params
+                        .iter()
+                        .map(|&x| bf16::from_f32(x).to_bits())
+                        .collect();
+                    assert_eq!(p, &want, "{what}: unit {u} params");
+                }
+                // The kept tiles are host-tier state.
+                let kept = match (fail, r) {
+                    (_, 1) if fail != WriteFail::BothRanks => 0,
+                    (WriteFail::DiskFull, _) => elems[r],
+                    (WriteFail::Last, _) | (WriteFail::BothRanks, 1) => {
+                        elems[r] - (elems[r].div_ceil(FAIL_TILE) - 1) * FAIL_TILE
+                    }
+                    _ => FAIL_TILE,
+                };
+                assert_eq!(d.host_master, 4 * kept as u64, "{what}: host master bytes");
+                for msg in [&d.step_error, &d.grad_error] {
+                    assert!(msg.contains("swap-file error"), "{what}: `{msg}`");
+                    assert!(msg.contains("save_checkpoint"), "{what}: `{msg}`");
+                }
+                assert_eq!(d.saved, ranks[0].saved, "{what}");
+            }
+            let (loaded, next) = resume(stage, &ranks[0].saved);
+            assert_bits_eq(&reference, &loaded, &format!("{what}: checkpoint"));
+            assert_bits_eq(&reference3, &next, &format!("{what}: resumed step 3"));
+        }
+    }
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "swap files left behind: {left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&ckpt);
 }
 
 /// Settings the engine cannot run are errors naming the key.

@@ -52,13 +52,24 @@
 //!
 //! A swap-file error (truncated, corrupted, deleted or foreign file, a
 //! failed write) fails the step on every rank: the rank whose file failed
-//! reports the file, the others name that rank. No rank's parameters
-//! change in that step (updated parameters are committed only once every
-//! rank's tiles were read, updated and written), but the optimizer state
-//! is lost: from then on [`Engine::step`], the gradient calls and
-//! [`Engine::unit_state`] return an error saying so, while
-//! [`Engine::gather`], [`Engine::params`] and [`Engine::release`] keep
-//! working and give the parameters of the last completed step.
+//! reports the file, the others name that rank. From then on
+//! [`Engine::step`] and the gradient calls return an error saying so,
+//! while [`Engine::gather`], [`Engine::params`] and [`Engine::release`]
+//! keep working. What the state is then depends on the error:
+//!
+//! - A failed *write* (disk full, an I/O error) loses nothing: the tiles
+//!   whose write failed are kept in host memory and the step completes
+//!   on every rank (parameters, step count, parameter all-gather), then
+//!   returns the error. The state after that step stays readable in full:
+//!   [`Engine::unit_state`], [`Engine::save_checkpoint`] (to another
+//!   disk) and [`Engine::export_safetensors`] work, and a run resumed from
+//!   that checkpoint continues bit-identically.
+//! - Any other error (a failed read; the file truncated, corrupted,
+//!   deleted or foreign) loses the optimizer state: no rank's parameters
+//!   change in that step (updated parameters are committed only once every
+//!   rank's tiles were read, updated and written, or kept), gather/params
+//!   give the parameters of the last completed step, and
+//!   [`Engine::unit_state`] and the checkpoint calls return an error.
 
 //!
 //! # Parameter offload (ZeRO-Infinity, stage 3)
@@ -319,8 +330,17 @@ pub struct Engine<C: Communicator> {
     offload: Option<Offload>,
     /// The first swap-file error: the optimizer state is lost, the
     /// parameters of the last completed step stay readable (unless
-    /// `params_lost`).
+    /// `params_lost`), or, with `swap_rescued`, the whole state after the
+    /// step stays readable.
     swap_failed: Option<String>,
+    /// `swap_failed` was a failed optimizer swap write that every rank
+    /// rescued (see [`Offload::rescued`]): the step completed and the
+    /// state after it is complete, so the calls that only read it
+    /// ([`READS_AFTER_RESCUE`]) still work.
+    swap_rescued: bool,
+    /// The error of a rescued step, returned by `step()` once the step is
+    /// finished (parameter all-gather included).
+    rescued_error: Option<Error>,
     /// Stage 3 parameter offload (`offload_param.device` cpu or nvme): the
     /// home of every unit's shard.
     poff: Option<ParamOffload>,
@@ -755,6 +775,8 @@ impl<C: Communicator> EngineBuilder<C> {
             adam,
             offload,
             swap_failed: None,
+            swap_rescued: false,
+            rescued_error: None,
             poff,
             params_lost: false,
             tracer,
@@ -778,6 +800,10 @@ impl<C: Communicator> EngineBuilder<C> {
         Ok(engine)
     }
 }
+
+/// The calls that only read the state, allowed after a rescued swap
+/// write failure (see [`Engine::check_swap`]).
+const READS_AFTER_RESCUE: &[&str] = &["unit_state", "save_checkpoint", "export_safetensors"];
 
 /// The offload settings the engine can run, checked again here for
 /// configs built in code (the JSON parser checks most of them): errors
@@ -1139,16 +1165,31 @@ impl<C: Communicator> Engine<C> {
         r
     }
 
-    /// After a swap-file error only reading parameters works.
+    /// After a swap-file error only reading parameters works, and reading
+    /// the whole state ([`READS_AFTER_RESCUE`]) after a rescued write
+    /// failure.
     fn check_swap(&self, call: &str) -> Result<()> {
-        match &self.swap_failed {
-            None => Ok(()),
-            Some(first) => Err(self.usage(format!(
+        let Some(first) = &self.swap_failed else {
+            return Ok(());
+        };
+        let rescued = self.swap_rescued && !self.params_lost;
+        if rescued && READS_AFTER_RESCUE.contains(&call) {
+            return Ok(());
+        }
+        Err(self.usage(if rescued {
+            format!(
+                "{call}: the engine cannot train after a swap-file error; the state after step \
+                 {} is complete (what the swap file could not take is kept in host memory): \
+                 save it with save_checkpoint to another disk and resume from there: {first}",
+                self.steps
+            )
+        } else {
+            format!(
                 "{call}: the engine cannot continue after a swap-file error (the optimizer state \
                  is lost; the parameters of step {} stay readable with gather/params): {first}",
                 self.steps
-            ))),
-        }
+            )
+        }))
     }
 
     fn usage(&self, what: String) -> Error {
@@ -1277,8 +1318,9 @@ impl<C: Communicator> Engine<C> {
     /// elements only. A collective in stages 1–3: every rank must call it.
     /// With nvme offload it reads the unit's tiles from the swap file.
     /// After a swap-file error it returns an error (the optimizer state is
-    /// lost); read the parameters with [`Engine::gather`] and
-    /// [`Engine::params`] instead.
+    /// lost; read the parameters with [`Engine::gather`] and
+    /// [`Engine::params`] instead), except after a failed swap write,
+    /// which loses nothing: then it returns the state after that step.
     pub fn unit_state(&mut self, unit: UnitId) -> Result<UnitState> {
         self.guard(|e| e.unit_state_inner(unit))
     }
@@ -1747,6 +1789,11 @@ impl<C: Communicator> Engine<C> {
             self.s3_prefetch_next()?;
         }
         self.last = outcome;
+        // A failed swap write that every rank rescued: the step is done,
+        // and it still fails.
+        if let Some(e) = self.rescued_error.take() {
+            return Err(e);
+        }
         Ok(outcome)
     }
 
@@ -1990,8 +2037,12 @@ impl<C: Communicator> Engine<C> {
 
     /// AdamW on the offloaded optimizer state, tile by tile (see
     /// [`offload`]). With nvme, every rank learns whether every rank's swap
-    /// file worked before any parameter changes: on an error anywhere, no
-    /// rank's parameters change, and the engine is failed.
+    /// file worked before any parameter changes: on an error anywhere that
+    /// lost a rank's state, no rank's parameters change, and the engine is
+    /// failed. If every error was a failed write whose tiles the rank kept
+    /// in host memory ([`Offload::rescued`]), every rank commits the step
+    /// (its parameters match the state kept) and `step()` returns the
+    /// error once the step is finished; the state stays readable.
     fn offload_typed<G: Element, P: Element>(&mut self, k: &AdamWStep) -> Result<()> {
         let param_home = self.poff.is_some();
         let Some(off) = self.offload.as_mut() else {
@@ -2028,22 +2079,43 @@ impl<C: Communicator> Engine<C> {
             return self.param_write_back::<P>();
         }
         drop(grads);
-        let verdict = exchange_words(&self.comm, &[u64::from(r.is_err())])?;
-        if let Err(e) = r {
-            self.swap_failed = Some(e.to_string());
-            return Err(e);
-        }
-        if let Some(bad) = verdict.iter().position(|w| w[0] != 0) {
+        // 0: done; 1: a failed write, the tiles kept (the step completed);
+        // 2: the state is lost.
+        let word = match &r {
+            Ok(()) => 0,
+            Err(_) if off.rescued() => 1,
+            Err(_) => 2,
+        };
+        let verdict = exchange_words(&self.comm, &[word])?;
+        let rank = self.rank;
+        let usage = |what: String| Error::Usage { rank, what };
+        if let Some(lost) = verdict.iter().position(|w| w[0] == 2) {
             let msg = format!(
-                "the optimizer swap file of rank {bad} failed in step {} (rank {bad}'s error \
+                "the optimizer swap file of rank {lost} failed in step {} (rank {lost}'s error \
                  names the file); no rank's parameters changed",
                 self.steps + 1
             );
-            self.swap_failed = Some(msg.clone());
-            return Err(Error::Usage {
-                rank: self.rank,
-                what: msg,
-            });
+            let e = match r {
+                Err(e) if word == 2 => e,
+                Err(e) => usage(format!("{e}; but {msg}, and the state is lost")),
+                Ok(()) => usage(msg),
+            };
+            self.swap_failed = Some(e.to_string());
+            return Err(e);
+        }
+        if let Some(bad) = verdict.iter().position(|w| w[0] == 1) {
+            let e = match r {
+                Err(e) => e,
+                Ok(()) => usage(format!(
+                    "a write to the optimizer swap file of rank {bad} failed in step {} (rank \
+                     {bad}'s error names the file); the step completed and rank {bad} keeps \
+                     the state it could not write in host memory",
+                    self.steps + 1
+                )),
+            };
+            self.swap_failed = Some(e.to_string());
+            self.swap_rescued = true;
+            self.rescued_error = Some(e);
         }
         off.commit(&mut params)?;
         drop(params);
@@ -2051,11 +2123,13 @@ impl<C: Communicator> Engine<C> {
     }
 
     /// Outside the step (`unit_state`): every rank learns whether every
-    /// rank could read its swap file; on an error the engine is failed.
+    /// rank could read its swap file; on an error the engine is failed
+    /// (also after a rescued write failure: the state is lost now).
     fn swap_verdict(&mut self, local: Option<&Error>, what: &str) -> Result<()> {
         let verdict = exchange_words(&self.comm, &[u64::from(local.is_some())])?;
         if let Some(e) = local {
             self.swap_failed = Some(e.to_string());
+            self.swap_rescued = false;
             return Ok(());
         }
         if let Some(bad) = verdict.iter().position(|w| w[0] != 0) {
@@ -2064,6 +2138,7 @@ impl<C: Communicator> Engine<C> {
                  names the file)"
             );
             self.swap_failed = Some(msg.clone());
+            self.swap_rescued = false;
             return Err(self.usage(msg));
         }
         Ok(())

@@ -28,9 +28,29 @@
 //! runs per tile as a three-stage pipeline:
 //!
 //! ```text
-//!  nvme:  read tile i+1   |  update tile i (CpuAdamW)  |  write tile i-1
-//!  cpu:   (state resident) |  update tile i             |  copy-out tile i-1 → params
+//!  nvme:  read tile i+1..i+a |  update tile i (CpuAdamW)  |  write tile i-1
+//!  cpu:   (state resident)   |  update tile i             |  copy-out tile i-1 → params
 //! ```
+//!
+//! With nvme, `offload_optimizer.pipeline_read` and `pipeline_write`
+//! (DeepSpeed's keys and meaning) choose the overlap:
+//!
+//! | `pipeline_read` | `pipeline_write` | while tile i is updated |
+//! |---|---|---|
+//! | false | false | nothing: read i, update, write i and wait, then i+1 (DeepSpeed's default) |
+//! | true | false | reads of tiles i+1..=i+a in flight (a = `buffer_count` − 1) |
+//! | false | true | the write of tile i-1 in flight; tile i is read when needed |
+//! | true | true | both (a = `buffer_count` − 2, at least 1) |
+//!
+//! Their defaults are the resolved config's (see
+//! `zero_core::config::OffloadOptimizerConfig`; DeepSpeed's are false,
+//! which runs nothing in parallel). Every schedule gives the same bits.
+//! A read is submitted `a` tiles ahead, so it is queued before the writes
+//! of the tiles updated meanwhile: the I/O threads serve requests in
+//! submission order, and a read submitted only when its tile is due
+//! would wait behind every write still queued. To free a buffer for a
+//! read ahead the step waits for the oldest write, but never for the
+//! newest one unless the tile due needs its buffer.
 //!
 //! The updated parameters go to a host staging buffer (the parameter dtype,
 //! the rank's flat shard) and are copied out to the device-tier parameters:
@@ -40,8 +60,28 @@
 //! AdamW on any slicing gives the bits of the unsliced update, so every
 //! mode gives bit-identical parameters and optimizer state.
 //!
+//! # A failed swap write
+//!
+//! A write that fails in the step (disk full, an I/O error) does not lose
+//! the state: the tile's updated `[master | m | v]` is still in the buffer
+//! the failed request hands back, so it is copied to host memory (the one
+//! allocation of this error path; it is accounted in the host tier) and
+//! the step goes on with the remaining tiles, writing them too (a later
+//! write that fails is kept the same way). The state after the step is
+//! then exactly "the tiles written in this step, in the file, plus the
+//! kept tiles", and the staging buffer holds the parameters of every tile
+//! updated from it: [`Offload::rescued`] says so, [`Offload::commit`] may
+//! copy them out, and every read of the state ([`Offload::read_unit`],
+//! [`Offload::visit`]) returns the kept tiles instead of the file's. The
+//! step still returns the write's error (naming file, region and block),
+//! and [`Offload::step`] refuses to run again while tiles are kept: the
+//! trainer saves a checkpoint elsewhere. A failed *read* (a truncated,
+//! corrupted, deleted file) ends the step at once and loses the state
+//! (tiles before it were already rewritten): nothing is kept.
+//!
 //! Every buffer (tiles, staging, read/write buffers) comes from a
-//! [`HostPool`] sized at build; the step allocates none.
+//! [`HostPool`] sized at build; the step allocates none (except the kept
+//! tiles after a failed write).
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -51,8 +91,8 @@ use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
 use zero_core::optim::{AdamWSlices, AdamWStep, CpuAdamW};
 use zero_core::{DType, Element};
 use zero_offload::{
-    FaultPlan, HostPool, HostPoolOptions, IoTicket, PooledBuffer, RegionId, RegionSpec, SwapFile,
-    SwapOptions,
+    FaultPlan, HostPool, HostPoolOptions, IoError, IoTicket, PooledBuffer, RegionId, RegionSpec,
+    SwapFile, SwapOptions,
 };
 
 use crate::trace::{RankTracer, Tracer};
@@ -94,6 +134,41 @@ enum Store {
     },
 }
 
+/// A tile whose swap write failed in the last step: its `[master | m | v]`
+/// after that step, in host memory (accounted in the host tier).
+struct Kept {
+    state: Vec<f32>,
+    _allocs: [Allocation; 2],
+}
+
+/// How the nvme step overlaps transfers with the update
+/// (`pipeline_read`, `pipeline_write`).
+#[derive(Debug, Clone, Copy)]
+struct Schedule {
+    /// Tiles read ahead of the one being updated (0: each tile is read
+    /// when it is needed).
+    ahead: usize,
+    /// Whether a tile's write runs behind the update of the next ones
+    /// (false: the step waits for it before the next tile).
+    write_behind: bool,
+}
+
+impl Schedule {
+    /// `buffer_count` buffers: with both, one is being updated and one is
+    /// being written, the rest are read ahead (at least one).
+    fn new(read_ahead: bool, write_behind: bool, buffer_count: usize) -> Schedule {
+        let ahead = match (read_ahead, write_behind) {
+            (false, _) => 0,
+            (true, false) => buffer_count.saturating_sub(1).max(1),
+            (true, true) => buffer_count.saturating_sub(2).max(1),
+        };
+        Schedule {
+            ahead,
+            write_behind,
+        }
+    }
+}
+
 /// What the engine needs to know per unit.
 pub(crate) struct UnitRanges {
     /// Length of the unit's state range (padding included).
@@ -115,8 +190,13 @@ pub(crate) struct Offload {
     store: Store,
     /// Updated parameters, in the parameter dtype, over the flat state.
     staging: PooledBuffer,
-    /// Tiles read ahead of the update (nvme).
-    ahead: usize,
+    /// The nvme step's overlap of reads and writes with the update.
+    schedule: Schedule,
+    /// Per tile: its state after the last step, when its swap write failed
+    /// (see the module docs). All `None` unless [`Offload::rescued`].
+    kept: Vec<Option<Kept>>,
+    /// Accounts the kept tiles.
+    tracker: MemoryTracker,
     /// Spans of the swap traffic and copies (disabled unless
     /// [`Offload::traced`]).
     trace: RankTracer,
@@ -255,6 +335,7 @@ impl Offload {
             Category::CommBuffers,
             held.saturating_sub(stored),
         ));
+        let ntiles = tiles.len();
         Ok(Offload {
             device: oo.device,
             units,
@@ -263,7 +344,9 @@ impl Offload {
             pool,
             store,
             staging,
-            ahead: buffer_count.saturating_sub(2).max(1),
+            schedule: Schedule::new(oo.pipeline_read, oo.pipeline_write, buffer_count),
+            kept: (0..ntiles).map(|_| None).collect(),
+            tracker: tracker.clone(),
             trace: RankTracer::default(),
             _allocs: allocs,
         })
@@ -300,8 +383,14 @@ impl Offload {
     /// One AdamW step over every tile. `grads[i]` is unit `i`'s accumulated
     /// gradient (its state range), `params[i]` its parameter buffer.
     /// With `cpu` the updated parameters are copied out as the pipeline
-    /// goes (not at all when `params` is empty: parameter offload); with `nvme` they stay in the staging buffer until
-    /// [`Offload::commit`].
+    /// goes (not at all when `params` is empty: parameter offload); with
+    /// `nvme` they stay in the staging buffer until [`Offload::commit`].
+    ///
+    /// With `nvme`, an error returned here either lost the state (a failed
+    /// read: [`Offload::rescued`] is false) or is a failed write whose
+    /// tiles are kept in host memory ([`Offload::rescued`] is true: the
+    /// step completed, and the staging buffer and the state readable with
+    /// [`Offload::read_unit`] and [`Offload::visit`] are those after it).
     pub(crate) fn step<G: Element, P: Element>(
         &mut self,
         adam: &CpuAdamW,
@@ -309,6 +398,22 @@ impl Offload {
         grads: &[&[G]],
         params: &mut [&mut [P]],
     ) -> Result<()> {
+        if self.rescued() {
+            let held = self.kept.iter().filter(|k| k.is_some()).count();
+            let msg = format!(
+                "the optimizer step cannot run: the swap writes of {held} tiles failed in the \
+                 last step and their state is kept in host memory (save a checkpoint to \
+                 another disk and restart from it)"
+            );
+            return Err(match self.swap_path() {
+                Some(path) => zero_core::Error::Io {
+                    path: path.to_path_buf(),
+                    msg,
+                }
+                .into(),
+                None => Error::Unsupported { what: msg },
+            });
+        }
         let Offload {
             units,
             unit_off,
@@ -316,7 +421,9 @@ impl Offload {
             pool,
             store,
             staging,
-            ahead,
+            schedule,
+            kept,
+            tracker,
             trace,
             ..
         } = self;
@@ -347,16 +454,45 @@ impl Offload {
             }
             Store::Nvme { swap, regions } => {
                 swap.verify()?;
-                nvme_pipeline(
-                    adam, k, tiles, pool, swap, regions, *ahead, grads, staging, trace,
-                )
+                let mut pipe = Pipeline {
+                    tiles,
+                    pool,
+                    swap,
+                    regions,
+                    schedule: *schedule,
+                    trace,
+                    kept,
+                    tracker,
+                    write_failed: None,
+                };
+                let done = pipe.run(adam, k, grads, staging);
+                let write_failed = pipe.write_failed.take();
+                match (done, write_failed) {
+                    (Ok(()), None) => Ok(()),
+                    (Ok(()), Some(e)) => Err(rescued_error(e, kept, tiles)),
+                    (Err(e), _) => {
+                        // The state is lost: drop what was kept of it.
+                        kept.iter_mut().for_each(|k| *k = None);
+                        Err(e)
+                    }
+                }
             }
         }
     }
 
+    /// Whether the last nvme step failed only in swap writes and completed
+    /// anyway: every tile was updated, the tiles whose write failed are
+    /// kept in host memory (the reads of the state return them), and the
+    /// staging buffer holds the parameters of the state after the step
+    /// (see the module docs).
+    pub(crate) fn rescued(&self) -> bool {
+        self.kept.iter().any(Option::is_some)
+    }
+
     /// Copies every updated parameter from the staging buffer out to the
     /// parameter buffers (after an `nvme` step that succeeded on every
-    /// rank).
+    /// rank, or whose failed writes were all rescued: see
+    /// [`Offload::rescued`]).
     pub(crate) fn commit<P: Element>(&mut self, params: &mut [&mut [P]]) -> Result<()> {
         if params.is_empty() {
             return Ok(());
@@ -379,7 +515,8 @@ impl Offload {
         Ok(&self.staging.as_slice_of::<P>()?[off..off + self.units[i].state_len])
     }
 
-    /// Unit `i`'s state range: `(master, m, v)`, padding included.
+    /// Unit `i`'s state range: `(master, m, v)`, padding included (tiles
+    /// kept in host memory after a failed write are read from there).
     pub(crate) fn read_unit(&self, i: usize) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         let off = self.unit_off[i];
         let n = self.units[i].state_len;
@@ -398,9 +535,10 @@ impl Offload {
                 out.1[d.clone()].copy_from_slice(&state[a.start + len..a.end + len]);
                 out.2[d].copy_from_slice(&state[a.start + 2 * len..a.end + 2 * len]);
             };
-            match &self.store {
-                Store::Host(bufs) => copy(bufs[t].as_slice_of()?),
-                Store::Nvme { swap, regions } => {
+            match (&self.store, &self.kept[t]) {
+                (_, Some(kept)) => copy(&kept.state),
+                (Store::Host(bufs), None) => copy(bufs[t].as_slice_of()?),
+                (Store::Nvme { swap, regions }, None) => {
                     let buf = self.pool.acquire(tile.bytes())?;
                     let buf = swap.read(regions[t], buf).wait().map_err(|e| e.error)?;
                     copy(buf.as_slice_of()?);
@@ -414,7 +552,8 @@ impl Offload {
     /// each unit's pieces in increasing order); `local` is relative to the
     /// start of the unit's state range. With nvme one tile is read at a
     /// time into a pool buffer, so the whole state is never in memory
-    /// (checkpoint save).
+    /// (checkpoint save); tiles kept in host memory after a failed write
+    /// are read from there.
     pub(crate) fn visit(
         &self,
         mut f: impl FnMut(usize, Range<usize>, &[f32], &[f32], &[f32]) -> Result<()>,
@@ -434,9 +573,10 @@ impl Offload {
                 }
                 Ok(())
             };
-            match &self.store {
-                Store::Host(bufs) => each(bufs[t].as_slice_of()?)?,
-                Store::Nvme { swap, regions } => {
+            match (&self.store, &self.kept[t]) {
+                (_, Some(kept)) => each(&kept.state)?,
+                (Store::Host(bufs), None) => each(bufs[t].as_slice_of()?)?,
+                (Store::Nvme { swap, regions }, None) => {
                     let buf = self.pool.acquire(tile.bytes())?;
                     let buf = swap.read(regions[t], buf).wait().map_err(|e| e.error)?;
                     each(buf.as_slice_of()?)?;
@@ -456,8 +596,15 @@ impl Offload {
         mut f: impl FnMut(usize, Range<usize>, &mut [f32], &mut [f32], &mut [f32]) -> Result<()>,
     ) -> Result<()> {
         let Offload {
-            tiles, pool, store, ..
+            tiles,
+            pool,
+            store,
+            kept,
+            ..
         } = self;
+        // The whole state is replaced: nothing kept of an earlier step
+        // applies any more.
+        kept.iter_mut().for_each(|k| *k = None);
         for (t, tile) in tiles.iter().enumerate() {
             let mut each = |state: &mut [f32]| -> Result<()> {
                 let len = tile.len();
@@ -556,93 +703,209 @@ fn copy_out<P: Element>(
     }
 }
 
-/// The nvme step: reads run `ahead` tiles in front of the update, writes
-/// behind it, within the pool's buffers. On the first error nothing more
-/// is submitted; every request is waited for (so every buffer is back in
-/// the pool) and the first error is returned.
-#[allow(clippy::too_many_arguments)]
-fn nvme_pipeline<G: Element, P: Element>(
-    adam: &CpuAdamW,
-    k: &AdamWStep,
-    tiles: &[Tile],
-    pool: &HostPool,
-    swap: &SwapFile,
-    regions: &[RegionId],
-    ahead: usize,
-    grads: &[&[G]],
-    staging: &mut [P],
-    trace: &RankTracer,
-) -> Result<()> {
-    let n = tiles.len();
-    let mut reads: VecDeque<IoTicket<PooledBuffer>> = VecDeque::with_capacity(ahead + 1);
-    let mut writes: VecDeque<IoTicket<PooledBuffer>> = VecDeque::with_capacity(ahead + 2);
-    let mut next = 0;
-    let mut first: Option<Error> = None;
-    'tiles: for (t, tile) in tiles.iter().enumerate() {
-        // Submit the reads of tiles t..=t+ahead that have a free buffer;
-        // tile t's own read waits for the oldest write if it must.
-        while next < n && next <= t + ahead {
-            match pool.acquire(tiles[next].bytes()) {
-                Ok(buf) => {
-                    reads.push_back(swap.read(regions[next], buf));
-                    next += 1;
+/// The nvme step over the tiles (see the module docs): reads run
+/// `schedule.ahead` tiles in front of the update, writes behind it (with
+/// `write_behind`), within the pool's buffers.
+struct Pipeline<'a> {
+    tiles: &'a [Tile],
+    pool: &'a HostPool,
+    swap: &'a SwapFile,
+    regions: &'a [RegionId],
+    schedule: Schedule,
+    trace: &'a RankTracer,
+    kept: &'a mut [Option<Kept>],
+    tracker: &'a MemoryTracker,
+    /// The first failed write (its tile, and any later one that failed,
+    /// are in `kept`).
+    write_failed: Option<Error>,
+}
+
+impl Pipeline<'_> {
+    /// Runs the step. An error loses the state (a failed read, or no host
+    /// memory to keep a tile whose write failed): nothing more is
+    /// submitted, every request is waited for (so every buffer is back in
+    /// the pool) and the first such error is returned. A failed write is
+    /// not an error here: its tile is kept and the step goes on.
+    fn run<G: Element, P: Element>(
+        &mut self,
+        adam: &CpuAdamW,
+        k: &AdamWStep,
+        grads: &[&[G]],
+        staging: &mut [P],
+    ) -> Result<()> {
+        let n = self.tiles.len();
+        let mut reads: VecDeque<IoTicket<PooledBuffer>> =
+            VecDeque::with_capacity(self.schedule.ahead + 1);
+        let mut writes: VecDeque<(usize, IoTicket<PooledBuffer>)> =
+            VecDeque::with_capacity(self.pool.buffer_count());
+        let mut next = 0;
+        let mut lost: Option<Error> = None;
+        'tiles: for (t, tile) in self.tiles.iter().enumerate() {
+            // Writes already done give their buffers back (and a failure
+            // is kept now rather than at the end).
+            while writes.front().is_some_and(|(_, w)| w.is_complete()) {
+                let (i, w) = writes.pop_front().expect("checked above");
+                if let Err(e) = self.land(i, w) {
+                    lost = Some(e);
+                    break 'tiles;
                 }
-                Err(_) if next > t => break,
-                Err(e) => match writes.pop_front() {
-                    Some(w) => {
-                        let _span = trace.span("swap write", "offload");
-                        if let Err(e) = w.wait() {
-                            first = Some(e.error.into());
+            }
+            // Tile t's read and those ahead of it. Without a free buffer,
+            // wait for the oldest write, but keep the newest one running
+            // behind the update unless tile t itself needs its buffer.
+            let last = (t + self.schedule.ahead).min(n - 1);
+            while next <= last {
+                if self.pool.available() == 0 {
+                    let must = next == t;
+                    if writes.len() > 1 || (must && !writes.is_empty()) {
+                        let (i, w) = writes.pop_front().expect("checked above");
+                        let span = self.trace.span("swap write", "offload");
+                        let landed = self.land(i, w);
+                        drop(span);
+                        if let Err(e) = landed {
+                            lost = Some(e);
                             break 'tiles;
                         }
+                        continue;
                     }
-                    None => {
-                        first = Some(e.into());
+                    if !must {
+                        break;
+                    }
+                }
+                match self.pool.acquire(self.tiles[next].bytes()) {
+                    Ok(buf) => {
+                        reads.push_back(self.swap.read(self.regions[next], buf));
+                        next += 1;
+                    }
+                    Err(e) => {
+                        lost = Some(e.into());
                         break 'tiles;
                     }
-                },
+                }
             }
-        }
-        let Some(r) = reads.pop_front() else {
-            break;
-        };
-        let span = trace.span("swap read", "offload");
-        let read = r.wait();
-        drop(span);
-        let mut buf = match read {
-            Ok(b) => b,
-            Err(e) => {
-                first = Some(e.error.into());
+            let r = reads.pop_front().expect("tile t's read was submitted");
+            let span = self.trace.span("swap read", "offload");
+            let read = r.wait();
+            drop(span);
+            let mut buf = match read {
+                Ok(b) => b,
+                Err(e) => {
+                    lost = Some(e.error.into());
+                    break;
+                }
+            };
+            let span = self.trace.span("adam tile", "optimizer");
+            let updated = buf
+                .as_mut_slice_of::<f32>()
+                .map_err(Error::from)
+                .and_then(|s| update_tile(adam, k, tile, &mut s[..3 * tile.len()], grads, staging));
+            drop(span);
+            if let Err(e) = updated {
+                lost = Some(e);
                 break;
             }
+            let w = self.swap.write(self.regions[t], buf);
+            if self.schedule.write_behind {
+                writes.push_back((t, w));
+            } else {
+                let span = self.trace.span("swap write", "offload");
+                let landed = self.land(t, w);
+                drop(span);
+                if let Err(e) = landed {
+                    lost = Some(e);
+                    break;
+                }
+            }
+        }
+        // Reads left over only after an error.
+        let span = (!reads.is_empty()).then(|| self.trace.span("swap read", "offload"));
+        for r in reads {
+            if let Err(e) = r.wait() {
+                lost.get_or_insert(e.error.into());
+            }
+        }
+        drop(span);
+        let _span = (!writes.is_empty()).then(|| self.trace.span("swap write", "offload"));
+        for (i, w) in writes {
+            if let Err(e) = self.land(i, w) {
+                lost.get_or_insert(e);
+            }
+        }
+        match lost {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for tile `t`'s write. If it failed, keeps the tile's updated
+    /// state (the buffer the request hands back) in host memory and
+    /// records the error; an error returned here (no memory for it) loses
+    /// the state.
+    fn land(&mut self, t: usize, w: IoTicket<PooledBuffer>) -> Result<()> {
+        let IoError { error, buffer } = match w.wait() {
+            Ok(_) => return Ok(()),
+            Err(e) => e,
         };
-        let _span = trace.span("adam tile", "optimizer");
-        let updated = buf
-            .as_mut_slice_of::<f32>()
-            .map_err(Error::from)
-            .and_then(|s| update_tile(adam, k, tile, &mut s[..3 * tile.len()], grads, staging));
-        if let Err(e) = updated {
-            first = Some(e);
-            break;
-        }
-        writes.push_back(swap.write(regions[t], buf));
+        let len = 3 * self.tiles[t].len();
+        let mut state = Vec::new();
+        let kept = state
+            .try_reserve_exact(len)
+            .map_err(|_| {
+                io_error(
+                    self.swap,
+                    format!(
+                        "{error}; and the {} bytes of host memory to keep tile {t}'s updated \
+                         state could not be allocated: the optimizer state is lost",
+                        len * 4
+                    ),
+                )
+            })
+            .and_then(|()| Ok(buffer.as_slice_of::<f32>()?));
+        let src = kept?;
+        state.extend_from_slice(&src[..len]);
+        drop(buffer);
+        let n = self.tiles[t].len() as u64;
+        self.kept[t] = Some(Kept {
+            state,
+            _allocs: [
+                self.tracker.allocate(Tier::Host, Category::Master, 4 * n),
+                self.tracker.allocate(Tier::Host, Category::Moments, 8 * n),
+            ],
+        });
+        self.write_failed.get_or_insert(error.into());
+        Ok(())
     }
-    // Reads left over only after an error.
-    let span = (!reads.is_empty()).then(|| trace.span("swap read", "offload"));
-    for r in reads {
-        if let Err(e) = r.wait() {
-            first.get_or_insert(e.error.into());
-        }
+}
+
+/// An I/O error about the swap file.
+fn io_error(swap: &SwapFile, msg: String) -> Error {
+    zero_core::Error::Io {
+        path: swap.path().to_path_buf(),
+        msg,
     }
-    drop(span);
-    let _span = trace.span("swap write", "offload");
-    for w in writes {
-        if let Err(e) = w.wait() {
-            first.get_or_insert(e.error.into());
-        }
-    }
+    .into()
+}
+
+/// The error of a step whose failed writes were rescued: the first write
+/// error, saying what was kept.
+fn rescued_error(first: Error, kept: &[Option<Kept>], tiles: &[Tile]) -> Error {
+    let (count, bytes) = kept
+        .iter()
+        .zip(tiles)
+        .filter(|(k, _)| k.is_some())
+        .fold((0, 0), |(c, b), (_, t)| (c + 1, b + t.bytes()));
+    let written = tiles.len() - count;
+    let note = format!(
+        "the step completed: {count} of its {} tiles could not be written and their updated \
+         state is kept in host memory ({bytes} bytes); the other {written} were written",
+        tiles.len()
+    );
     match first {
-        Some(e) => Err(e),
-        None => Ok(()),
+        Error::Core(zero_core::Error::Io { path, msg }) => zero_core::Error::Io {
+            path,
+            msg: format!("{msg}; {note}"),
+        }
+        .into(),
+        other => other,
     }
 }

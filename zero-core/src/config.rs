@@ -753,11 +753,13 @@ pub struct OffloadOptimizerConfig {
     pub pin_memory: bool,
     /// `buffer_count` (at least 1). Default 4.
     pub buffer_count: usize,
-    /// `pipeline_read`: read the next tile while computing this one.
-    /// Default false.
+    /// `pipeline_read`: read the next tiles while computing this one
+    /// (nvme). Default true, unlike DeepSpeed (false): with false each
+    /// tile is read only when the update needs it.
     pub pipeline_read: bool,
-    /// `pipeline_write`: write the last tile while computing this one.
-    /// Default false.
+    /// `pipeline_write`: write the last tile while computing this one
+    /// (nvme). Default true, unlike DeepSpeed (false): with false the step
+    /// waits for each tile's write before the next tile.
     pub pipeline_write: bool,
     /// `fast_init`. Default false.
     pub fast_init: bool,
@@ -767,15 +769,16 @@ pub struct OffloadOptimizerConfig {
 }
 
 impl Default for OffloadOptimizerConfig {
-    /// DeepSpeed's defaults: no offload.
+    /// DeepSpeed's defaults (no offload), except `pipeline_read` and
+    /// `pipeline_write`: true (overlapped), where DeepSpeed has false.
     fn default() -> Self {
         OffloadOptimizerConfig {
             device: OffloadDevice::None,
             nvme_path: None,
             pin_memory: false,
             buffer_count: DEFAULT_OPTIMIZER_BUFFER_COUNT,
-            pipeline_read: false,
-            pipeline_write: false,
+            pipeline_read: true,
+            pipeline_write: true,
             fast_init: false,
             ratio: DEFAULT_OFFLOAD_RATIO,
         }
@@ -2136,8 +2139,8 @@ fn resolve_offload_optimizer(
             b.buffer_count,
             DEFAULT_OPTIMIZER_BUFFER_COUNT,
         )?,
-        pipeline_read: b.pipeline_read.unwrap_or(false),
-        pipeline_write: b.pipeline_write.unwrap_or(false),
+        pipeline_read: b.pipeline_read.unwrap_or(true),
+        pipeline_write: b.pipeline_write.unwrap_or(true),
         fast_init: b.fast_init.unwrap_or(false),
         ratio,
     })

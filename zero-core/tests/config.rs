@@ -311,7 +311,9 @@ fn defaults_are_deepspeeds() {
     let oo = &z.offload_optimizer;
     assert_eq!(oo.device, OffloadDevice::None);
     assert_eq!(oo.nvme_path, None);
-    assert!(!oo.pin_memory && !oo.pipeline_read && !oo.pipeline_write && !oo.fast_init);
+    assert!(!oo.pin_memory && !oo.fast_init);
+    // Ours: overlapped by default (DeepSpeed's default is false).
+    assert!(oo.pipeline_read && oo.pipeline_write);
     assert_eq!((oo.buffer_count, oo.ratio), (4, 1.0));
     let op = &z.offload_param;
     assert_eq!(op.device, OffloadDevice::None);

@@ -185,6 +185,9 @@ pub struct FaultPlan {
     /// over the file's life in the order the I/O threads start them) with
     /// `fail_write_errno`, as if the device had returned it. Default none.
     pub fail_write_at: Option<u64>,
+    /// How many block writes fail, from `fail_write_at` on (0 counts as
+    /// 1; `u64::MAX`: every later one, as on a full disk). Default 0.
+    pub fail_write_count: u64,
     /// The errno of the injected write failure; 0 means `ENOSPC`.
     pub fail_write_errno: i32,
     /// Behave as if the filesystem rejected `O_DIRECT` with `EINVAL`.
@@ -197,9 +200,25 @@ impl FaultPlan {
     pub fn enospc_at(k: u64) -> FaultPlan {
         FaultPlan {
             fail_write_at: Some(k),
+            fail_write_count: 1,
             fail_write_errno: libc::ENOSPC,
             reject_direct_io: false,
         }
+    }
+
+    /// Fails the `k`-th block write (0-based) and every later one with
+    /// `ENOSPC`, as a disk that filled up.
+    pub fn disk_full_from(k: u64) -> FaultPlan {
+        FaultPlan {
+            fail_write_count: u64::MAX,
+            ..FaultPlan::enospc_at(k)
+        }
+    }
+
+    /// Whether the block write with sequence number `seq` fails.
+    fn fails_write(&self, seq: u64) -> bool {
+        self.fail_write_at
+            .is_some_and(|k| seq >= k && seq - k < self.fail_write_count.max(1))
     }
 }
 
@@ -734,7 +753,7 @@ impl FileShared {
         let state = &self.blocks[p.block];
         state.store(0, Ordering::Release);
         let seq = self.writes.fetch_add(1, Ordering::Relaxed);
-        if self.faults.fail_write_at == Some(seq) {
+        if self.faults.fails_write(seq) {
             let errno = match self.faults.fail_write_errno {
                 0 => libc::ENOSPC,
                 e => e,

@@ -500,6 +500,74 @@ fn injected_enospc_hands_the_buffer_back_intact() {
     swap.verify().unwrap();
 }
 
+/// `disk_full_from(k)`: block write k and every later one fail (a disk
+/// that filled up), each request handing its buffer back intact; the
+/// blocks written before stay readable; a range of writes
+/// (`fail_write_count`) fails only those.
+#[test]
+fn injected_full_disk_fails_every_later_write() {
+    let dir = tmpdir();
+    let swap = SwapFile::create(
+        SwapOptions {
+            faults: FaultPlan::disk_full_from(3),
+            queue_depth: 1, // write #k is the k-th block submitted
+            ..options(dir.path())
+        },
+        &[
+            RegionSpec::new("a", (2 * BLOCK) as u64),
+            RegionSpec::new("b", (2 * BLOCK) as u64),
+            RegionSpec::new("c", BLOCK as u64),
+        ],
+    )
+    .unwrap();
+    let [a, b, c] = ["a", "b", "c"].map(|n| swap.region(n).unwrap());
+    // #0, #1: a; #2, #3: b (fails at its second block); #4: c.
+    swap.write(a, random_buf(2 * BLOCK, 1)).wait().unwrap();
+    let err = swap.write(b, random_buf(2 * BLOCK, 2)).wait().unwrap_err();
+    let msg = io_msg(&err.error);
+    assert!(
+        msg.contains("region `b` block 1") && msg.contains("No space left"),
+        "{msg}"
+    );
+    assert!(err.buffer[..] == random_buf(2 * BLOCK, 2)[..]);
+    for _ in 0..3 {
+        let err = swap.write(c, random_buf(BLOCK, 3)).wait().unwrap_err();
+        assert!(io_msg(&err.error).contains("region `c` block 0"));
+        assert!(err.buffer[..] == random_buf(BLOCK, 3)[..]);
+    }
+    let got = swap
+        .read(a, AlignedBuf::new(2 * BLOCK).unwrap())
+        .wait()
+        .unwrap();
+    assert!(got[..] == random_buf(2 * BLOCK, 1)[..]);
+    swap.verify().unwrap();
+    drop(swap);
+
+    // Writes #1 and #2 fail, #3 works again.
+    let swap = SwapFile::create(
+        SwapOptions {
+            faults: FaultPlan {
+                fail_write_count: 2,
+                ..FaultPlan::enospc_at(1)
+            },
+            queue_depth: 1,
+            ..options(dir.path())
+        },
+        &[RegionSpec::new("a", BLOCK as u64)],
+    )
+    .unwrap();
+    let a = swap.region("a").unwrap();
+    let outcomes: Vec<bool> = (0..4)
+        .map(|i| swap.write(a, random_buf(BLOCK, i)).wait().is_ok())
+        .collect();
+    assert_eq!(outcomes, [true, false, false, true]);
+    let got = swap
+        .read(a, AlignedBuf::new(BLOCK).unwrap())
+        .wait()
+        .unwrap();
+    assert!(got[..] == random_buf(BLOCK, 3)[..]);
+}
+
 #[test]
 fn a_dropped_ticket_does_not_lose_its_failure() {
     let dir = tmpdir();
