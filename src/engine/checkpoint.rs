@@ -223,7 +223,11 @@ mod cache {
         use std::fs::File;
         use std::os::fd::AsRawFd;
 
-        fn arg(x: u64) -> libc::off64_t {
+        fn arg(x: u64) -> libc::off_t {
+            libc::off_t::try_from(x).unwrap_or(libc::off_t::MAX)
+        }
+
+        fn arg64(x: u64) -> libc::off64_t {
             libc::off64_t::try_from(x).unwrap_or(libc::off64_t::MAX)
         }
 
@@ -234,7 +238,7 @@ mod cache {
             // SAFETY: the descriptor stays open for the call (`file` is
             // borrowed); the call reads only its integer arguments.
             unsafe {
-                libc::posix_fadvise64(
+                libc::posix_fadvise(
                     file.as_raw_fd(),
                     arg(off),
                     arg(len),
@@ -255,7 +259,7 @@ mod cache {
                 libc::SYNC_FILE_RANGE_WRITE
             };
             // SAFETY: as above: an open descriptor and integers.
-            unsafe { libc::sync_file_range(file.as_raw_fd(), arg(off), arg(len), flags) };
+            unsafe { libc::sync_file_range(file.as_raw_fd(), arg64(off), arg64(len), flags) };
         }
     }
 
