@@ -3,7 +3,9 @@
 # tests) with the default features, which include MPI. The MPI integration
 # test (zero-comm/tests/mpi.rs) starts itself under `mpirun -n 2`, `-n 3` and
 # 4 ranks as two simulated nodes; missing MPI is a failure, not a skip.
-# Then the aarch64 NEON kernels under qemu-user (scripts/test-neon.sh), and
+# Then the aarch64 NEON kernels under qemu-user (scripts/test-neon.sh), the
+# `cuda` feature's tests with NVRTC from PyPI (scripts/test-cuda.sh: every
+# CUDA source must compile without a warning; GPU tests skip without one), and
 # the main example end to end (the README's command under mpirun, and a
 # second stage/offload mode with the ranks as threads), each required to
 # reach 95% held-out accuracy.
@@ -19,6 +21,8 @@ grep -m1 "instruction sets checked" "$isa_log" || true
 rm -f "$isa_log"
 # The NEON kernels, cross-compiled and run under qemu-user.
 bash scripts/test-neon.sh
+# The CUDA kernels through NVRTC (no GPU needed) and the cuda feature's tests.
+bash scripts/test-cuda.sh
 # The main example, as the README runs it, then stage 2 with the optimizer
 # state on nvme and activation checkpointing, ranks as threads.
 cargo build --example llama_sft

@@ -9,6 +9,10 @@
 //! - MPI (feature `mpi`): ranks as processes started by `mpirun`/`srun`.
 //!   Within a node they use the same shared-memory algorithms through an
 //!   MPI-3 shared window; between nodes, MPI's own collectives.
+//! - [`NcclComm`] (feature `cuda`): collectives on device buffers through
+//!   NCCL, one rank per GPU; the NCCL id is shared in memory
+//!   ([`NcclGroup`]) or broadcast over a host communicator such as MPI's.
+//!   See [`nccl`].
 //!
 //! How a collective runs within a node (both backends): [`shm`] describes
 //! the two-phase protocol, and each algorithm has its own file with a
@@ -28,6 +32,7 @@ mod error;
 mod exec;
 mod launch;
 mod mpi;
+pub mod nccl;
 mod op;
 mod options;
 mod reduce;
@@ -41,6 +46,7 @@ pub use counts::{even_counts, offsets};
 pub use error::{Error, Result};
 pub use launch::{launch, launched_by_mpi, Comm};
 pub use mpi::MpiComm;
+pub use nccl::{NcclComm, NcclGroup, NcclId};
 pub use options::CommOptions;
 pub use reduce::{reference_reduce, ReduceOp};
 pub use threads::{ThreadComm, ThreadGroup};

@@ -15,8 +15,11 @@ pub struct CommOptions {
     /// Check, before each collective that goes through MPI's own collectives
     /// (between nodes), that all ranks called the same one with the same
     /// dtype, sizes and root; costs one small all-gather per collective.
-    /// Within a node the check is always on and free. Default: off
-    /// (environment: `ZERO_COMM_VALIDATE=1`).
+    /// Within a node the check is always on and free. The NCCL backend
+    /// honours it too: each launch (a collective or a group) first
+    /// all-gathers a descriptor on the GPU and waits for it on the host, so
+    /// mismatched collectives give `Error::Mismatch` instead of a timeout.
+    /// Default: off (environment: `ZERO_COMM_VALIDATE=1`).
     pub validate: bool,
 }
 

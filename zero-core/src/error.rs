@@ -84,6 +84,31 @@ pub enum Error {
         /// The limit, the cause and how to fix it.
         msg: String,
     },
+    /// Device memory does not hold what was planned: e.g. a rank's device
+    /// arena needs `needed` bytes where `available` are free. `msg` names
+    /// the rank, the largest buffers and the bytes missing, and what to
+    /// change.
+    #[error("out of device memory: {msg}")]
+    OutOfDeviceMemory {
+        /// The rank whose plan does not fit.
+        rank: usize,
+        /// The bytes the plan needs.
+        needed: u64,
+        /// The bytes the device has free (or the capacity checked against).
+        available: u64,
+        /// Which buffers are largest, how much is missing, what to change.
+        msg: String,
+    },
+    /// A device-arena request that cannot be served: a bad buffer request,
+    /// an unknown name, a slot that another buffer holds, a wrong element
+    /// type. `msg` names the buffers.
+    #[error("device arena of rank {rank}: {msg}")]
+    Arena {
+        /// The rank whose arena refused.
+        rank: usize,
+        /// What was asked and why it cannot be done.
+        msg: String,
+    },
     /// An error from the CUDA driver, NVRTC or a CUDA library.
     #[error("cuda: {0}")]
     Cuda(Box<dyn std::error::Error + Send + Sync>),

@@ -24,6 +24,7 @@
 
 mod buffer;
 pub mod config;
+pub mod cuda;
 mod device;
 mod dtype;
 mod error;

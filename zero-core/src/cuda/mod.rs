@@ -1,0 +1,17 @@
+//! Building blocks of the CUDA backend.
+//!
+//! - [`kernels`]: the CUDA C++ sources of the library (`zero-core/kernels/`),
+//!   compiled at run time with NVRTC, and the fused GPU AdamW and gradient
+//!   norm built on them.
+//! - [`arena`]: one device allocation per rank, sized by the memory plan at
+//!   start-up and carved into the engine's buffers.
+//! - [`stream`]: the compute, communication and copy streams and the events
+//!   that hand buffers between them; pinned host buffers.
+//!
+//! Everything that needs cudarc exists only with the `cuda` feature; the
+//! planning logic that does not (e.g. how an arena is carved) is in every
+//! build, so that it is tested on machines without a GPU.
+
+pub mod arena;
+pub mod kernels;
+pub mod stream;
