@@ -41,3 +41,6 @@ cargo test -p zero-core --features cuda
 # path is tested for real; the GPU tests print "skipped").
 cargo test -p zero-comm --features cuda --lib nccl
 cargo test -p zero-comm --features cuda --test nccl
+# The Llama example's kernels: NVRTC compilation (required), the host check
+# of their math against the CPU ops, and the GPU tests (skipped without one).
+cargo test --features cuda --test llama_cuda_nvrtc --test llama_kernels_on_host --test llama_cuda

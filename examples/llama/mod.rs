@@ -9,6 +9,7 @@
 #![allow(dead_code)]
 
 pub mod block;
+pub mod cuda;
 pub mod data;
 pub mod ops;
 pub mod train;

@@ -1,0 +1,183 @@
+//! GPU kernels of the Llama example's non-GEMM ops (the GEMMs go through
+//! cuBLAS): embedding, RMSNorm, RoPE, causal softmax (attention's fused
+//! softmax between the two cuBLAS products), SwiGLU and cross-entropy, each
+//! forward and backward, for f32 or bf16 activations with f32 accumulation.
+//!
+//! # Sources
+//!
+//! The CUDA C++ lives next to this file: `llama_math.cuh` holds every
+//! per-lane and per-element body, written to compile both under NVRTC and
+//! as plain host C++; the `.cu` files hold the `__global__` wrappers.
+//! [`LLAMA_SOURCES`] lists them for
+//! [`compile`](zero::core::cuda::kernels::compile): each entry is the
+//! header followed by one `.cu` file (zero-core's compiler hands NVRTC only
+//! its own headers, so ours is prepended; the `.cu` files include it only
+//! when it is not already there, and `#line` keeps NVRTC's messages on the
+//! right file and line). Row reductions run one row per warp, in three
+//! phases (lanes fold strided elements, a shuffle butterfly combines them,
+//! lanes write); `tests/llama_kernels_on_host.rs` runs the same phases on
+//! the host against [`super::ops`], `tests/llama_cuda_nvrtc.rs` compiles
+//! every source, `tests/llama_cuda.rs` runs the kernels on a GPU.
+//!
+//! Nothing uses atomics: every result is run-to-run identical. The weight
+//! gradients of RMSNorm and the embedding are reduced in a fixed order (the
+//! embedding's in exactly the CPU's order, through an
+//! [`EmbeddingGradPlan`] built on the host from the batch's tokens).
+//!
+//! # Launching
+//!
+//! With the `cuda` feature, `LlamaKernels` compiles the sources once per
+//! process and architecture, loads them into a device and launches them on
+//! a caller's stream; every launcher checks lengths and returns without
+//! waiting.
+
+use zero::core::cuda::kernels::KernelSource;
+
+/// Source text of one registry entry: the header, then the `.cu` file, each
+/// with a `#line` marker so that NVRTC's messages name the right file.
+macro_rules! with_header {
+    ($cu:literal) => {
+        concat!(
+            "#line 1 \"llama_math.cuh\"\n",
+            include_str!("llama_math.cuh"),
+            "#line 1 \"",
+            $cu,
+            "\"\n",
+            include_str!($cu)
+        )
+    };
+}
+
+/// RMSNorm forward, backward and weight-gradient kernels.
+pub const NORM_ENTRY_POINTS: &[&str] = &[
+    "llama_rmsnorm_fwd_f32",
+    "llama_rmsnorm_bwd_f32",
+    "llama_rmsnorm_dw_partial_f32",
+    "llama_rmsnorm_fwd_bf16",
+    "llama_rmsnorm_bwd_bf16",
+    "llama_rmsnorm_dw_partial_bf16",
+    "llama_colsum_finish",
+];
+
+/// Causal softmax and cross-entropy kernels.
+pub const SOFTMAX_ENTRY_POINTS: &[&str] = &[
+    "llama_softmax_causal_fwd_f32",
+    "llama_softmax_causal_bwd_f32",
+    "llama_cross_entropy_f32",
+    "llama_softmax_causal_fwd_bf16",
+    "llama_softmax_causal_bwd_bf16",
+    "llama_cross_entropy_bf16",
+    "llama_loss_mean",
+];
+
+/// Embedding, SwiGLU and RoPE kernels.
+pub const ELEMENTWISE_ENTRY_POINTS: &[&str] = &[
+    "llama_embedding_fwd_f32",
+    "llama_embedding_bwd_f32",
+    "llama_swiglu_fwd_f32",
+    "llama_swiglu_bwd_f32",
+    "llama_rope_f32",
+    "llama_embedding_fwd_bf16",
+    "llama_embedding_bwd_bf16",
+    "llama_swiglu_fwd_bf16",
+    "llama_swiglu_bwd_bf16",
+    "llama_rope_bf16",
+];
+
+/// Every CUDA source of the Llama example (header included in each).
+pub const LLAMA_SOURCES: &[KernelSource] = &[
+    KernelSource {
+        name: "llama_norm.cu",
+        source: with_header!("llama_norm.cu"),
+        entry_points: NORM_ENTRY_POINTS,
+    },
+    KernelSource {
+        name: "llama_softmax.cu",
+        source: with_header!("llama_softmax.cu"),
+        entry_points: SOFTMAX_ENTRY_POINTS,
+    },
+    KernelSource {
+        name: "llama_elementwise.cu",
+        source: with_header!("llama_elementwise.cu"),
+        entry_points: ELEMENTWISE_ENTRY_POINTS,
+    },
+];
+
+/// Lanes per row of the row kernels (`LLAMA_LANES`).
+pub const LANES: u32 = 32;
+/// Rows (warps) per block of the row kernels (`LLAMA_ROW_WARPS`).
+pub const ROW_WARPS: u32 = 4;
+/// Threads per block of the elementwise and column kernels
+/// (`LLAMA_EW_BLOCK`).
+pub const EW_BLOCK: u32 = 256;
+/// Rows per partial sum of the RMSNorm weight gradient (`LLAMA_COL_CHUNK`).
+pub const COL_CHUNK: usize = 256;
+
+/// Scratch (f32 elements) the RMSNorm backward needs for `rows` rows of
+/// width `d`: one partial sum per chunk of [`COL_CHUNK`] rows and column.
+pub fn rmsnorm_scratch_len(rows: usize, d: usize) -> usize {
+    rows.div_ceil(COL_CHUNK) * d
+}
+
+/// The rows of a batch grouped by token, for the embedding backward: rows
+/// `order[seg_start[s] .. seg_start[s + 1]]` hold token `seg_token[s]`, in
+/// increasing row order (a stable sort), so each table row's gradient adds
+/// its rows in the CPU's order, one GPU thread per element, no atomics.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EmbeddingGradPlan {
+    pub order: Vec<u32>,
+    pub seg_start: Vec<u32>,
+    pub seg_token: Vec<u32>,
+}
+
+impl EmbeddingGradPlan {
+    /// Groups `tokens` (one per row); errors on a token `>= vocab` or more
+    /// than `u32::MAX` rows.
+    pub fn new(tokens: &[u32], vocab: usize) -> zero::core::Result<Self> {
+        let invalid = |msg: String| zero::core::Error::InvalidSize {
+            op: "llama_embedding_backward",
+            msg,
+        };
+        if u32::try_from(tokens.len()).is_err() {
+            return Err(invalid(format!("{} rows exceed u32", tokens.len())));
+        }
+        if let Some((r, &t)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= vocab)
+        {
+            return Err(invalid(format!(
+                "token {t} at row {r} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let mut order: Vec<u32> = (0..tokens.len() as u32).collect();
+        order.sort_by_key(|&r| tokens[r as usize]);
+        let mut seg_start = Vec::new();
+        let mut seg_token = Vec::new();
+        for (k, &r) in order.iter().enumerate() {
+            let t = tokens[r as usize];
+            if seg_token.last() != Some(&t) {
+                seg_start.push(k as u32);
+                seg_token.push(t);
+            }
+        }
+        seg_start.push(order.len() as u32);
+        Ok(EmbeddingGradPlan {
+            order,
+            seg_start,
+            seg_token,
+        })
+    }
+
+    /// The number of distinct tokens.
+    pub fn segments(&self) -> usize {
+        self.seg_token.len()
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod gpu;
+// Not every file that includes the llama module uses the launchers.
+#[cfg(feature = "cuda")]
+#[allow(unused_imports)]
+pub use gpu::*;

@@ -1,0 +1,444 @@
+#!/usr/bin/env bash
+# Everything the CUDA issue needs from a machine with a GPU, in one go
+# (about 10 minutes at most), with every output under $OUT (default
+# ./gpu-out):
+#
+#   1. the machine: nvidia-smi, GPUs, driver, glibc, memory;
+#   2. the libraries, found on the machine (no network is needed or used):
+#      libcuda (the driver), libnvrtc.so.12 and libnccl.so.2, looked for
+#      in the NVRTC carried with prebuilt executables (--with-nvrtc), on
+#      LD_LIBRARY_PATH, in target/nvrtc-* (scripts/test-cuda.sh), in
+#      Python's site-packages (the nvidia-cuda-nvrtc-cu12 and
+#      nvidia-nccl-cu12 wheels that torch installs), the CUDA toolkit,
+#      ldconfig, and at last by `find /`. cudarc opens `libnccl.so`, not
+#      `libnccl.so.2`: when only the latter exists, a `libnccl.so` link is
+#      made in a temporary directory put on LD_LIBRARY_PATH;
+#   3. zero-core's tests with --features cuda (GPU AdamW against the CPU
+#      reference, arena, streams, NVRTC), with ZERO_REQUIRE_NVRTC=1 when
+#      NVRTC was found;
+#   4. zero-comm's NCCL tests (--test nccl);
+#   5. the GPU benchmark, benches/cuda.rs ($OUT/cuda.json).
+#
+# Usage:
+#   scripts/gpu-session.sh                  on the GPU machine; builds with
+#                                           cargo when it is there, else
+#                                           runs target/gpu-prebuilt if
+#                                           present
+#   scripts/gpu-session.sh --prebuilt DIR   on the GPU machine: run the
+#                                           executables in DIR, no cargo
+#   scripts/gpu-session.sh --build [DIR] [--with-nvrtc]
+#                                           on a machine with cargo (no GPU
+#                                           needed): build those executables
+#                                           into DIR (default
+#                                           target/gpu-prebuilt), stripped,
+#                                           with a manifest (~12 MB);
+#                                           --with-nvrtc adds NVRTC 12.8
+#                                           from target/nvrtc-* gzipped
+#                                           (~44 MB), for a machine without
+#                                           NVRTC
+#
+# A device machine without Rust: build here with `--build`, carry
+# target/gpu-prebuilt (ignored by git, so it must be named in the device
+# tool's `carry`; at most 64 MiB), and run `scripts/gpu-session.sh
+# --prebuilt target/gpu-prebuilt` there. The binaries need the device
+# machine's glibc to be at least the one they were built against (printed
+# by --build: 2.34 on the development machines).
+#
+# Environment: OUT (output folder), STEP_TIMEOUT (seconds per step,
+# default 240), BENCH_ARGS (extra bench options, e.g. "--reps 10"),
+# NCCL_DEBUG (default WARN).
+#
+# MPI is not needed anywhere: zero-comm and the facade are built with
+# --no-default-features (their default feature is `mpi`).
+#
+# Exit status: 0 when every step passed, 1 when one failed, 3 when there
+# was nothing to run (no cargo and no prebuilt executables).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+
+usage() {
+  echo "usage: $0 [--prebuilt DIR | --build [DIR] [--with-nvrtc]]" >&2
+  exit 2
+}
+mode=auto
+prebuilt=""
+with_nvrtc=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --prebuilt)
+      mode=prebuilt
+      prebuilt="${2:-}"
+      [ -n "$prebuilt" ] || usage
+      shift
+      ;;
+    --build)
+      mode=build
+      if [ -n "${2:-}" ] && [ "${2#--}" = "$2" ]; then
+        prebuilt=$2
+        shift
+      fi
+      ;;
+    --with-nvrtc) with_nvrtc=1 ;;
+    *) usage ;;
+  esac
+  shift
+done
+if [ "$mode" = build ]; then prebuilt="${prebuilt:-target/gpu-prebuilt}"; fi
+
+CARGO=$(command -v cargo || true)
+if [ -z "$CARGO" ] && [ -x "$HOME/.cargo/bin/cargo" ]; then
+  CARGO="$HOME/.cargo/bin/cargo"
+fi
+
+# ---------------------------------------------------------------------------
+# --build: the executables, for a machine without cargo
+# ---------------------------------------------------------------------------
+if [ "$mode" = build ]; then
+  if [ -z "$CARGO" ]; then
+    echo "gpu-session: --build needs cargo" >&2
+    exit 2
+  fi
+  PY=$(command -v python3 || command -v python || true)
+  if [ -z "$PY" ]; then
+    echo "gpu-session: --build needs python3 to read cargo's JSON messages" >&2
+    exit 2
+  fi
+  mkdir -p "$prebuilt"
+  dir=$(cd "$prebuilt" && pwd)
+  rm -f "$dir"/*.exe "$dir/manifest.tsv"
+  # name <TAB> target kind/name <TAB> cargo arguments
+  builds=(
+    "zero-core-lib|lib:zero_core|test -p zero-core --features cuda --lib --no-run"
+    "cuda_adamw|test:cuda_adamw|test -p zero-core --features cuda --test cuda_adamw --no-run"
+    "cuda_arena|test:cuda_arena|test -p zero-core --features cuda --test cuda_arena --no-run"
+    "cuda_streams|test:cuda_streams|test -p zero-core --features cuda --test cuda_streams --no-run"
+    "nvrtc|test:nvrtc|test -p zero-core --features cuda --test nvrtc --no-run"
+    "nccl|test:nccl|test -p zero-comm --no-default-features --features cuda --test nccl --no-run"
+    "llama_cuda|test:llama_cuda|test -p zero --no-default-features --features cuda --test llama_cuda --no-run"
+    "llama_cuda_nvrtc|test:llama_cuda_nvrtc|test -p zero --no-default-features --features cuda --test llama_cuda_nvrtc --no-run"
+    "cuda-bench|bench:cuda|test -p zero --no-default-features --features cuda --bench cuda --no-run"
+  )
+  # Where each one runs from (cargo runs tests in their package's folder).
+  declare -A cwd=(
+    [zero-core-lib]=zero-core [cuda_adamw]=zero-core [cuda_arena]=zero-core
+    [cuda_streams]=zero-core [nvrtc]=zero-core [nccl]=zero-comm [cuda-bench]=
+    [llama_cuda]= [llama_cuda_nvrtc]=
+  )
+  for b in "${builds[@]}"; do
+    IFS='|' read -r name target args <<<"$b"
+    echo "== cargo $args"
+    # shellcheck disable=SC2086
+    exe=$("$CARGO" $args --message-format=json | "$PY" -c '
+import json, sys
+kind, name = sys.argv[1].split(":")
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"):
+        continue
+    t = m["target"]
+    if t["name"] == name and kind in t["kind"]:
+        print(m["executable"])
+' "$target" | tail -1)
+    if [ -z "$exe" ] || [ ! -x "$exe" ]; then
+      echo "gpu-session: building $name failed; cargo's messages:" >&2
+      # shellcheck disable=SC2086
+      "$CARGO" $args 2>&1 | tail -30 >&2
+      exit 1
+    fi
+    cp "$exe" "$dir/$name.exe"
+    if command -v strip >/dev/null; then strip --strip-debug "$dir/$name.exe" || true; fi
+    printf '%s\t%s\n' "$name" "${cwd[$name]}" >>"$dir/manifest.tsv"
+    echo "   $exe -> $dir/$name.exe ($(du -h "$dir/$name.exe" | cut -f1))"
+  done
+  rm -rf "$dir/nvrtc"
+  if [ "$with_nvrtc" = 1 ]; then
+    lib=$(ls -d "$REPO"/target/nvrtc-*/nvidia/cuda_nvrtc/lib 2>/dev/null | sort -V | tail -1)
+    if [ -z "$lib" ] || [ ! -e "$lib/libnvrtc.so.12" ]; then
+      echo "gpu-session: --with-nvrtc: no target/nvrtc-*/nvidia/cuda_nvrtc/lib; run scripts/test-cuda.sh" \
+        "once (it installs the NVRTC wheel there)" >&2
+      exit 1
+    fi
+    mkdir -p "$dir/nvrtc"
+    for f in "$lib"/libnvrtc.so.12 "$lib"/libnvrtc-builtins.so.*; do
+      gzip -6 -c "$f" >"$dir/nvrtc/$(basename "$f").gz"
+    done
+    echo "nvrtc: $lib -> $dir/nvrtc ($(du -sh "$dir/nvrtc" | cut -f1), gzip)"
+  fi
+  {
+    echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown) (working tree may differ)"
+    echo "rustc: $(rustc -V 2>/dev/null || echo unknown)"
+    echo "host glibc: $(ldd --version 2>/dev/null | head -1)"
+    need=$(for f in "$dir"/*.exe; do objdump -T "$f" 2>/dev/null; done |
+      grep -o 'GLIBC_[0-9.]*' | sort -u -V | tail -1)
+    echo "needs glibc: ${need:-unknown (objdump missing)}"
+  } >"$dir/BUILD_INFO"
+  cat "$dir/BUILD_INFO"
+  echo "total: $(du -sh "$dir" | cut -f1) in $dir (the device tool carries at most 64 MiB)"
+  echo "next, on the GPU machine: scripts/gpu-session.sh --prebuilt ${prebuilt}"
+  exit 0
+fi
+
+# ---------------------------------------------------------------------------
+# On the GPU machine
+# ---------------------------------------------------------------------------
+OUT="${OUT:-./gpu-out}"
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+STEP_TIMEOUT="${STEP_TIMEOUT:-240}"
+started=$(date +%s)
+declare -a summary=()
+failed=0
+
+note() { echo "gpu-session: $*"; }
+section() { echo; echo "=================== $* ==================="; }
+
+# Runs a step with a time limit, its output also in $OUT/<name>.log.
+step() {
+  local name=$1
+  shift
+  section "$name: $*"
+  local t0 rc
+  t0=$(date +%s)
+  timeout -k 15 "$STEP_TIMEOUT" "$@" 2>&1 | tee "$OUT/$name.log"
+  rc=${PIPESTATUS[0]}
+  local took=$(($(date +%s) - t0))
+  if [ "$rc" -eq 0 ]; then
+    summary+=("$name: ok (${took}s)")
+  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    summary+=("$name: TIMED OUT after ${STEP_TIMEOUT}s")
+    failed=1
+  else
+    if grep -q "GLIBC_[0-9.]*' not found" "$OUT/$name.log"; then
+      note "the executable needs a newer glibc than this machine has ($(ldd --version | head -1))"
+    fi
+    summary+=("$name: FAILED (exit $rc, ${took}s)")
+    failed=1
+  fi
+}
+
+# The session proper (not indented: it holds a heredoc); its output also
+# goes to $OUT/session.log.
+session() {
+tmp_dirs=()
+trap 'rm -rf "${tmp_dirs[@]}"' EXIT
+section "machine"
+date -u
+uname -a
+ldd --version 2>/dev/null | head -1
+nproc
+free -g 2>/dev/null || true
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max \
+    --format=csv 2>&1 | tee -a "$OUT/nvidia-smi.txt"
+  if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -gt 1 ]; then
+    nvidia-smi topo -m 2>&1 | tee -a "$OUT/nvidia-smi.txt"
+  fi
+else
+  note "nvidia-smi not found"
+fi
+
+section "libraries"
+# The prebuilt executables to run when there is no cargo.
+if [ "$mode" = auto ] && [ -z "$CARGO" ] && [ -f target/gpu-prebuilt/manifest.tsv ]; then
+  mode=prebuilt
+  prebuilt=target/gpu-prebuilt
+  note "cargo not found; running the prebuilt executables in $prebuilt"
+fi
+# NVRTC carried with them (--build --with-nvrtc): the version the kernels
+# are tested with, so it goes first.
+carried=""
+if [ "$mode" = prebuilt ] && [ -d "$prebuilt/nvrtc" ]; then
+  carried=$(mktemp -d "${TMPDIR:-/tmp}/zero-nvrtc.XXXXXX")
+  tmp_dirs+=("$carried")
+  for f in "$prebuilt"/nvrtc/*.gz; do
+    gzip -dc "$f" >"$carried/$(basename "$f" .gz)" || note "unpacking $f failed"
+  done
+  note "unpacked the carried NVRTC into $carried"
+fi
+PY=$(command -v python3 || command -v python || true)
+# Folders that may hold the CUDA libraries, most specific first.
+candidate_dirs() {
+  local p
+  [ -n "$carried" ] && echo "$carried"
+  IFS=: read -ra parts <<<"${LD_LIBRARY_PATH:-}"
+  for p in "${parts[@]}"; do [ -n "$p" ] && echo "$p"; done
+  for p in "$REPO"/target/nvrtc-*/nvidia/cuda_nvrtc/lib; do [ -d "$p" ] && echo "$p"; done
+  if [ -n "$PY" ]; then
+    "$PY" - <<'EOF' 2>/dev/null
+import glob, os, site, sys
+roots = []
+try:
+    roots += site.getsitepackages()
+except Exception:
+    pass
+try:
+    roots.append(site.getusersitepackages())
+except Exception:
+    pass
+roots += [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+seen = set()
+for r in roots:
+    for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib"))) + [os.path.join(r, "torch", "lib")]:
+        if os.path.isdir(d) and d not in seen:
+            seen.add(d)
+            print(d)
+EOF
+  fi
+  for p in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-*/lib64 \
+    /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/local/lib /opt/conda/lib; do
+    [ -d "$p" ] && echo "$p"
+  done
+}
+mapfile -t DIRS < <(candidate_dirs | awk '!seen[$0]++')
+
+# find_lib NAME...: the first path of one of the names, in the folders
+# above or in ldconfig's cache.
+find_lib() {
+  local d n p
+  for d in "${DIRS[@]}"; do
+    for n in "$@"; do
+      if [ -e "$d/$n" ]; then echo "$d/$n"; return 0; fi
+    done
+  done
+  for n in "$@"; do
+    p=$(ldconfig -p 2>/dev/null | awk -v n="$n" '$1 == n { print $NF; exit }')
+    if [ -n "$p" ]; then echo "$p"; return 0; fi
+  done
+  return 1
+}
+
+# When some library was not found there: one search of the whole file
+# system (60 s at most) for all of them, whose folders join DIRS.
+search_everywhere() {
+  local args=() n
+  for n in "$@"; do args+=(-o -name "$n"); done
+  note "searching / for ${*} (at most 60 s)"
+  mapfile -t found < <(timeout 60 find / -xdev \( -path /proc -o -path /sys \) -prune \
+    -o \( -false "${args[@]}" \) -print 2>/dev/null)
+  for n in "${found[@]}"; do DIRS+=("$(dirname "$n")"); done
+}
+if ! find_lib libcuda.so.1 libcuda.so >/dev/null || ! find_lib libnvrtc.so.12 libnvrtc.so >/dev/null ||
+  ! find_lib libnccl.so libnccl.so.2 >/dev/null; then
+  search_everywhere libcuda.so.1 libnvrtc.so.12 libnccl.so.2 libnccl.so
+fi
+
+prepend_lib_path() {
+  case ":${LD_LIBRARY_PATH:-}:" in
+    *":$1:"*) ;;
+    *) export LD_LIBRARY_PATH="$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
+  esac
+}
+
+cuda_lib=$(find_lib libcuda.so.1 libcuda.so || true)
+if [ -n "$cuda_lib" ]; then
+  note "driver: $cuda_lib"
+else
+  note "libcuda.so.1 NOT FOUND: no CUDA driver; every GPU test and bench section will skip"
+fi
+
+nvrtc_lib=$(find_lib libnvrtc.so.12 libnvrtc.so || true)
+if [ -n "$nvrtc_lib" ]; then
+  prepend_lib_path "$(dirname "$nvrtc_lib")"
+  export ZERO_REQUIRE_NVRTC=1
+  note "nvrtc: $nvrtc_lib ($(ls "$(dirname "$nvrtc_lib")" | grep -E 'nvrtc' | tr '\n' ' '))"
+else
+  note "libnvrtc.so.12 NOT FOUND: the GPU AdamW tests and bench sections will skip"
+fi
+
+nccl_lib=$(find_lib libnccl.so libnccl.so.2 || true)
+if [ -n "$nccl_lib" ]; then
+  nccl_dir=$(dirname "$nccl_lib")
+  prepend_lib_path "$nccl_dir"
+  if [ ! -e "$nccl_dir/libnccl.so" ]; then
+    link_dir=$(mktemp -d "${TMPDIR:-/tmp}/zero-nccl.XXXXXX")
+    tmp_dirs+=("$link_dir")
+    ln -s "$nccl_lib" "$link_dir/libnccl.so"
+    prepend_lib_path "$link_dir"
+    note "nccl: $nccl_lib (linked as $link_dir/libnccl.so, which cudarc opens)"
+  else
+    note "nccl: $nccl_dir/libnccl.so"
+  fi
+else
+  note "libnccl.so.2 NOT FOUND: the NCCL tests and bench section will skip"
+fi
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+export RUST_BACKTRACE="${RUST_BACKTRACE:-1}"
+note "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+{
+  echo "libcuda=${cuda_lib:-}"
+  echo "libnvrtc=${nvrtc_lib:-}"
+  echo "libnccl=${nccl_lib:-}"
+  echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+} >"$OUT/libraries.txt"
+
+# shellcheck disable=SC2206
+bench_args=(--json "$OUT/cuda.json" ${BENCH_ARGS:-})
+
+if [ "$mode" = auto ]; then
+  if [ -n "$CARGO" ]; then
+    mode=cargo
+  else
+    section "nothing to run"
+    note "cargo is NOT installed on this machine and no prebuilt executables are here."
+    note "On a machine with cargo run: scripts/gpu-session.sh --build target/gpu-prebuilt"
+    note "then carry target/gpu-prebuilt here and run: scripts/gpu-session.sh --prebuilt target/gpu-prebuilt"
+    return 3
+  fi
+fi
+
+if [ "$mode" = cargo ]; then
+  export CARGO_NET_OFFLINE=true
+  note "cargo: $CARGO ($("$CARGO" -V)); offline"
+  step test-zero-core "$CARGO" test -p zero-core --features cuda
+  step test-nccl "$CARGO" test -p zero-comm --no-default-features --features cuda --test nccl
+  step test-llama_cuda "$CARGO" test -p zero --no-default-features --features cuda --test llama_cuda --test llama_cuda_nvrtc
+  step bench-cuda "$CARGO" bench -p zero --no-default-features --features cuda --bench cuda -- "${bench_args[@]}"
+else
+  dir=$(cd "$prebuilt" 2>/dev/null && pwd) || {
+    note "no folder $prebuilt"
+    return 3
+  }
+  if [ ! -f "$dir/manifest.tsv" ]; then
+    note "$dir has no manifest.tsv: build it with scripts/gpu-session.sh --build $prebuilt"
+    return 3
+  fi
+  [ -f "$dir/BUILD_INFO" ] && cat "$dir/BUILD_INFO"
+  while IFS=$'\t' read -r name where; do
+    exe="$dir/$name.exe"
+    if [ ! -x "$exe" ]; then
+      summary+=("$name: MISSING ($exe)")
+      failed=1
+      continue
+    fi
+    if [ "$name" = cuda-bench ]; then
+      step bench-cuda bash -c 'cd "$1" && shift && exec "$@"' _ "$REPO${where:+/$where}" "$exe" --bench "${bench_args[@]}"
+    else
+      step "test-$name" bash -c 'cd "$1" && shift && exec "$@"' _ "$REPO${where:+/$where}" "$exe"
+    fi
+  done <"$dir/manifest.tsv"
+fi
+
+section "summary"
+{
+  echo "mode: $mode; $(($(date +%s) - started)) s"
+  printf '%s\n' "${summary[@]}"
+  for name in test-zero-core test-zero-core-lib test-cuda_adamw test-cuda_arena test-cuda_streams test-nvrtc test-nccl test-llama_cuda test-llama_cuda_nvrtc; do
+    f="$OUT/$name.log"
+    [ -f "$f" ] || continue
+    n=$(grep -c -E "skipped|^SKIP" "$f" || true)
+    [ "$n" -gt 0 ] && echo "$name: $n skip line(s), e.g. $(grep -m1 -E "skipped|^SKIP" "$f")"
+  done
+  [ -f "$OUT/bench-cuda.log" ] && grep -E "skipped:|FAILED:|MISS" "$OUT/bench-cuda.log"
+} | tee "$OUT/summary.txt"
+echo "outputs: $OUT"
+return "$failed"
+}
+
+session 2>&1 | tee "$OUT/session.log"
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,114 @@
+//! Every CUDA source of the Llama example (`LLAMA_SOURCES`) compiles with
+//! NVRTC, with the library's options, for sm_80 and sm_90, without a
+//! warning, and defines exactly the entry points it lists. Needs only
+//! libnvrtc, no GPU.
+//!
+//! Unlike zero-core's bit-exact AdamW, these kernels use `expf`/`logf`,
+//! whose CUDA implementations are built on `ex2.approx`/`lg2.approx`, so
+//! the PTX is not checked for approximate instructions.
+//!
+//! Run with `LD_LIBRARY_PATH=<site-packages>/nvidia/cuda_nvrtc/lib
+//! ZERO_REQUIRE_NVRTC=1 cargo test --features cuda --test llama_cuda_nvrtc`.
+//! Without the library the tests print a skip line, or fail when
+//! `ZERO_REQUIRE_NVRTC=1`.
+#![cfg(feature = "cuda")]
+
+#[path = "../examples/llama/mod.rs"]
+mod llama;
+
+use std::io::Write;
+
+use llama::cuda::LLAMA_SOURCES;
+use zero::core::cuda::kernels::{compile, nvrtc_available};
+
+/// Whether NVRTC is there; otherwise a visible skip, or a failure when
+/// `ZERO_REQUIRE_NVRTC=1` (as zero-core/tests/nvrtc.rs).
+fn nvrtc_or_skip(test: &str) -> bool {
+    if nvrtc_available() {
+        return true;
+    }
+    assert!(
+        std::env::var("ZERO_REQUIRE_NVRTC").map_or(true, |v| v != "1"),
+        "ZERO_REQUIRE_NVRTC=1 but libnvrtc cannot be loaded: install it with \
+         `pip install nvidia-cuda-nvrtc-cu12==12.8.93` and run with \
+         LD_LIBRARY_PATH=<site-packages>/nvidia/cuda_nvrtc/lib"
+    );
+    let _ = writeln!(
+        std::io::stderr(),
+        "{test}: skipped: libnvrtc not found (set LD_LIBRARY_PATH to its directory)"
+    );
+    false
+}
+
+#[test]
+fn every_llama_source_compiles_cleanly_with_its_entry_points() {
+    if !nvrtc_or_skip("every_llama_source_compiles_cleanly_with_its_entry_points") {
+        return;
+    }
+    assert!(!LLAMA_SOURCES.is_empty());
+    for src in LLAMA_SOURCES {
+        for arch in ["sm_80", "sm_90"] {
+            let c = compile(src, arch).unwrap_or_else(|e| panic!("{} for {arch}: {e}", src.name));
+            assert!(
+                !c.log.to_ascii_lowercase().contains("warning"),
+                "{} for {arch} compiled with warnings:\n{}",
+                src.name,
+                c.log
+            );
+            assert!(
+                c.cubin
+                    .as_deref()
+                    .unwrap_or_default()
+                    .starts_with(b"\x7fELF"),
+                "{} for {arch}: no CUBIN",
+                src.name
+            );
+            let entries = c.ptx.matches(".entry ").count();
+            assert_eq!(
+                entries,
+                src.entry_points.len(),
+                "{} for {arch}: {entries} kernels in the PTX, {} listed",
+                src.name,
+                src.entry_points.len()
+            );
+            for e in src.entry_points {
+                assert!(
+                    c.ptx.contains(&format!(".entry {e}(")),
+                    "{} for {arch}: entry point `{e}` missing from the PTX",
+                    src.name
+                );
+            }
+            // The reductions run in warps: the butterfly is shuffles, and
+            // nothing is reduced through atomics.
+            if src.name != "llama_elementwise.cu" {
+                assert!(
+                    c.ptx.contains("shfl.sync.bfly"),
+                    "{}: no shuffles",
+                    src.name
+                );
+            }
+            assert!(!c.ptx.contains("atom."), "{}: atomics", src.name);
+        }
+    }
+}
+
+#[test]
+fn nvrtc_messages_point_into_the_right_file() {
+    if !nvrtc_or_skip("nvrtc_messages_point_into_the_right_file") {
+        return;
+    }
+    // The registry prepends the header with `#line` markers: an error in
+    // a .cu file is reported against that file.
+    let src = zero::core::cuda::kernels::KernelSource {
+        name: "broken_llama.cu",
+        source: concat!(
+            "#line 1 \"llama_math.cuh\"\n",
+            include_str!("../examples/llama/cuda/llama_math.cuh"),
+            "#line 1 \"broken_llama.cu\"\n",
+            "\n\nextern \"C\" __global__ void k() { undefined_name(); }\n"
+        ),
+        entry_points: &["k"],
+    };
+    let err = compile(&src, "sm_90").unwrap_err().to_string();
+    assert!(err.contains("broken_llama.cu(3)"), "{err}");
+}
