@@ -15,10 +15,11 @@
 //! Without a GPU (`Device::cuda(0)` fails) every test prints a skip line.
 #![cfg(feature = "cuda")]
 
+#[path = "../zero-core/tests/kernel_checks/mod.rs"]
+mod kernel_checks;
 #[path = "../examples/llama/mod.rs"]
 mod llama;
 
-use std::io::Write;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
@@ -27,7 +28,7 @@ use llama::cuda::{
 };
 use llama::ops::{self, AttnShape, Rope};
 use llama::XorShift;
-use zero::core::{bf16, Device, Element};
+use zero::core::{bf16, Element};
 
 struct Gpu {
     k: LlamaKernels,
@@ -36,15 +37,10 @@ struct Gpu {
 
 /// The kernels on GPU 0, or a visible skip.
 fn gpu(test: &str) -> Option<Gpu> {
-    let dev = match Device::cuda(0) {
-        Ok(Device::Cuda(dev)) => dev,
-        Ok(Device::Cpu) => unreachable!("Device::cuda gives a CUDA device"),
-        Err(e) => {
-            // Straight to stderr: libtest hides `eprintln!` of passing tests.
-            let _ = writeln!(std::io::stderr(), "{test}: skipped: no CUDA device ({e})");
-            return None;
-        }
-    };
+    let dev = kernel_checks::cuda_device_or_skip(test)?;
+    if !kernel_checks::nvrtc_or_skip(test) {
+        return None;
+    }
     let k = LlamaKernels::new(&dev).unwrap_or_else(|e| panic!("loading the Llama kernels: {e}"));
     let stream = dev.context().default_stream();
     Some(Gpu { k, stream })

@@ -13,32 +13,14 @@
 //! `ZERO_REQUIRE_NVRTC=1`.
 #![cfg(feature = "cuda")]
 
+#[path = "../zero-core/tests/kernel_checks/mod.rs"]
+mod kernel_checks;
 #[path = "../examples/llama/mod.rs"]
 mod llama;
 
-use std::io::Write;
-
+use kernel_checks::{compile_clean, nvrtc_or_skip};
 use llama::cuda::LLAMA_SOURCES;
-use zero::core::cuda::kernels::{compile, nvrtc_available};
-
-/// Whether NVRTC is there; otherwise a visible skip, or a failure when
-/// `ZERO_REQUIRE_NVRTC=1` (as zero-core/tests/nvrtc.rs).
-fn nvrtc_or_skip(test: &str) -> bool {
-    if nvrtc_available() {
-        return true;
-    }
-    assert!(
-        std::env::var("ZERO_REQUIRE_NVRTC").map_or(true, |v| v != "1"),
-        "ZERO_REQUIRE_NVRTC=1 but libnvrtc cannot be loaded: install it with \
-         `pip install nvidia-cuda-nvrtc-cu12==12.8.93` and run with \
-         LD_LIBRARY_PATH=<site-packages>/nvidia/cuda_nvrtc/lib"
-    );
-    let _ = writeln!(
-        std::io::stderr(),
-        "{test}: skipped: libnvrtc not found (set LD_LIBRARY_PATH to its directory)"
-    );
-    false
-}
+use zero::core::cuda::kernels::compile;
 
 #[test]
 fn every_llama_source_compiles_cleanly_with_its_entry_points() {
@@ -48,36 +30,7 @@ fn every_llama_source_compiles_cleanly_with_its_entry_points() {
     assert!(!LLAMA_SOURCES.is_empty());
     for src in LLAMA_SOURCES {
         for arch in ["sm_80", "sm_90"] {
-            let c = compile(src, arch).unwrap_or_else(|e| panic!("{} for {arch}: {e}", src.name));
-            assert!(
-                !c.log.to_ascii_lowercase().contains("warning"),
-                "{} for {arch} compiled with warnings:\n{}",
-                src.name,
-                c.log
-            );
-            assert!(
-                c.cubin
-                    .as_deref()
-                    .unwrap_or_default()
-                    .starts_with(b"\x7fELF"),
-                "{} for {arch}: no CUBIN",
-                src.name
-            );
-            let entries = c.ptx.matches(".entry ").count();
-            assert_eq!(
-                entries,
-                src.entry_points.len(),
-                "{} for {arch}: {entries} kernels in the PTX, {} listed",
-                src.name,
-                src.entry_points.len()
-            );
-            for e in src.entry_points {
-                assert!(
-                    c.ptx.contains(&format!(".entry {e}(")),
-                    "{} for {arch}: entry point `{e}` missing from the PTX",
-                    src.name
-                );
-            }
+            let c = compile_clean(src, arch);
             // The reductions run in warps: the butterfly is shuffles, and
             // nothing is reduced through atomics.
             if src.name != "llama_elementwise.cu" {

@@ -23,28 +23,19 @@
 //! The compiler is `$CXX` or `c++`. Without one the tests print a skip line,
 //! or fail when `CI` is set.
 
+#[path = "../zero-core/tests/kernel_checks/mod.rs"]
+mod kernel_checks;
 #[path = "../examples/llama/mod.rs"]
 mod llama;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
 use llama::cuda::EmbeddingGradPlan;
 use llama::ops::{self, AttnShape, Rope};
 use llama::XorShift;
 use zero::core::{bf16, Element};
-
-const CXX_FLAGS: &[&str] = &[
-    "-O2",
-    "-ffp-contract=off",
-    "-fno-fast-math",
-    "-std=c++17",
-    "-Wall",
-    "-Wextra",
-    "-Werror",
-];
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -54,83 +45,22 @@ fn root() -> &'static Path {
 /// C++ compiler (and `CI` is not set).
 fn driver() -> Option<&'static Path> {
     static DRIVER: OnceLock<Option<PathBuf>> = OnceLock::new();
-    DRIVER.get_or_init(build_driver).as_deref()
-}
-
-fn build_driver() -> Option<PathBuf> {
-    let cxx = std::env::var("CXX")
-        .ok()
-        .filter(|s| !s.trim().is_empty())
-        .unwrap_or_else(|| "c++".to_string());
-    let mut words = cxx.split_whitespace();
-    let program = words.next().unwrap_or("c++").to_string();
-    let pre: Vec<String> = words.map(str::to_string).collect();
-    let found = Command::new(&program)
-        .args(&pre)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "no C++ compiler `{cxx}` found (set CXX); CI needs the host check of the Llama kernels"
-        );
-        // Straight to stderr: libtest hides `eprintln!` of passing tests.
-        let _ = writeln!(
-            std::io::stderr(),
-            "llama_kernels_on_host: skipped: no C++ compiler `{cxx}` found (set CXX)"
-        );
-        return None;
-    }
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("llama_kernels_on_host");
-    std::fs::create_dir_all(&dir).expect("create the driver's directory");
-    let exe = dir.join("host_check");
-    let tmp = dir.join(format!("host_check.{}.tmp", std::process::id()));
-    let cuda_dir = root().join("examples/llama/cuda");
-    let out = Command::new(&program)
-        .args(&pre)
-        .args(CXX_FLAGS)
-        .arg("-I")
-        .arg(root().join("zero-core/kernels"))
-        .arg("-I")
-        .arg(&cuda_dir)
-        .arg(cuda_dir.join("host_check.cpp"))
-        .arg("-o")
-        .arg(&tmp)
-        .output()
-        .expect("run the C++ compiler");
-    assert!(
-        out.status.success(),
-        "compiling examples/llama/cuda/host_check.cpp with `{cxx} {}` failed:\n{}",
-        CXX_FLAGS.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    std::fs::rename(&tmp, &exe).expect("move the driver into place");
-    Some(exe)
+    DRIVER
+        .get_or_init(|| {
+            let cuda = root().join("examples/llama/cuda");
+            kernel_checks::host_driver(
+                "llama_kernels_on_host",
+                &cuda.join("host_check.cpp"),
+                &[&root().join("zero-core/kernels"), &cuda],
+                &Path::new(env!("CARGO_TARGET_TMPDIR")).join("llama_kernels_on_host"),
+            )
+        })
+        .as_deref()
 }
 
 /// Runs `host_check op E` on `input`; returns its stdout.
 fn run<E: Act>(exe: &Path, op: &str, input: Rec) -> Out {
-    let mut child = Command::new(exe)
-        .args([op, E::NAME])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the host driver");
-    let mut stdin = child.stdin.take().expect("piped stdin");
-    let data = input.0;
-    let writer = std::thread::spawn(move || stdin.write_all(&data));
-    let out = child.wait_with_output().expect("wait for the host driver");
-    let wrote = writer.join().expect("writer thread");
-    assert!(
-        out.status.success(),
-        "host_check {op} {} failed: {}",
-        E::NAME,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    wrote.expect("write the driver's input");
-    Out(out.stdout, 0)
+    Out(kernel_checks::run_driver(exe, &[op, E::NAME], input.0), 0)
 }
 
 /// The activation types of the kernels.

@@ -9,24 +9,18 @@
 //! without libnvrtc they skip too, unless `ZERO_REQUIRE_NVRTC=1`.
 #![cfg(feature = "cuda")]
 
-use std::io::Write;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
-use zero_core::cuda::kernels::{norm_scratch_len, nvrtc_available, GpuAdamW};
+use zero_core::cuda::kernels::{norm_scratch_len, GpuAdamW};
 use zero_core::optim::{
     adamw_reference, sum_squares, sum_squares_chunk, AdamWParams, AdamWStep, NORM_CHUNK,
 };
-use zero_core::{bf16, f16, Device, Element, Error};
+use zero_core::{bf16, f16, Element, Error};
 
 mod common;
+mod kernel_checks;
 use common::Rng;
-
-/// Prints a skip line that libtest does not capture (`eprintln!` output
-/// of a passing test is hidden).
-fn skip(msg: &str) {
-    let _ = writeln!(std::io::stderr(), "{msg}");
-}
 
 struct Gpu {
     adam: GpuAdamW,
@@ -35,22 +29,8 @@ struct Gpu {
 
 /// The GPU and its kernels, or a visible skip.
 fn gpu(test: &str) -> Option<Gpu> {
-    let dev = match Device::cuda(0) {
-        Ok(Device::Cuda(dev)) => dev,
-        Ok(Device::Cpu) => unreachable!("Device::cuda returned the CPU"),
-        Err(e) => {
-            skip(&format!("{test}: skipped: no CUDA device ({e})"));
-            return None;
-        }
-    };
-    if !nvrtc_available() {
-        assert!(
-            std::env::var("ZERO_REQUIRE_NVRTC").map_or(true, |v| v != "1"),
-            "ZERO_REQUIRE_NVRTC=1 but libnvrtc cannot be loaded: `pip install \
-             nvidia-cuda-nvrtc-cu12==12.8.93` and set \
-             LD_LIBRARY_PATH=<site-packages>/nvidia/cuda_nvrtc/lib"
-        );
-        skip(&format!("{test}: skipped: libnvrtc not found"));
+    let dev = kernel_checks::cuda_device_or_skip(test)?;
+    if !kernel_checks::nvrtc_or_skip(test) {
         return None;
     }
     let adam = GpuAdamW::new(&dev).expect("compile and load the kernels");

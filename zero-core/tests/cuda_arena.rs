@@ -182,6 +182,9 @@ fn default_alignment_is_the_cuda_malloc_guarantee() {
 }
 
 #[cfg(feature = "cuda")]
+mod kernel_checks;
+
+#[cfg(feature = "cuda")]
 mod gpu {
     use std::io::Write;
 
@@ -189,7 +192,7 @@ mod gpu {
     use zero_core::cuda::arena::{ArenaPlan, BufferRequest, DeviceArena, Phases};
     use zero_core::cuda::stream::Streams;
     use zero_core::memory::{Category, MemoryTracker, Tier};
-    use zero_core::{CudaDevice, Device};
+    use zero_core::CudaDevice;
 
     const MIB: u64 = 1 << 20;
 
@@ -201,14 +204,7 @@ mod gpu {
 
     /// CUDA device 0, or `None` after a skip line.
     fn gpu(test: &str) -> Option<CudaDevice> {
-        match Device::cuda(0) {
-            Ok(Device::Cuda(d)) => Some(d),
-            Ok(Device::Cpu) => None,
-            Err(e) => {
-                note(&format!("SKIP {test}: no CUDA device ({e})"));
-                None
-            }
-        }
+        super::kernel_checks::cuda_device_or_skip(test)
     }
 
     fn plan(rank: usize) -> ArenaPlan {

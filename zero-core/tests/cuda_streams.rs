@@ -15,7 +15,9 @@ use half::bf16;
 use zero_core::cuda::arena::{ArenaPlan, BufferRequest, DeviceArena, Phases};
 use zero_core::cuda::stream::{PinnedHostBuffer, StreamKind, Streams};
 use zero_core::memory::{Category, MemoryTracker, Tier};
-use zero_core::{CudaDevice, Device, Error};
+use zero_core::{CudaDevice, Error};
+
+mod kernel_checks;
 
 /// Elements of the large test buffers (f32: 64 MiB).
 const N: usize = 16 << 20;
@@ -28,14 +30,7 @@ fn note(line: &str) {
 
 /// CUDA device 0, or `None` after a skip line.
 fn gpu(test: &str) -> Option<CudaDevice> {
-    match Device::cuda(0) {
-        Ok(Device::Cuda(d)) => Some(d),
-        Ok(Device::Cpu) => None,
-        Err(e) => {
-            note(&format!("SKIP {test}: no CUDA device ({e})"));
-            None
-        }
-    }
+    kernel_checks::cuda_device_or_skip(test)
 }
 
 /// `a`, `b` and `c`: N f32 each; `bucket`/`tile` share a slot.

@@ -15,9 +15,7 @@
 //! The compiler is `$CXX` or `c++`. Without one the tests print a skip line,
 //! or fail when `CI` is set.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
 use zero_core::optim::{
@@ -26,19 +24,9 @@ use zero_core::optim::{
 use zero_core::{bf16, f16, DType, Element};
 
 mod common;
+mod kernel_checks;
 use common::Rng;
-
-/// Flags the kernels' contract is checked under: no contraction of `a*b+c`
-/// and no value-changing optimizations.
-const CXX_FLAGS: &[&str] = &[
-    "-O2",
-    "-ffp-contract=off",
-    "-fno-fast-math",
-    "-std=c++17",
-    "-Wall",
-    "-Wextra",
-    "-Werror",
-];
+use kernel_checks::run_driver as run;
 
 fn kernels_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels")
@@ -48,83 +36,16 @@ fn kernels_dir() -> PathBuf {
 /// C++ compiler (and `CI` is not set).
 fn driver() -> Option<&'static Path> {
     static DRIVER: OnceLock<Option<PathBuf>> = OnceLock::new();
-    DRIVER.get_or_init(build_driver).as_deref()
-}
-
-fn build_driver() -> Option<PathBuf> {
-    let cxx = std::env::var("CXX")
-        .ok()
-        .filter(|s| !s.trim().is_empty())
-        .unwrap_or_else(|| "c++".to_string());
-    // `CXX` may carry a launcher or flags ("ccache g++").
-    let mut words = cxx.split_whitespace();
-    let program = words.next().unwrap_or("c++").to_string();
-    let pre: Vec<String> = words.map(str::to_string).collect();
-    let found = Command::new(&program)
-        .args(&pre)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "no C++ compiler `{cxx}` found (set CXX); CI needs the host check of the CUDA kernels"
-        );
-        // Straight to stderr: libtest hides `eprintln!` output of passing
-        // tests.
-        let _ = writeln!(
-            std::io::stderr(),
-            "kernels_on_host: skipped: no C++ compiler `{cxx}` found (set CXX)"
-        );
-        return None;
-    }
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("zero_kernels_on_host");
-    std::fs::create_dir_all(&dir).expect("create the driver's directory");
-    // Built under a name of this process, then renamed into place: a
-    // concurrent test process never runs a half-written driver, and runs do
-    // not pile up executables.
-    let exe = dir.join("host_check");
-    let tmp = dir.join(format!("host_check.{}.tmp", std::process::id()));
-    let out = Command::new(&program)
-        .args(&pre)
-        .args(CXX_FLAGS)
-        .arg("-I")
-        .arg(kernels_dir())
-        .arg(kernels_dir().join("host_check.cpp"))
-        .arg("-o")
-        .arg(&tmp)
-        .output()
-        .expect("run the C++ compiler");
-    assert!(
-        out.status.success(),
-        "compiling kernels/host_check.cpp with `{cxx} {}` failed:\n{}",
-        CXX_FLAGS.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    std::fs::rename(&tmp, &exe).expect("move the driver into place");
-    Some(exe)
-}
-
-/// Runs the driver with `args`, feeding it `input`; returns its stdout.
-fn run(exe: &Path, args: &[&str], input: Vec<u8>) -> Vec<u8> {
-    let mut child = Command::new(exe)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the host driver");
-    let mut stdin = child.stdin.take().expect("piped stdin");
-    let writer = std::thread::spawn(move || stdin.write_all(&input));
-    let out = child.wait_with_output().expect("wait for the host driver");
-    let wrote = writer.join().expect("writer thread");
-    assert!(
-        out.status.success(),
-        "host_check {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    wrote.expect("write the driver's input");
-    out.stdout
+    DRIVER
+        .get_or_init(|| {
+            kernel_checks::host_driver(
+                "kernels_on_host",
+                &kernels_dir().join("host_check.cpp"),
+                &[&kernels_dir()],
+                &Path::new(env!("CARGO_TARGET_TMPDIR")).join("zero_kernels_on_host"),
+            )
+        })
+        .as_deref()
 }
 
 /// Takes values from the driver's output.
