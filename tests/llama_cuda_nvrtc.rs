@@ -50,18 +50,15 @@ fn nvrtc_messages_point_into_the_right_file() {
     if !nvrtc_or_skip("nvrtc_messages_point_into_the_right_file") {
         return;
     }
-    // The registry prepends the header with `#line` markers: an error in
-    // a .cu file is reported against that file.
+    // An error in a .cu file is reported against that file and line, and
+    // the Llama header (which includes zero-core's) is found by name.
     let src = zero::core::cuda::kernels::KernelSource {
         name: "broken_llama.cu",
-        source: concat!(
-            "#line 1 \"llama_math.cuh\"\n",
-            include_str!("../examples/llama/cuda/llama_math.cuh"),
-            "#line 1 \"broken_llama.cu\"\n",
-            "\n\nextern \"C\" __global__ void k() { undefined_name(); }\n"
-        ),
+        source: "#include \"llama_math.cuh\"\n\nextern \"C\" __global__ void k() { undefined_name(); }\n",
+        headers: llama::cuda::LLAMA_HEADERS,
         entry_points: &["k"],
     };
     let err = compile(&src, "sm_90").unwrap_err().to_string();
     assert!(err.contains("broken_llama.cu(3)"), "{err}");
+    assert!(!err.contains("cannot open source file"), "{err}");
 }

@@ -38,47 +38,10 @@
 #include <string>
 #include <vector>
 
+#include "host_io.hpp"
 #include "zero_math.cuh"
 
 namespace {
-
-[[noreturn]] void fail(const std::string& msg) {
-  fprintf(stderr, "host_check: %s\n", msg.c_str());
-  exit(2);
-}
-
-std::vector<unsigned char> read_stdin() {
-  std::vector<unsigned char> data;
-  unsigned char buf[1 << 16];
-  size_t got;
-  while ((got = fread(buf, 1, sizeof buf, stdin)) > 0) {
-    data.insert(data.end(), buf, buf + got);
-  }
-  if (ferror(stdin)) fail("cannot read stdin");
-  return data;
-}
-
-void write_out(const void* p, size_t bytes) {
-  if (bytes != 0 && fwrite(p, 1, bytes, stdout) != bytes) fail("cannot write stdout");
-}
-
-// Reads from the input with bounds checks.
-struct Reader {
-  const std::vector<unsigned char>& data;
-  size_t pos = 0;
-  bool done() const { return pos == data.size(); }
-  void take(void* dst, size_t bytes) {
-    if (data.size() - pos < bytes) fail("truncated input");
-    if (bytes != 0) memcpy(dst, data.data() + pos, bytes);
-    pos += bytes;
-  }
-  template <class T>
-  T get() {
-    T x;
-    take(&x, sizeof x);
-    return x;
-  }
-};
 
 // `n` elements of `bytes` each, starting `offset` elements past a 64-byte
 // boundary.
@@ -198,8 +161,7 @@ int main(int argc, char** argv) {
   static_assert(sizeof(ZeroAdamWConsts) == 9 * sizeof(float), "ZeroAdamWConsts has padding");
   if (argc < 3) fail("usage: host_check decode|encode|adamw|sumsq TYPE...");
   const std::string mode = argv[1];
-  const std::vector<unsigned char> data = read_stdin();
-  Reader in{data};
+  Reader in = read_stdin();
   if (mode == "decode" || mode == "encode") {
     const std::string t = argv[2];
     if (t != "bf16" && t != "f16") fail("unknown type " + t);

@@ -96,6 +96,7 @@ fn compile_errors_name_the_source_and_carry_the_log() {
         name: "broken.cu",
         source:
             "#include \"zero_math.cuh\"\nextern \"C\" __global__ void k() { undefined_name(); }\n",
+        headers: &[],
         entry_points: &["k"],
     };
     let err = compile(&bad, "sm_90").unwrap_err();
@@ -121,6 +122,7 @@ fn compile_errors_name_the_source_and_carry_the_log() {
     let warns = KernelSource {
         name: "warns.cu",
         source: "extern \"C\" __global__ void k(int* p) { int unused_var; p[0] = 1; }\n",
+        headers: &[],
         entry_points: &["k"],
     };
     let c = compile(&warns, "sm_80").unwrap();

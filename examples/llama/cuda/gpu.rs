@@ -1,15 +1,14 @@
 //! Loading and launching the Llama kernels (feature `cuda`).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
     DriverError, LaunchArgs, LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::Ptx;
 
-use zero::core::cuda::kernels::{compile, CompiledSource, KernelSource};
+use zero::core::cuda::kernels::{load_module, target_arch};
 use zero::core::{CudaDevice, DType, Element, Error, Result};
 
 use super::{EmbeddingGradPlan, COL_CHUNK, EW_BLOCK, LANES, LLAMA_SOURCES, ROW_WARPS};
@@ -20,22 +19,6 @@ fn driver_err(e: DriverError) -> Error {
 
 fn size_err(op: &'static str, msg: String) -> Error {
     Error::InvalidSize { op, msg }
-}
-
-/// `compile`, once per (source, architecture) and process.
-fn compile_cached(src: &'static KernelSource, arch: &str) -> Result<Arc<CompiledSource>> {
-    type Key = (&'static str, String);
-    static CACHE: OnceLock<Mutex<HashMap<Key, Arc<CompiledSource>>>> = OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    // Insertion is one call, so a poisoned lock holds no half-written entry.
-    let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
-    let key = (src.name, arch.to_string());
-    if let Some(c) = map.get(&key) {
-        return Ok(c.clone());
-    }
-    let c = Arc::new(compile(src, arch)?);
-    map.insert(key, c.clone());
-    Ok(c)
 }
 
 /// The dtype suffix of an entry point: f32 or bf16 activations.
@@ -102,22 +85,16 @@ fn check_lens(op: &'static str, lens: &[(&str, usize, usize)]) -> Result<()> {
 
 impl LlamaKernels {
     /// Compiles (once per process) and loads every Llama kernel for
-    /// `device`, as device code for its architecture (`sm_XY`; NVRTC must
-    /// know it). Errors: [`Error::Cuda`] when NVRTC is missing or fails, or
+    /// `device`, as device code for its architecture, or as PTX for a GPU
+    /// newer than NVRTC (zero-core's `target_arch`). Errors: [`Error::Cuda`] when NVRTC is missing or fails, or
     /// when loading fails.
     pub fn new(device: &CudaDevice) -> Result<Self> {
         let ctx = device.context().clone();
-        let (major, minor) = ctx.compute_capability().map_err(driver_err)?;
-        let arch = format!("sm_{major}{minor}");
+        let arch = target_arch(&ctx)?;
         let mut modules = Vec::new();
         let mut functions = HashMap::new();
         for src in LLAMA_SOURCES {
-            let c = compile_cached(src, &arch)?;
-            let image = match &c.cubin {
-                Some(cubin) => Ptx::from_binary(cubin.clone()),
-                None => Ptx::from_src(c.ptx.clone()),
-            };
-            let module = ctx.load_module(image).map_err(driver_err)?;
+            let module = load_module(&ctx, src, &arch)?;
             for &name in src.entry_points {
                 functions.insert(name, module.load_function(name).map_err(driver_err)?);
             }

@@ -43,57 +43,14 @@
 #include <string>
 #include <vector>
 
+#include "host_io.hpp"
 #include "llama_math.cuh"
 
 namespace {
 
-[[noreturn]] void fail(const std::string& msg) {
-  fprintf(stderr, "llama host_check: %s\n", msg.c_str());
-  exit(2);
-}
-
-struct Reader {
-  std::vector<unsigned char> data;
-  size_t pos = 0;
-  void take(void* dst, size_t bytes) {
-    if (data.size() - pos < bytes) fail("truncated input");
-    if (bytes != 0) memcpy(dst, data.data() + pos, bytes);
-    pos += bytes;
-  }
-  template <class T>
-  T get() {
-    T x;
-    take(&x, sizeof x);
-    return x;
-  }
-  template <class T>
-  std::vector<T> vec(uint64_t n) {
-    if (n > (data.size() - pos) / sizeof(T)) fail("truncated input");
-    std::vector<T> v(n);
-    take(v.data(), n * sizeof(T));
-    return v;
-  }
-  void finish() const {
-    if (pos != data.size()) fail("trailing input");
-  }
-};
-
-Reader read_stdin() {
-  Reader r;
-  unsigned char buf[1 << 16];
-  size_t got;
-  while ((got = fread(buf, 1, sizeof buf, stdin)) > 0) {
-    r.data.insert(r.data.end(), buf, buf + got);
-  }
-  if (ferror(stdin)) fail("cannot read stdin");
-  return r;
-}
-
 template <class T>
 void put(const std::vector<T>& v) {
-  if (!v.empty() && fwrite(v.data(), sizeof(T), v.size(), stdout) != v.size()) {
-    fail("cannot write stdout");
-  }
+  write_out(v.data(), v.size() * sizeof(T));
 }
 
 template <class T>

@@ -16,9 +16,7 @@
 //   llama_rope_E(x, cos, sin, rows, seq, heads, half, inverse)
 //       in place on [rows, heads * 2 * half]; inverse = 1 for the backward.
 
-#if !defined(LLAMA_MATH_CUH)
 #include "llama_math.cuh"
-#endif
 
 #define LLAMA_GRID_STRIDE(I, N)                                                                \
   for (zero_u64 I = (zero_u64)blockIdx.x * blockDim.x + threadIdx.x; I < (N);                 \

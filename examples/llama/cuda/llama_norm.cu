@@ -12,9 +12,7 @@
 // of LLAMA_COL_CHUNK rows and column a partial sum, then dw[j] += the
 // partials in chunk order (deterministic, no atomics).
 
-#if !defined(LLAMA_MATH_CUH)
 #include "llama_math.cuh"
-#endif
 
 __device__ __forceinline__ zero_u64 llama_tid() {
   return (zero_u64)blockIdx.x * blockDim.x + threadIdx.x;

@@ -18,9 +18,7 @@
 // Row kernels: blocks of LLAMA_ROW_WARPS warps, one row per warp, two
 // passes over the row (max, then sum of exponentials) before the write.
 
-#if !defined(LLAMA_MATH_CUH)
 #include "llama_math.cuh"
-#endif
 
 #define LLAMA_FOR_EACH_ROW(ROWS)                                                              \
   const unsigned lane = threadIdx.x % LLAMA_LANES;                                           \

@@ -9,11 +9,10 @@
 //! per-lane and per-element body, written to compile both under NVRTC and
 //! as plain host C++; the `.cu` files hold the `__global__` wrappers.
 //! [`LLAMA_SOURCES`] lists them for
-//! [`compile`](zero::core::cuda::kernels::compile): each entry is the
-//! header followed by one `.cu` file (zero-core's compiler hands NVRTC only
-//! its own headers, so ours is prepended; the `.cu` files include it only
-//! when it is not already there, and `#line` keeps NVRTC's messages on the
-//! right file and line). Row reductions run one row per warp, in three
+//! [`compile`](zero::core::cuda::kernels::compile), each with
+//! [`LLAMA_HEADERS`] as its own headers (NVRTC gets them by name, and
+//! zero-core's `zero_math.cuh`, which `llama_math.cuh` includes, from the
+//! library's). Row reductions run one row per warp, in three
 //! phases (lanes fold strided elements, a shuffle butterfly combines them,
 //! lanes write); `tests/llama_kernels_on_host.rs` runs the same phases on
 //! the host against [`super::ops`], `tests/llama_cuda_nvrtc.rs` compiles
@@ -31,22 +30,7 @@
 //! a caller's stream; every launcher checks lengths and returns without
 //! waiting.
 
-use zero::core::cuda::kernels::KernelSource;
-
-/// Source text of one registry entry: the header, then the `.cu` file, each
-/// with a `#line` marker so that NVRTC's messages name the right file.
-macro_rules! with_header {
-    ($cu:literal) => {
-        concat!(
-            "#line 1 \"llama_math.cuh\"\n",
-            include_str!("llama_math.cuh"),
-            "#line 1 \"",
-            $cu,
-            "\"\n",
-            include_str!($cu)
-        )
-    };
-}
+use zero::core::cuda::kernels::{KernelHeader, KernelSource};
 
 /// RMSNorm forward, backward and weight-gradient kernels.
 pub const NORM_ENTRY_POINTS: &[&str] = &[
@@ -84,21 +68,31 @@ pub const ELEMENTWISE_ENTRY_POINTS: &[&str] = &[
     "llama_rope_bf16",
 ];
 
-/// Every CUDA source of the Llama example (header included in each).
+/// The header every Llama source includes (it includes zero-core's
+/// `zero_math.cuh`, which NVRTC gets from the library's headers).
+pub const LLAMA_HEADERS: &[KernelHeader] = &[KernelHeader {
+    name: "llama_math.cuh",
+    source: include_str!("llama_math.cuh"),
+}];
+
+/// Every CUDA source of the Llama example.
 pub const LLAMA_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "llama_norm.cu",
-        source: with_header!("llama_norm.cu"),
+        source: include_str!("llama_norm.cu"),
+        headers: LLAMA_HEADERS,
         entry_points: NORM_ENTRY_POINTS,
     },
     KernelSource {
         name: "llama_softmax.cu",
-        source: with_header!("llama_softmax.cu"),
+        source: include_str!("llama_softmax.cu"),
+        headers: LLAMA_HEADERS,
         entry_points: SOFTMAX_ENTRY_POINTS,
     },
     KernelSource {
         name: "llama_elementwise.cu",
-        source: with_header!("llama_elementwise.cu"),
+        source: include_str!("llama_elementwise.cu"),
+        headers: LLAMA_HEADERS,
         entry_points: ELEMENTWISE_ENTRY_POINTS,
     },
 ];

@@ -50,6 +50,10 @@ pub struct KernelSource {
     pub name: &'static str,
     /// The source text.
     pub source: &'static str,
+    /// Headers of this source's own that it includes by name, passed to
+    /// NVRTC with the library's [`HEADERS`] (which every source may
+    /// include); empty for the library's sources.
+    pub headers: &'static [KernelHeader],
     /// The `extern "C"` kernels the source defines.
     pub entry_points: &'static [&'static str],
 }
@@ -105,11 +109,13 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "adamw.cu",
         source: include_str!("../../kernels/adamw.cu"),
+        headers: &[],
         entry_points: ADAMW_ENTRY_POINTS,
     },
     KernelSource {
         name: "norm.cu",
         source: include_str!("../../kernels/norm.cu"),
+        headers: &[],
         entry_points: NORM_ENTRY_POINTS,
     },
 ];
@@ -363,7 +369,8 @@ mod imp {
     }
 
     /// Compiles `source` for `arch` (`sm_90`, `compute_90`, ...) with
-    /// [`COMPILE_OPTIONS`], passing every [`HEADERS`] entry by name.
+    /// [`COMPILE_OPTIONS`], passing every [`HEADERS`] entry and the
+    /// source's own `headers` by name.
     ///
     /// Returns the PTX and NVRTC's full log (also on success: warnings are
     /// in it). Errors ([`Error::Cuda`] carrying a [`KernelError`]):
@@ -378,9 +385,10 @@ mod imp {
         check_arch(name, arch).map_err(kernel_err)?;
         let src = c_string(name, "the source", source.source)?;
         let c_name = c_string(name, "the source name", name)?;
-        let mut header_texts = Vec::with_capacity(HEADERS.len());
-        let mut header_names = Vec::with_capacity(HEADERS.len());
-        for h in HEADERS {
+        let headers = HEADERS.iter().chain(source.headers);
+        let mut header_texts = Vec::with_capacity(HEADERS.len() + source.headers.len());
+        let mut header_names = Vec::with_capacity(HEADERS.len() + source.headers.len());
+        for h in headers {
             header_texts.push(c_string(name, h.name, h.source)?);
             header_names.push(c_string(name, "a header name", h.name)?);
         }
@@ -399,7 +407,7 @@ mod imp {
         // SAFETY: the library is loaded (checked above); every pointer is
         // to a NUL-terminated string that outlives the call (the CStrings
         // above live until the end of this function, and NVRTC copies the
-        // texts it keeps); the two arrays both hold HEADERS.len() entries.
+        // texts it keeps); the two arrays hold one entry per header each.
         unsafe {
             nvrtc_sys::nvrtcCreateProgram(
                 raw.as_mut_ptr(),
@@ -492,6 +500,52 @@ mod imp {
         let compiled = Arc::new(compile(source, arch)?);
         map.insert(key, compiled.clone());
         Ok(compiled)
+    }
+
+    /// The architecture to compile for on the GPU of `ctx`: its own
+    /// (`sm_XY`, loaded as device code) when this NVRTC knows it, else the
+    /// newest virtual architecture NVRTC knows below it (`compute_XY`: PTX
+    /// that the driver compiles at load time, which needs a driver at least
+    /// as new as NVRTC). Errors: [`Error::Cuda`] when NVRTC is missing or
+    /// the driver call fails, [`Error::Unsupported`] for a GPU older than
+    /// every architecture NVRTC supports.
+    pub fn target_arch(ctx: &CudaContext) -> Result<String> {
+        let (major, minor) = ctx.compute_capability().map_err(driver_err)?;
+        let want = major * 10 + minor;
+        let archs = supported_archs()?;
+        let target = archs
+            .iter()
+            .copied()
+            .filter(|&a| a <= want)
+            .max()
+            .ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "GPU compute capability {major}.{minor} is older than every \
+                     architecture this NVRTC supports ({archs:?})"
+                ))
+            })?;
+        Ok(if target == want {
+            format!("sm_{target}")
+        } else {
+            format!("compute_{target}")
+        })
+    }
+
+    /// Compiles `source` for `arch` (once per process, see
+    /// [`compile`]) and loads it into `ctx`: the CUBIN for a real
+    /// architecture, the PTX for a virtual one. Errors: as [`compile`], or
+    /// the driver's error when loading fails.
+    pub fn load_module(
+        ctx: &Arc<CudaContext>,
+        source: &'static KernelSource,
+        arch: &str,
+    ) -> Result<Arc<CudaModule>> {
+        let compiled = compile_cached(source, arch)?;
+        let image = match &compiled.cubin {
+            Some(cubin) => Ptx::from_binary(cubin.clone()),
+            None => Ptx::from_src(compiled.ptx.clone()),
+        };
+        ctx.load_module(image).map_err(driver_err)
     }
 
     /// The step constants as the kernels take them (`ZeroAdamWConsts`).
@@ -591,35 +645,12 @@ mod imp {
         /// fails, or with the driver's error when loading fails.
         pub fn new(device: &CudaDevice) -> Result<Self> {
             let ctx = device.context().clone();
-            let (major, minor) = ctx.compute_capability().map_err(driver_err)?;
-            let want = major * 10 + minor;
-            let archs = supported_archs()?;
-            let target = archs
-                .iter()
-                .copied()
-                .filter(|&a| a <= want)
-                .max()
-                .ok_or_else(|| {
-                    Error::Unsupported(format!(
-                        "GPU compute capability {major}.{minor} is older than every \
-                         architecture this NVRTC supports ({archs:?})"
-                    ))
-                })?;
-            let arch = if target == want {
-                format!("sm_{target}")
-            } else {
-                format!("compute_{target}")
-            };
+            let arch = target_arch(&ctx)?;
             let load = |name: &str| -> Result<Arc<CudaModule>> {
                 let src = source(name).ok_or_else(|| {
                     Error::Unsupported(format!("kernel source `{name}` is not registered"))
                 })?;
-                let compiled = compile_cached(src, &arch)?;
-                let image = match &compiled.cubin {
-                    Some(cubin) => Ptx::from_binary(cubin.clone()),
-                    None => Ptx::from_src(compiled.ptx.clone()),
-                };
-                ctx.load_module(image).map_err(driver_err)
+                load_module(&ctx, src, &arch)
             };
             let adamw_module = load("adamw.cu")?;
             let norm_module = load("norm.cu")?;
