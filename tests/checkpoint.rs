@@ -32,6 +32,11 @@ struct Out {
     client: Value,
     saved: Option<PathBuf>,
     steps: u64,
+    /// Bytes read from the checkpoint's rank files by the load (0 without).
+    read_bytes: u64,
+    /// Per unit, the elements whose optimizer state this rank holds (the
+    /// whole unit in stage 0).
+    held: Vec<std::ops::Range<usize>>,
 }
 
 /// What to do on every rank.
@@ -69,6 +74,15 @@ fn rank_run_as<T: Element, C: Communicator>(comm: C, p: &Plan<'_>) -> zero::Resu
         Some(path) => Engine::load_checkpoint(b, path)?,
         None => (b.build()?, Value::Null),
     };
+    let read_bytes = e.stats().checkpoint_read_bytes;
+    let mut held = Vec::new();
+    for u in e.unit_ids() {
+        let l = e.layout(u)?;
+        held.push(match p.cfg.zero.stage {
+            0 => 0..l.numel,
+            _ => l.real_range(rank),
+        });
+    }
     let mut losses = Vec::new();
     for s in p.from..p.from + p.steps {
         for m in 0..ga {
@@ -95,6 +109,8 @@ fn rank_run_as<T: Element, C: Communicator>(comm: C, p: &Plan<'_>) -> zero::Resu
         client,
         saved,
         steps: e.steps(),
+        read_bytes,
+        held,
     })
 }
 
@@ -409,18 +425,31 @@ fn large_units_reshard_exactly() {
                 ..plan(config(from, from_stage, 1, Precision::Bf16))
             },
         );
+        let step_dir = saved.saved.as_deref().expect("saved");
         for world in [1, 2, 3] {
             for stage in 0..=3u8 {
                 let what = format!("{from} ranks stage {from_stage} → {world} ranks stage {stage}");
-                let loaded = run(
+                let ranks: Vec<Out> = run_all(
                     world,
                     &Plan {
                         dims: BIG,
                         load: Some(&root),
                         ..plan(config(world, stage, 1, Precision::Bf16))
                     },
-                );
-                assert_bits_eq(&saved.states, &loaded.states, &what);
+                )
+                .into_iter()
+                .map(|r| r.unwrap_or_else(|e| panic!("{what}: {e}")))
+                .collect();
+                assert_bits_eq(&saved.states, &ranks[0].states, &what);
+                for (r, out) in ranks.iter().enumerate() {
+                    let (needed, blocks) = bytes_to_read(step_dir, &out.held);
+                    assert!(
+                        (needed..=blocks).contains(&out.read_bytes),
+                        "{what}: rank {r} read {} bytes; it needs {needed}, in blocks of {blocks} \
+                         bytes",
+                        out.read_bytes
+                    );
+                }
             }
         }
     }
@@ -449,6 +478,51 @@ fn large_units_reshard_exactly() {
         "{m}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// For a rank that holds `held[u]` of each unit: the bytes of master, m
+/// and v it needs from the checkpoint in `step_dir`, and the bytes of the
+/// 1 MiB CRC blocks that hold them (each counted once). Computed from the
+/// documented layout (`src/engine/checkpoint.rs`): a 16-byte header, then
+/// per unit master | m | v over the saving rank's real range.
+fn bytes_to_read(step_dir: &Path, held: &[std::ops::Range<usize>]) -> (u64, u64) {
+    const BLOCK: u64 = 1 << 20;
+    let text = std::fs::read_to_string(step_dir.join("manifest.json")).expect("manifest");
+    let m: Value = serde_json::from_str(&text).expect("manifest JSON");
+    let field = |v: &Value, k: &str| v[k].as_u64().unwrap_or_else(|| panic!("manifest: {k}"));
+    let units = m["units"].as_array().expect("units");
+    let files = m["files"].as_array().expect("files");
+    assert_eq!(units.len(), held.len());
+    let (mut needed, mut blocks) = (0, std::collections::BTreeSet::new());
+    for (s, file) in files.iter().enumerate() {
+        let s = s as u64;
+        let mut base = 16;
+        for (unit, want) in units.iter().zip(held) {
+            let (numel, shard) = (field(unit, "numel"), field(unit, "shard_len"));
+            let saved = (s * shard).min(numel)..((s + 1) * shard).min(numel);
+            let n = saved.end - saved.start;
+            let (lo, hi) = (
+                saved.start.max(want.start as u64),
+                saved.end.min(want.end as u64),
+            );
+            if lo < hi {
+                for kind in 0..3 {
+                    let a = base + 4 * (kind * n + lo - saved.start);
+                    let b = a + 4 * (hi - lo);
+                    needed += b - a;
+                    blocks.extend((a / BLOCK..=(b - 1) / BLOCK).map(|k| (s, k)));
+                }
+            }
+            base += 12 * n;
+        }
+        assert_eq!(base, field(file, "bytes"), "file {s}: layout");
+    }
+    let sizes: Vec<u64> = files.iter().map(|f| field(f, "bytes")).collect();
+    let block_bytes = blocks
+        .iter()
+        .map(|&(s, k)| BLOCK.min(sizes[s as usize] - k * BLOCK))
+        .sum();
+    (needed, block_bytes)
 }
 
 /// Three saves with keep_last 2: the oldest is deleted, `latest` names the

@@ -46,18 +46,22 @@
 //!
 //! The saving plan is rebuilt from the manifest (the same
 //! [`PartitionPlan::new`] on the saved units and world size). Each rank
-//! reads, for each unit, only the byte ranges of the saved files that hold
-//! the elements it needs now (its state range, and the master over its
-//! parameter range, cast to the parameter dtype), whole blocks straight
-//! into its store (host buffers, the offloaded tiles, the parameter home)
+//! reads only the byte ranges of the saved files that hold the elements it
+//! needs now: its state range (the whole unit in stage 0, its shard from
+//! stage 1 on), whose master it also casts into its parameters. A stage
+//! 1–2 rank holds the whole unit's parameters but casts only its range:
+//! once every rank has loaded, the parameters are all-gathered as after an
+//! optimizer step. Reads go whole blocks straight into the rank's store
+//! (host buffers, the offloaded tiles, the parameter home)
 //! [`DIRECT_BLOCKS`] at a time and the ends of each range through a
 //! window of [`READ_BLOCKS`] blocks, sequentially (the kernel reads
-//! ahead), verifying the CRC of every block it reads.
-//! Without optimizer offload the master is read once per unit: over the
-//! parameter range, its state part copied into the master and every piece
-//! cast into the parameters (in stage 3 the two ranges are the same; in
-//! stages 0–2 the parameter range is the whole unit). A window stays
-//! cached, so the block shared by two consecutive reads is read once.
+//! ahead), verifying the CRC of every block read. Without parameter
+//! offload the files are read one after the other, each front to back
+//! (unit by unit, master, m, v), so the window serves the block two
+//! consecutive ranges share and no block is read twice
+//! ([`EngineStats::checkpoint_read_bytes`](super::EngineStats) counts the
+//! bytes). With optimizer offload the master is read twice (for the tiles,
+//! then for the parameters).
 //!
 //! # Page cache
 //!
@@ -85,7 +89,9 @@ use zero_core::{bf16, f16, DType, Element};
 
 use super::export::{ExportDtype, MODEL_FILE};
 use super::param_offload::ParamOffload;
-use super::{agree_on_setup, exchange_words, Engine, EngineBuilder, Init, StepOutcome, Unit};
+use super::{
+    agree_on_setup, exchange_words, first_failure, Engine, EngineBuilder, Init, StepOutcome, Unit,
+};
 use crate::{Error, Result};
 
 /// The `format` of a checkpoint manifest.
@@ -539,6 +545,8 @@ pub(super) struct Reader<'a> {
     /// Drop the blocks read from the page cache once they are verified
     /// and copied (see [`Reader::drop_behind`]).
     drop_behind: bool,
+    /// Bytes read from the rank files so far.
+    pub(super) bytes_read: u64,
 }
 
 /// The CRC of block `bi` of the rank file `entry`, whose bytes are
@@ -615,6 +623,7 @@ impl<'a> Reader<'a> {
                 buf: Vec::new(),
             },
             drop_behind: false,
+            bytes_read: 0,
         }
     }
 
@@ -724,6 +733,7 @@ impl<'a> Reader<'a> {
             let first = b0 + (k * DIRECT_BLOCKS) as u64;
             read_blocks(file, &path, entry, first, chunk, drop)?;
         }
+        self.bytes_read += hi - lo;
         self.windowed(s, hi, end, |at, src| {
             let d = ((at - off) / 4) as usize;
             le_to_f32(src, &mut out[d..d + src.len() / 4]);
@@ -756,6 +766,7 @@ impl<'a> Reader<'a> {
                 let (file, path, entry) = self.file(s)?;
                 let len = (((b + n) * block).min(entry.bytes) - b * block) as usize;
                 let read = read_blocks(file, &path, entry, b, &mut buf[..len], drop);
+                self.bytes_read += len as u64;
                 self.win = Window {
                     file: if read.is_ok() { s } else { usize::MAX },
                     start: b * block,
@@ -1176,14 +1187,17 @@ impl<C: Communicator> Engine<C> {
         let mut mine: Vec<u64> = crcs.iter().map(|&c| u64::from(c)).collect();
         mine.resize(max, 0);
         let all = exchange_words(&self.comm, &mine)?;
-        if let Some(bad) = head.iter().position(|w| w[0] != 0) {
+        if head.iter().any(|w| w[0] != 0) {
+            // Every rank knows: share the first failure's text.
+            let failed = first_failure(&self.comm, written.as_ref().err())?;
             if rank == 0 {
                 let _ = fs::remove_dir_all(&tmp);
             }
             written?;
+            let (bad, why) = failed.expect("a rank failed");
             return Err(self.usage(format!(
-                "save_checkpoint: rank {bad} could not write its rank file (rank {bad}'s error \
-                 names it); no checkpoint was written"
+                "save_checkpoint: rank {bad} could not write its rank file: {why}; no checkpoint \
+                 was written"
             )));
         }
         // `stage3_gather_16bit_weights_on_model_save`: the consolidated
@@ -1374,17 +1388,24 @@ impl<C: Communicator> Engine<C> {
             let _span = tracer.span(rank, "checkpoint load", "checkpoint");
             engine.load_state(&dir, &manifest, &saved)
         };
-        let verdict = exchange_words(&engine.comm, &[u64::from(loaded.is_err())])?;
+        let failed = first_failure(&engine.comm, loaded.as_ref().err())?;
         loaded?;
-        if let Some(bad) = verdict.iter().position(|w| w[0] != 0) {
+        if let Some((bad, why)) = failed {
             return Err(Error::Usage {
                 rank: engine.rank,
                 what: format!(
-                    "load_checkpoint({}): rank {bad} could not load its part (rank {bad}'s error \
-                     names the file)",
+                    "load_checkpoint({}): rank {bad} could not load its part: {why}",
                     dir.display()
                 ),
             });
+        }
+        // Collectives only once every rank has its part: stages 1–2
+        // all-gather the parameters each rank cast from its master range,
+        // stage 3 gathers its persistent units.
+        {
+            let _span = tracer.span(rank, "checkpoint gather", "checkpoint");
+            engine.gather_updated_params()?;
+            engine.finish_param_gathers()?;
         }
         Ok((engine, manifest.client_state))
     }
@@ -1401,14 +1422,14 @@ impl<C: Communicator> Engine<C> {
             ..
         } = self;
         // Drop-behind (see `Reader::drop_behind`) for what only this rank
-        // reads, once: m and v from stage 1 on (the state ranges of the
-        // ranks are disjoint); the master in stage 3 (parameter range =
-        // state range) on its last read (the parameters below read it
-        // again when the optimizer state is offloaded). A stage-0 rank
-        // reads everything and a stage 1–2 rank the whole master: other
-        // ranks read those bytes too, and find them in the page cache.
+        // reads, once: from stage 1 on the ranks' state ranges are
+        // disjoint and each reads only its own (the parameters of a stage
+        // 1–2 rank are cast from its range and all-gathered afterwards);
+        // the master on its last read (the parameters below read it again
+        // when the optimizer state is offloaded). A stage-0 rank reads
+        // everything: other ranks read those bytes too, and find them in
+        // the page cache.
         let own_state = stage >= 1;
-        let own_master = stage == 3;
         // The offloaded optimizer state, tile by tile (the parameters
         // below read the master a second time).
         if let Some(off) = offload.as_mut() {
@@ -1421,55 +1442,31 @@ impl<C: Communicator> Engine<C> {
                 reader.read_into(u, 2, abs, v)
             })?;
         }
-        for (i, unit) in units.iter_mut().enumerate() {
-            let Unit {
-                layout: l,
-                params,
-                master,
-                m: mm,
-                v,
-                ..
-            } = unit;
-            // The parameter range: the whole unit in stages 0–2, the
-            // shard in 3 (then equal to the state range).
-            let (prange, pbase) = if stage == 3 {
-                (l.real_range(rank), rank * l.shard_len)
-            } else {
-                (0..l.numel, 0)
-            };
-            let (state, sbase) = match offload {
-                Some(_) => (0..0, 0),
-                None if stage == 0 => (0..l.numel, 0),
-                None => (l.real_range(rank), bases[i]),
-            };
-            reader.drop_behind(own_master);
-            let mut job = MasterLoad {
-                reader: &mut reader,
-                unit: i,
-                params: prange,
-                state: state.clone(),
-                master: &mut master[..],
-                sbase,
-                scratch: &mut scratch,
-            };
-            match poff.as_mut() {
-                Some(po) => match pdt {
-                    DType::F32 => job.run_home::<f32>(po, pbase)?,
-                    DType::BF16 => job.run_home::<bf16>(po, pbase)?,
-                    DType::F16 => job.run_home::<f16>(po, pbase)?,
-                },
-                None => {
-                    let p = params
-                        .as_mut()
-                        .expect("params are home outside collectives");
-                    job.run(|at, x| p.store_slice(at - pbase, x))?;
-                }
-            }
-            if !state.is_empty() {
-                let s = state.start - sbase..state.end - sbase;
-                reader.drop_behind(own_state);
-                reader.read_into(i, 1, state.clone(), &mut mm[s.clone()])?;
-                reader.read_into(i, 2, state, &mut v[s])?;
+        // Without parameter offload, file by file and in each file unit
+        // by unit: every file is read front to back, and the one window
+        // (`Reader`) serves the block two consecutive reads share, so no
+        // block is read twice. With it, unit by unit (each unit's home is
+        // written once), every file in turn for each array.
+        reader.drop_behind(own_state);
+        let passes: Vec<Option<usize>> = match poff {
+            None => (0..m.world_size).map(Some).collect(),
+            Some(_) => vec![None],
+        };
+        for pass in passes {
+            for (i, unit) in units.iter_mut().enumerate() {
+                let clip = match pass {
+                    Some(s) => saved.units()[i].real_range(s),
+                    None => 0..unit.layout.numel,
+                };
+                load_unit(
+                    &mut reader,
+                    (i, unit),
+                    clip,
+                    (stage, rank, pdt),
+                    (offload.is_some(), bases[i]),
+                    poff.as_mut(),
+                    &mut scratch,
+                )?;
             }
         }
         self.steps = m.steps;
@@ -1487,11 +1484,84 @@ impl<C: Communicator> Engine<C> {
             loss_scale: self.loss_scale(),
             steps: self.steps,
         };
-        if self.stage == 3 {
-            self.gather_persistent()?;
-        }
+        self.stats.checkpoint_read_bytes = reader.bytes_read;
         Ok(())
     }
+}
+
+/// Loads the part of unit `i` that lies in the element range `clip` of
+/// the saved unit: its master over the rank's parameter range, cast into
+/// the parameters (or their offloaded home), and its optimizer state (not
+/// with optimizer offload: `offloaded`; that is filled tile by tile
+/// before). `sbase` is the unit's first element in the rank's state.
+fn load_unit(
+    reader: &mut Reader<'_>,
+    (i, unit): (usize, &mut Unit),
+    clip: Range<usize>,
+    (stage, rank, pdt): (u8, usize, DType),
+    (offloaded, state_base): (bool, usize),
+    poff: Option<&mut ParamOffload>,
+    scratch: &mut [f32],
+) -> Result<()> {
+    let Unit {
+        layout: l,
+        params,
+        master,
+        m: mm,
+        v,
+        ..
+    } = unit;
+    let within = |r: Range<usize>| {
+        let start = r.start.max(clip.start);
+        start..r.end.min(clip.end).max(start)
+    };
+    // The parameter range this rank casts from the master: the whole unit
+    // in stage 0, the rank's real range from stage 1 on (equal to its
+    // state range; stages 1–2 hold the whole unit's parameters and
+    // all-gather the other ranks' ranges once every rank has loaded,
+    // stage 3 holds only the shard).
+    let (prange, pbase) = match stage {
+        0 => (0..l.numel, 0),
+        3 => (l.real_range(rank), rank * l.shard_len),
+        _ => (l.real_range(rank), 0),
+    };
+    let (state, sbase) = match (offloaded, stage) {
+        (true, _) => (0..0, 0),
+        (false, 0) => (0..l.numel, 0),
+        (false, _) => (l.real_range(rank), state_base),
+    };
+    let (prange, state) = (within(prange), within(state));
+    if prange.is_empty() {
+        return Ok(());
+    }
+    let mut job = MasterLoad {
+        reader: &mut *reader,
+        unit: i,
+        params: prange,
+        state: state.clone(),
+        master: &mut master[..],
+        sbase,
+        scratch,
+    };
+    match poff {
+        Some(po) => match pdt {
+            DType::F32 => job.run_home::<f32>(po, pbase)?,
+            DType::BF16 => job.run_home::<bf16>(po, pbase)?,
+            DType::F16 => job.run_home::<f16>(po, pbase)?,
+        },
+        None => {
+            let p = params
+                .as_mut()
+                .expect("params are home outside collectives");
+            job.run(|at, x| p.store_slice(at - pbase, x))?;
+        }
+    }
+    if !state.is_empty() {
+        let s = state.start - sbase..state.end - sbase;
+        reader.read_into(i, 1, state.clone(), &mut mm[s.clone()])?;
+        reader.read_into(i, 2, state, &mut v[s])?;
+    }
+    Ok(())
 }
 
 /// One read of unit `unit`'s saved master over the parameter range

@@ -182,6 +182,12 @@ pub struct EngineStats {
     pub reduce_bytes: u64,
     /// Bytes sent for parameter all-gathers.
     pub gather_bytes: u64,
+    /// Bytes this rank read from a checkpoint's rank files in
+    /// [`Engine::load_checkpoint`]: whole CRC blocks, those that hold the
+    /// elements the rank needs, each read once (without offload; with
+    /// optimizer offload the master is read twice, with parameter offload
+    /// a block two ranges share may be read again).
+    pub checkpoint_read_bytes: u64,
     /// Stage 3: most elements ever gathered at once (in use, kept for
     /// reuse, prefetched or persistent).
     pub peak_live_elems: usize,
@@ -360,15 +366,41 @@ pub struct Engine<C: Communicator> {
 /// fail together instead of hanging in the next collective: this rank's own
 /// error, or one naming the first rank that failed.
 fn agree_on_setup<C: Communicator, T>(comm: &C, built: Result<T>, what: &str) -> Result<T> {
-    let verdict = exchange_words(comm, &[u64::from(built.is_err())])?;
+    let failed = first_failure(comm, built.as_ref().err())?;
     let ok = built?;
-    match verdict.iter().position(|w| w[0] != 0) {
-        Some(r) => Err(Error::Usage {
+    match failed {
+        Some((r, why)) => Err(Error::Usage {
             rank: comm.rank(),
-            what: format!("rank {r} could not set up its {what}; rank {r}'s error says why)"),
+            what: format!("rank {r} could not set up its {what}): {why}"),
         }),
         None => Ok(ok),
     }
+}
+
+/// Every rank learns the lowest rank whose `local` error is set, and that
+/// error's text (a collective: every rank calls it at the same point).
+pub(crate) fn first_failure<C: Communicator>(
+    comm: &C,
+    local: Option<&Error>,
+) -> Result<Option<(usize, String)>> {
+    let text = local.map(|e| e.to_string()).unwrap_or_default();
+    let head = exchange_words(comm, &[u64::from(local.is_some()), text.len() as u64])?;
+    let Some(r) = head.iter().position(|w| w[0] != 0) else {
+        return Ok(None);
+    };
+    let words = (head[r][1] as usize).div_ceil(8).max(1);
+    let mut mine = vec![0u64; words];
+    if comm.rank() == r {
+        for (w, chunk) in mine.iter_mut().zip(text.as_bytes().chunks(8)) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            *w = u64::from_le_bytes(b);
+        }
+    }
+    let all = exchange_words(comm, &mine)?;
+    let bytes: Vec<u8> = all[r].iter().flat_map(|w| w.to_le_bytes()).collect();
+    let why = String::from_utf8_lossy(&bytes[..head[r][1] as usize]).into_owned();
+    Ok(Some((r, why)))
 }
 
 static NEXT_ENGINE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
