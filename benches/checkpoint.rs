@@ -40,6 +40,11 @@
 //!   reuses the pages just freed, so it was fast or slow depending on
 //!   what ran before). The checkpoint streams the same way (see
 //!   `src/engine/checkpoint.rs`, "Page cache");
+//!   A diagnostic, not part of the baseline: the drop-behind read once
+//!   more, into fresh memory (a buffer of the file's size no page of which
+//!   was touched), which is what a load into a new engine pays at least
+//!   (on the development VM the first touch of a page costs a host fault:
+//!   1.2–2.6 GB/s for one thread);
 //! - **save**: `Engine::save_checkpoint` (rank files, fsyncs, manifest,
 //!   rename, `latest`); GB/s = the bytes of the rank files / time;
 //! - **load**: the engine is dropped, the checkpoint's files are evicted
@@ -436,6 +441,20 @@ fn raw_read(path: &Path, bytes: u64, buf: &mut [u8], behind: bool) {
     std::hint::black_box(&buf[..]);
 }
 
+/// Reads the file into `dst` (`bytes` long, fresh memory: no page of it
+/// touched yet), 4 MiB at a time, each range dropped from the page cache
+/// once read: what any load into new memory costs at least.
+fn raw_read_fresh(path: &Path, dst: &mut [u8]) {
+    let f = File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    for (k, chunk) in dst.chunks_mut(BUF).enumerate() {
+        let at = (k * BUF) as u64;
+        f.read_exact_at(chunk, at)
+            .unwrap_or_else(|e| panic!("raw read: {e}"));
+        drop_range(&f, at, chunk.len() as u64);
+    }
+    std::hint::black_box(&dst[..]);
+}
+
 // ----------------------------------------------------------------------
 // One run: load the previous checkpoint (or build and step), raw I/O,
 // save
@@ -464,6 +483,8 @@ struct Raw {
     write_behind: Duration,
     read: Duration,
     read_behind: Duration,
+    /// Drop-behind into fresh memory (a diagnostic, not the baseline).
+    read_fresh: Duration,
     cached: f64,
 }
 
@@ -636,6 +657,15 @@ fn rank_run(comm: ThreadComm, ctx: &Ctx<'_>, k: usize, prev: Option<&Path>) -> R
         tr[i] = t0.elapsed();
     }
     drop(buf);
+    // Diagnostic: the drop-behind read again, into fresh memory.
+    evict(&paths[1]);
+    let mut fresh = vec![0u8; bytes as usize];
+    barrier(e.comm());
+    let t0 = Instant::now();
+    raw_read_fresh(&paths[1], &mut fresh);
+    barrier(e.comm());
+    let read_fresh = t0.elapsed();
+    drop(fresh);
     if rank == 0 {
         fs::remove_dir_all(&raw_dir).expect("remove raw files");
         out.raw = Some(Raw {
@@ -643,6 +673,7 @@ fn rank_run(comm: ThreadComm, ctx: &Ctx<'_>, k: usize, prev: Option<&Path>) -> R
             write_behind: tw[1],
             read: tr[0],
             read_behind: tr[1],
+            read_fresh,
             cached,
         });
     }
@@ -856,6 +887,7 @@ fn main() {
     let (mut sr, mut lr, mut lbr) = (Vec::new(), Vec::new(), Vec::new());
     let (mut sg, mut lg, mut lbg) = (Vec::new(), Vec::new(), Vec::new());
     let (mut rwg, mut rwbg, mut rrg, mut rrbg) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut rfg, mut lfr) = (Vec::new(), Vec::new());
     for k in 0..a.reps {
         let raw = outs[k].raw.expect("raw");
         let (ts, _) = outs[k].save.expect("save");
@@ -877,6 +909,8 @@ fn main() {
         rwbg.push(gb(b, raw.write_behind));
         rrg.push(gb(b, raw.read));
         rrbg.push(gb(b, raw.read_behind));
+        rfg.push(gb(b, raw.read_fresh));
+        lfr.push(raw.read_fresh.as_secs_f64() / fill.as_secs_f64());
         println!(
             "{k:>3} {:>7.3} {:>9.3} {:>9.3} {:>8.3} {:>7.1}% {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>7.1}% {:>8.1}% {:>9.1}%",
             b as f64 / 1e9,
@@ -904,6 +938,7 @@ fn main() {
         ("save_checkpoint", &sg),
         ("raw read (cold), plain", &rrg),
         ("raw read (cold), drop-behind", &rrbg),
+        ("  the same into new memory (diag.)", &rfg),
         ("load_checkpoint (incl. build)", &lg),
         ("load_checkpoint (excl. build)", &lbg),
     ] {
@@ -931,6 +966,13 @@ fn main() {
             ">= 70%"
         );
     }
+    println!(
+        "{:<38} {:>10.1}% {:>10.1}% {:>11}",
+        "load excl. build / raw into new mem.",
+        100.0 * min(&lfr),
+        100.0 * median(&lfr),
+        "(diag.)"
+    );
 
     println!();
     if !peak_resets {
