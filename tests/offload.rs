@@ -382,8 +382,9 @@ fn swap_faults_are_errors_naming_the_file() {
                 Damage::ForeignHeader => "header",
             };
             assert!(r0.error.contains(words), "{what}: `{}`", r0.error);
+            // Rank 1 names rank 0 and carries its error (the file).
             assert!(
-                ranks[1].error.contains("swap file of rank 0"),
+                ranks[1].error.contains("swap file of rank 0") && ranks[1].error.contains(&path),
                 "{what}: `{}`",
                 ranks[1].error
             );
@@ -1098,8 +1099,10 @@ fn param_swap_faults_are_errors_naming_the_file() {
                 ParamDamage::WriteFault => "No space left",
             };
             assert!(r0.error.contains(words), "{what}: `{}`", r0.error);
+            // Rank 1 names rank 0 and carries its error (the file).
             assert!(
-                ranks[1].error.contains("parameter swap file of rank 0"),
+                ranks[1].error.contains("parameter swap file of rank 0")
+                    && ranks[1].error.contains(&path),
                 "{what}: `{}`",
                 ranks[1].error
             );

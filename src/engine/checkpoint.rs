@@ -1161,12 +1161,13 @@ impl<C: Communicator> Engine<C> {
         };
         let id = *prep.as_ref().unwrap_or(&0);
         let words = exchange_words(&self.comm, &[u64::from(prep.is_err()), id])?;
-        prep?;
         if words[0][0] != 0 {
+            let why = first_failure(&self.comm, prep.as_ref().err())?;
+            prep?;
             return Err(self.usage(format!(
-                "save_checkpoint: rank 0 could not create the checkpoint directory under {} \
-                 (rank 0's error says why)",
-                root.display()
+                "save_checkpoint: rank 0 could not create the checkpoint directory under {}: {}",
+                root.display(),
+                why.map_or_else(String::new, |(_, w)| w)
             )));
         }
         let tmp = root.join(format!(".tmp-{name}-{:016x}", words[0][1]));
@@ -1245,13 +1246,13 @@ impl<C: Communicator> Engine<C> {
         } else {
             Ok(Vec::new())
         };
-        let verdict = exchange_words(&self.comm, &[u64::from(done.is_err())])?;
+        let failed = first_failure(&self.comm, done.as_ref().err())?;
         for w in done? {
             self.warn(w);
         }
-        if verdict[0][0] != 0 {
+        if let Some((_, why)) = failed {
             return Err(self.usage(format!(
-                "save_checkpoint: rank 0 could not publish {} (rank 0's error says why)",
+                "save_checkpoint: rank 0 could not publish {}: {why}",
                 dest.display()
             )));
         }

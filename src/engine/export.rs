@@ -38,7 +38,7 @@ use zero_core::partition::UnitLayout;
 use zero_core::{bf16, f16, DType, HostBuffer};
 
 use super::checkpoint::{open_saved, Reader};
-use super::{exchange_words, Engine};
+use super::{first_failure, Engine};
 use crate::{Error, Result};
 
 /// The file name of the consolidated weights inside a checkpoint directory.
@@ -380,11 +380,11 @@ impl<C: Communicator> Engine<C> {
         } else {
             Ok(None)
         };
-        let verdict = exchange_words(&self.comm, &[u64::from(created.is_err())])?;
+        let failed = first_failure(&self.comm, created.as_ref().err())?;
         let mut writer = created?;
-        if verdict[0][0] != 0 {
+        if let Some((_, why)) = failed {
             return Err(self.usage(format!(
-                "export_safetensors: rank 0 could not create {} (rank 0's error says why)",
+                "export_safetensors: rank 0 could not create {}: {why}",
                 path.display()
             )));
         }
@@ -402,11 +402,11 @@ impl<C: Communicator> Engine<C> {
             (Some(w), None) => w.finish().map(Some),
             (None, _) => Ok(None),
         };
-        let verdict = exchange_words(&self.comm, &[u64::from(done.is_err())])?;
+        let failed = first_failure(&self.comm, done.as_ref().err())?;
         let done = done?;
-        if verdict[0][0] != 0 {
+        if let Some((_, why)) = failed {
             return Err(self.usage(format!(
-                "export_safetensors: rank 0 could not write {} (rank 0's error says why)",
+                "export_safetensors: rank 0 could not write {}: {why}",
                 path.display()
             )));
         }

@@ -1991,16 +1991,16 @@ impl<C: Communicator> Engine<C> {
         if !self.poff.as_ref().is_some_and(ParamOffload::is_nvme) {
             return r;
         }
-        let verdict = exchange_words(&self.comm, &[u64::from(r.is_err())])?;
+        let failed = first_failure(&self.comm, r.as_ref().err())?;
         if let Err(e) = r {
             self.swap_failed = Some(e.to_string());
             self.params_lost = true;
             return Err(e);
         }
-        if let Some(bad) = verdict.iter().position(|w| w[0] != 0) {
+        if let Some((bad, why)) = failed {
             let msg = format!(
-                "the parameter swap file of rank {bad} failed in step {} (rank {bad}'s error \
-                 names the file); the parameters are lost",
+                "the parameter swap file of rank {bad} failed in step {} ({why}); the \
+                 parameters are lost",
                 self.steps + 1
             );
             self.swap_failed = Some(msg.clone());
@@ -2021,16 +2021,16 @@ impl<C: Communicator> Engine<C> {
             return Ok(());
         };
         let r = po.check();
-        let verdict = exchange_words(&self.comm, &[u64::from(r.is_err())])?;
+        let failed = first_failure(&self.comm, r.as_ref().err())?;
         if let Err(e) = r {
             self.swap_failed = Some(e.to_string());
             self.params_lost = true;
             return Err(e);
         }
-        if let Some(bad) = verdict.iter().position(|w| w[0] != 0) {
+        if let Some((bad, why)) = failed {
             let msg = format!(
-                "the parameter swap file of rank {bad} could not be read in step {} (rank \
-                 {bad}'s error names the file); nothing was updated and the parameters are lost",
+                "the parameter swap file of rank {bad} could not be read in step {} ({why}); \
+                 nothing was updated and the parameters are lost",
                 self.steps + 1
             );
             self.swap_failed = Some(msg.clone());
@@ -2121,10 +2121,12 @@ impl<C: Communicator> Engine<C> {
         let verdict = exchange_words(&self.comm, &[word])?;
         let rank = self.rank;
         let usage = |what: String| Error::Usage { rank, what };
-        if let Some(lost) = verdict.iter().position(|w| w[0] == 2) {
+        if verdict.iter().any(|w| w[0] == 2) {
+            let lost = first_failure(&self.comm, r.as_ref().err().filter(|_| word == 2))?;
+            let (lost, why) = lost.expect("a rank lost its state");
             let msg = format!(
-                "the optimizer swap file of rank {lost} failed in step {} (rank {lost}'s error \
-                 names the file); no rank's parameters changed",
+                "the optimizer swap file of rank {lost} failed in step {} ({why}); no rank's \
+                 parameters changed",
                 self.steps + 1
             );
             let e = match r {
@@ -2135,13 +2137,15 @@ impl<C: Communicator> Engine<C> {
             self.swap_failed = Some(e.to_string());
             return Err(e);
         }
-        if let Some(bad) = verdict.iter().position(|w| w[0] == 1) {
+        if verdict.iter().any(|w| w[0] == 1) {
+            let failed = first_failure(&self.comm, r.as_ref().err())?;
+            let (bad, why) = failed.expect("a rank's write failed");
             let e = match r {
                 Err(e) => e,
                 Ok(()) => usage(format!(
-                    "a write to the optimizer swap file of rank {bad} failed in step {} (rank \
-                     {bad}'s error names the file); the step completed and rank {bad} keeps \
-                     the state it could not write in host memory",
+                    "a write to the optimizer swap file of rank {bad} failed in step {} ({why}); \
+                     the step completed and rank {bad} keeps the state it could not write in \
+                     host memory",
                     self.steps + 1
                 )),
             };
@@ -2158,17 +2162,14 @@ impl<C: Communicator> Engine<C> {
     /// rank could read its swap file; on an error the engine is failed
     /// (also after a rescued write failure: the state is lost now).
     fn swap_verdict(&mut self, local: Option<&Error>, what: &str) -> Result<()> {
-        let verdict = exchange_words(&self.comm, &[u64::from(local.is_some())])?;
+        let failed = first_failure(&self.comm, local)?;
         if let Some(e) = local {
             self.swap_failed = Some(e.to_string());
             self.swap_rescued = false;
             return Ok(());
         }
-        if let Some(bad) = verdict.iter().position(|w| w[0] != 0) {
-            let msg = format!(
-                "the {what} swap file of rank {bad} could not be read (rank {bad}'s error \
-                 names the file)"
-            );
+        if let Some((bad, why)) = failed {
+            let msg = format!("the {what} swap file of rank {bad} could not be read: {why}");
             self.swap_failed = Some(msg.clone());
             self.swap_rescued = false;
             return Err(self.usage(msg));
