@@ -1470,6 +1470,12 @@ impl<C: Communicator> Engine<C> {
                 )?;
             }
         }
+        // The parameter homes' swap writes are queued: done before any
+        // read of them (a gather right after the load read blocks whose
+        // write had not completed, and found them never written).
+        if let Some(po) = poff.as_mut() {
+            po.flush()?;
+        }
         self.steps = m.steps;
         self.global_steps = m.global_steps;
         if self.scaler.is_some() {
@@ -1532,9 +1538,6 @@ fn load_unit(
         (false, _) => (l.real_range(rank), state_base),
     };
     let (prange, state) = (within(prange), within(state));
-    if prange.is_empty() {
-        return Ok(());
-    }
     let mut job = MasterLoad {
         reader: &mut *reader,
         unit: i,

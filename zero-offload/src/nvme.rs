@@ -193,6 +193,10 @@ pub struct FaultPlan {
     /// Behave as if the filesystem rejected `O_DIRECT` with `EINVAL`.
     /// Default false.
     pub reject_direct_io: bool,
+    /// Hold every block write this long before it reaches the file (its
+    /// block reads as never written meanwhile), as a slow device: for
+    /// tests that a caller waits for its writes. Default zero.
+    pub write_delay: std::time::Duration,
 }
 
 impl FaultPlan {
@@ -202,7 +206,7 @@ impl FaultPlan {
             fail_write_at: Some(k),
             fail_write_count: 1,
             fail_write_errno: libc::ENOSPC,
-            reject_direct_io: false,
+            ..FaultPlan::default()
         }
     }
 
@@ -212,6 +216,14 @@ impl FaultPlan {
         FaultPlan {
             fail_write_count: u64::MAX,
             ..FaultPlan::enospc_at(k)
+        }
+    }
+
+    /// Every block write held `delay` before it reaches the file.
+    pub fn slow_writes(delay: std::time::Duration) -> FaultPlan {
+        FaultPlan {
+            write_delay: delay,
+            ..FaultPlan::default()
         }
     }
 
@@ -760,6 +772,9 @@ impl FileShared {
             };
             let err = std::io::Error::from_raw_os_error(errno);
             return Some(self.piece_error(p, format!("{err} (injected fault)")));
+        }
+        if !self.faults.write_delay.is_zero() {
+            std::thread::sleep(self.faults.write_delay);
         }
         let mut done = 0;
         while done < p.io_len {
