@@ -475,30 +475,46 @@ fn large_units_reshard_exactly() {
             },
         );
         let step_dir = saved.saved.as_deref().expect("saved");
-        for world in [1, 2, 3] {
-            for stage in 0..=3u8 {
-                let what = format!("{from} ranks stage {from_stage} → {world} ranks stage {stage}");
-                let ranks: Vec<Out> = run_all(
-                    world,
-                    &Plan {
-                        dims: BIG,
-                        load: Some(&root),
-                        ..plan(config(world, stage, 1, Precision::Bf16))
-                    },
-                )
-                .into_iter()
-                .map(|r| r.unwrap_or_else(|e| panic!("{what}: {e}")))
-                .collect();
-                assert_bits_eq(&saved.states, &ranks[0].states, &what);
-                for (r, out) in ranks.iter().enumerate() {
-                    let (needed, blocks) = bytes_to_read(step_dir, &out.held);
-                    assert!(
-                        (needed..=blocks).contains(&out.read_bytes),
-                        "{what}: rank {r} read {} bytes; it needs {needed}, in blocks of {blocks} \
-                         bytes",
-                        out.read_bytes
-                    );
-                }
+        let none = OffloadDevice::None;
+        for (world, stage, opt) in (1..=3)
+            .flat_map(|w| (0..=3u8).map(move |s| (w, s, none)))
+            .chain([(1, 0, OffloadDevice::Cpu), (2, 2, OffloadDevice::Cpu)])
+            .chain([(3, 3, OffloadDevice::Cpu)])
+        {
+            let what = format!(
+                "{from} ranks stage {from_stage} → {world} ranks stage {stage} offload_optimizer \
+                 {opt:?}"
+            );
+            let mut cfg = config(world, stage, 1, Precision::Bf16);
+            cfg.zero.offload_optimizer.device = opt;
+            let ranks: Vec<Out> = run_all(
+                world,
+                &Plan {
+                    dims: BIG,
+                    load: Some(&root),
+                    ..plan(cfg)
+                },
+            )
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|e| panic!("{what}: {e}")))
+            .collect();
+            assert_bits_eq(&saved.states, &ranks[0].states, &what);
+            for (r, out) in ranks.iter().enumerate() {
+                let (needed, blocks) = bytes_to_read(step_dir, &out.held);
+                // With optimizer offload the state is read tile by tile,
+                // every array in turn: from several files, a block two
+                // ranges of one file share is read again when another
+                // file was read in between.
+                let most = if opt == none || from == 1 {
+                    blocks
+                } else {
+                    u64::MAX
+                };
+                assert!(
+                    (needed..=most).contains(&out.read_bytes),
+                    "{what}: rank {r} read {} bytes; it needs {needed}, in blocks of {blocks} bytes",
+                    out.read_bytes
+                );
             }
         }
     }

@@ -60,8 +60,12 @@
 //! (unit by unit, master, m, v), so the window serves the block two
 //! consecutive ranges share and no block is read twice
 //! ([`EngineStats::checkpoint_read_bytes`](super::EngineStats) counts the
-//! bytes). With optimizer offload the master is read twice (for the tiles,
-//! then for the parameters).
+//! bytes). With optimizer offload the state is read tile by tile (each
+//! piece's master also cast into the parameters), every array in turn, so
+//! a block two ranges of one file share is read again where another file
+//! was read in between. With parameter offload the parameters' homes are
+//! written unit by unit, reading the master a second time when the
+//! optimizer state is offloaded too.
 //!
 //! # Page cache
 //!
@@ -1431,25 +1435,40 @@ impl<C: Communicator> Engine<C> {
         // everything: other ranks read those bytes too, and find them in
         // the page cache.
         let own_state = stage >= 1;
-        // The offloaded optimizer state, tile by tile (the parameters
-        // below read the master a second time).
+        // The offloaded optimizer state, tile by tile. Its pieces cover
+        // the rank's parameter range, so each is also cast into the
+        // parameters, unless those are offloaded too (their homes are then
+        // written unit by unit below, reading the master a second time).
+        let cast_in_fill = poff.is_none();
         if let Some(off) = offload.as_mut() {
             off.fill(|u, local, master, mm, v| {
                 let abs = local.start + bases[u]..local.end + bases[u];
-                reader.drop_behind(false);
+                reader.drop_behind(own_state && cast_in_fill);
                 reader.read_into(u, 0, abs.clone(), master)?;
+                if cast_in_fill {
+                    let p = units[u]
+                        .params
+                        .as_mut()
+                        .expect("params are home outside collectives");
+                    // The parameters hold the whole unit in stages 0–2
+                    // and the rank's shard (from bases[u]) in stage 3.
+                    let pbase = if stage == 3 { bases[u] } else { 0 };
+                    p.store_slice(abs.start - pbase, master);
+                }
                 reader.drop_behind(own_state);
                 reader.read_into(u, 1, abs.clone(), mm)?;
                 reader.read_into(u, 2, abs, v)
             })?;
         }
-        // Without parameter offload, file by file and in each file unit
-        // by unit: every file is read front to back, and the one window
+        // Without any offload, file by file and in each file unit by
+        // unit: every file is read front to back, and the one window
         // (`Reader`) serves the block two consecutive reads share, so no
-        // block is read twice. With it, unit by unit (each unit's home is
-        // written once), every file in turn for each array.
+        // block is read twice. With parameter offload, unit by unit (each
+        // unit's home is written once), every file in turn for each array.
+        // With optimizer offload only, the fill above did everything.
         reader.drop_behind(own_state);
         let passes: Vec<Option<usize>> = match poff {
+            None if cast_in_fill && offload.is_some() => Vec::new(),
             None => (0..m.world_size).map(Some).collect(),
             Some(_) => vec![None],
         };

@@ -184,9 +184,9 @@ pub struct EngineStats {
     pub gather_bytes: u64,
     /// Bytes this rank read from a checkpoint's rank files in
     /// [`Engine::load_checkpoint`]: whole CRC blocks, those that hold the
-    /// elements the rank needs, each read once (without offload; with
-    /// optimizer offload the master is read twice, with parameter offload
-    /// a block two ranges share may be read again).
+    /// elements the rank needs, each read once without offload (with
+    /// offload a block two ranges share may be read again, and with both
+    /// optimizer and parameter offload the master twice).
     pub checkpoint_read_bytes: u64,
     /// Stage 3: most elements ever gathered at once (in use, kept for
     /// reuse, prefetched or persistent).
