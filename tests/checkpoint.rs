@@ -175,6 +175,44 @@ fn offload_config(
     c
 }
 
+/// Rank 0's view of three runs of `cfg`: `2k` steps; `k` steps saved
+/// under `root`; loaded from `root` (with `faults` on the parameter swap
+/// file) and `k` more steps.
+fn full_save_resume(
+    world: usize,
+    k: usize,
+    cfg: &ResolvedConfig,
+    root: &Path,
+    faults: FaultPlan,
+) -> [Out; 3] {
+    let full = run(
+        world,
+        &Plan {
+            steps: 2 * k,
+            ..plan(cfg.clone())
+        },
+    );
+    let first = run(
+        world,
+        &Plan {
+            steps: k,
+            save: Some(root),
+            ..plan(cfg.clone())
+        },
+    );
+    let resumed = run(
+        world,
+        &Plan {
+            load: Some(root),
+            from: k,
+            steps: k,
+            param_faults: faults,
+            ..plan(cfg.clone())
+        },
+    );
+    [full, first, resumed]
+}
+
 /// Training 2k steps equals training k, saving, dropping the engine,
 /// loading into a fresh one and training k more: every unit's parameters,
 /// master, m and v bit for bit, the same losses after the resume, and the
@@ -216,32 +254,9 @@ fn resume_is_bit_identical() {
             cfg.precision, cfg.zero.param_persistence_threshold
         );
         let root = dir.join(format!("case{n}"));
-        let full = run(
-            world,
-            &Plan {
-                steps: 2 * k,
-                ..plan(cfg.clone())
-            },
-        );
-        let first = run(
-            world,
-            &Plan {
-                steps: k,
-                save: Some(&root),
-                ..plan(cfg.clone())
-            },
-        );
-        let saved = first.saved.expect("saved");
-        assert_eq!(saved, root.join(format!("step{k:08}")), "{what}");
-        let resumed = run(
-            world,
-            &Plan {
-                load: Some(&root),
-                from: k,
-                steps: k,
-                ..plan(cfg.clone())
-            },
-        );
+        let [full, first, resumed] = full_save_resume(world, k, &cfg, &root, FaultPlan::default());
+        let saved = first.saved.as_ref().expect("saved");
+        assert_eq!(*saved, root.join(format!("step{k:08}")), "{what}");
         assert_bits_eq(&full.states, &resumed.states, &what);
         assert_eq!(full.losses[k * ga..], resumed.losses[..], "{what}");
         assert_eq!(full.losses[..k * ga], first.losses[..], "{what}");
@@ -268,32 +283,8 @@ fn a_load_waits_for_its_parameter_swap_writes() {
     let (world, k) = (2, 2);
     let (none, nvme) = (OffloadDevice::None, OffloadDevice::Nvme);
     let cfg = offload_config(world, 3, 1, none, nvme, &dir);
-    let root = dir.join("ckpt");
-    let full = run(
-        world,
-        &Plan {
-            steps: 2 * k,
-            ..plan(cfg.clone())
-        },
-    );
-    run(
-        world,
-        &Plan {
-            steps: k,
-            save: Some(&root),
-            ..plan(cfg.clone())
-        },
-    );
-    let resumed = run(
-        world,
-        &Plan {
-            load: Some(&root),
-            from: k,
-            steps: k,
-            param_faults: FaultPlan::slow_writes(std::time::Duration::from_millis(20)),
-            ..plan(cfg.clone())
-        },
-    );
+    let slow = FaultPlan::slow_writes(std::time::Duration::from_millis(20));
+    let [full, _, resumed] = full_save_resume(world, k, &cfg, &dir.join("ckpt"), slow);
     assert_bits_eq(&full.states, &resumed.states, "slow parameter swap writes");
     assert_eq!(full.losses[k..], resumed.losses[..]);
     let _ = std::fs::remove_dir_all(&dir);
