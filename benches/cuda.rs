@@ -320,17 +320,22 @@ fn launches_for(traffic: usize) -> usize {
     (4e9 / traffic.max(1) as f64).ceil().clamp(1.0, 200.0) as usize
 }
 
-/// Times `kernel` and `copy` alternately on `stream`: `WARMUP` untimed
-/// rounds, then `reps` samples of each, every sample `launches`
-/// back-to-back launches timed by events. Seconds per launch.
-fn interleaved(
+/// Times `kernel`, which moves `traffic` bytes (read + written), and a
+/// D2D copy of the same traffic (`traffic / 2` bytes copied) alternately
+/// on `stream`: `WARMUP` untimed rounds, then `reps` samples of each,
+/// every sample [`launches_for`]`(traffic)` back-to-back launches timed
+/// by events. Seconds per launch, kernel and copy.
+fn against_copy(
     timer: &Timer,
-    stream: &CudaStream,
+    stream: &Arc<CudaStream>,
     reps: usize,
-    launches: usize,
+    traffic: usize,
     mut kernel: impl FnMut() -> Res<()>,
-    mut copy: impl FnMut() -> Res<()>,
 ) -> Res<(Vec<f64>, Vec<f64>)> {
+    let src = zeros::<u8>(stream, traffic / 2)?;
+    let mut dst = zeros::<u8>(stream, traffic / 2)?;
+    let mut copy = || stream.memcpy_dtod(&src, &mut dst).ctx("cuMemcpyDtoDAsync");
+    let launches = launches_for(traffic);
     let (mut tk, mut tc) = (Vec::new(), Vec::new());
     for rep in 0..WARMUP + reps {
         let k = timer.time_each(stream, launches, &mut kernel)?;
@@ -437,23 +442,11 @@ where
     } else {
         None
     };
-    let copy_bytes = traffic / 2;
-    let src = zeros::<u8>(stream, copy_bytes)?;
-    let mut dst = zeros::<u8>(stream, copy_bytes)?;
     let k = AdamWStep::new(&AdamWParams::torch_default(), 1e-3, 10, 0.5);
-
-    let launches = launches_for(traffic);
-    let (tk, tc) = interleaved(
-        timer,
-        stream,
-        a.reps,
-        launches,
-        || {
-            adam.step(stream, &k, &mut master, &grad, &mut m, &mut v, low.as_mut())
-                .ctx("GpuAdamW::step")
-        },
-        || stream.memcpy_dtod(&src, &mut dst).ctx("cuMemcpyDtoDAsync"),
-    )?;
+    let (tk, tc) = against_copy(timer, stream, a.reps, traffic, || {
+        adam.step(stream, &k, &mut master, &grad, &mut m, &mut v, low.as_mut())
+            .ctx("GpuAdamW::step")
+    })?;
     let (sk, sc) = (Stats::of(&tk), Stats::of(&tc));
     let (gk, gc) = (
         gbps(traffic as f64, sk.median),
@@ -481,11 +474,11 @@ where
         "bytes_read_per_elem": read,
         "bytes_written_per_elem": written,
         "bytes": traffic,
-        "launches_per_sample": launches,
+        "launches_per_sample": launches_for(traffic),
         "kernel": sk.json(),
         "kernel_gbps": gk,
         "baseline": "memcpy_dtod of bytes/2 (read + write = bytes), same stream, interleaved",
-        "baseline_copy_bytes": copy_bytes,
+        "baseline_copy_bytes": traffic / 2,
         "baseline_time": sc.json(),
         "baseline_gbps": gc,
         "fraction": fraction,
@@ -565,21 +558,10 @@ where
     drop(host);
     let mut sums = zeros::<f64>(stream, norm_scratch_len(n).max(1))?;
     let mut out = zeros::<f64>(stream, 1)?;
-    let copy_bytes = bytes / 2;
-    let src = zeros::<u8>(stream, copy_bytes)?;
-    let mut dst = zeros::<u8>(stream, copy_bytes)?;
-    let launches = launches_for(bytes);
-    let (tk, tc) = interleaved(
-        timer,
-        stream,
-        a.reps,
-        launches,
-        || {
-            adam.sum_squares_into(stream, &grad, &mut sums, &mut out)
-                .ctx("GpuAdamW::sum_squares_into")
-        },
-        || stream.memcpy_dtod(&src, &mut dst).ctx("cuMemcpyDtoDAsync"),
-    )?;
+    let (tk, tc) = against_copy(timer, stream, a.reps, bytes, || {
+        adam.sum_squares_into(stream, &grad, &mut sums, &mut out)
+            .ctx("GpuAdamW::sum_squares_into")
+    })?;
     let value = stream.clone_dtoh(&out).ctx("cuMemcpyDtoH (norm)")?;
     stream.synchronize().ctx("cuStreamSynchronize")?;
     let sum = value.first().copied().unwrap_or(f64::NAN);
@@ -608,11 +590,11 @@ where
         "grad": G::DTYPE.to_string(),
         "elems": n,
         "bytes": bytes,
-        "launches_per_sample": launches,
+        "launches_per_sample": launches_for(bytes),
         "kernel": sk.json(),
         "kernel_gbps": gk,
         "baseline": "memcpy_dtod of bytes/2 (read + write = the bytes the norm reads), same stream, interleaved",
-        "baseline_copy_bytes": copy_bytes,
+        "baseline_copy_bytes": bytes / 2,
         "baseline_time": sc.json(),
         "baseline_gbps": gc,
         "fraction": fraction,

@@ -447,9 +447,12 @@ fn reshard_continues_training() {
 /// layer: 4.9 MB per array), so that loads read whole blocks straight
 /// into the engine's buffers and the parameter ranges of stages 0–2 span
 /// several windows and files: saved at 1 rank in stage 0 and at 2 ranks
-/// in stage 3, loaded at 1, 2 and 3 ranks in stages 0–3, every unit's
-/// state is the saved one exactly. A flipped byte in a block read that
-/// way is refused, naming the file and the block.
+/// in stage 3, loaded at 1, 2 and 3 ranks in stages 0–3 (and three loads
+/// with cpu optimizer offload), every unit's state is the saved one
+/// exactly, and every rank read at least the bytes it needs and at most
+/// the CRC blocks that hold them ([`bytes_to_read`]; with optimizer
+/// offload from several files, only the first). A flipped byte in a block
+/// read that way is refused, naming the file and the block.
 #[test]
 fn large_units_reshard_exactly() {
     const BIG: &[usize] = &[6, 2048, 600, 1];

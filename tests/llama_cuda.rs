@@ -19,6 +19,7 @@
 mod kernel_checks;
 #[path = "../examples/llama/mod.rs"]
 mod llama;
+mod llama_kernel_cases;
 
 use std::sync::Arc;
 
@@ -26,9 +27,10 @@ use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use llama::cuda::{
     rmsnorm_scratch_len, EmbeddingGradPlan, GpuEmbeddingPlan, GpuRope, LlamaKernels,
 };
-use llama::ops::{self, AttnShape, Rope};
+use llama::ops::{self, Rope};
 use llama::XorShift;
-use zero::core::{bf16, Element};
+use llama_kernel_cases::{check, identity_attention, randn, round, Act, SwigluCase};
+use zero::core::bf16;
 
 struct Gpu {
     k: LlamaKernels,
@@ -46,50 +48,22 @@ fn gpu(test: &str) -> Option<Gpu> {
     Some(Gpu { k, stream })
 }
 
-trait Act: Element + DeviceRepr {
-    const RTOL: f32;
-}
-impl Act for f32 {
-    const RTOL: f32 = 1e-5;
-}
-impl Act for bf16 {
-    const RTOL: f32 = 1.0 / 128.0;
-}
+/// An activation type the GPU kernels take.
+trait GpuAct: Act + DeviceRepr {}
+impl<T: Act + DeviceRepr> GpuAct for T {}
 
 impl Gpu {
-    fn up<E: Act>(&self, v: &[f32]) -> CudaSlice<E> {
+    fn up<E: GpuAct>(&self, v: &[f32]) -> CudaSlice<E> {
         let v: Vec<E> = v.iter().map(|&x| E::from_f32(x)).collect();
         self.stream.clone_htod(&v).unwrap()
     }
     fn raw<T: DeviceRepr>(&self, v: &[T]) -> CudaSlice<T> {
         self.stream.clone_htod(v).unwrap()
     }
-    fn down<E: Act>(&self, s: &CudaSlice<E>) -> Vec<f32> {
+    fn down<E: GpuAct>(&self, s: &CudaSlice<E>) -> Vec<f32> {
         let v = self.stream.clone_dtoh(s).unwrap();
         self.stream.synchronize().unwrap();
         v.into_iter().map(E::to_f32).collect()
-    }
-}
-
-fn randn(rng: &mut XorShift, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| scale * rng.normal()).collect()
-}
-
-fn round<E: Element>(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|&x| E::from_f32(x).to_f32()).collect()
-}
-
-fn check<E: Act>(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let want = round::<E>(want);
-    let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
-        let tol = E::RTOL * w.abs() + 1e-5 * scale;
-        assert!(
-            (g - w).abs() <= tol || (g.is_nan() && w.is_nan()),
-            "{what} ({:?}): element {i}: GPU {g:e}, CPU {w:e}, tolerance {tol:e}",
-            E::DTYPE
-        );
     }
 }
 
@@ -129,7 +103,7 @@ fn dot(a: &[f32], b: &[f32]) -> f64 {
 
 // ---------------------------------------------------------------------------
 
-fn rmsnorm_vs_cpu<E: Act>(g: &Gpu, rows: usize, d: usize, seed: u64) {
+fn rmsnorm_vs_cpu<E: GpuAct>(g: &Gpu, rows: usize, d: usize, seed: u64) {
     let mut rng = XorShift::new(seed);
     let x = round::<E>(&randn(&mut rng, rows * d, 1.5));
     let w = round::<E>(&randn(&mut rng, d, 1.0));
@@ -226,21 +200,11 @@ fn cpu_softmax(scores: &[f32], mats: usize, t: usize) -> Vec<f32> {
             }
         }
     }
-    let mut eye = vec![0.0f32; t * t];
-    for i in 0..t {
-        eye[i * t + i] = 1.0;
-    }
-    let s = AttnShape {
-        batch: 1,
-        seq: t,
-        n_heads: mats,
-        n_kv_heads: 1,
-        head_dim: t,
-    };
+    let (s, eye) = identity_attention(mats, t);
     ops::attention_forward(&q, &eye, &eye, s, 1).1
 }
 
-fn softmax_vs_cpu<E: Act>(g: &Gpu, mats: usize, t: usize, seed: u64) {
+fn softmax_vs_cpu<E: GpuAct>(g: &Gpu, mats: usize, t: usize, seed: u64) {
     let mut rng = XorShift::new(seed);
     // t = 16, 64: scale = 1/4, 1/8, so scores / scale * scale is exact.
     let scores = round::<E>(&randn(&mut rng, mats * t * t, 3.0));
@@ -305,7 +269,7 @@ fn causal_softmax_kernels() {
     fd_check("softmax ds", &s, &g.down(&ds), &lower, |s| dot(&fwd(s), &c));
 }
 
-fn ce_run<E: Act>(g: &Gpu, logits: &[f32], targets: &[i32]) -> (f32, Vec<f32>) {
+fn ce_run<E: GpuAct>(g: &Gpu, logits: &[f32], targets: &[i32]) -> (f32, Vec<f32>) {
     let rows = targets.len();
     let count = targets.iter().filter(|&&t| t >= 0).count();
     let mut dl = g.up::<E>(&vec![0.0; logits.len()]);
@@ -377,14 +341,14 @@ fn cross_entropy_kernels() {
     });
 }
 
-fn swiglu_fwd<E: Act>(g: &Gpu, h1: &[f32], h3: &[f32]) -> Vec<f32> {
+fn swiglu_fwd<E: GpuAct>(g: &Gpu, h1: &[f32], h3: &[f32]) -> Vec<f32> {
     let mut a = g.up::<E>(&vec![0.0; h1.len()]);
     g.k.swiglu_forward(&g.stream, &g.up::<E>(h1), &g.up::<E>(h3), &mut a)
         .unwrap();
     g.down(&a)
 }
 
-fn swiglu_bwd<E: Act>(g: &Gpu, da: &[f32], h1: &[f32], h3: &[f32]) -> (Vec<f32>, Vec<f32>) {
+fn swiglu_bwd<E: GpuAct>(g: &Gpu, da: &[f32], h1: &[f32], h3: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let mut d1 = g.up::<E>(&vec![0.0; h1.len()]);
     let mut d3 = g.up::<E>(&vec![0.0; h1.len()]);
     g.k.swiglu_backward(
@@ -399,37 +363,12 @@ fn swiglu_bwd<E: Act>(g: &Gpu, da: &[f32], h1: &[f32], h3: &[f32]) -> (Vec<f32>,
     (g.down(&d1), g.down(&d3))
 }
 
-fn swiglu_vs_cpu<E: Act>(g: &Gpu, rows: usize, hidden: usize, seed: u64) {
-    // The CPU SwiGLU with identity projections: x = [h1 | h3].
-    let mut rng = XorShift::new(seed);
-    let dim = 2 * hidden;
-    let x = round::<E>(&randn(&mut rng, rows * dim, 3.0));
-    let mut w1 = vec![0.0f32; hidden * dim];
-    let mut w3 = vec![0.0f32; hidden * dim];
-    let mut w2 = vec![0.0f32; dim * hidden];
-    for i in 0..hidden {
-        w1[i * dim + i] = 1.0;
-        w3[i * dim + hidden + i] = 1.0;
-        w2[i * hidden + i] = 1.0;
-    }
-    let (_, cache) = ops::swiglu_forward(&x, &w1, &w3, &w2, dim, hidden, 1);
-    check::<E>(
-        "swiglu a",
-        &swiglu_fwd::<E>(g, &cache.h1, &cache.h3),
-        &cache.a,
-    );
-    let dy = round::<E>(&randn(&mut rng, rows * dim, 1.0));
-    let mut dx = vec![0.0f32; rows * dim];
-    ops::swiglu_backward(&dy, &x, &cache, &w1, &w3, &w2, &mut dx, (dim, hidden), 1);
-    let (mut da, mut dh1, mut dh3) = (Vec::new(), Vec::new(), Vec::new());
-    for r in 0..rows {
-        da.extend_from_slice(&dy[r * dim..r * dim + hidden]);
-        dh1.extend_from_slice(&dx[r * dim..r * dim + hidden]);
-        dh3.extend_from_slice(&dx[r * dim + hidden..(r + 1) * dim]);
-    }
-    let (g1, g3) = swiglu_bwd::<E>(g, &da, &cache.h1, &cache.h3);
-    check::<E>("swiglu dh1", &g1, &dh1);
-    check::<E>("swiglu dh3", &g3, &dh3);
+fn swiglu_vs_cpu<E: GpuAct>(g: &Gpu, rows: usize, hidden: usize, seed: u64) {
+    let c = SwigluCase::new::<E>(rows, hidden, seed);
+    check::<E>("swiglu a", &swiglu_fwd::<E>(g, &c.h1, &c.h3), &c.a);
+    let (g1, g3) = swiglu_bwd::<E>(g, &c.da, &c.h1, &c.h3);
+    check::<E>("swiglu dh1", &g1, &c.dh1);
+    check::<E>("swiglu dh3", &g3, &c.dh3);
 }
 
 #[test]
@@ -456,7 +395,7 @@ fn swiglu_kernels() {
     });
 }
 
-fn rope_run<E: Act>(
+fn rope_run<E: GpuAct>(
     g: &Gpu,
     t: &GpuRope,
     x: &[f32],
@@ -527,7 +466,7 @@ fn embedding_kernels() {
             .unwrap();
         g.down(&out)
     };
-    fn bwd<E: Act>(
+    fn bwd<E: GpuAct>(
         g: &Gpu,
         dout: &[f32],
         plan: &GpuEmbeddingPlan,

@@ -27,14 +27,17 @@
 mod kernel_checks;
 #[path = "../examples/llama/mod.rs"]
 mod llama;
+mod llama_kernel_cases;
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use llama::cuda::EmbeddingGradPlan;
-use llama::ops::{self, AttnShape, Rope};
+use llama::ops::{self, Rope};
 use llama::XorShift;
+use llama_kernel_cases::{
+    check, check_exact, identity_attention, narrow, randn, round, Act, SwigluCase,
+};
 use zero::core::{bf16, Element};
 
 fn root() -> &'static Path {
@@ -62,26 +65,6 @@ fn driver() -> Option<&'static Path> {
 fn run<E: Act>(exe: &Path, op: &str, input: Rec) -> Out {
     Out(kernel_checks::run_driver(exe, &[op, E::NAME], input.0), 0)
 }
-
-/// The activation types of the kernels.
-trait Act: Element {
-    const NAME: &'static str;
-    /// Tolerance relative to |want|: f32 rounding or one bf16 ulp.
-    const RTOL: f32;
-}
-
-impl Act for f32 {
-    const NAME: &'static str = "f32";
-    const RTOL: f32 = 1e-5;
-}
-
-impl Act for bf16 {
-    const NAME: &'static str = "bf16";
-    const RTOL: f32 = 1.0 / 128.0;
-}
-
-/// Tolerance relative to the largest |want| of an output.
-const SCALE_TOL: f32 = 1e-5;
 
 /// A driver input record.
 #[derive(Default)]
@@ -125,59 +108,6 @@ impl Out {
     }
     fn finish(self) {
         assert_eq!(self.1, self.0.len(), "driver wrote more than expected");
-    }
-}
-
-fn randn(rng: &mut XorShift, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| scale * rng.normal()).collect()
-}
-
-/// `v` narrowed to E.
-fn narrow<E: Element>(v: &[f32]) -> Vec<E> {
-    v.iter().map(|&x| E::from_f32(x)).collect()
-}
-
-/// `v` rounded through E (the values E can hold).
-fn round<E: Element>(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|&x| E::from_f32(x).to_f32()).collect()
-}
-
-/// `got` against the CPU's `want` (rounded through E) within E's tolerance.
-fn check<E: Act>(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let want = round::<E>(want);
-    let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    let mut worst = 0.0f32;
-    for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
-        if g.is_nan() && w.is_nan() {
-            continue;
-        }
-        let tol = E::RTOL * w.abs() + SCALE_TOL * scale;
-        let err = (g - w).abs();
-        assert!(
-            err <= tol,
-            "{what} ({}): element {i}: kernel {g:e}, CPU {w:e}, |diff| {err:e} > {tol:e}",
-            E::NAME
-        );
-        worst = worst.max(err / tol.max(f32::MIN_POSITIVE));
-    }
-    let _ = writeln!(
-        std::io::stderr(),
-        "{what} ({}): {} values, worst error {worst:.3} of the tolerance",
-        E::NAME,
-        got.len()
-    );
-}
-
-/// Bit for bit.
-fn check_exact(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert_eq!(
-            g.to_bits(),
-            w.to_bits(),
-            "{what}: element {i}: {g:e} vs {w:e}"
-        );
     }
 }
 
@@ -250,19 +180,9 @@ fn rmsnorm_matches_the_cpu() {
 /// `scale * q`, and dQ is dS.
 fn softmax<E: Act>(exe: &Path, mats: usize, t: usize, seed: u64) {
     let mut rng = XorShift::new(seed);
-    let s = AttnShape {
-        batch: 1,
-        seq: t,
-        n_heads: mats,
-        n_kv_heads: 1,
-        head_dim: t,
-    };
+    let (s, eye) = identity_attention(mats, t);
     let scale = 1.0 / (t as f32).sqrt();
     let q = round::<E>(&randn(&mut rng, t * mats * t, 3.0));
-    let mut eye = vec![0.0f32; t * t];
-    for i in 0..t {
-        eye[i * t + i] = 1.0;
-    }
     let (_, probs) = ops::attention_forward(&q, &eye, &eye, s, 1);
     // The kernel's input: the scores [mats, t, t] = scale * q, per head.
     let mut scores = vec![0.0f32; mats * t * t];
@@ -444,48 +364,25 @@ fn embedding_plan_groups_rows_by_token_in_row_order() {
     assert_eq!((empty.segments(), empty.seg_start), (0, vec![0]));
 }
 
-/// The CPU SwiGLU with identity projections: x = [h1 | h3], so the cache
-/// holds h1, h3 and a exactly, and dx = [dh1 | dh3].
+/// The kernels on [`SwigluCase`].
 fn swiglu<E: Act>(exe: &Path, rows: usize, hidden: usize, seed: u64) {
-    let mut rng = XorShift::new(seed);
-    let dim = 2 * hidden;
-    let x = round::<E>(&randn(&mut rng, rows * dim, 3.0));
-    let mut w1 = vec![0.0f32; hidden * dim];
-    let mut w3 = vec![0.0f32; hidden * dim];
-    let mut w2 = vec![0.0f32; dim * hidden];
-    for i in 0..hidden {
-        w1[i * dim + i] = 1.0;
-        w3[i * dim + hidden + i] = 1.0;
-        w2[i * hidden + i] = 1.0;
-    }
-    let (_, cache) = ops::swiglu_forward(&x, &w1, &w3, &w2, dim, hidden, 1);
+    let c = SwigluCase::new::<E>(rows, hidden, seed);
     let input = Rec::default()
         .u64(rows * hidden)
-        .arr(&narrow::<E>(&cache.h1))
-        .arr(&narrow::<E>(&cache.h3));
+        .arr(&narrow::<E>(&c.h1))
+        .arr(&narrow::<E>(&c.h3));
     let mut out = run::<E>(exe, "swiglu_fwd", input);
-    check::<E>("swiglu_fwd", &out.elems::<E>(rows * hidden), &cache.a);
+    check::<E>("swiglu_fwd", &out.elems::<E>(rows * hidden), &c.a);
     out.finish();
 
-    // dy = [da | anything]: W2 = [I; 0] routes its first half to da.
-    let dy = round::<E>(&randn(&mut rng, rows * dim, 1.0));
-    let mut dx = vec![0.0f32; rows * dim];
-    ops::swiglu_backward(&dy, &x, &cache, &w1, &w3, &w2, &mut dx, (dim, hidden), 1);
-    let mut da = Vec::new();
-    let (mut dh1, mut dh3) = (Vec::new(), Vec::new());
-    for r in 0..rows {
-        da.extend_from_slice(&dy[r * dim..r * dim + hidden]);
-        dh1.extend_from_slice(&dx[r * dim..r * dim + hidden]);
-        dh3.extend_from_slice(&dx[r * dim + hidden..(r + 1) * dim]);
-    }
     let input = Rec::default()
         .u64(rows * hidden)
-        .arr(&narrow::<E>(&da))
-        .arr(&narrow::<E>(&cache.h1))
-        .arr(&narrow::<E>(&cache.h3));
+        .arr(&narrow::<E>(&c.da))
+        .arr(&narrow::<E>(&c.h1))
+        .arr(&narrow::<E>(&c.h3));
     let mut out = run::<E>(exe, "swiglu_bwd", input);
-    check::<E>("swiglu_bwd dh1", &out.elems::<E>(rows * hidden), &dh1);
-    check::<E>("swiglu_bwd dh3", &out.elems::<E>(rows * hidden), &dh3);
+    check::<E>("swiglu_bwd dh1", &out.elems::<E>(rows * hidden), &c.dh1);
+    check::<E>("swiglu_bwd dh3", &out.elems::<E>(rows * hidden), &c.dh3);
     out.finish();
 }
 
