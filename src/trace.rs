@@ -89,7 +89,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
-use zero_comm::Communicator;
+use zero_comm::{Communicator, Work};
 use zero_core::{bf16, HostBuffer};
 
 use crate::{Error, Result};
@@ -260,6 +260,18 @@ impl Tracer {
         if let Some(i) = &self.inner {
             i.lock().clear();
         }
+    }
+
+    /// Waits for a collective and records, on the `collective` track of
+    /// `rank`, when it ran on the communicator's progress thread (so that
+    /// a trace shows how much of it overlapped compute).
+    pub fn wait<R: 'static>(&self, rank: usize, work: Work<R>) -> Result<R> {
+        let op = work.op();
+        let (r, timing) = work.wait_timed()?;
+        if let Some(t) = timing {
+            self.record(rank, op, "collective", t.started, t.finished);
+        }
+        Ok(r)
     }
 }
 

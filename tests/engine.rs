@@ -323,22 +323,32 @@ fn misuse(
 }
 
 #[test]
-fn grad_ready_twice_is_an_error() {
+fn grad_buffer_after_grad_ready_is_an_error() {
+    // grad_ready consumes the buffer, so a second grad_ready for the same
+    // micro-batch cannot be written; asking for the buffer again is refused.
     let msgs = misuse(2, |e, m| {
         let u = m.units[0];
         let g = e.grad_buffer::<f32>(u).unwrap();
         e.grad_ready(u, g).unwrap();
-        let err = e.grad_buffer::<f32>(u).unwrap_err();
-        assert!(
-            err.to_string().contains("grad_ready was already called"),
-            "{err}"
-        );
-        let g = zero::core::HostBuffer::<f32>::zeros(e.layout(u).unwrap().padded_numel).unwrap();
-        e.grad_ready(u, g).unwrap_err()
+        e.grad_buffer::<f32>(u).unwrap_err()
     });
     for m in msgs {
-        assert!(m.contains("grad_ready(`layer0`) called twice"), "{m}");
+        assert!(m.contains("grad_ready was already called"), "{m}");
     }
+}
+
+#[test]
+fn grad_ready_with_another_units_buffer_is_an_error() {
+    let msgs = misuse(1, |e, m| {
+        let (a, b) = (m.units[0], m.units[1]);
+        let g = e.grad_buffer::<f32>(b).unwrap();
+        e.grad_ready(a, g).unwrap_err()
+    });
+    assert!(
+        msgs[0].contains("grad_ready(`layer0`): the buffer is unit `layer1`'s"),
+        "{}",
+        msgs[0]
+    );
 }
 
 #[test]
@@ -464,4 +474,105 @@ fn bad_registration_and_config_are_errors() {
         assert!(err.to_string().contains("world_size 3"), "{err}");
     })
     .unwrap();
+}
+
+// ---------------------------------------------------------------------------
+// Error paths of a micro-batch
+
+/// Trains `steps` steps on 2 ranks; with `fail_at = Some(s)`, step `s` is
+/// preceded by a micro-batch that fails half way through its backward
+/// pass: the last layer's gradient is handed back (at stages 0, 2 and 3
+/// its bucket may be reducing already), the next layer's buffer is dropped
+/// on the way out (the trainer's `?`), `step()` refuses it naming the
+/// units without a gradient, and `zero_grad()` starts over. Returns rank
+/// 0's final states.
+fn train_with_failed_micro_batch(stage: u8, fail_at: Option<usize>) -> Vec<UnitState> {
+    let world = 2;
+    let cfg = config(world, stage, 1, Precision::Fp32);
+    ThreadGroup::run(world, |comm| {
+        let rank = comm.rank();
+        let mut b = Engine::builder(cfg.clone(), comm).seed(5);
+        let model = Mlp::register(&mut b, DIMS).unwrap();
+        let mut e = b.build().unwrap();
+        for s in 0..4 {
+            if fail_at == Some(s) {
+                let n = model.units.len();
+                let (last, prev) = (model.units[n - 1], model.units[n - 2]);
+                let g = e.grad_buffer::<f32>(last).unwrap();
+                e.grad_ready(last, g).unwrap();
+                let dropped = e.grad_buffer::<f32>(prev).unwrap();
+                drop(dropped);
+                let err = e.step().unwrap_err().to_string();
+                assert!(
+                    err.contains("no gradient for unit `layer0`")
+                        && err.contains("layer0, layer1")
+                        && err.contains("zero_grad"),
+                    "{err}"
+                );
+                // The dropped buffer came home: it can be lent again, and
+                // then step() refuses it as still out.
+                let again = e.grad_buffer::<f32>(prev).unwrap();
+                let err = e.step().unwrap_err().to_string();
+                assert!(
+                    err.contains("gradient buffer of unit `layer1` is still out"),
+                    "{err}"
+                );
+                drop(again);
+                e.zero_grad().unwrap();
+            }
+            let first = ((s * world + rank) * MB) as u64;
+            let (x, y) = batch(first, MB, DIMS[0]);
+            model.train_micro_batch::<f32, _>(&mut e, &x, &y).unwrap();
+            e.step().unwrap();
+        }
+        e.unit_ids()
+            .into_iter()
+            .map(|u| e.unit_state(u).unwrap())
+            .collect::<Vec<_>>()
+    })
+    .unwrap()
+    .swap_remove(0)
+}
+
+/// A gradient buffer dropped on an error path does not wedge the engine:
+/// step() names the units without a gradient, zero_grad() drops the
+/// micro-batch (waiting for the reductions already in flight), and the
+/// run then continues exactly as one that never had the failed
+/// micro-batch.
+#[test]
+fn a_dropped_gradient_buffer_is_recovered_by_zero_grad() {
+    for stage in 0..=3u8 {
+        let clean = train_with_failed_micro_batch(stage, None);
+        for fail_at in [0, 2] {
+            let t = train_with_failed_micro_batch(stage, Some(fail_at));
+            assert_bits_eq(
+                &clean,
+                &t,
+                &format!("stage {stage}, failure before step {fail_at}"),
+            );
+        }
+    }
+}
+
+/// A unit whose gradient never came back is an error at step(), not a
+/// silent zero; zero_grad() with a buffer still out is refused too.
+#[test]
+fn a_missing_gradient_is_an_error() {
+    let msgs = misuse(2, |e, m| {
+        let u = m.units[0];
+        let g = e.grad_buffer::<f32>(u).unwrap();
+        let err = e.zero_grad().unwrap_err().to_string();
+        assert!(
+            err.contains("zero_grad() while the gradient buffer of unit `layer0`"),
+            "{err}"
+        );
+        e.grad_ready(u, g).unwrap();
+        e.step().unwrap_err()
+    });
+    for m in msgs {
+        assert!(
+            m.contains("no gradient for unit `layer1`") && m.contains("2 of 3 units"),
+            "{m}"
+        );
+    }
 }

@@ -92,7 +92,9 @@ use zero_core::partition::{PartitionPlan, TensorSpec, UnitLayout, UnitSpec};
 use zero_core::{bf16, f16, DType, Element};
 
 use super::export::{ExportDtype, MODEL_FILE};
+use super::optimizer::Moments;
 use super::param_offload::ParamOffload;
+use super::reducer::GradState;
 use super::{
     agree_on_setup, exchange_words, first_failure, Engine, EngineBuilder, Init, StepOutcome, Unit,
 };
@@ -1135,21 +1137,21 @@ impl<C: Communicator> Engine<C> {
                 self.micro
             )));
         }
-        if let Some(u) = self.units.iter().find(|u| u.lent) {
+        if let Some(i) = self.reducer.find(GradState::Lent) {
             return Err(self.usage(format!(
                 "save_checkpoint: the gradient buffer of unit `{}` is out; hand it back and call \
                  step() first",
-                u.layout.name
+                self.units[i].layout.name
             )));
         }
-        if let Some(u) = self.units.iter().find(|u| u.ready) {
+        if let Some(i) = self.reducer.find(GradState::Ready) {
             return Err(self.usage(format!(
                 "save_checkpoint: a micro-batch is in progress (unit `{}` is grad_ready); call \
                  step() first",
-                u.layout.name
+                self.units[i].layout.name
             )));
         }
-        if self.open.is_some() || !self.inflight.is_empty() {
+        if !self.reducer.is_idle() {
             return Err(self.usage(
                 "save_checkpoint: gradient reductions are in flight; call step() first".into(),
             ));
@@ -1319,7 +1321,7 @@ impl<C: Communicator> Engine<C> {
         head[12..16].copy_from_slice(&(self.rank as u32).to_le_bytes());
         w.write(0, &head)?;
         let bases: Vec<usize> = (0..self.units.len()).map(|i| self.state_base(i)).collect();
-        match &self.offload {
+        match self.opt.offload() {
             Some(off) => off.visit(|u, local, master, m, v| {
                 let abs = local.start + bases[u]..local.end + bases[u];
                 let e = &map.ranges[u];
@@ -1333,16 +1335,17 @@ impl<C: Communicator> Engine<C> {
                 w.write_f32(map.offset(u, 2, lo), &v[s])
             })?,
             None => {
-                for (u, unit) in self.units.iter().enumerate() {
+                for u in 0..self.units.len() {
                     let e = &map.ranges[u];
                     if e.is_empty() {
                         // A shard made only of padding.
                         continue;
                     }
                     let s = e.start - bases[u]..e.end - bases[u];
-                    w.write_f32(map.offset(u, 0, e.start), &unit.master[s.clone()])?;
-                    w.write_f32(map.offset(u, 1, e.start), &unit.m[s.clone()])?;
-                    w.write_f32(map.offset(u, 2, e.start), &unit.v[s])?;
+                    let st = self.opt.moments(u);
+                    w.write_f32(map.offset(u, 0, e.start), &st.master[s.clone()])?;
+                    w.write_f32(map.offset(u, 1, e.start), &st.m[s.clone()])?;
+                    w.write_f32(map.offset(u, 2, e.start), &st.v[s])?;
                 }
             }
         }
@@ -1421,10 +1424,7 @@ impl<C: Communicator> Engine<C> {
         let bases: Vec<usize> = (0..self.units.len()).map(|i| self.state_base(i)).collect();
         let mut scratch = vec![0f32; CAST_CHUNK];
         let Engine {
-            units,
-            offload,
-            poff,
-            ..
+            units, opt, poff, ..
         } = self;
         // Drop-behind (see `Reader::drop_behind`) for what only this rank
         // reads, once: from stage 1 on the ranks' state ranges are
@@ -1440,7 +1440,8 @@ impl<C: Communicator> Engine<C> {
         // parameters, unless those are offloaded too (their homes are then
         // written unit by unit below, reading the master a second time).
         let cast_in_fill = poff.is_none();
-        if let Some(off) = offload.as_mut() {
+        let offloaded = opt.offload().is_some();
+        if let Some(off) = opt.offload_mut() {
             off.fill(|u, local, master, mm, v| {
                 let abs = local.start + bases[u]..local.end + bases[u];
                 reader.drop_behind(own_state && cast_in_fill);
@@ -1468,7 +1469,7 @@ impl<C: Communicator> Engine<C> {
         // With optimizer offload only, the fill above did everything.
         reader.drop_behind(own_state);
         let passes: Vec<Option<usize>> = match poff {
-            None if cast_in_fill && offload.is_some() => Vec::new(),
+            None if cast_in_fill && offloaded => Vec::new(),
             None => (0..m.world_size).map(Some).collect(),
             Some(_) => vec![None],
         };
@@ -1480,10 +1481,10 @@ impl<C: Communicator> Engine<C> {
                 };
                 load_unit(
                     &mut reader,
-                    (i, unit),
+                    (i, unit, opt.moments_mut(i)),
                     clip,
                     (stage, rank, pdt),
-                    (offload.is_some(), bases[i]),
+                    (offloaded, bases[i]),
                     poff.as_mut(),
                     &mut scratch,
                 )?;
@@ -1522,7 +1523,7 @@ impl<C: Communicator> Engine<C> {
 /// before). `sbase` is the unit's first element in the rank's state.
 fn load_unit(
     reader: &mut Reader<'_>,
-    (i, unit): (usize, &mut Unit),
+    (i, unit, moments): (usize, &mut Unit, &mut Moments),
     clip: Range<usize>,
     (stage, rank, pdt): (u8, usize, DType),
     (offloaded, state_base): (bool, usize),
@@ -1530,13 +1531,9 @@ fn load_unit(
     scratch: &mut [f32],
 ) -> Result<()> {
     let Unit {
-        layout: l,
-        params,
-        master,
-        m: mm,
-        v,
-        ..
+        layout: l, params, ..
     } = unit;
+    let Moments { master, m: mm, v } = moments;
     let within = |r: Range<usize>| {
         let start = r.start.max(clip.start);
         start..r.end.min(clip.end).max(start)

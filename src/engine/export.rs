@@ -416,9 +416,9 @@ impl<C: Communicator> Engine<C> {
     /// Unit `i`'s full fp32 master (at least its real elements): a
     /// collective in stages 1–3.
     fn master_of(&mut self, i: usize) -> Result<HostBuffer<f32>> {
-        let (local, nvme) = match &self.offload {
+        let (local, nvme) = match self.opt.offload() {
             None => (
-                HostBuffer::from_slice(&self.units[i].master).map_err(Error::from),
+                HostBuffer::from_slice(&self.opt.moments(i).master).map_err(Error::from),
                 false,
             ),
             Some(off) => (

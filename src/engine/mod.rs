@@ -103,19 +103,22 @@
 mod checkpoint;
 mod dynbuf;
 mod export;
+mod health;
 mod init;
+mod lease;
 mod offload;
+mod optimizer;
 mod param_offload;
+mod reducer;
 mod stage3;
 
-use std::collections::{HashMap, VecDeque};
-use std::ops::Range;
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use zero_comm::{Communicator, Work};
 use zero_core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier};
-use zero_core::optim::{clip_coefficient, AdamWSlices, AdamWStep, CpuAdamW, LossScaler};
+use zero_core::optim::{clip_coefficient, AdamWStep, CpuAdamW, LossScaler};
 use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
 use zero_core::{bf16, f16, DType, Device, Element, HostBuffer};
 use zero_offload::FaultPlan;
@@ -123,12 +126,18 @@ use zero_offload::FaultPlan;
 use crate::trace::Tracer;
 use crate::{Error, Result};
 pub use checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
+pub(crate) use dynbuf::ring_bytes;
 use dynbuf::DynBuf;
 pub use export::{export_checkpoint, ExportDtype};
+use health::Health;
 pub use init::Init;
 use init::{fnv1a, mix};
+pub use lease::GradBuffer;
+use lease::Returns;
 use offload::{Offload, UnitRanges};
+use optimizer::{relative, Moments, OptimizerShard};
 use param_offload::ParamOffload;
+use reducer::{GradReducer, GradState};
 use stage3::Stage3;
 
 /// A registered unit of one engine.
@@ -250,42 +259,12 @@ struct Unit {
     /// Stage 0–2: the full padded unit; stage 3: this rank's shard. `None`
     /// only while a collective holds it.
     params: Option<DynBuf>,
-    /// fp32 master, m, v: full (stage 0) or shard; empty when the
-    /// optimizer state is offloaded (it lives in [`Offload`]).
-    master: HostBuffer<f32>,
-    m: HostBuffer<f32>,
-    v: HostBuffer<f32>,
-    /// Stage 0/1: the persistent full gradient buffer in P (`None` while
-    /// lent to the trainer or in a bucket). Stage 2/3: `None`.
-    grad: Option<DynBuf>,
-    /// The accumulated gradient in A: full (stage 0) or shard; `None` when
-    /// it lives in `grad` (A = P without accumulation, stages 0/1, no
-    /// optimizer offload). With optimizer offload it is the host-side
-    /// gradient shard that feeds the CPU AdamW (accounted in the host tier).
-    acc: Option<DynBuf>,
-    /// The trainer holds this unit's gradient buffer.
-    lent: bool,
-    /// `grad_ready` was called in this micro-batch.
-    ready: bool,
     /// How many `gather`s are not yet `release`d.
     gathers: usize,
     /// Stages 1–2: the updated parameters' all-gather is queued or in
     /// flight (the local copy is stale or lent to the collective).
     stale: bool,
     _allocs: Vec<Allocation>,
-}
-
-/// A bucket of gradients being filled.
-struct OpenBucket {
-    buf: DynBuf,
-    units: Vec<usize>,
-    elems: usize,
-}
-
-/// A bucket whose reduction is in flight.
-struct InFlight {
-    work: Work<DynBuf>,
-    units: Vec<usize>,
 }
 
 /// The sharded data-parallel engine of one rank.
@@ -299,14 +278,11 @@ pub struct Engine<C: Communicator> {
     world: usize,
     stage: u8,
     pdt: DType,
-    cdt: DType,
     units: Vec<Unit>,
-    // Gradient reduction.
-    bucket_cap: usize,
-    free_buckets: Vec<DynBuf>,
-    open: Option<OpenBucket>,
-    inflight: VecDeque<InFlight>,
-    deferred: Vec<usize>,
+    /// Gradient buckets, reductions and homes.
+    reducer: GradReducer,
+    /// Gradient buffers the trainer dropped instead of handing back.
+    returns: Returns,
     /// Stages 1–2: the all-gathers of updated parameters in flight (unit,
     /// handle), in launch order, and their padded elements …
     param_gathers: VecDeque<(usize, Work<DynBuf>)>,
@@ -315,8 +291,6 @@ pub struct Engine<C: Communicator> {
     /// `allgather_bucket_size`). With `overlap_comm` both drain during the
     /// next forward pass, as `gather` asks for each unit.
     param_gather_queue: VecDeque<usize>,
-    grad_pool: HashMap<usize, Vec<DynBuf>>,
-    _bucket_allocs: Vec<Allocation>,
     // Steps.
     micro: usize,
     steps: u64,
@@ -327,32 +301,17 @@ pub struct Engine<C: Communicator> {
     s3: Stage3,
     stats: EngineStats,
     warned: Vec<String>,
-    /// The first communication error; the engine refuses work after it.
-    failed: Option<String>,
-    /// The CPU AdamW and norm kernels (SIMD, threads).
-    adam: CpuAdamW,
-    /// The offloaded optimizer state (`offload_optimizer.device` cpu or
-    /// nvme).
-    offload: Option<Offload>,
-    /// The first swap-file error: the optimizer state is lost, the
-    /// parameters of the last completed step stay readable (unless
-    /// `params_lost`), or, with `swap_rescued`, the whole state after the
-    /// step stays readable.
-    swap_failed: Option<String>,
-    /// `swap_failed` was a failed optimizer swap write that every rank
-    /// rescued (see [`Offload::rescued`]): the step completed and the
-    /// state after it is complete, so the calls that only read it
-    /// ([`READS_AFTER_RESCUE`]) still work.
-    swap_rescued: bool,
+    /// What still works after a failure (see [`health`]).
+    health: Health,
+    /// fp32 master, m, v, the AdamW and norm kernels, and the optimizer
+    /// offload tiers.
+    opt: OptimizerShard,
     /// The error of a rescued step, returned by `step()` once the step is
     /// finished (parameter all-gather included).
     rescued_error: Option<Error>,
     /// Stage 3 parameter offload (`offload_param.device` cpu or nvme): the
     /// home of every unit's shard.
     poff: Option<ParamOffload>,
-    /// A parameter swap-file error: the shards cannot be read any more, so
-    /// `gather` refuses too.
-    params_lost: bool,
     /// Spans of this rank's phases (disabled unless
     /// [`EngineBuilder::tracer`]).
     tracer: Tracer,
@@ -572,17 +531,14 @@ impl<C: Communicator> EngineBuilder<C> {
             Precision::Bf16 => DType::BF16,
             Precision::Fp16 => DType::F16,
         };
-        let adt = cfg.grad_accum_dtype;
-        let cdt = cfg.communication_data_type;
-        let ga = cfg.gradient_accumulation_steps;
         let offloading = cfg.zero.offload_optimizer.device != OffloadDevice::None;
-        let alias = stage <= 1 && adt == pdt && ga == 1 && !offloading;
         let param_offloading = stage == 3 && cfg.zero.offload_param.device != OffloadDevice::None;
         if param_offloading {
             check_param_offload(&cfg, &plan)?;
         }
         let mut masters = Vec::new();
         let mut ranges = Vec::new();
+        let mut moments = Vec::with_capacity(specs.len());
 
         let mut units = Vec::with_capacity(specs.len());
         for ((spec, inits), layout) in specs.iter().zip(plan.units()) {
@@ -638,28 +594,8 @@ impl<C: Communicator> EngineBuilder<C> {
             if !param_offloading {
                 track(Tier::Device, Category::Params, params.capacity_bytes());
             }
-            let grad = if stage <= 1 {
-                let mut g = DynBuf::alloc(&comm, pdt, full)?;
-                g.prefault();
-                track(Tier::Device, Category::Grads, g.capacity_bytes());
-                Some(g)
-            } else {
-                None
-            };
-            let acc = if alias {
-                None
-            } else {
-                let len = if stage == 0 { full } else { shard };
-                let mut a = DynBuf::alloc(&comm, adt, len)?;
-                a.prefault();
-                // With optimizer offload the gradient shard feeding AdamW
-                // is host memory (device→host as buckets complete).
-                let tier = if offloading { Tier::Host } else { Tier::Device };
-                track(tier, Category::Grads, a.capacity_bytes());
-                Some(a)
-            };
-            let moments = if offloading { 0 } else { state_len };
-            let (mut m, mut v) = (HostBuffer::zeros(moments)?, HostBuffer::zeros(moments)?);
+            let mlen = if offloading { 0 } else { state_len };
+            let (mut m, mut v) = (HostBuffer::zeros(mlen)?, HostBuffer::zeros(mlen)?);
             if !for_load {
                 m.prefault();
                 v.prefault();
@@ -679,49 +615,17 @@ impl<C: Communicator> EngineBuilder<C> {
                 masters.push(master);
                 master = HostBuffer::zeros(0)?;
             }
+            moments.push(Moments { master, m, v });
             units.push(Unit {
                 layout: layout.clone(),
                 params: Some(params),
-                master,
-                m,
-                v,
-                grad,
-                acc,
-                lent: false,
-                ready: false,
                 gathers: 0,
                 stale: false,
                 _allocs: allocs,
             });
         }
 
-        // Bucket buffers: as large as reduce_bucket_size (no larger than
-        // the model) and at least the largest unit; two when reductions
-        // overlap the backward pass.
-        let largest = plan
-            .units()
-            .iter()
-            .map(|u| u.padded_numel)
-            .max()
-            .unwrap_or(0);
-        let bucket_cap = cfg
-            .zero
-            .reduce_bucket_size
-            .min(plan.padded_numel())
-            .max(largest);
-        let n_buckets = if overlaps(&cfg) { 2 } else { 1 };
-        let mut free_buckets = Vec::new();
-        let mut bucket_allocs = Vec::new();
-        for _ in 0..n_buckets {
-            let mut b = DynBuf::alloc(&comm, cdt, bucket_cap)?;
-            b.prefault();
-            bucket_allocs.push(tracker.allocate(
-                Tier::Device,
-                Category::CommBuffers,
-                b.capacity_bytes(),
-            ));
-            free_buckets.push(b);
-        }
+        let reducer = GradReducer::new(&cfg, &plan, &comm, &tracker)?;
         let offload = if offloading {
             let views: Vec<&[f32]> = masters.iter().map(|m| &m[..]).collect();
             let built = Offload::new(&cfg, rank, pdt, ranges, &views, &tracker, swap_faults);
@@ -767,6 +671,15 @@ impl<C: Communicator> EngineBuilder<C> {
             (cores / comm.ranks_on_host().max(1)).max(1)
         });
         let adam = CpuAdamW::new().with_threads(threads);
+        let opt = OptimizerShard::new(
+            stage,
+            rank,
+            plan.units(),
+            moments,
+            |i| reducer.has_acc(i),
+            adam,
+            offload,
+        );
         let mut engine = Engine {
             id,
             comm,
@@ -776,18 +689,12 @@ impl<C: Communicator> EngineBuilder<C> {
             world,
             stage,
             pdt,
-            cdt,
             units,
-            bucket_cap,
-            free_buckets,
-            open: None,
-            inflight: VecDeque::new(),
-            deferred: Vec::new(),
+            reducer,
+            returns: Returns::default(),
             param_gathers: VecDeque::new(),
             param_gather_elems: 0,
             param_gather_queue: VecDeque::new(),
-            grad_pool: HashMap::new(),
-            _bucket_allocs: bucket_allocs,
             micro: 0,
             steps: 0,
             global_steps: 0,
@@ -803,20 +710,16 @@ impl<C: Communicator> EngineBuilder<C> {
             s3,
             stats: EngineStats::default(),
             warned: Vec::new(),
-            failed: None,
-            adam,
-            offload,
-            swap_failed: None,
-            swap_rescued: false,
+            health: Health::Ok,
+            opt,
             rescued_error: None,
             poff,
-            params_lost: false,
             tracer,
             cfg,
             seed,
             keep_last,
         };
-        if let Some(off) = &engine.offload {
+        if let Some(off) = engine.opt.offload() {
             for w in off.warnings() {
                 engine.warn(w);
             }
@@ -832,10 +735,6 @@ impl<C: Communicator> EngineBuilder<C> {
         Ok(engine)
     }
 }
-
-/// The calls that only read the state, allowed after a rescued swap
-/// write failure (see [`Engine::check_swap`]).
-const READS_AFTER_RESCUE: &[&str] = &["unit_state", "save_checkpoint", "export_safetensors"];
 
 /// The offload settings the engine can run, checked again here for
 /// configs built in code (the JSON parser checks most of them): errors
@@ -929,16 +828,6 @@ fn check_param_offload(cfg: &ResolvedConfig, plan: &PartitionPlan) -> Result<()>
     }
 }
 
-/// Whether gradient reductions overlap the backward pass: stage 0 always
-/// (as DDP), stages 2–3 with `overlap_comm`; stage 1 reduces after it.
-fn overlaps(cfg: &ResolvedConfig) -> bool {
-    match cfg.zero.stage {
-        0 => true,
-        1 => false,
-        _ => cfg.zero.overlap_comm,
-    }
-}
-
 /// Every rank must register the same units (names, tensors, shapes) with
 /// the same config and seed. All ranks learn the verdict, so all fail
 /// together instead of hanging in a later collective.
@@ -1005,12 +894,7 @@ fn check_agreement<C: Communicator>(
 /// when it ran on the progress thread (so that a trace shows how much of
 /// it overlapped compute).
 pub(crate) fn wait_traced<R: 'static>(tracer: &Tracer, rank: usize, work: Work<R>) -> Result<R> {
-    let op = work.op();
-    let (r, timing) = work.wait_timed()?;
-    if let Some(t) = timing {
-        tracer.record(rank, op, "collective", t.started, t.finished);
-    }
-    Ok(r)
+    tracer.wait(rank, work)
 }
 
 /// All-gathers `words.len()` u64 per rank (the same length on every rank),
@@ -1107,7 +991,7 @@ impl<C: Communicator> Engine<C> {
     /// `nvme_path` and removed when the engine is dropped; `None` without
     /// nvme offload.
     pub fn optimizer_swap_path(&self) -> Option<&std::path::Path> {
-        self.offload.as_ref().and_then(|o| o.swap_path())
+        self.opt.offload().and_then(|o| o.swap_path())
     }
 
     /// This rank's parameter swap file (`offload_param.device = "nvme"`,
@@ -1185,43 +1069,29 @@ impl<C: Communicator> Engine<C> {
     /// the engine's buffers may still be held by the failed collective, so
     /// every later call fails with that error instead of touching them.
     fn guard<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
-        if let Some(first) = &self.failed {
-            return Err(self.usage(format!(
-                "the engine cannot continue after a communication error: {first}"
-            )));
-        }
+        self.health.check_comm().map_err(|what| self.usage(what))?;
+        self.take_back_dropped();
         let r = f(self);
         if let Err(Error::Comm(e)) = &r {
-            self.failed = Some(e.to_string());
+            self.health.comm_failed(e.to_string());
         }
         r
     }
 
-    /// After a swap-file error only reading parameters works, and reading
-    /// the whole state ([`READS_AFTER_RESCUE`]) after a rescued write
-    /// failure.
-    fn check_swap(&self, call: &str) -> Result<()> {
-        let Some(first) = &self.swap_failed else {
-            return Ok(());
-        };
-        let rescued = self.swap_rescued && !self.params_lost;
-        if rescued && READS_AFTER_RESCUE.contains(&call) {
-            return Ok(());
+    /// Gradient buffers the trainer dropped (an error path) come home: their
+    /// units have no gradient in this micro-batch.
+    fn take_back_dropped(&mut self) {
+        for (i, buf) in self.returns.take() {
+            self.reducer.take_back_unused(i, buf);
         }
-        Err(self.usage(if rescued {
-            format!(
-                "{call}: the engine cannot train after a swap-file error; the state after step \
-                 {} is complete (what the swap file could not take is kept in host memory): \
-                 save it with save_checkpoint to another disk and resume from there: {first}",
-                self.steps
-            )
-        } else {
-            format!(
-                "{call}: the engine cannot continue after a swap-file error (the optimizer state \
-                 is lost; the parameters of step {} stay readable with gather/params): {first}",
-                self.steps
-            )
-        }))
+    }
+
+    /// After a swap-file error only reading parameters works, and reading
+    /// the whole state after a rescued write failure (see [`health`]).
+    fn check_swap(&self, call: &str) -> Result<()> {
+        self.health
+            .check_swap(call, self.steps)
+            .map_err(|what| self.usage(what))
     }
 
     fn usage(&self, what: String) -> Error {
@@ -1257,8 +1127,7 @@ impl<C: Communicator> Engine<C> {
 
     fn gather_inner(&mut self, unit: UnitId) -> Result<()> {
         let i = self.check(unit, "gather")?;
-        if self.params_lost {
-            let first = self.swap_failed.clone().unwrap_or_default();
+        if let Some(first) = self.health.params_lost() {
             return Err(self.usage(format!(
                 "gather(`{}`): the parameters are lost with the parameter swap file \
                  (offload_param.device \"nvme\"): {first}",
@@ -1375,13 +1244,13 @@ impl<C: Communicator> Engine<C> {
                 .wait()?;
             Ok(recv[..numel].to_vec())
         };
-        let (master, m, v) = match &self.offload {
+        let (master, m, v) = match self.opt.offload() {
             None => {
-                let u = &self.units[i];
+                let s = self.opt.moments(i);
                 (
-                    gather_f32(self, &u.master)?,
-                    gather_f32(self, &u.m)?,
-                    gather_f32(self, &u.v)?,
+                    gather_f32(self, &s.master)?,
+                    gather_f32(self, &s.m)?,
+                    gather_f32(self, &s.v)?,
                 )
             }
             Some(off) => {
@@ -1440,11 +1309,11 @@ impl<C: Communicator> Engine<C> {
     /// trainer writes (or accumulates) the gradient of its micro-batch loss
     /// — multiplied by [`Engine::loss_scale`] — and hands it back with
     /// [`Engine::grad_ready`].
-    pub fn grad_buffer<T: Element>(&mut self, unit: UnitId) -> Result<HostBuffer<T>> {
+    pub fn grad_buffer<T: Element>(&mut self, unit: UnitId) -> Result<GradBuffer<T>> {
         self.guard(|e| e.grad_buffer_inner(unit))
     }
 
-    fn grad_buffer_inner<T: Element>(&mut self, unit: UnitId) -> Result<HostBuffer<T>> {
+    fn grad_buffer_inner<T: Element>(&mut self, unit: UnitId) -> Result<GradBuffer<T>> {
         let i = self.check(unit, "grad_buffer")?;
         self.check_swap("grad_buffer")?;
         if T::DTYPE != self.pdt {
@@ -1455,51 +1324,67 @@ impl<C: Communicator> Engine<C> {
             }
             .into());
         }
-        let u = &self.units[i];
-        if u.ready {
-            return Err(self.usage(format!(
-                "grad_buffer(`{}`): grad_ready was already called for this unit in this micro-batch",
-                u.layout.name
-            )));
+        match self.reducer.state(i) {
+            GradState::Ready => {
+                return Err(self.usage(format!(
+                    "grad_buffer(`{}`): grad_ready was already called for this unit in this micro-batch",
+                    self.name(i)
+                )))
+            }
+            GradState::Lent => {
+                return Err(self.usage(format!(
+                    "grad_buffer(`{}`): the buffer is already lent; hand it back with grad_ready",
+                    self.name(i)
+                )))
+            }
+            GradState::Empty => {}
         }
-        if u.lent {
-            return Err(self.usage(format!(
-                "grad_buffer(`{}`): the buffer is already lent; hand it back with grad_ready",
-                u.layout.name
-            )));
-        }
-        let mut buf = self.take_grad_buffer(i)?;
-        buf.fill_zero();
-        self.units[i].lent = true;
-        match buf {
-            DynBuf::F32(b) => Ok(cast_buf(b)),
-            DynBuf::Bf16(b) => Ok(cast_buf(b)),
-            DynBuf::F16(b) => Ok(cast_buf(b)),
-        }
+        let buf = self
+            .reducer
+            .lend(&self.comm, &self.tracker, &self.tracer, i, self.micro > 0)?;
+        let typed = buf
+            .into_host::<T>()
+            .map_err(|_| zero_core::Error::DTypeMismatch {
+                op: "Engine::grad_buffer",
+                expected: self.pdt,
+                got: T::DTYPE,
+            })?;
+        Ok(GradBuffer::new(typed, i, self.returns.clone()))
     }
 
     /// Hands a unit's gradient back: it joins the current bucket, which is
     /// reduced as soon as it is full (stages 0, 2, 3 while backward goes
     /// on; stage 1 after backward, in [`Engine::step`]).
-    pub fn grad_ready<T: Element>(&mut self, unit: UnitId, grad: HostBuffer<T>) -> Result<()> {
+    pub fn grad_ready<T: Element>(&mut self, unit: UnitId, grad: GradBuffer<T>) -> Result<()> {
         self.guard(|e| e.grad_ready_inner(unit, grad))
     }
 
-    fn grad_ready_inner<T: Element>(&mut self, unit: UnitId, grad: HostBuffer<T>) -> Result<()> {
+    fn grad_ready_inner<T: Element>(&mut self, unit: UnitId, grad: GradBuffer<T>) -> Result<()> {
         let i = self.check(unit, "grad_ready")?;
-        self.check_swap("grad_ready")?;
-        let u = &self.units[i];
-        if u.ready {
+        if grad.unit() != i {
             return Err(self.usage(format!(
-                "grad_ready(`{}`) called twice in one micro-batch",
-                u.layout.name
+                "grad_ready(`{}`): the buffer is unit `{}`'s (from grad_buffer(`{}`))",
+                self.name(i),
+                self.name(grad.unit()),
+                self.name(grad.unit())
             )));
         }
-        if !u.lent {
-            return Err(self.usage(format!(
-                "grad_ready(`{}`): take the buffer with grad_buffer first",
-                u.layout.name
-            )));
+        self.check_swap("grad_ready")?;
+        let u = &self.units[i];
+        match self.reducer.state(i) {
+            GradState::Ready => {
+                return Err(self.usage(format!(
+                    "grad_ready(`{}`) called twice in one micro-batch",
+                    u.layout.name
+                )))
+            }
+            GradState::Empty => {
+                return Err(self.usage(format!(
+                    "grad_ready(`{}`): take the buffer with grad_buffer first",
+                    u.layout.name
+                )))
+            }
+            GradState::Lent => {}
         }
         if grad.len() != u.layout.padded_numel || T::DTYPE != self.pdt {
             return Err(self.usage(format!(
@@ -1511,240 +1396,21 @@ impl<C: Communicator> Engine<C> {
                 T::DTYPE
             )));
         }
-        let buf = to_dyn(grad);
-        let u = &mut self.units[i];
-        u.lent = false;
-        u.ready = true;
+        let buf = DynBuf::from_host(grad.into_inner());
+        let add = self.micro > 0;
         if self.stage == 1 {
-            u.grad = Some(buf);
-            self.deferred.push(i);
+            // Reduced after the backward pass, in step().
+            self.reducer
+                .hand_back(&self.comm, &self.tracer, i, buf, add)?;
             return Ok(());
         }
         let _span = self.tracer.span(self.rank, "reduce", "comm");
         let t = Instant::now();
-        let r = self.add_to_bucket(i, buf);
+        let r = self
+            .reducer
+            .hand_back(&self.comm, &self.tracer, i, buf, add);
         self.stats.reduce_time += t.elapsed();
-        r
-    }
-
-    /// Unit `i`'s gradient buffer: the persistent one (stages 0/1) or one
-    /// from the pool (stages 2/3). Not zeroed.
-    fn take_grad_buffer(&mut self, i: usize) -> Result<DynBuf> {
-        if self.stage <= 1 {
-            self.wait_for_grad_home(i)?;
-            Ok(self.units[i].grad.take().expect("grad buffer is home"))
-        } else {
-            self.pooled_grad(self.units[i].layout.padded_numel)
-        }
-    }
-
-    fn pooled_grad(&mut self, len: usize) -> Result<DynBuf> {
-        if let Some(b) = self.grad_pool.get_mut(&len).and_then(Vec::pop) {
-            return Ok(b);
-        }
-        let b = DynBuf::alloc(&self.comm, self.pdt, len)?;
-        // Transient gradient buffers stay in the pool: accounted as
-        // gradients for as long as they exist.
-        self._bucket_allocs.push(self.tracker.allocate(
-            Tier::Device,
-            Category::Grads,
-            b.capacity_bytes(),
-        ));
-        Ok(b)
-    }
-
-    /// Stage 0/1: the unit's gradient buffer may sit in a bucket (stage 0
-    /// with reductions in flight): drain until it is home.
-    fn wait_for_grad_home(&mut self, i: usize) -> Result<()> {
-        while self.units[i].grad.is_none() {
-            if self.open.as_ref().is_some_and(|b| b.units.contains(&i)) {
-                self.launch_open()?;
-            }
-            if self.inflight.is_empty() {
-                break;
-            }
-            self.complete_oldest()?;
-        }
-        Ok(())
-    }
-
-    /// Copies unit `i`'s gradient into the open bucket (converting to the
-    /// communication dtype) and gives the gradient buffer back at once
-    /// (stages 2/3: to the pool, so only the units in flight hold full
-    /// gradients). The bucket starts its reduction when full. Layout:
-    /// stage 0 puts the units one after another; stages 1–3 group the
-    /// units' shards by rank, in sections of `stride = capacity / N`:
-    ///
-    /// ```text
-    ///  units a, b:   a = [a0 a1]  b = [b0 b1]     (shard r of each unit)
-    ///  buffer:       [a0 b0 .. | a1 b1 ..]  → rank r receives section r
-    /// ```
-    fn add_to_bucket(&mut self, i: usize, grad: DynBuf) -> Result<()> {
-        let n = self.units[i].layout.padded_numel;
-        let world = self.world;
-        let stride = self.bucket_cap / world;
-        let fits = |elems: usize| {
-            if self.stage == 0 {
-                elems + n <= self.bucket_cap
-            } else {
-                (elems + n) / world <= stride
-            }
-        };
-        if self.open.as_ref().is_some_and(|b| !fits(b.elems)) {
-            self.launch_open()?;
-        }
-        if self.open.is_none() {
-            if self.free_buckets.is_empty() {
-                self.complete_oldest()?;
-            }
-            let buf = self.free_buckets.pop().expect("a bucket buffer is free");
-            self.open = Some(OpenBucket {
-                buf,
-                units: Vec::new(),
-                elems: 0,
-            });
-        }
-        let b = self.open.as_mut().expect("opened above");
-        if self.stage == 0 {
-            b.buf.store_from(b.elems, &grad, 0, n, false);
-        } else {
-            let shard = n / world;
-            let at = b.elems / world;
-            for r in 0..world {
-                b.buf
-                    .store_from(r * stride + at, &grad, r * shard, shard, false);
-            }
-        }
-        b.units.push(i);
-        b.elems += n;
-        let full = b.elems >= self.cfg.zero.reduce_bucket_size.min(self.bucket_cap);
-        if self.stage <= 1 {
-            self.units[i].grad = Some(grad);
-        } else {
-            self.grad_pool.entry(grad.len()).or_default().push(grad);
-        }
-        if full {
-            self.launch_open()?;
-        }
-        Ok(())
-    }
-
-    /// Starts the reduction of the open bucket: all-reduce (stage 0) or
-    /// reduce-scatter of the rank sections (stages 1–3), after closing the
-    /// gaps between sections of a bucket that is not full.
-    fn launch_open(&mut self) -> Result<()> {
-        let Some(open) = self.open.take() else {
-            return Ok(());
-        };
-        let mut buf = open.buf;
-        let world = self.world;
-        let work = if self.stage == 0 {
-            buf.set_len(open.elems)?;
-            self.stats.reduce_bytes += ring_bytes(open.elems, world, self.cdt) * 2;
-            buf.all_reduce(&self.comm)
-        } else {
-            let section = open.elems / world;
-            let stride = self.bucket_cap / world;
-            if section < stride {
-                for r in 1..world {
-                    buf.copy_within(r * stride..r * stride + section, r * section);
-                }
-            }
-            buf.set_len(open.elems)?;
-            if self.cfg.zero.reduce_scatter {
-                self.stats.reduce_bytes += ring_bytes(open.elems, world, self.cdt);
-                buf.reduce_scatter(&self.comm, &vec![section; world])
-            } else {
-                // `reduce_scatter: false`: all-reduce, keep this rank's
-                // section (the same sums, twice the traffic).
-                self.stats.reduce_bytes += ring_bytes(open.elems, world, self.cdt) * 2;
-                buf.all_reduce(&self.comm)
-            }
-        };
-        let units = open.units;
-        self.inflight.push_back(InFlight { work, units });
-        if !overlaps(&self.cfg) {
-            self.complete_oldest()?;
-        }
-        Ok(())
-    }
-
-    /// Waits for the oldest bucket and stores its result in the units'
-    /// accumulated gradients.
-    fn complete_oldest(&mut self) -> Result<()> {
-        let Some(f) = self.inflight.pop_front() else {
-            return Ok(());
-        };
-        let buf = wait_traced(&self.tracer, self.rank, f.work)?;
-        // With optimizer offload the accumulated shard is host memory:
-        // this is the device→host copy of the reduced gradient.
-        let _span = self
-            .offload
-            .is_some()
-            .then(|| self.tracer.span(self.rank, "grad to host", "offload"));
-        let add = self.micro > 0;
-        let world = self.world;
-        let rank = self.rank;
-        if self.stage == 0 {
-            let mut off = 0;
-            for &i in &f.units {
-                let u = &mut self.units[i];
-                let n = u.layout.padded_numel;
-                let dst = u.acc.as_mut().or(u.grad.as_mut()).expect("a gradient home");
-                dst.store_from(0, &buf, off, n, add);
-                off += n;
-            }
-        } else {
-            let section = buf.len() / world;
-            let mut off = rank * section;
-            for &i in &f.units {
-                let u = &mut self.units[i];
-                let s = u.layout.shard_len;
-                match u.acc.as_mut() {
-                    Some(acc) => acc.store_from(0, &buf, off, s, add),
-                    None => u.grad.as_mut().expect("stage 1 grads are home").store_from(
-                        rank * s,
-                        &buf,
-                        off,
-                        s,
-                        add,
-                    ),
-                }
-                off += s;
-            }
-        }
-        let mut buf = buf;
-        buf.set_len(buf.capacity())?;
-        self.free_buckets.push(buf);
-        Ok(())
-    }
-
-    /// Reduces what is left of this micro-batch: units nobody called
-    /// `grad_ready` for (as zeros, so that every rank runs the same
-    /// collectives), stage 1's deferred units, the open bucket; then waits
-    /// for everything.
-    fn finish_reductions(&mut self) -> Result<()> {
-        for i in 0..self.units.len() {
-            if !self.units[i].ready {
-                let mut buf = self.take_grad_buffer(i)?;
-                buf.fill_zero();
-                self.units[i].ready = true;
-                if self.stage == 1 {
-                    self.units[i].grad = Some(buf);
-                    self.deferred.push(i);
-                } else {
-                    self.add_to_bucket(i, buf)?;
-                }
-            }
-        }
-        for i in std::mem::take(&mut self.deferred) {
-            let buf = self.units[i].grad.take().expect("deferred grads are home");
-            self.add_to_bucket(i, buf)?;
-        }
-        self.launch_open()?;
-        while !self.inflight.is_empty() {
-            self.complete_oldest()?;
-        }
+        self.stats.reduce_bytes += r?;
         Ok(())
     }
 
@@ -1769,22 +1435,37 @@ impl<C: Communicator> Engine<C> {
                     u.layout.name
                 )));
             }
-            if u.lent {
-                return Err(self.usage(format!(
-                    "step() while the gradient buffer of unit `{}` is still out; hand it back with grad_ready",
-                    u.layout.name
-                )));
-            }
+        }
+        if let Some(i) = self.reducer.find(GradState::Lent) {
+            return Err(self.usage(format!(
+                "step() while the gradient buffer of unit `{}` is still out; hand it back with grad_ready",
+                self.name(i)
+            )));
+        }
+        if let Some(i) = self.reducer.find(GradState::Empty) {
+            let missing: Vec<&str> = (0..self.units.len())
+                .filter(|&j| self.reducer.state(j) == GradState::Empty)
+                .map(|j| self.name(j))
+                .collect();
+            return Err(self.usage(format!(
+                "step(): no gradient for unit `{}` in this micro-batch ({} of {} units have none: \
+                 {}); every unit needs grad_buffer + grad_ready in every micro-batch (a buffer \
+                 dropped on an error path gives none); call zero_grad() to drop this micro-batch",
+                self.name(i),
+                missing.len(),
+                self.units.len(),
+                missing.join(", ")
+            )));
         }
         self.finish_param_gathers()?;
         let span = self.tracer.span(self.rank, "reduce", "comm");
         let t = Instant::now();
-        self.finish_reductions()?;
+        let r = self
+            .reducer
+            .finish(&self.comm, &self.tracer, self.micro > 0);
         self.stats.reduce_time += t.elapsed();
+        self.stats.reduce_bytes += r?;
         drop(span);
-        for u in &mut self.units {
-            u.ready = false;
-        }
         if self.stage == 3 {
             self.s3_end_micro_batch()?;
         }
@@ -1829,55 +1510,12 @@ impl<C: Communicator> Engine<C> {
         Ok(outcome)
     }
 
-    /// The accumulated gradient of unit `i` as a typed slice over this
-    /// rank's real elements, with the matching ranges of the optimizer
-    /// state and of the parameters.
-    fn ranges(&self, i: usize) -> (Range<usize>, Range<usize>, Range<usize>) {
-        let l = &self.units[i].layout;
-        let abs = if self.stage == 0 {
-            0..l.numel
-        } else {
-            l.real_range(self.rank)
-        };
-        let base = if self.stage == 0 {
-            0
-        } else {
-            self.rank * l.shard_len
-        };
-        let state = relative(abs.clone(), base);
-        let grad = if self.units[i].acc.is_some() {
-            state.clone()
-        } else {
-            abs.clone()
-        };
-        let params = if self.stage == 3 { state.clone() } else { abs };
-        (state, grad, params)
-    }
-
-    /// Each unit's sum of squares of its gradient home over `ranges`, in
-    /// one parallel region (every home holds `G`).
-    fn unit_sum_squares<G: Element>(&self, ranges: &[Range<usize>]) -> Vec<f64> {
-        let slices: Vec<&[G]> = (0..self.units.len())
-            .map(|i| {
-                let b = self.grad_home(i).slice::<G>().expect("one gradient dtype");
-                &b[ranges[i].clone()]
-            })
-            .collect();
-        self.adam.sum_squares_many(&slices)
-    }
-
     /// AdamW on this rank's part of every unit, in one parallel region,
     /// writing the updated parameters in the parameter dtype.
     fn adamw_update(&mut self, k: &AdamWStep) -> Result<()> {
-        let Some(first) = self.units.first() else {
+        let Some(gdt) = self.reducer.home_dtype() else {
             return Ok(());
         };
-        let gdt = first
-            .acc
-            .as_ref()
-            .or(first.grad.as_ref())
-            .expect("a gradient home")
-            .dtype();
         match gdt {
             DType::F32 => self.adamw_for_grad::<f32>(k),
             DType::BF16 => self.adamw_for_grad::<bf16>(k),
@@ -1894,20 +1532,18 @@ impl<C: Communicator> Engine<C> {
     }
 
     fn adamw_typed<G: Element, P: Element>(&mut self, k: &AdamWStep) -> Result<()> {
-        if self.offload.is_some() {
+        if self.opt.offload().is_some() {
             return self.offload_typed::<G, P>(k);
         }
         if self.poff.is_some() {
             return self.adamw_param_offload::<G, P>(k);
         }
         if !self.cfg.zero.overlap_comm || self.stage == 0 {
-            let ranges: Vec<_> = (0..self.units.len()).map(|i| self.ranges(i)).collect();
-            let mut parts = Vec::with_capacity(self.units.len());
-            for (u, (state, grad, params)) in self.units.iter_mut().zip(ranges) {
-                parts.push(adamw_slices::<G, P>(u, state, grad, params));
-            }
-            self.adam.step_many(k, parts)?;
-            return Ok(());
+            let params = self.units.iter_mut().enumerate().map(|(i, u)| {
+                let p = u.params.as_mut().expect("params are home");
+                (i, p.slice_mut::<P>().expect("the parameter dtype"))
+            });
+            return self.opt.step_units::<G, P>(k, &self.reducer, params);
         }
         // overlap_comm: unit by unit, so that the all-gathers of updated
         // parameters start while AdamW runs on the next units — every
@@ -1916,9 +1552,10 @@ impl<C: Communicator> Engine<C> {
         // same bits as one call over all units.
         let head = self.s3_head();
         for i in 0..self.units.len() {
-            let (state, grad, params) = self.ranges(i);
-            let part = adamw_slices::<G, P>(&mut self.units[i], state, grad, params);
-            self.adam.step_many(k, vec![part])?;
+            let p = self.units[i].params.as_mut().expect("params are home");
+            let low = p.slice_mut::<P>().expect("the parameter dtype");
+            self.opt
+                .step_units::<G, P>(k, &self.reducer, std::iter::once((i, low)))?;
             if self.stage < 3 {
                 self.param_gather_queue.push_back(i);
                 self.units[i].stale = true;
@@ -1937,43 +1574,19 @@ impl<C: Communicator> Engine<C> {
     /// to the unit's swap region (AdamW is elementwise, so the bits are
     /// the same).
     fn adamw_param_offload<G: Element, P: Element>(&mut self, k: &AdamWStep) -> Result<()> {
-        let ranges: Vec<_> = (0..self.units.len()).map(|i| self.ranges(i)).collect();
         let Engine {
-            units, poff, adam, ..
+            poff, opt, reducer, ..
         } = self;
         let Some(po) = poff.as_mut() else {
             return Ok(());
         };
         if let Some(homes) = po.host_shards::<P>()? {
-            let mut parts = Vec::with_capacity(units.len());
-            for ((u, (state, grad, params)), home) in units.iter_mut().zip(ranges).zip(homes) {
-                let g = u.acc.as_ref().or(u.grad.as_ref()).expect("a gradient home");
-                parts.push(AdamWSlices {
-                    master: &mut u.master[state.clone()],
-                    grad: &g.slice::<G>().expect("one gradient dtype")[grad],
-                    m: &mut u.m[state.clone()],
-                    v: &mut u.v[state],
-                    low: Some(&mut home[params]),
-                });
-            }
-            adam.step_many(k, parts)?;
-            return Ok(());
+            return opt.step_units::<G, P>(k, reducer, homes.into_iter().enumerate());
         }
         let mut r = Ok(());
-        for (i, (u, (state, grad, params))) in units.iter_mut().zip(ranges).enumerate() {
-            let g = u.acc.as_ref().or(u.grad.as_ref()).expect("a gradient home");
-            let g = &g.slice::<G>().expect("one gradient dtype")[grad];
-            let (master, m, v) = (&mut u.master, &mut u.m, &mut u.v);
+        for i in 0..self.units.len() {
             r = po.write_with::<P>(i, |home| {
-                let part = AdamWSlices {
-                    master: &mut master[state.clone()],
-                    grad: g,
-                    m: &mut m[state.clone()],
-                    v: &mut v[state],
-                    low: Some(&mut home[params]),
-                };
-                adam.step_many(k, vec![part])?;
-                Ok(())
+                opt.step_units::<G, P>(k, reducer, std::iter::once((i, home)))
             });
             if r.is_err() {
                 break;
@@ -1993,8 +1606,7 @@ impl<C: Communicator> Engine<C> {
         }
         let failed = first_failure(&self.comm, r.as_ref().err())?;
         if let Err(e) = r {
-            self.swap_failed = Some(e.to_string());
-            self.params_lost = true;
+            self.health.params_lost_now(e.to_string());
             return Err(e);
         }
         if let Some((bad, why)) = failed {
@@ -2003,8 +1615,7 @@ impl<C: Communicator> Engine<C> {
                  parameters are lost",
                 self.steps + 1
             );
-            self.swap_failed = Some(msg.clone());
-            self.params_lost = true;
+            self.health.params_lost_now(msg.clone());
             return Err(self.usage(msg));
         }
         Ok(())
@@ -2023,8 +1634,7 @@ impl<C: Communicator> Engine<C> {
         let r = po.check();
         let failed = first_failure(&self.comm, r.as_ref().err())?;
         if let Err(e) = r {
-            self.swap_failed = Some(e.to_string());
-            self.params_lost = true;
+            self.health.params_lost_now(e.to_string());
             return Err(e);
         }
         if let Some((bad, why)) = failed {
@@ -2033,8 +1643,7 @@ impl<C: Communicator> Engine<C> {
                  nothing was updated and the parameters are lost",
                 self.steps + 1
             );
-            self.swap_failed = Some(msg.clone());
-            self.params_lost = true;
+            self.health.params_lost_now(msg.clone());
             return Err(self.usage(msg));
         }
         Ok(())
@@ -2043,7 +1652,7 @@ impl<C: Communicator> Engine<C> {
     /// Writes the updated shards from the optimizer offload's staging
     /// buffer to their home (parameter offload with optimizer offload).
     fn param_write_back<P: Element>(&mut self) -> Result<()> {
-        let (Some(off), Some(po)) = (self.offload.as_ref(), self.poff.as_mut()) else {
+        let (Some(off), Some(po)) = (self.opt.offload(), self.poff.as_mut()) else {
             return Ok(());
         };
         let mut r = Ok(());
@@ -2076,41 +1685,28 @@ impl<C: Communicator> Engine<C> {
     /// (its parameters match the state kept) and `step()` returns the
     /// error once the step is finished; the state stays readable.
     fn offload_typed<G: Element, P: Element>(&mut self, k: &AdamWStep) -> Result<()> {
+        // With parameter offload the shards are not here: the updated
+        // parameters stay in the staging buffer and are written back to
+        // their home below.
         let param_home = self.poff.is_some();
-        let Some(off) = self.offload.as_mut() else {
-            return Ok(());
-        };
-        let mut grads: Vec<&[G]> = Vec::with_capacity(self.units.len());
         let mut params: Vec<&mut [P]> = Vec::with_capacity(self.units.len());
-        for u in self.units.iter_mut() {
-            let Unit { acc, params: p, .. } = u;
-            let acc: &Option<DynBuf> = acc;
-            grads.push(
-                acc.as_ref()
-                    .expect("offload keeps an accumulation buffer")
-                    .slice::<G>()
-                    .expect("one gradient dtype"),
-            );
-            // With parameter offload the shards are not here: the updated
-            // parameters stay in the staging buffer and are written back
-            // to their home below.
-            if !param_home {
-                params.push(
-                    p.as_mut()
-                        .expect("params are home")
-                        .slice_mut::<P>()
-                        .expect("the parameter dtype"),
-                );
+        if !param_home {
+            for u in self.units.iter_mut() {
+                let p = u.params.as_mut().expect("params are home");
+                params.push(p.slice_mut::<P>().expect("the parameter dtype"));
             }
         }
-        let r = off.step(&self.adam, k, &grads, &mut params);
+        let r = self
+            .opt
+            .step_offloaded::<G, P>(k, &self.reducer, &mut params);
+        let Some(off) = self.opt.offload_mut() else {
+            return Ok(());
+        };
         if !off.is_nvme() {
-            drop(grads);
             drop(params);
             r?;
             return self.param_write_back::<P>();
         }
-        drop(grads);
         // 0: done; 1: a failed write, the tiles kept (the step completed);
         // 2: the state is lost.
         let word = match &r {
@@ -2134,7 +1730,7 @@ impl<C: Communicator> Engine<C> {
                 Err(e) => usage(format!("{e}; but {msg}, and the state is lost")),
                 Ok(()) => usage(msg),
             };
-            self.swap_failed = Some(e.to_string());
+            self.health.state_lost(e.to_string());
             return Err(e);
         }
         if verdict.iter().any(|w| w[0] == 1) {
@@ -2149,8 +1745,7 @@ impl<C: Communicator> Engine<C> {
                     self.steps + 1
                 )),
             };
-            self.swap_failed = Some(e.to_string());
-            self.swap_rescued = true;
+            self.health.rescued(e.to_string());
             self.rescued_error = Some(e);
         }
         off.commit(&mut params)?;
@@ -2164,45 +1759,26 @@ impl<C: Communicator> Engine<C> {
     fn swap_verdict(&mut self, local: Option<&Error>, what: &str) -> Result<()> {
         let failed = first_failure(&self.comm, local)?;
         if let Some(e) = local {
-            self.swap_failed = Some(e.to_string());
-            self.swap_rescued = false;
+            self.health.state_lost(e.to_string());
             return Ok(());
         }
         if let Some((bad, why)) = failed {
             let msg = format!("the {what} swap file of rank {bad} could not be read: {why}");
-            self.swap_failed = Some(msg.clone());
-            self.swap_rescued = false;
+            self.health.state_lost(msg.clone());
             return Err(self.usage(msg));
         }
         Ok(())
     }
 
-    fn grad_home(&self, i: usize) -> &DynBuf {
-        let u = &self.units[i];
-        u.acc.as_ref().or(u.grad.as_ref()).expect("a gradient home")
-    }
-
     fn optimizer_step(&mut self) -> Result<StepOutcome> {
         // This rank's part of the squared norm: its shard of every unit, in
         // unit order (stage 0 too, so that every stage adds the same terms).
-        let ranges: Vec<Range<usize>> = (0..self.units.len())
-            .map(|i| {
-                let l = &self.units[i].layout;
-                let abs = l.real_range(self.rank);
-                if self.units[i].acc.is_some() && self.stage > 0 {
-                    relative(abs, self.rank * l.shard_len)
-                } else {
-                    abs
-                }
-            })
-            .collect();
-        let sums = match self.units.first().map(|_| self.grad_home(0).dtype()) {
-            None => Vec::new(),
-            Some(DType::F32) => self.unit_sum_squares::<f32>(&ranges),
-            Some(DType::BF16) => self.unit_sum_squares::<bf16>(&ranges),
-            Some(DType::F16) => self.unit_sum_squares::<f16>(&ranges),
+        let local = match self.reducer.home_dtype() {
+            None => 0.0,
+            Some(DType::F32) => self.opt.local_sum_squares::<f32>(&self.reducer),
+            Some(DType::BF16) => self.opt.local_sum_squares::<bf16>(&self.reducer),
+            Some(DType::F16) => self.opt.local_sum_squares::<f16>(&self.reducer),
         };
-        let local = sums.iter().fold(0f64, |a, s| a + s);
         let parts = exchange_words(&self.comm, &[local.to_bits()])?;
         let sumsq = parts.iter().fold(0f64, |a, w| a + f64::from_bits(w[0]));
         let loss_scale = self.loss_scale();
@@ -2319,88 +1895,29 @@ impl<C: Communicator> Engine<C> {
         Ok(())
     }
 
-    /// Drops the gradients accumulated since the last optimizer step (all
-    /// ranks must call it at the same point).
+    /// Drops the gradients accumulated since the last optimizer step,
+    /// those of the current micro-batch included (all ranks must call it
+    /// at the same point). After an error in a micro-batch (a gradient
+    /// buffer dropped on the way out, `step` refusing a missing gradient)
+    /// this starts over: the reductions already in flight are waited for
+    /// and discarded. Every gradient buffer must be back (handed back or
+    /// dropped).
     pub fn zero_grad(&mut self) -> Result<()> {
+        self.guard(Self::zero_grad_inner)
+    }
+
+    fn zero_grad_inner(&mut self) -> Result<()> {
         self.check_swap("zero_grad")?;
-        if self.units.iter().any(|u| u.lent) || self.open.is_some() || !self.inflight.is_empty() {
-            return Err(self.usage(
-                "zero_grad() with gradients of this micro-batch still out or in flight; call step() first"
-                    .into(),
-            ));
+        if let Some(i) = self.reducer.find(GradState::Lent) {
+            return Err(self.usage(format!(
+                "zero_grad() while the gradient buffer of unit `{}` is still out; hand it back \
+                 with grad_ready or drop it",
+                self.name(i)
+            )));
         }
         self.micro = 0;
-        for u in &mut self.units {
-            u.ready = false;
-            if let Some(a) = u.acc.as_mut() {
-                a.fill_zero();
-            }
-            if let Some(g) = u.grad.as_mut() {
-                g.fill_zero();
-            }
-        }
-        Ok(())
+        self.reducer.abort(&self.tracer)
     }
-}
-
-/// The AdamW slices of unit `u` for the given ranges of its state,
-/// gradient and parameters.
-fn adamw_slices<G: Element, P: Element>(
-    u: &mut Unit,
-    state: Range<usize>,
-    grad: Range<usize>,
-    params: Range<usize>,
-) -> AdamWSlices<'_, G, f32, P> {
-    let g = u.acc.as_ref().or(u.grad.as_ref()).expect("a gradient home");
-    let p = u.params.as_mut().expect("params are home");
-    AdamWSlices {
-        master: &mut u.master[state.clone()],
-        grad: &g.slice::<G>().expect("one gradient dtype")[grad],
-        m: &mut u.m[state.clone()],
-        v: &mut u.v[state],
-        low: Some(&mut p.slice_mut::<P>().expect("the parameter dtype")[params]),
-    }
-}
-
-/// `range` shifted down by `base` (an empty range anywhere maps to 0..0:
-/// a shard made only of padding).
-fn relative(range: Range<usize>, base: usize) -> Range<usize> {
-    if range.is_empty() {
-        0..0
-    } else {
-        range.start - base..range.end - base
-    }
-}
-
-/// Bytes a rank sends for a reduce-scatter or all-gather of `elems`
-/// elements of `dtype` with a ring algorithm.
-fn ring_bytes(elems: usize, world: usize, dtype: DType) -> u64 {
-    (elems * (world - 1) / world.max(1) * dtype.size_in_bytes()) as u64
-}
-
-fn to_dyn<T: Element>(b: HostBuffer<T>) -> DynBuf {
-    let mut b = Some(b);
-    let any = &mut b as &mut dyn std::any::Any;
-    if let Some(x) = any.downcast_mut::<Option<HostBuffer<f32>>>() {
-        return DynBuf::F32(x.take().expect("set"));
-    }
-    if let Some(x) = any.downcast_mut::<Option<HostBuffer<bf16>>>() {
-        return DynBuf::Bf16(x.take().expect("set"));
-    }
-    if let Some(x) = any.downcast_mut::<Option<HostBuffer<zero_core::f16>>>() {
-        return DynBuf::F16(x.take().expect("set"));
-    }
-    unreachable!("Element is implemented for f32, bf16 and f16 only")
-}
-
-/// `HostBuffer<S>` as `HostBuffer<T>` when they are the same type (checked
-/// by the caller through the dtype).
-fn cast_buf<S: Element, T: Element>(b: HostBuffer<S>) -> HostBuffer<T> {
-    let mut b = Some(b);
-    (&mut b as &mut dyn std::any::Any)
-        .downcast_mut::<Option<HostBuffer<T>>>()
-        .and_then(Option::take)
-        .expect("the caller checked the dtype")
 }
 
 impl<C: Communicator> std::fmt::Debug for Engine<C> {

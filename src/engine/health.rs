@@ -1,0 +1,168 @@
+//! The engine's health: one state instead of loose failure flags.
+//!
+//! ```text
+//!   Ok ──swap write failed, every rank kept its tiles──▶ Rescued
+//!   Ok | Rescued ──optimizer swap file lost──────────────▶ StateLost
+//!   any ──parameter swap file failed─────────────────────▶ ParamsLost
+//!   any ──a collective failed────────────────────────────▶ CommFailed
+//! ```
+//!
+//! What each state still allows:
+//!
+//! | state | train (step, gradients) | read state (unit_state, save, export) | gather |
+//! |---|---|---|---|
+//! | `Ok` | yes | yes | yes |
+//! | `Rescued` | no | yes | yes |
+//! | `StateLost` | no | no | yes |
+//! | `ParamsLost` | no | no | no |
+//! | `CommFailed` | no | no | no |
+//!
+//! A failed collective may still hold the engine's buffers, so after it
+//! every call fails, whatever else happened before.
+
+/// The calls that only read the state: allowed after a rescued swap write
+/// failure.
+const READS_AFTER_RESCUE: &[&str] = &["unit_state", "save_checkpoint", "export_safetensors"];
+
+/// The health of one engine.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) enum Health {
+    /// Everything works.
+    #[default]
+    Ok,
+    /// A write to the optimizer swap file failed, and every rank kept what
+    /// it could not write in host memory: the step completed and the state
+    /// after it is complete and readable, but training stops.
+    Rescued {
+        /// The first error.
+        why: String,
+    },
+    /// The optimizer swap file failed otherwise: the optimizer state is
+    /// lost; the parameters of the last completed step stay readable.
+    StateLost {
+        /// The first error.
+        why: String,
+    },
+    /// The parameter swap file failed: the parameters live only there, so
+    /// they are lost too and `gather` refuses.
+    ParamsLost {
+        /// The first error.
+        why: String,
+    },
+    /// A collective failed: its buffers may still be held, so every call
+    /// fails.
+    CommFailed {
+        /// The communication error.
+        why: String,
+    },
+}
+
+impl Health {
+    /// Whether the engine may start a call at all (`Err`: the text of the
+    /// refusal).
+    pub(crate) fn check_comm(&self) -> Result<(), String> {
+        match self {
+            Health::CommFailed { why } => Err(format!(
+                "the engine cannot continue after a communication error: {why}"
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether `call` may run after a swap-file error (`Err`: the text of
+    /// the refusal). `steps` is the number of the last completed step.
+    pub(crate) fn check_swap(&self, call: &str, steps: u64) -> Result<(), String> {
+        match self {
+            Health::Ok | Health::CommFailed { .. } => Ok(()),
+            Health::Rescued { .. } if READS_AFTER_RESCUE.contains(&call) => Ok(()),
+            Health::Rescued { why } => Err(format!(
+                "{call}: the engine cannot train after a swap-file error; the state after step \
+                 {steps} is complete (what the swap file could not take is kept in host memory): \
+                 save it with save_checkpoint to another disk and resume from there: {why}"
+            )),
+            Health::StateLost { why } | Health::ParamsLost { why } => Err(format!(
+                "{call}: the engine cannot continue after a swap-file error (the optimizer state \
+                 is lost; the parameters of step {steps} stay readable with gather/params): {why}"
+            )),
+        }
+    }
+
+    /// The error text of a parameter swap-file failure, if the parameters
+    /// are lost.
+    pub(crate) fn params_lost(&self) -> Option<&str> {
+        match self {
+            Health::ParamsLost { why } => Some(why),
+            _ => None,
+        }
+    }
+
+    /// A communication error: every later call fails.
+    pub(crate) fn comm_failed(&mut self, why: String) {
+        *self = Health::CommFailed { why };
+    }
+
+    /// A failed swap write that every rank rescued.
+    pub(crate) fn rescued(&mut self, why: String) {
+        if matches!(self, Health::Ok | Health::Rescued { .. }) {
+            *self = Health::Rescued { why };
+        }
+    }
+
+    /// The optimizer state is lost (unless something worse happened
+    /// already, whose text is then replaced by this newer one).
+    pub(crate) fn state_lost(&mut self, why: String) {
+        *self = match self {
+            Health::ParamsLost { .. } => Health::ParamsLost { why },
+            Health::CommFailed { .. } => return,
+            _ => Health::StateLost { why },
+        };
+    }
+
+    /// The parameters are lost with their swap file.
+    pub(crate) fn params_lost_now(&mut self, why: String) {
+        if !matches!(self, Health::CommFailed { .. }) {
+            *self = Health::ParamsLost { why };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_each_state_allows() {
+        let why = || "disk gone".to_string();
+        let ok = Health::Ok;
+        assert!(ok.check_comm().is_ok() && ok.check_swap("step", 3).is_ok());
+        assert_eq!(ok.params_lost(), None);
+
+        let mut h = Health::Ok;
+        h.rescued(why());
+        assert!(h.check_swap("save_checkpoint", 3).is_ok());
+        assert!(h.check_swap("unit_state", 3).is_ok());
+        let e = h.check_swap("step", 3).unwrap_err();
+        assert!(
+            e.contains("cannot train") && e.contains("after step 3") && e.contains("disk gone")
+        );
+
+        h.state_lost("read failed".into());
+        assert!(h.check_swap("save_checkpoint", 3).is_err());
+        assert_eq!(h.params_lost(), None);
+        // A rescue never hides a loss.
+        h.rescued(why());
+        assert!(matches!(h, Health::StateLost { .. }));
+
+        h.params_lost_now("param file gone".into());
+        assert_eq!(h.params_lost(), Some("param file gone"));
+        h.state_lost("later".into());
+        assert_eq!(h.params_lost(), Some("later"));
+        assert!(h.check_comm().is_ok());
+
+        h.comm_failed("timeout".into());
+        assert!(h.check_comm().unwrap_err().contains("timeout"));
+        h.params_lost_now("x".into());
+        h.state_lost("y".into());
+        assert!(matches!(h, Health::CommFailed { .. }));
+    }
+}

@@ -1,0 +1,191 @@
+//! The optimizer shard: this rank's fp32 master weights and AdamW moments
+//! (the whole model at stage 0, the rank's shard of every unit beyond),
+//! where they live (device tier, or the offload tiers of
+//! [`Offload`](super::offload::Offload)), and the kernels that update them
+//! (the gradient norm's sum of squares and the fused AdamW of
+//! [`CpuAdamW`]).
+//!
+//! Element ranges, per unit (`abs` is the rank's real elements of the
+//! unit, padding excluded):
+//!
+//! ```text
+//!  unit (padded):   [ shard 0 | shard 1 | ... ]      stage 0: state covers all of it
+//!  state  (master, m, v): abs relative to the state's start
+//!  grad   (the reducer's home): the state range if the home is the
+//!          accumulation buffer (shard), else abs (the full P buffer)
+//!  params (what AdamW writes in P): the state range at stage 3 (own
+//!          shard), else abs (the full unit)
+//! ```
+
+use std::ops::Range;
+
+use zero_core::optim::{AdamWSlices, AdamWStep, CpuAdamW};
+use zero_core::partition::UnitLayout;
+use zero_core::{Element, HostBuffer};
+
+use super::offload::Offload;
+use super::reducer::GradReducer;
+use crate::Result;
+
+/// The fp32 optimizer state of one unit on the device tier (empty with
+/// optimizer offload).
+pub(crate) struct Moments {
+    /// fp32 master weights.
+    pub(crate) master: HostBuffer<f32>,
+    /// AdamW first moment.
+    pub(crate) m: HostBuffer<f32>,
+    /// AdamW second moment.
+    pub(crate) v: HostBuffer<f32>,
+}
+
+/// The element ranges AdamW touches for one unit (see the module doc).
+#[derive(Debug, Clone)]
+pub(crate) struct StepRanges {
+    /// In the unit's master, m and v.
+    pub(crate) state: Range<usize>,
+    /// In the unit's gradient home.
+    pub(crate) grad: Range<usize>,
+    /// In the unit's parameters (full unit, or the rank's shard at stage 3).
+    pub(crate) params: Range<usize>,
+    /// In the gradient home, for the norm: the rank's shard of the unit at
+    /// every stage (so that every stage adds the same terms).
+    pub(crate) norm: Range<usize>,
+}
+
+/// This rank's optimizer state and kernels.
+pub(crate) struct OptimizerShard {
+    state: Vec<Moments>,
+    ranges: Vec<StepRanges>,
+    adam: CpuAdamW,
+    offload: Option<Offload>,
+}
+
+/// `range` shifted down by `base` (an empty range anywhere maps to 0..0:
+/// a shard made only of padding).
+pub(crate) fn relative(range: Range<usize>, base: usize) -> Range<usize> {
+    if range.is_empty() {
+        0..0
+    } else {
+        range.start - base..range.end - base
+    }
+}
+
+impl OptimizerShard {
+    /// The shard over `state` (one entry per unit) for `stage` on `rank`;
+    /// `has_acc(i)`: unit `i`'s gradient home is a separate accumulation
+    /// buffer (see [`GradReducer::has_acc`]).
+    pub(crate) fn new(
+        stage: u8,
+        rank: usize,
+        layouts: &[UnitLayout],
+        state: Vec<Moments>,
+        has_acc: impl Fn(usize) -> bool,
+        adam: CpuAdamW,
+        offload: Option<Offload>,
+    ) -> Self {
+        let ranges = layouts
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let own = l.real_range(rank);
+                let abs = if stage == 0 { 0..l.numel } else { own.clone() };
+                let base = if stage == 0 { 0 } else { rank * l.shard_len };
+                let state = relative(abs.clone(), base);
+                let acc = has_acc(i);
+                StepRanges {
+                    grad: if acc { state.clone() } else { abs.clone() },
+                    params: if stage == 3 { state.clone() } else { abs },
+                    norm: if acc && stage > 0 {
+                        relative(own, rank * l.shard_len)
+                    } else {
+                        own
+                    },
+                    state,
+                }
+            })
+            .collect();
+        OptimizerShard {
+            state,
+            ranges,
+            adam,
+            offload,
+        }
+    }
+
+    /// Unit `i`'s device-tier state (empty buffers with optimizer offload).
+    pub(crate) fn moments(&self, i: usize) -> &Moments {
+        &self.state[i]
+    }
+
+    /// Unit `i`'s device-tier state, to fill (checkpoint load).
+    pub(crate) fn moments_mut(&mut self, i: usize) -> &mut Moments {
+        &mut self.state[i]
+    }
+
+    /// The offloaded state, with optimizer offload.
+    pub(crate) fn offload(&self) -> Option<&Offload> {
+        self.offload.as_ref()
+    }
+
+    /// The offloaded state, with optimizer offload.
+    pub(crate) fn offload_mut(&mut self) -> Option<&mut Offload> {
+        self.offload.as_mut()
+    }
+
+    /// This rank's part of the squared gradient norm: its shard of every
+    /// unit, in unit order, in one parallel region; the terms summed in
+    /// unit order.
+    pub(crate) fn local_sum_squares<G: Element>(&self, grads: &GradReducer) -> f64 {
+        let slices: Vec<&[G]> = self
+            .ranges
+            .iter()
+            .enumerate()
+            .map(|(i, r)| &grads.home(i).slice::<G>().expect("one gradient dtype")[r.norm.clone()])
+            .collect();
+        let sums = self.adam.sum_squares_many(&slices);
+        sums.iter().fold(0f64, |a, s| a + s)
+    }
+
+    /// AdamW on the units `units` in one parallel region, writing each
+    /// unit's updated parameters into `low(i)` (its full parameters, or the
+    /// shard, in P).
+    pub(crate) fn step_units<'p, G: Element, P: Element>(
+        &mut self,
+        k: &AdamWStep,
+        grads: &GradReducer,
+        units: impl Iterator<Item = (usize, &'p mut [P])>,
+    ) -> Result<()> {
+        let mut parts = Vec::new();
+        let mut state: Vec<Option<&mut Moments>> = self.state.iter_mut().map(Some).collect();
+        for (i, low) in units {
+            let r = &self.ranges[i];
+            let s = state[i].take().expect("each unit once");
+            parts.push(AdamWSlices {
+                master: &mut s.master[r.state.clone()],
+                grad: &grads.home(i).slice::<G>().expect("one gradient dtype")[r.grad.clone()],
+                m: &mut s.m[r.state.clone()],
+                v: &mut s.v[r.state.clone()],
+                low: Some(&mut low[r.params.clone()]),
+            });
+        }
+        self.adam.step_many(k, parts)?;
+        Ok(())
+    }
+
+    /// With optimizer offload: AdamW on the offloaded state, tile by tile
+    /// (see [`Offload::step`]), reading each unit's gradient home and
+    /// writing `params` (empty with parameter offload: the updated
+    /// parameters stay staged).
+    pub(crate) fn step_offloaded<G: Element, P: Element>(
+        &mut self,
+        k: &AdamWStep,
+        grads: &GradReducer,
+        params: &mut [&mut [P]],
+    ) -> Result<()> {
+        let homes: Vec<&[G]> = (0..self.ranges.len())
+            .map(|i| grads.home(i).slice::<G>().expect("one gradient dtype"))
+            .collect();
+        let off = self.offload.as_mut().expect("optimizer offload");
+        off.step(&self.adam, k, &homes, params)
+    }
+}
