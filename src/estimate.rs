@@ -77,7 +77,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use zero_core::config::{OffloadDevice, Precision, ResolvedConfig};
+use zero_core::config::{CheckFor, OffloadDevice, Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier};
 use zero_core::partition::{PartitionPlan, TensorSpec, UnitSpec};
 use zero_core::DType;
@@ -412,60 +412,6 @@ fn config(key: String, msg: String) -> Error {
     Error::Core(zero_core::Error::Config { key, msg })
 }
 
-/// The settings the engine refuses (`check_offload`, `check_param_offload`
-/// of the engine), except that nvme needs no `nvme_path` here.
-fn check(cfg: &ResolvedConfig, plan: &PartitionPlan) -> Result<()> {
-    const OO: &str = "zero_optimization.offload_optimizer";
-    const OP: &str = "zero_optimization.offload_param";
-    let z = &cfg.zero;
-    if z.stage > 3 {
-        return Err(config(
-            "zero_optimization.stage".into(),
-            format!("{} is not a ZeRO stage (0..=3)", z.stage),
-        ));
-    }
-    let op = &z.offload_param;
-    if op.device != OffloadDevice::None && z.stage != 3 {
-        return Err(config(
-            format!("{OP}.device"),
-            format!(
-                "parameter offload (\"{}\") needs ZeRO stage 3, but zero_optimization.stage is {}",
-                op.device, z.stage
-            ),
-        ));
-    }
-    if z.offload_optimizer.device != OffloadDevice::None && z.offload_optimizer.ratio < 1.0 {
-        return Err(config(
-            format!("{OO}.ratio"),
-            format!(
-                "{}: partial optimizer offload is not implemented; use 1.0",
-                z.offload_optimizer.ratio
-            ),
-        ));
-    }
-    let largest = plan.units().iter().map(|u| u.shard_len).max().unwrap_or(0);
-    let total = plan.shard_numel();
-    match op.device {
-        OffloadDevice::Nvme if op.buffer_size < largest => Err(config(
-            format!("{OP}.buffer_size"),
-            format!(
-                "{} elements cannot hold the largest unit shard ({largest} elements); \
-                 raise it to at least {largest}",
-                op.buffer_size
-            ),
-        )),
-        OffloadDevice::Cpu if op.max_in_cpu < total => Err(config(
-            format!("{OP}.max_in_cpu"),
-            format!(
-                "{} elements, but with device \"cpu\" every parameter shard of the rank \
-                 ({total} elements) lives in host memory; raise it to at least {total}",
-                op.max_in_cpu
-            ),
-        )),
-        _ => Ok(()),
-    }
-}
-
 /// Estimates the per-rank memory of training `model` with `cfg` (its
 /// `world_size` ranks, `micro_batch_size` sequences per micro-batch) on
 /// sequences of `work.seq_len` tokens.
@@ -475,7 +421,7 @@ fn check(cfg: &ResolvedConfig, plan: &PartitionPlan) -> Result<()> {
 /// names the key), or a model the partition plan rejects.
 pub fn estimate(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Result<Estimate> {
     let plan = PartitionPlan::new(&model.units, cfg.world_size)?;
-    check(cfg, &plan)?;
+    cfg.check_runnable(&plan, CheckFor::Estimate)?;
     let mut sim = Sim::build(cfg, plan);
     let built_states = Tier::ALL.map(|t| sim.tracker.model_states(t));
     let events = script(model, cfg.micro_batch_size, work);

@@ -116,7 +116,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use zero_comm::{Communicator, Work};
-use zero_core::config::{OffloadDevice, Precision, ResolvedConfig};
+use zero_core::config::{CheckFor, OffloadDevice, Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier};
 use zero_core::optim::{clip_coefficient, AdamWStep, CpuAdamW, LossScaler};
 use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
@@ -519,11 +519,11 @@ impl<C: Communicator> EngineBuilder<C> {
                 ),
             });
         }
-        check_offload(&cfg)?;
         check_agreement(&comm, &cfg, seed, &specs)?;
 
         let unit_specs: Vec<UnitSpec> = specs.iter().map(|(s, _)| s.clone()).collect();
         let plan = PartitionPlan::new(&unit_specs, world)?;
+        cfg.check_runnable(&plan, CheckFor::Engine)?;
         let tracker = MemoryTracker::new(rank);
         let stage = cfg.zero.stage;
         let pdt = match cfg.precision {
@@ -533,9 +533,6 @@ impl<C: Communicator> EngineBuilder<C> {
         };
         let offloading = cfg.zero.offload_optimizer.device != OffloadDevice::None;
         let param_offloading = stage == 3 && cfg.zero.offload_param.device != OffloadDevice::None;
-        if param_offloading {
-            check_param_offload(&cfg, &plan)?;
-        }
         let mut masters = Vec::new();
         let mut ranges = Vec::new();
         let mut moments = Vec::with_capacity(specs.len());
@@ -733,98 +730,6 @@ impl<C: Communicator> EngineBuilder<C> {
             engine.gather_persistent()?;
         }
         Ok(engine)
-    }
-}
-
-/// The offload settings the engine can run, checked again here for
-/// configs built in code (the JSON parser checks most of them): errors
-/// name the key.
-fn check_offload(cfg: &ResolvedConfig) -> Result<()> {
-    const OO: &str = "zero_optimization.offload_optimizer";
-    const OP: &str = "zero_optimization.offload_param";
-    let name = |d: OffloadDevice| match d {
-        OffloadDevice::None => "none",
-        OffloadDevice::Cpu => "cpu",
-        OffloadDevice::Nvme => "nvme",
-    };
-    let op = &cfg.zero.offload_param;
-    if op.device != OffloadDevice::None {
-        if cfg.zero.stage != 3 {
-            return Err(config(
-                format!("{OP}.device"),
-                format!(
-                    "parameter offload (\"{}\") needs ZeRO stage 3, but zero_optimization.stage is {}",
-                    name(op.device),
-                    cfg.zero.stage
-                ),
-            ));
-        }
-        if op.device == OffloadDevice::Nvme {
-            require_nvme_path(OP, op.nvme_path.as_deref())?;
-        }
-    }
-    let oo = &cfg.zero.offload_optimizer;
-    if oo.device == OffloadDevice::None {
-        return Ok(());
-    }
-    if oo.ratio < 1.0 {
-        return Err(Error::Unsupported {
-            what: format!(
-                "config key `{OO}.ratio` is {}: partial optimizer offload is not implemented; \
-                 use 1.0",
-                oo.ratio
-            ),
-        });
-    }
-    if oo.device == OffloadDevice::Nvme {
-        require_nvme_path(OO, oo.nvme_path.as_deref())?;
-    }
-    Ok(())
-}
-
-/// An error naming the config key `key`.
-fn config(key: String, msg: String) -> Error {
-    Error::Core(zero_core::Error::Config { key, msg })
-}
-
-/// `{block}.nvme_path` must name a directory when the device is nvme.
-fn require_nvme_path(block: &str, path: Option<&std::path::Path>) -> Result<()> {
-    if path.is_none_or(|p| p.as_os_str().is_empty()) {
-        return Err(config(
-            format!("{block}.nvme_path"),
-            "required when device is \"nvme\": a directory on the NVMe drive".into(),
-        ));
-    }
-    Ok(())
-}
-
-/// The parameter-offload settings that depend on the units: `buffer_size`
-/// (nvme) must hold the largest unit shard; `max_in_cpu` (cpu) must hold
-/// every shard of the rank (all of them live in host memory).
-fn check_param_offload(cfg: &ResolvedConfig, plan: &PartitionPlan) -> Result<()> {
-    const OP: &str = "zero_optimization.offload_param";
-    let op = &cfg.zero.offload_param;
-    let largest = plan.units().iter().map(|u| u.shard_len).max().unwrap_or(0);
-    let total: usize = plan.units().iter().map(|u| u.shard_len).sum();
-    match op.device {
-        OffloadDevice::Nvme if op.buffer_size < largest => Err(config(
-            format!("{OP}.buffer_size"),
-            format!(
-                "{} elements cannot hold the largest unit shard ({largest} elements); \
-                 raise it to at least {largest}",
-                op.buffer_size
-            ),
-        )),
-        OffloadDevice::Cpu if op.max_in_cpu < total => Err(config(
-            format!("{OP}.max_in_cpu"),
-            format!(
-                "{} elements, but with device \"cpu\" every parameter shard of the rank \
-                 ({total} elements) lives in host memory; raise it to at least {total} or use \
-                 device \"nvme\"",
-                op.max_in_cpu
-            ),
-        )),
-        _ => Ok(()),
     }
 }
 

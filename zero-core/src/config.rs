@@ -848,7 +848,110 @@ impl Default for AioConfig {
     }
 }
 
+/// Where [`ResolvedConfig::check_runnable`] is asked from: the engine needs
+/// the swap directories, the estimator does not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckFor {
+    /// Building an engine: everything, `nvme_path` included.
+    Engine,
+    /// Estimating memory: everything but the swap directories.
+    Estimate,
+}
+
+fn config_error(key: String, msg: String) -> Error {
+    Error::Config { key, msg }
+}
+
 impl ResolvedConfig {
+    /// The one place where a config is checked against what the engine can
+    /// run on `plan`'s units (configs built in code skip the JSON parser's
+    /// checks; the engine and `zero::estimate` both call this, so they
+    /// refuse the same configs): the stage, parameter offload only at
+    /// stage 3, whole optimizer offload (`ratio` 1.0), the `nvme_path` of
+    /// each nvme tier (for the engine), `offload_param.buffer_size` holding
+    /// the largest unit shard with nvme, and with device `cpu`
+    /// `offload_param.max_in_cpu` holding every shard of the rank. Errors
+    /// name the key.
+    pub fn check_runnable(
+        &self,
+        plan: &crate::partition::PartitionPlan,
+        what: CheckFor,
+    ) -> Result<()> {
+        const OO: &str = "zero_optimization.offload_optimizer";
+        const OP: &str = "zero_optimization.offload_param";
+        let z = &self.zero;
+        if z.stage > 3 {
+            return Err(config_error(
+                "zero_optimization.stage".into(),
+                format!("{} is not a ZeRO stage (0..=3)", z.stage),
+            ));
+        }
+        let need_path = |block: &str, path: &Option<PathBuf>| {
+            if what == CheckFor::Engine && path.as_ref().is_none_or(|p| p.as_os_str().is_empty()) {
+                return Err(config_error(
+                    format!("{block}.nvme_path"),
+                    "required when device is \"nvme\": a directory on the NVMe drive".into(),
+                ));
+            }
+            Ok(())
+        };
+        let op = &z.offload_param;
+        if op.device != OffloadDevice::None {
+            if z.stage != 3 {
+                return Err(config_error(
+                    format!("{OP}.device"),
+                    format!(
+                        "parameter offload (\"{}\") needs ZeRO stage 3, but zero_optimization.stage is {}",
+                        op.device, z.stage
+                    ),
+                ));
+            }
+            if op.device == OffloadDevice::Nvme {
+                need_path(OP, &op.nvme_path)?;
+            }
+        }
+        let oo = &z.offload_optimizer;
+        if oo.device != OffloadDevice::None {
+            if oo.ratio < 1.0 {
+                return Err(config_error(
+                    format!("{OO}.ratio"),
+                    format!(
+                        "{}: partial optimizer offload is not implemented; use 1.0",
+                        oo.ratio
+                    ),
+                ));
+            }
+            if oo.device == OffloadDevice::Nvme {
+                need_path(OO, &oo.nvme_path)?;
+            }
+        }
+        if z.stage != 3 {
+            return Ok(());
+        }
+        let largest = plan.units().iter().map(|u| u.shard_len).max().unwrap_or(0);
+        let total = plan.shard_numel();
+        match op.device {
+            OffloadDevice::Nvme if op.buffer_size < largest => Err(config_error(
+                format!("{OP}.buffer_size"),
+                format!(
+                    "{} elements cannot hold the largest unit shard ({largest} elements); \
+                     raise it to at least {largest}",
+                    op.buffer_size
+                ),
+            )),
+            OffloadDevice::Cpu if op.max_in_cpu < total => Err(config_error(
+                format!("{OP}.max_in_cpu"),
+                format!(
+                    "{} elements, but with device \"cpu\" every parameter shard of the rank \
+                     ({total} elements) lives in host memory; raise it to at least {total} or use \
+                     device \"nvme\"",
+                    op.max_in_cpu
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// A config with every default: fp32, no optimizer or scheduler block
     /// (AdamW with `torch.optim.AdamW`'s defaults, constant rate), gradient
     /// accumulation 1, the given ZeRO stage (with `overlap_comm` on for
