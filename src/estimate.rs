@@ -762,9 +762,11 @@ impl Sim {
                         Some(c) => *c -= 1,
                         None => {
                             let bytes = padded as u64 * self.psize;
-                            let a = self
-                                .tracker
-                                .allocate(Tier::Device, Category::GatheredParams, bytes);
+                            let a = self.tracker.allocate(
+                                Tier::Device,
+                                Category::GatheredParams,
+                                bytes,
+                            );
                             self.allocs.push(a);
                         }
                     }

@@ -513,7 +513,11 @@ mod tests {
         assert_eq!(s.live(), 0);
         assert_eq!(s.head(), None, "no recorded order yet");
         let end = call(&mut s, |s, o| s.end_micro_batch(o));
-        assert_eq!(end, Actions::default(), "the first recording is no order change");
+        assert_eq!(
+            end,
+            Actions::default(),
+            "the first recording is no order change"
+        );
         assert_eq!(s.trace.as_deref(), Some(&[1][..]));
     }
 
@@ -624,7 +628,10 @@ mod tests {
             if kept {
                 assert_eq!((g.list.clone(), g.prefetch_hits), (vec![], 1));
             } else {
-                assert_eq!((g.list.clone(), g.prefetch_hits), (vec![Launch(1), Wait(1)], 0));
+                assert_eq!(
+                    (g.list.clone(), g.prefetch_hits),
+                    (vec![Launch(1), Wait(1)], 0)
+                );
             }
         }
         // A unit the trace does not use again is freed whatever the
@@ -722,8 +729,27 @@ mod tests {
         assert_eq!(s.trace.as_deref(), Some(&[0, 2][..]));
         // Following the new trace changes nothing.
         let all = micro_batch(&mut s, &[0, 2]);
-        assert!(all.iter().all(|a| a.warning.is_none() && a.order_changes == 0));
+        assert!(all
+            .iter()
+            .all(|a| a.warning.is_none() && a.order_changes == 0));
         assert_eq!(all[0].list, vec![Launch(0), Launch(2), Wait(0)]);
+    }
+
+    #[test]
+    fn leaving_the_order_turns_prefetch_off() {
+        let k = Stage3Knobs {
+            prefetch_bucket_size: N,
+            ..knobs()
+        };
+        let mut s = recorded(k, &[N, N, N], &[0, 1, 2]);
+        // Unit 1 where unit 0 was expected: no prefetch of unit 0 (nor of
+        // anything after it) for the rest of the micro-batch.
+        let g = call(&mut s, |s, o| s.gather(1, o));
+        assert!(g.warning.is_some());
+        assert_eq!((g.list, g.prefetches), (vec![Launch(1), Wait(1)], 0));
+        let g = call(&mut s, |s, o| s.gather(0, o));
+        assert_eq!((g.list, g.prefetches), (vec![Launch(0), Wait(0)], 0));
+        assert!(call(&mut s, |s, o| s.prefetch_next(o)).list.is_empty());
     }
 
     #[test]
@@ -737,7 +763,9 @@ mod tests {
         let g = call(&mut s, |s, o| s.gather(0, o));
         assert_eq!(g.warning, None);
         call(&mut s, |s, o| s.gather(1, o));
-        let w = call(&mut s, |s, o| s.gather(2, o)).warning.expect("a warning");
+        let w = call(&mut s, |s, o| s.gather(2, o))
+            .warning
+            .expect("a warning");
         assert!(w.contains("expected the end of the trace"), "{w}");
     }
 
@@ -794,7 +822,14 @@ mod tests {
         let g = call(&mut s, |s, o| s.gather(0, o));
         assert_eq!(
             g.list,
-            vec![Launch(0), ReadAhead(1), ReadAhead(2), ReadAhead(3), ReadAhead(4), Wait(0)]
+            vec![
+                Launch(0),
+                ReadAhead(1),
+                ReadAhead(2),
+                ReadAhead(3),
+                ReadAhead(4),
+                Wait(0)
+            ]
         );
     }
 

@@ -131,7 +131,10 @@ impl ParamGatherer {
 
     /// The end of a micro-batch: waits for the shard reads issued ahead,
     /// then see [`Stage3Schedule::end_micro_batch`].
-    pub(crate) fn end_micro_batch<C: Communicator>(&mut self, mut io: GatherIo<'_, C>) -> Result<()> {
+    pub(crate) fn end_micro_batch<C: Communicator>(
+        &mut self,
+        mut io: GatherIo<'_, C>,
+    ) -> Result<()> {
         if let Shards::Offloaded(po) = &mut io.shards {
             po.drain_reads();
         }

@@ -125,10 +125,10 @@ use crate::{Error, Result};
 pub use checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
 use dynbuf::DynBuf;
 pub use export::{export_checkpoint, ExportDtype};
+use gatherer::{GatherIo, HomeShards, ParamGatherer, Shards};
 pub use init::Init;
 use init::{fnv1a, mix};
 use offload::{Offload, UnitRanges};
-use gatherer::{GatherIo, HomeShards, ParamGatherer, Shards};
 use param_offload::ParamOffload;
 
 /// A registered unit of one engine.
