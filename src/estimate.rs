@@ -20,10 +20,12 @@
 //!   `overlap_comm`);
 //! - stages 2/3: the pooled full-unit gradient buffers the trainer writes
 //!   into (one per unit size in flight);
-//! - stage 3: the gathered units, by running the engine's prefetch, reuse
+//! - stage 3: the gathered units, by running the engine's own gather
+//!   schedule (`src/schedule.rs`: prefetch, reuse
 //!   (`stage3_max_reuse_distance`), live cap (`stage3_max_live_parameters`)
-//!   and persistence (`stage3_param_persistence_threshold`) rules over the
-//!   model's gather order;
+//!   and persistence (`stage3_param_persistence_threshold`)) over the
+//!   model's gather order and executing its launches and frees against the
+//!   tracker, with the engine's pool of freed buffers per size;
 //! - optimizer offload: the tiles of `sub_group_size` elements, the host
 //!   pool (`buffer_count` tile buffers with nvme, one per tile with cpu,
 //!   plus the staging buffer, each rounded to whole pages) and the swap
@@ -82,6 +84,7 @@ use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier}
 use zero_core::partition::{PartitionPlan, TensorSpec, UnitSpec};
 use zero_core::DType;
 
+use crate::schedule::{Action, Actions, Stage3Knobs, Stage3Schedule};
 use crate::{Error, Result};
 
 /// The page size host pools round every buffer to (`zero_offload::host::PAGE_SIZE`).
@@ -426,8 +429,8 @@ pub fn estimate(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Result<
     let built_states = Tier::ALL.map(|t| sim.tracker.model_states(t));
     let events = script(model, cfg.micro_batch_size, work);
     let ga = cfg.gradient_accumulation_steps.max(1);
-    for _ in 0..2 * ga {
-        sim.micro_batch(&events);
+    for k in 0..2 * ga {
+        sim.micro_batch(&events, (k + 1) % ga == 0);
     }
     Ok(Estimate {
         world_size: cfg.world_size,
@@ -492,17 +495,8 @@ fn script(model: &Model, micro: usize, work: &Workload) -> Vec<Event> {
     ev
 }
 
-/// A stage-3 unit's gathered buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Gathered {
-    None,
-    InFlight,
-    Full,
-}
-
 /// The engine's accounting of one rank, replayed (see the module docs).
-struct Sim<'a> {
-    cfg: &'a ResolvedConfig,
+struct Sim {
     plan: PartitionPlan,
     tracker: MemoryTracker,
     /// Bytes per parameter element.
@@ -512,18 +506,13 @@ struct Sim<'a> {
     allocs: Vec<Allocation>,
     /// Stages 2/3: free pooled gradient buffers per length.
     grad_pool: HashMap<usize, usize>,
-    gathers: Vec<usize>,
-    // Stage 3 (`src/engine/stage3.rs`).
-    state: Vec<Gathered>,
-    persistent: Vec<bool>,
-    live: usize,
-    trace: Option<Vec<usize>>,
-    recording: Vec<usize>,
-    pos: usize,
-    on_track: bool,
-    pool: HashMap<usize, usize>,
-    released_at: Vec<u64>,
-    tick: u64,
+    /// Stage 3: the engine's gather schedule …
+    s3: Stage3Schedule,
+    /// … the actions of its last call …
+    s3_actions: Actions,
+    /// … and the free gathered buffers per length (the parameter
+    /// gatherer's pool, `src/engine/gatherer.rs`).
+    gathered_pool: HashMap<usize, usize>,
 }
 
 fn pdt_of(p: Precision) -> DType {
@@ -551,9 +540,9 @@ fn swap_file_len(block: u64, regions: &[(String, u64)]) -> u64 {
     len
 }
 
-impl<'a> Sim<'a> {
+impl Sim {
     /// `EngineBuilder::build`: every allocation it accounts.
-    fn build(cfg: &'a ResolvedConfig, plan: PartitionPlan) -> Sim<'a> {
+    fn build(cfg: &ResolvedConfig, plan: PartitionPlan) -> Sim {
         let tracker = MemoryTracker::new(0);
         let stage = cfg.zero.stage;
         let pdt = pdt_of(cfg.precision);
@@ -621,34 +610,20 @@ impl<'a> Sim<'a> {
                 .collect();
             param_offload(cfg, &shards, &mut track);
         }
-        let n = plan.units().len();
-        let persistent = plan
-            .units()
-            .iter()
-            .map(|u| stage == 3 && u.numel < cfg.zero.param_persistence_threshold)
-            .collect();
+        let s3 = Stage3Schedule::new(Stage3Knobs::from_config(cfg), plan.units());
         let mut sim = Sim {
-            cfg,
             plan,
             tracker,
             psize,
             stage,
             allocs,
             grad_pool: HashMap::new(),
-            gathers: vec![0; n],
-            state: vec![Gathered::None; n],
-            persistent,
-            live: 0,
-            trace: None,
-            recording: Vec::new(),
-            pos: 0,
-            on_track: true,
-            pool: HashMap::new(),
-            released_at: vec![0; n],
-            tick: 0,
+            s3,
+            s3_actions: Actions::default(),
+            gathered_pool: HashMap::new(),
         };
         if stage == 3 {
-            sim.gather_persistent();
+            sim.stage3(Stage3Schedule::gather_persistent);
         }
         sim
     }
@@ -657,8 +632,9 @@ impl<'a> Sim<'a> {
         self.plan.units()[i].padded_numel
     }
 
-    /// One micro-batch of `events`, then `Engine::step`.
-    fn micro_batch(&mut self, events: &[Event]) {
+    /// One micro-batch of `events`, then `Engine::step` (which runs the
+    /// optimizer at a `boundary`).
+    fn micro_batch(&mut self, events: &[Event], boundary: bool) {
         let mut act = self
             .tracker
             .allocate(Tier::Device, Category::Activations, 0);
@@ -667,14 +643,12 @@ impl<'a> Sim<'a> {
             match e {
                 Event::Gather(i) => {
                     if self.stage == 3 {
-                        self.s3_gather(i);
+                        self.stage3(|s, out| s.gather(i, out));
                     }
-                    self.gathers[i] += 1;
                 }
                 Event::Release(i) => {
-                    self.gathers[i] -= 1;
-                    if self.stage == 3 && self.gathers[i] == 0 {
-                        self.s3_release(i);
+                    if self.stage == 3 {
+                        self.stage3(|s, out| s.release(i, out));
                     }
                 }
                 Event::TakeGrad(i) => {
@@ -703,157 +677,51 @@ impl<'a> Sim<'a> {
         }
         drop(act);
         // `Engine::step`: the end of a stage-3 micro-batch; after the
-        // optimizer, persistent units are refreshed in their buffers
-        // (no allocation) …
+        // optimizer, persistent units are refreshed in their buffers (no
+        // allocation) …
         if self.stage == 3 {
-            self.s3_end_micro_batch();
+            self.stage3(Stage3Schedule::end_micro_batch);
+            if boundary {
+                self.stage3(Stage3Schedule::gather_persistent);
+            }
             // … and the next micro-batch's first units are prefetched.
-            if self.on_track && self.trace.is_some() {
-                self.s3_prefetch();
-            }
+            // (With `overlap_comm` the engine starts these during AdamW,
+            // before the refresh, which only waits: the same launches.)
+            self.stage3(Stage3Schedule::prefetch_next);
         }
     }
 
-    // Stage 3, as `src/engine/stage3.rs`.
-
-    fn s3_launch(&mut self, i: usize) {
-        if self.state[i] != Gathered::Full {
-            let padded = self.padded(i);
-            self.live += padded;
-            match self.pool.get_mut(&padded).filter(|c| **c > 0) {
-                Some(c) => *c -= 1,
-                None => {
-                    let bytes = padded as u64 * self.psize;
-                    let a = self
-                        .tracker
-                        .allocate(Tier::Device, Category::GatheredParams, bytes);
-                    self.allocs.push(a);
+    /// One call of the stage-3 schedule, executed against the tracker as
+    /// the engine's parameter gatherer executes it against buffers: a
+    /// launch takes a freed buffer of the unit's size or allocates one, a
+    /// free returns it; refreshes, waits and swap reads ahead allocate
+    /// nothing.
+    fn stage3(&mut self, decide: impl FnOnce(&mut Stage3Schedule, &mut Actions)) {
+        let mut actions = std::mem::take(&mut self.s3_actions);
+        actions.clear();
+        decide(&mut self.s3, &mut actions);
+        for &action in &actions.list {
+            match action {
+                Action::Launch(i) => {
+                    let padded = self.padded(i);
+                    match self.gathered_pool.get_mut(&padded).filter(|c| **c > 0) {
+                        Some(c) => *c -= 1,
+                        None => {
+                            let bytes = padded as u64 * self.psize;
+                            let a = self.tracker.allocate(
+                                Tier::Device,
+                                Category::GatheredParams,
+                                bytes,
+                            );
+                            self.allocs.push(a);
+                        }
+                    }
                 }
+                Action::Free(i) => *self.gathered_pool.entry(self.padded(i)).or_default() += 1,
+                Action::Refresh(_) | Action::Wait(_) | Action::ReadAhead(_) => {}
             }
         }
-        self.state[i] = Gathered::InFlight;
-    }
-
-    fn s3_wait(&mut self, i: usize) {
-        if self.state[i] == Gathered::InFlight {
-            self.state[i] = Gathered::Full;
-        }
-    }
-
-    fn s3_free(&mut self, i: usize) {
-        if self.state[i] == Gathered::Full {
-            let padded = self.padded(i);
-            self.live -= padded;
-            *self.pool.entry(padded).or_default() += 1;
-            self.state[i] = Gathered::None;
-        }
-    }
-
-    fn s3_make_room(&mut self, need: usize) {
-        let max_live = self.cfg.zero.max_live_parameters;
-        while self.live + need > max_live {
-            let victim = (0..self.state.len())
-                .filter(|&j| {
-                    self.state[j] == Gathered::Full && self.gathers[j] == 0 && !self.persistent[j]
-                })
-                .min_by_key(|&j| self.released_at[j]);
-            match victim {
-                Some(j) => self.s3_free(j),
-                None => break,
-            }
-        }
-    }
-
-    fn s3_gather(&mut self, i: usize) {
-        self.recording.push(i);
-        if let Some(trace) = &self.trace {
-            if self.on_track {
-                if trace.get(self.pos) == Some(&i) {
-                    self.pos += 1;
-                } else {
-                    self.on_track = false;
-                }
-            }
-        }
-        if self.state[i] == Gathered::None {
-            self.s3_make_room(self.padded(i));
-            self.s3_launch(i);
-        }
-        if self.on_track && self.trace.is_some() {
-            self.s3_prefetch();
-        }
-        self.s3_wait(i);
-    }
-
-    fn s3_prefetch(&mut self) {
-        let window = self.cfg.zero.prefetch_bucket_size;
-        let max_live = self.cfg.zero.max_live_parameters;
-        let Some(trace) = self.trace.clone() else {
-            return;
-        };
-        let mut ahead = 0;
-        for &j in &trace[self.pos.min(trace.len())..] {
-            let n = self.padded(j);
-            if ahead >= window {
-                break;
-            }
-            ahead += n;
-            if self.state[j] != Gathered::None {
-                continue;
-            }
-            if self.live + n > max_live {
-                break;
-            }
-            self.s3_launch(j);
-        }
-    }
-
-    fn s3_release(&mut self, i: usize) {
-        if self.persistent[i] {
-            return;
-        }
-        self.tick += 1;
-        self.released_at[i] = self.tick;
-        let keep = match &self.trace {
-            Some(trace) if self.on_track => {
-                let rest = &trace[self.pos.min(trace.len())..];
-                rest.iter().position(|&j| j == i).is_some_and(|k| {
-                    let distance: usize = rest[..k].iter().map(|&j| self.padded(j)).sum();
-                    distance <= self.cfg.zero.max_reuse_distance
-                })
-            }
-            _ => false,
-        };
-        if !keep {
-            self.s3_free(i);
-        }
-    }
-
-    fn s3_end_micro_batch(&mut self) {
-        let recorded = std::mem::take(&mut self.recording);
-        let followed = self.on_track && self.trace.as_ref().is_some_and(|t| t.len() == self.pos);
-        if !followed {
-            self.trace = Some(recorded);
-        }
-        self.pos = 0;
-        self.on_track = true;
-        for i in 0..self.state.len() {
-            self.s3_wait(i);
-            if !self.persistent[i] {
-                self.s3_free(i);
-            }
-        }
-    }
-
-    fn gather_persistent(&mut self) {
-        for i in 0..self.state.len() {
-            if self.persistent[i] {
-                self.s3_launch(i);
-            }
-        }
-        for i in 0..self.state.len() {
-            self.s3_wait(i);
-        }
+        self.s3_actions = actions;
     }
 }
 

@@ -103,6 +103,7 @@
 mod checkpoint;
 mod dynbuf;
 mod export;
+mod gatherer;
 mod health;
 mod init;
 mod lease;
@@ -110,7 +111,6 @@ mod offload;
 mod optimizer;
 mod param_offload;
 mod reducer;
-mod stage3;
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -129,6 +129,7 @@ pub use checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
 pub(crate) use dynbuf::ring_bytes;
 use dynbuf::DynBuf;
 pub use export::{export_checkpoint, ExportDtype};
+use gatherer::{GatherIo, HomeShards, ParamGatherer, Shards};
 use health::Health;
 pub use init::Init;
 use init::{fnv1a, mix};
@@ -138,7 +139,6 @@ use offload::{Offload, UnitRanges};
 use optimizer::{relative, Moments, OptimizerShard};
 use param_offload::ParamOffload;
 use reducer::{GradReducer, GradState};
-use stage3::Stage3;
 
 /// A registered unit of one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -267,6 +267,12 @@ struct Unit {
     _allocs: Vec<Allocation>,
 }
 
+impl HomeShards for Vec<Unit> {
+    fn shard(&self, unit: usize) -> &DynBuf {
+        self[unit].params.as_ref().expect("shards are home")
+    }
+}
+
 /// The sharded data-parallel engine of one rank.
 pub struct Engine<C: Communicator> {
     id: u64,
@@ -298,7 +304,8 @@ pub struct Engine<C: Communicator> {
     global_steps: u64,
     scaler: Option<LossScaler>,
     last: StepOutcome,
-    s3: Stage3,
+    /// Stage 3: the gathered parameters and their schedule.
+    s3: ParamGatherer,
     stats: EngineStats,
     warned: Vec<String>,
     /// What still works after a failure (see [`health`]).
@@ -662,7 +669,7 @@ impl<C: Communicator> EngineBuilder<C> {
         let scaler = cfg.loss_scale.map(LossScaler::new);
         let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
         let lr = cfg.scheduler.lr_at(0);
-        let s3 = Stage3::new(&cfg, &plan);
+        let s3 = ParamGatherer::new(&cfg, &plan);
         let threads = optimizer_threads.unwrap_or_else(|| {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             (cores / comm.ranks_on_host().max(1)).max(1)
@@ -727,7 +734,8 @@ impl<C: Communicator> EngineBuilder<C> {
             }
         }
         if engine.stage == 3 {
-            engine.gather_persistent()?;
+            let (s3, io) = engine.s3_parts();
+            s3.gather_persistent(io)?;
         }
         Ok(engine)
     }
@@ -925,7 +933,7 @@ impl<C: Communicator> Engine<C> {
     /// Resets [`Engine::stats`] (the live-parameter peak included).
     pub fn reset_stats(&mut self) {
         self.stats = EngineStats::default();
-        self.stats.peak_live_elems = self.s3.live;
+        self.stats.peak_live_elems = self.s3.live();
     }
 
     /// The loss scale the trainer multiplies its loss by (1 unless fp16).
@@ -959,6 +967,23 @@ impl<C: Communicator> Engine<C> {
     /// differs from the recorded one.
     pub fn warnings(&self) -> &[String] {
         &self.warned
+    }
+
+    /// The stage-3 gatherer, and what it needs from the engine for a call.
+    fn s3_parts(&mut self) -> (&mut ParamGatherer, GatherIo<'_, C>) {
+        let shards = match self.poff.as_mut() {
+            Some(po) => Shards::Offloaded(po),
+            None => Shards::Home(&self.units),
+        };
+        let io = GatherIo {
+            comm: &self.comm,
+            tracker: &self.tracker,
+            tracer: &self.tracer,
+            pdt: self.pdt,
+            shards,
+            stats: &mut self.stats,
+        };
+        (&mut self.s3, io)
     }
 
     fn warn(&mut self, msg: String) {
@@ -1042,7 +1067,12 @@ impl<C: Communicator> Engine<C> {
         if self.stage == 3 {
             let _span = self.tracer.span(self.rank, "gather", "comm");
             let t = Instant::now();
-            self.s3_gather(i)?;
+            let (s3, io) = self.s3_parts();
+            let r = s3.gather(i, io);
+            if let Some(w) = self.s3.take_warning() {
+                self.warn(w);
+            }
+            r?;
             self.stats.gather_time += t.elapsed();
         } else if self.units[i].stale {
             // Stages 1–2 with overlap_comm: the all-gather of this unit's
@@ -1074,8 +1104,11 @@ impl<C: Communicator> Engine<C> {
             )));
         }
         self.units[i].gathers -= 1;
-        if self.stage == 3 && self.units[i].gathers == 0 {
-            self.s3_release(i)?;
+        if self.stage == 3 {
+            // (The schedule counts the gathers too: the last release
+            // frees or keeps the unit.)
+            let (s3, io) = self.s3_parts();
+            s3.release(i, io)?;
         }
         Ok(())
     }
@@ -1092,7 +1125,7 @@ impl<C: Communicator> Engine<C> {
             )));
         }
         let buf = if self.stage == 3 {
-            self.s3.full[i].as_ref()
+            self.s3.params(i)
         } else {
             u.params.as_ref()
         };
@@ -1372,13 +1405,15 @@ impl<C: Communicator> Engine<C> {
         self.stats.reduce_bytes += r?;
         drop(span);
         if self.stage == 3 {
-            self.s3_end_micro_batch()?;
+            let (s3, io) = self.s3_parts();
+            s3.end_micro_batch(io)?;
         }
         self.param_swap_check()?;
         self.micro += 1;
         if self.micro < self.cfg.gradient_accumulation_steps {
             if self.stage == 3 {
-                self.s3_prefetch_next()?;
+                let (s3, io) = self.s3_parts();
+                s3.prefetch_next(io)?;
             }
             self.last = StepOutcome {
                 boundary: false,
@@ -1404,7 +1439,8 @@ impl<C: Communicator> Engine<C> {
             self.stats.gather_time += t.elapsed();
         }
         if self.stage == 3 {
-            self.s3_prefetch_next()?;
+            let (s3, io) = self.s3_parts();
+            s3.prefetch_next(io)?;
         }
         self.last = outcome;
         // A failed swap write that every rank rescued: the step is done,
@@ -1455,7 +1491,7 @@ impl<C: Communicator> Engine<C> {
         // unit's at stages 1–2, the head of the recorded order (what the
         // next forward gathers first) at stage 3. AdamW is elementwise: the
         // same bits as one call over all units.
-        let head = self.s3_head();
+        let head = self.s3.head();
         for i in 0..self.units.len() {
             let p = self.units[i].params.as_mut().expect("params are home");
             let low = p.slice_mut::<P>().expect("the parameter dtype");
@@ -1466,7 +1502,8 @@ impl<C: Communicator> Engine<C> {
                 self.units[i].stale = true;
                 self.advance_param_gathers(None)?;
             } else if head == Some(i + 1) {
-                self.s3_prefetch()?;
+                let (s3, io) = self.s3_parts();
+                s3.prefetch_next(io)?;
             }
         }
         Ok(())
@@ -1729,7 +1766,10 @@ impl<C: Communicator> Engine<C> {
     fn gather_updated_params(&mut self) -> Result<()> {
         match self.stage {
             0 => Ok(()),
-            3 => self.gather_persistent(),
+            3 => {
+                let (s3, io) = self.s3_parts();
+                s3.gather_persistent(io)
+            }
             _ => {
                 // (With overlap_comm and the optimizer state on the device
                 // tier, AdamW queued each unit as it finished it.)

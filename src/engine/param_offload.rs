@@ -20,8 +20,8 @@
 //! copy runs when the gather is launched, i.e. at prefetch time along the
 //! recorded order. With `nvme` the swap read is issued further ahead than
 //! the gather prefetch (the units of the prefetch window plus
-//! [`NVME_EXTRA_AHEAD`] more), into one of the staging buffers; the launch
-//! waits for it. One staging buffer is always left for on-demand reads, so
+//! [`NVME_EXTRA_AHEAD`](crate::schedule::NVME_EXTRA_AHEAD) more), into
+//! one of the staging buffers; the launch waits for it. One staging buffer is always left for on-demand reads, so
 //! at most `buffer_count - 1` reads run ahead.
 //!
 //! # Write-back
@@ -78,9 +78,6 @@ use zero_offload::{
 use super::dynbuf::DynBuf;
 use crate::trace::{RankTracer, Tracer};
 use crate::{Error, Result};
-
-/// Units read ahead beyond the gather prefetch window with `nvme`.
-pub(crate) const NVME_EXTRA_AHEAD: usize = 2;
 
 enum Home {
     Host(Vec<PooledBuffer>),

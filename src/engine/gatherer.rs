@@ -1,0 +1,266 @@
+//! Stage 3: the parameter gatherer. It owns the gathered units' buffers
+//! (in use, kept for reuse, prefetched, persistent), the all-gathers in
+//! flight, the pool of freed buffers per size and their tracker
+//! accounting, and executes what the pure [`Stage3Schedule`] decides
+//! (`src/schedule.rs`: prefetch along the recorded order, reuse,
+//! persistence, the live cap; the estimator replays the same schedule).
+//!
+//! Whatever it needs from the engine comes in with each call as a
+//! [`GatherIo`]: the communicator, the memory tracker, the tracer, the
+//! parameter dtype, where this rank's shards live (the engine's units, or
+//! the parameter offload) and the stats to count into.
+//!
+//! ```text
+//!  trainer ─▶ Engine ─▶ ParamGatherer::gather(i, io)
+//!                         │ Stage3Schedule::gather(i) ─▶ [Free(k), Launch(i),
+//!                         │                               Launch(j), ReadAhead(m), Wait(i)]
+//!                         └ executes: pool / tracker, shard ─▶ slot, all-gather,
+//!                           swap read ahead, wait
+//! ```
+
+use std::collections::HashMap;
+
+use zero_comm::{Communicator, Work};
+use zero_core::config::ResolvedConfig;
+use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
+use zero_core::partition::PartitionPlan;
+use zero_core::DType;
+
+use super::dynbuf::DynBuf;
+use super::param_offload::{Fetch, ParamOffload};
+use super::{ring_bytes, wait_traced, EngineStats};
+use crate::schedule::{Action, Actions, Stage3Knobs, Stage3Schedule};
+use crate::trace::Tracer;
+use crate::Result;
+
+/// This rank's parameter shards where they stay on the device tier (no
+/// parameter offload): the engine's units.
+pub(crate) trait HomeShards {
+    /// Unit `unit`'s shard (padding included).
+    fn shard(&self, unit: usize) -> &DynBuf;
+}
+
+/// Where a launched unit's shard is copied from.
+pub(crate) enum Shards<'a> {
+    /// The engine's own shards.
+    Home(&'a dyn HomeShards),
+    /// `offload_param`: host homes or the swap file (with reads ahead).
+    Offloaded(&'a mut ParamOffload),
+}
+
+/// What the gatherer needs from the engine for one call.
+pub(crate) struct GatherIo<'a, C: Communicator> {
+    /// The communicator the all-gathers run on (and buffers come from).
+    pub(crate) comm: &'a C,
+    /// Accounts new gathered buffers (`GatheredParams`, device tier).
+    pub(crate) tracker: &'a MemoryTracker,
+    /// Records the waited all-gathers.
+    pub(crate) tracer: &'a Tracer,
+    /// The parameter dtype.
+    pub(crate) pdt: DType,
+    /// Where the shards are.
+    pub(crate) shards: Shards<'a>,
+    /// Counts gathers, prefetches, hits, order changes, swap reads and the
+    /// live peak.
+    pub(crate) stats: &'a mut EngineStats,
+}
+
+/// The stage-3 parameter gatherer of one rank (see the module docs).
+pub(crate) struct ParamGatherer {
+    schedule: Stage3Schedule,
+    /// Per unit: the gathered buffer's length and the shard's.
+    padded: Vec<usize>,
+    shard_len: Vec<usize>,
+    /// Gathered units (full, padded).
+    full: Vec<Option<DynBuf>>,
+    inflight: Vec<Option<Work<DynBuf>>>,
+    /// Freed gathered buffers, per length.
+    pool: HashMap<usize, Vec<DynBuf>>,
+    allocs: Vec<Allocation>,
+    /// The schedule's actions of the current call (reused).
+    actions: Actions,
+    /// The warning of the last call, for the engine to issue.
+    warning: Option<String>,
+}
+
+impl ParamGatherer {
+    /// The gatherer of `plan`'s units under `cfg`'s stage-3 knobs, nothing
+    /// gathered yet.
+    pub(crate) fn new(cfg: &ResolvedConfig, plan: &PartitionPlan) -> ParamGatherer {
+        let units = plan.units();
+        let n = units.len();
+        ParamGatherer {
+            schedule: Stage3Schedule::new(Stage3Knobs::from_config(cfg), units),
+            padded: units.iter().map(|u| u.padded_numel).collect(),
+            shard_len: units.iter().map(|u| u.shard_len).collect(),
+            full: (0..n).map(|_| None).collect(),
+            inflight: (0..n).map(|_| None).collect(),
+            pool: HashMap::new(),
+            allocs: Vec::new(),
+            actions: Actions::default(),
+            warning: None,
+        }
+    }
+
+    /// Elements gathered or being gathered.
+    pub(crate) fn live(&self) -> usize {
+        self.schedule.live()
+    }
+
+    /// Unit `i`'s gathered parameters (padded), if they are gathered and
+    /// not in flight.
+    pub(crate) fn params(&self, i: usize) -> Option<&DynBuf> {
+        self.full[i].as_ref()
+    }
+
+    /// The warning of the last call (a gather off the recorded order), once.
+    pub(crate) fn take_warning(&mut self) -> Option<String> {
+        self.warning.take()
+    }
+
+    /// Gathers unit `i` (see [`Stage3Schedule::gather`]); its parameters
+    /// are readable when this returns.
+    pub(crate) fn gather<C: Communicator>(&mut self, i: usize, io: GatherIo<'_, C>) -> Result<()> {
+        self.decide_and_run(io, |s, out| s.gather(i, out))
+    }
+
+    /// Ends one use of unit `i` (see [`Stage3Schedule::release`]).
+    pub(crate) fn release<C: Communicator>(&mut self, i: usize, io: GatherIo<'_, C>) -> Result<()> {
+        self.decide_and_run(io, |s, out| s.release(i, out))
+    }
+
+    /// The end of a micro-batch: waits for the shard reads issued ahead,
+    /// then see [`Stage3Schedule::end_micro_batch`].
+    pub(crate) fn end_micro_batch<C: Communicator>(
+        &mut self,
+        mut io: GatherIo<'_, C>,
+    ) -> Result<()> {
+        if let Shards::Offloaded(po) = &mut io.shards {
+            po.drain_reads();
+        }
+        self.decide_and_run(io, Stage3Schedule::end_micro_batch)
+    }
+
+    /// Starts what the next micro-batch gathers first (see
+    /// [`Stage3Schedule::prefetch_next`]).
+    pub(crate) fn prefetch_next<C: Communicator>(&mut self, io: GatherIo<'_, C>) -> Result<()> {
+        self.decide_and_run(io, Stage3Schedule::prefetch_next)
+    }
+
+    /// One past the highest unit the next micro-batch gathers first (see
+    /// [`Stage3Schedule::head`]).
+    pub(crate) fn head(&self) -> Option<usize> {
+        self.schedule.head()
+    }
+
+    /// Gathers (or refreshes, after a step) the persistent units.
+    pub(crate) fn gather_persistent<C: Communicator>(&mut self, io: GatherIo<'_, C>) -> Result<()> {
+        self.decide_and_run(io, Stage3Schedule::gather_persistent)
+    }
+
+    /// Asks the schedule, then executes its actions.
+    fn decide_and_run<C: Communicator>(
+        &mut self,
+        io: GatherIo<'_, C>,
+        decide: impl FnOnce(&mut Stage3Schedule, &mut Actions),
+    ) -> Result<()> {
+        let mut actions = std::mem::take(&mut self.actions);
+        actions.clear();
+        decide(&mut self.schedule, &mut actions);
+        let r = self.run(&actions, io);
+        self.actions = actions;
+        r
+    }
+
+    fn run<C: Communicator>(&mut self, actions: &Actions, io: GatherIo<'_, C>) -> Result<()> {
+        let GatherIo {
+            comm,
+            tracker,
+            tracer,
+            pdt,
+            mut shards,
+            stats,
+        } = io;
+        stats.prefetches += actions.prefetches;
+        stats.prefetch_hits += actions.prefetch_hits;
+        stats.gather_order_changes += actions.order_changes;
+        if let Some(w) = &actions.warning {
+            self.warning = Some(w.clone());
+        }
+        // The staging buffers refused a read ahead: none of the later
+        // candidates is read.
+        let mut refused = false;
+        for &action in &actions.list {
+            match action {
+                Action::Launch(i) | Action::Refresh(i) => {
+                    self.launch(i, comm, tracker, pdt, &mut shards, stats)?;
+                }
+                Action::Wait(i) => {
+                    if let Some(w) = self.inflight[i].take() {
+                        self.full[i] = Some(wait_traced(tracer, comm.rank(), w)?);
+                    }
+                }
+                Action::Free(i) => {
+                    if let Some(b) = self.full[i].take() {
+                        self.pool.entry(b.len()).or_default().push(b);
+                    }
+                }
+                Action::ReadAhead(j) => {
+                    if let Shards::Offloaded(po) = &mut shards {
+                        refused = refused || !po.read_ahead(j);
+                    }
+                }
+            }
+        }
+        // Live elements grow only by launches, and the peak is never below
+        // them, so this is the peak over the call.
+        stats.peak_live_elems = stats.peak_live_elems.max(self.schedule.live());
+        Ok(())
+    }
+
+    /// Starts the all-gather of unit `i`: into its resident buffer if it
+    /// has one (a refresh), else into a pooled or new one.
+    fn launch<C: Communicator>(
+        &mut self,
+        i: usize,
+        comm: &C,
+        tracker: &MemoryTracker,
+        pdt: DType,
+        shards: &mut Shards<'_>,
+        stats: &mut EngineStats,
+    ) -> Result<()> {
+        let (padded, shard) = (self.padded[i], self.shard_len[i]);
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let mut buf = match self.full[i].take() {
+            Some(b) => b,
+            None => match self.pool.get_mut(&padded).and_then(Vec::pop) {
+                Some(b) => b,
+                None => {
+                    let b = DynBuf::alloc(comm, pdt, padded)?;
+                    self.allocs.push(tracker.allocate(
+                        Tier::Device,
+                        Category::GatheredParams,
+                        b.capacity_bytes(),
+                    ));
+                    b
+                }
+            },
+        };
+        match shards {
+            // Parameter offload: host → the rank's slot of the gathered
+            // (device-tier) buffer, or the swap read issued ahead.
+            Shards::Offloaded(po) => {
+                stats.param_reads_ahead += u64::from(po.has_read(i));
+                match po.load_into(i, &mut buf, rank * shard) {
+                    Fetch::Read => stats.param_swap_reads += 1,
+                    Fetch::Cached => stats.param_cache_hits += 1,
+                    Fetch::Host => {}
+                }
+            }
+            Shards::Home(home) => buf.store_from(rank * shard, home.shard(i), 0, shard, false),
+        }
+        stats.gather_bytes += ring_bytes(padded, world, pdt);
+        self.inflight[i] = Some(buf.all_gather(comm, &vec![shard; world]));
+        Ok(())
+    }
+}
