@@ -16,6 +16,7 @@
 pub mod engine;
 mod error;
 pub mod estimate;
+mod format;
 pub mod trace;
 
 pub use engine::{Engine, EngineBuilder, EngineStats, Init, StepOutcome, UnitId, UnitState};

@@ -120,11 +120,12 @@ use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
 use zero_core::{bf16, f16, DType, Device, Element, HostBuffer};
 use zero_offload::FaultPlan;
 
+pub use crate::format::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
+pub use crate::format::safetensors::ExportDtype;
 use crate::trace::Tracer;
 use crate::{Error, Result};
-pub use checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
 use dynbuf::DynBuf;
-pub use export::{export_checkpoint, ExportDtype};
+pub use export::export_checkpoint;
 pub use init::Init;
 use init::{fnv1a, mix};
 use offload::{Offload, UnitRanges};
