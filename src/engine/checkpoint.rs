@@ -56,9 +56,10 @@ use std::time::Instant;
 
 use serde_json::Value;
 use zero_comm::Communicator;
-use zero_core::partition::{PartitionPlan, UnitSpec};
+use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
 use zero_core::{bf16, f16, DType, Element};
 
+use super::offload::Offload;
 use super::param_offload::ParamOffload;
 use super::{
     agree_on_setup, exchange_words, first_failure, Engine, EngineBuilder, Init, StepOutcome, Unit,
@@ -147,7 +148,10 @@ impl<C: Communicator> Engine<C> {
         // Round 2: every rank writes its file; rank 0 learns the CRCs.
         let written = {
             let _span = self.tracer.span(rank, "checkpoint write", "checkpoint");
-            self.write_rank_file(&tmp.join(rank_file(rank)))
+            let path = tmp.join(rank_file(rank));
+            let bases = self.state_bases();
+            let state = (self.offload.as_ref(), &self.units[..]);
+            write_rank_file(&path, self.plan.units(), rank, &bases, state)
         };
         let (bytes, crcs) = match &written {
             Ok((b, c)) => (*b, c.clone()),
@@ -245,30 +249,14 @@ impl<C: Communicator> Engine<C> {
         Manifest::new(run, self.plan.units(), files, model)
     }
 
-    /// Start of unit `i`'s state range, in unit coordinates.
-    fn state_base(&self, i: usize) -> usize {
-        if self.stage == 0 {
-            0
-        } else {
-            self.rank * self.units[i].layout.shard_len
-        }
-    }
-
-    /// Writes and fsyncs this rank's file: its length and block CRCs.
-    fn write_rank_file(&self, path: &Path) -> Result<(u64, Vec<u32>)> {
-        let mut w = RankFileWriter::create(path, self.plan.units(), self.rank)?;
-        let bases: Vec<usize> = (0..self.units.len()).map(|i| self.state_base(i)).collect();
-        match &self.offload {
-            Some(off) => off.visit(|u, local, master, m, v| {
-                w.write_state(u, local.start + bases[u], master, m, v)
-            })?,
-            None => {
-                for (u, unit) in self.units.iter().enumerate() {
-                    w.write_state(u, bases[u], &unit.master, &unit.m, &unit.v)?;
-                }
-            }
-        }
-        w.finish()
+    /// Start of each unit's state range, in unit coordinates: 0 in stage
+    /// 0 (the whole unit), the rank's shard from stage 1 on.
+    fn state_bases(&self) -> Vec<usize> {
+        let rank = if self.stage == 0 { 0 } else { self.rank };
+        self.units
+            .iter()
+            .map(|u| rank * u.layout.shard_len)
+            .collect()
     }
 
     /// Builds the engine from `builder` (the trainer registered the same
@@ -338,86 +326,35 @@ impl<C: Communicator> Engine<C> {
         Ok((engine, manifest.client_state))
     }
 
+    /// Reads this rank's part of the checkpoint in `dir` (manifest `m`,
+    /// saved with the plan `saved`) into its state and parameters, and
+    /// resumes its step count and loss scaler.
     fn load_state(&mut self, dir: &Path, m: &Manifest, saved: &PartitionPlan) -> Result<()> {
         let mut reader = Reader::new(dir, m, saved);
-        let (stage, rank, pdt) = (self.stage, self.rank, self.pdt);
-        let bases: Vec<usize> = (0..self.units.len()).map(|i| self.state_base(i)).collect();
-        let mut scratch = vec![0f32; CAST_CHUNK];
+        let bases = self.state_bases();
+        let how = (self.stage, self.rank, self.pdt);
         let Engine {
             units,
             offload,
             poff,
             ..
         } = self;
-        // Drop-behind (see `Reader::drop_behind`) for what only this rank
-        // reads, once: from stage 1 on the ranks' state ranges are
-        // disjoint and each reads only its own (the parameters of a stage
-        // 1–2 rank are cast from its range and all-gathered afterwards);
-        // the master on its last read (the parameters below read it again
-        // when the optimizer state is offloaded). A stage-0 rank reads
-        // everything: other ranks read those bytes too, and find them in
-        // the page cache.
-        let own_state = stage >= 1;
-        // The offloaded optimizer state, tile by tile. Its pieces cover
-        // the rank's parameter range, so each is also cast into the
-        // parameters, unless those are offloaded too (their homes are then
-        // written unit by unit below, reading the master a second time).
-        let cast_in_fill = poff.is_none();
-        if let Some(off) = offload.as_mut() {
-            off.fill(|u, local, master, mm, v| {
-                let abs = local.start + bases[u]..local.end + bases[u];
-                reader.drop_behind(own_state && cast_in_fill);
-                reader.read_into(u, StateArray::Master, abs.clone(), master)?;
-                if cast_in_fill {
-                    let p = units[u]
-                        .params
-                        .as_mut()
-                        .expect("params are home outside collectives");
-                    // The parameters hold the whole unit in stages 0–2
-                    // and the rank's shard (from bases[u]) in stage 3.
-                    let pbase = if stage == 3 { bases[u] } else { 0 };
-                    p.store_slice(abs.start - pbase, master);
-                }
-                reader.drop_behind(own_state);
-                reader.read_into(u, StateArray::M, abs.clone(), mm)?;
-                reader.read_into(u, StateArray::V, abs, v)
-            })?;
-        }
-        // Without any offload, file by file and in each file unit by
-        // unit: every file is read front to back, and the one window
-        // (`Reader`) serves the block two consecutive reads share, so no
-        // block is read twice. With parameter offload, unit by unit (each
-        // unit's home is written once), every file in turn for each array.
-        // With optimizer offload only, the fill above did everything.
-        reader.drop_behind(own_state);
-        let passes: Vec<Option<usize>> = match poff {
-            None if cast_in_fill && offload.is_some() => Vec::new(),
-            None => (0..m.world_size).map(Some).collect(),
-            Some(_) => vec![None],
-        };
-        for pass in passes {
-            for (i, unit) in units.iter_mut().enumerate() {
-                let clip = match pass {
-                    Some(s) => saved.units()[i].real_range(s),
-                    None => 0..unit.layout.numel,
-                };
-                load_unit(
-                    &mut reader,
-                    (i, unit),
-                    clip,
-                    (stage, rank, pdt),
-                    (offload.is_some(), bases[i]),
-                    poff.as_mut(),
-                    &mut scratch,
-                )?;
-            }
-        }
-        // The parameter homes' swap writes are queued: done before any
-        // read of them (a gather right after the load read blocks whose
-        // write had not completed, and found them never written).
-        if let Some(po) = poff.as_mut() {
-            po.flush()?;
-        }
+        read_state(
+            &mut reader,
+            saved,
+            units,
+            offload.as_mut(),
+            poff.as_mut(),
+            how,
+            &bases,
+        )?;
+        self.resume_counters(m);
+        self.stats.checkpoint_read_bytes = reader.bytes_read();
+        Ok(())
+    }
+
+    /// The step counts and the loss scaler of the checkpoint `m`.
+    fn resume_counters(&mut self, m: &Manifest) {
         self.steps = m.steps;
         self.global_steps = m.global_steps;
         if self.scaler.is_some() {
@@ -433,9 +370,118 @@ impl<C: Communicator> Engine<C> {
             loss_scale: self.loss_scale(),
             steps: self.steps,
         };
-        self.stats.checkpoint_read_bytes = reader.bytes_read();
-        Ok(())
     }
+}
+
+/// Writes and fsyncs rank `rank`'s file at `path` (the plan's units
+/// `layouts`) from its state: the offloaded store, piece by piece, or
+/// else each unit's host buffers; `bases[u]` is unit `u`'s first element
+/// in the rank's state. Returns the file's length and block CRCs.
+fn write_rank_file(
+    path: &Path,
+    layouts: &[UnitLayout],
+    rank: usize,
+    bases: &[usize],
+    (offload, units): (Option<&Offload>, &[Unit]),
+) -> Result<(u64, Vec<u32>)> {
+    let mut w = RankFileWriter::create(path, layouts, rank)?;
+    match offload {
+        Some(off) => off.visit(|u, local, master, m, v| {
+            w.write_state(u, local.start + bases[u], master, m, v)
+        })?,
+        None => {
+            for (u, unit) in units.iter().enumerate() {
+                w.write_state(u, bases[u], &unit.master, &unit.m, &unit.v)?;
+            }
+        }
+    }
+    w.finish()
+}
+
+/// Reads the rank's state (`units`, or the offloaded store `offload`)
+/// and parameters (in `units`, or their offloaded homes `poff`) from
+/// `reader`; `saved` is the saving plan, `bases[u]` unit `u`'s first
+/// element in the rank's state.
+fn read_state(
+    reader: &mut Reader<'_>,
+    saved: &PartitionPlan,
+    units: &mut [Unit],
+    mut offload: Option<&mut Offload>,
+    mut poff: Option<&mut ParamOffload>,
+    (stage, rank, pdt): (u8, usize, DType),
+    bases: &[usize],
+) -> Result<()> {
+    let mut scratch = vec![0f32; CAST_CHUNK];
+    // Drop-behind (see `Reader::drop_behind`) for what only this rank
+    // reads, once: from stage 1 on the ranks' state ranges are
+    // disjoint and each reads only its own (the parameters of a stage
+    // 1–2 rank are cast from its range and all-gathered afterwards);
+    // the master on its last read (the parameters below read it again
+    // when the optimizer state is offloaded). A stage-0 rank reads
+    // everything: other ranks read those bytes too, and find them in
+    // the page cache.
+    let own_state = stage >= 1;
+    // The offloaded optimizer state, tile by tile. Its pieces cover
+    // the rank's parameter range, so each is also cast into the
+    // parameters, unless those are offloaded too (their homes are then
+    // written unit by unit below, reading the master a second time).
+    let cast_in_fill = poff.is_none();
+    if let Some(off) = offload.as_mut() {
+        off.fill(|u, local, master, mm, v| {
+            let abs = local.start + bases[u]..local.end + bases[u];
+            reader.drop_behind(own_state && cast_in_fill);
+            reader.read_into(u, StateArray::Master, abs.clone(), master)?;
+            if cast_in_fill {
+                let p = units[u]
+                    .params
+                    .as_mut()
+                    .expect("params are home outside collectives");
+                // The parameters hold the whole unit in stages 0–2
+                // and the rank's shard (from bases[u]) in stage 3.
+                let pbase = if stage == 3 { bases[u] } else { 0 };
+                p.store_slice(abs.start - pbase, master);
+            }
+            reader.drop_behind(own_state);
+            reader.read_into(u, StateArray::M, abs.clone(), mm)?;
+            reader.read_into(u, StateArray::V, abs, v)
+        })?;
+    }
+    // Without any offload, file by file and in each file unit by
+    // unit: every file is read front to back, and the one window
+    // (`Reader`) serves the block two consecutive reads share, so no
+    // block is read twice. With parameter offload, unit by unit (each
+    // unit's home is written once), every file in turn for each array.
+    // With optimizer offload only, the fill above did everything.
+    reader.drop_behind(own_state);
+    let passes: Vec<Option<usize>> = match poff {
+        None if cast_in_fill && offload.is_some() => Vec::new(),
+        None => (0..saved.world_size()).map(Some).collect(),
+        Some(_) => vec![None],
+    };
+    for pass in passes {
+        for (i, unit) in units.iter_mut().enumerate() {
+            let clip = match pass {
+                Some(s) => saved.units()[i].real_range(s),
+                None => 0..unit.layout.numel,
+            };
+            load_unit(
+                reader,
+                (i, unit),
+                clip,
+                (stage, rank, pdt),
+                (offload.is_some(), bases[i]),
+                poff.as_deref_mut(),
+                &mut scratch,
+            )?;
+        }
+    }
+    // The parameter homes' swap writes are queued: done before any
+    // read of them (a gather right after the load read blocks whose
+    // write had not completed, and found them never written).
+    if let Some(po) = poff {
+        po.flush()?;
+    }
+    Ok(())
 }
 
 /// Loads the part of unit `i` that lies in the element range `clip` of

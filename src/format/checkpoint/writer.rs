@@ -42,10 +42,10 @@ impl RankFileWriter {
     }
 
     /// Writes unit `u`'s state over elements `start..start + master.len()`
-    /// (unit coordinates; `master[k]`, `m[k]`, `v[k]` hold element `start
-    /// + k`), clipped to the part this rank's file holds: master, then m,
-    /// then v. Writing every unit's part whole, in order, streams the file
-    /// front to back.
+    /// (unit coordinates; `master[k]`, `m[k]` and `v[k]` hold element
+    /// `start + k`), clipped to the part this rank's file holds: master,
+    /// then m, then v. Writing every unit's part whole, in order, streams
+    /// the file front to back.
     pub(crate) fn write_state(
         &mut self,
         u: usize,
