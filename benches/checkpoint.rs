@@ -39,7 +39,7 @@
 //!   VM effect, not the disk (and a plain read right after an eviction
 //!   reuses the pages just freed, so it was fast or slow depending on
 //!   what ran before). The checkpoint streams the same way (see
-//!   `src/engine/checkpoint.rs`, "Page cache");
+//!   `src/format/checkpoint/mod.rs`, "Page cache");
 //!   A diagnostic, not part of the baseline: the drop-behind read once
 //!   more, into fresh memory (a buffer of the file's size no page of which
 //!   was touched), which is what a load into a new engine pays at least
@@ -101,7 +101,7 @@ use zero::{Engine, EngineBuilder, Init, Tracer, UnitId};
 const RANKS: usize = 2;
 const UNITS: usize = 20;
 const COLS: usize = 1024;
-/// The checkpoint's write buffer (`WRITE_BUF` in `src/engine/checkpoint.rs`).
+/// The checkpoint's write buffer (`WRITE_BUF` in `src/format/checkpoint/writer.rs`).
 const BUF: usize = 4 << 20;
 /// The checkpoint's write-behind distance (`WRITE_BEHIND` there).
 const WRITE_BEHIND: u64 = 2 * BUF as u64;

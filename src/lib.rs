@@ -16,6 +16,7 @@
 pub mod engine;
 mod error;
 pub mod estimate;
+mod format;
 pub(crate) mod schedule;
 pub mod trace;
 

@@ -123,12 +123,13 @@ use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
 use zero_core::{bf16, f16, DType, Device, Element, HostBuffer};
 use zero_offload::FaultPlan;
 
+pub use crate::format::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
+pub use crate::format::safetensors::ExportDtype;
 use crate::trace::Tracer;
 use crate::{Error, Result};
-pub use checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
 pub(crate) use dynbuf::ring_bytes;
 use dynbuf::DynBuf;
-pub use export::{export_checkpoint, ExportDtype};
+pub use export::export_checkpoint;
 use gatherer::{GatherIo, HomeShards, ParamGatherer, Shards};
 use health::Health;
 pub use init::Init;

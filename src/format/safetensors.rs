@@ -1,0 +1,448 @@
+//! The safetensors file: its header (tensor names, dtypes, shapes and
+//! offsets, computed from the unit layouts) and a writer that streams the
+//! values unit by unit.
+//!
+//! # File
+//!
+//! ```text
+//!  u64 LE n | header: n bytes of JSON, padded with spaces to n % 8 == 0 | data
+//!  {"__metadata__": {"format": "pt"},
+//!   "<tensor>": {"dtype": "F32"|"BF16"|"F16", "shape": [..], "data_offsets": [b, e]},
+//!   …}                                      (units in order, their tensors in order)
+//! ```
+//!
+//! Tensors are packed contiguously in a unit's flat buffer, so the data
+//! section is the concatenation of every unit's real elements, cast: the
+//! header is computed up front from the shapes and the values are streamed
+//! unit by unit ([`SafetensorsWriter::write`]). The file is written to
+//! `PATH.tmp`, fsynced and renamed over `PATH`; a failed write leaves no
+//! file behind.
+//!
+//! # Values and names
+//!
+//! The values are given as f32: `F32` is written exactly, `BF16`/`F16`
+//! rounded to nearest even (`half`). Tensor names are the registered
+//! tensor names when they are unique across the model (the Llama
+//! example's HF names); otherwise every tensor is named `<unit>.<tensor>`
+//! (the MLP's `layer0.weight`, …).
+
+use std::fmt::Write as _;
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use zero_core::partition::UnitLayout;
+use zero_core::{bf16, f16, DType};
+
+use super::{ck as err, sync_dir};
+use crate::Result;
+
+/// The write buffer of the safetensors file.
+const WRITE_BUF: usize = 4 << 20;
+
+/// The element type of an exported safetensors file.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum ExportDtype {
+    /// 32-bit float: the fp32 master, bit for bit.
+    #[default]
+    F32,
+    /// bfloat16, rounded to nearest even: the parameters of a bf16 run.
+    Bf16,
+    /// IEEE half, rounded to nearest even: the parameters of an fp16 run.
+    F16,
+}
+
+impl ExportDtype {
+    /// The export dtype holding parameters of dtype `dt`.
+    pub fn of(dt: DType) -> Self {
+        match dt {
+            DType::F32 => Self::F32,
+            DType::BF16 => Self::Bf16,
+            DType::F16 => Self::F16,
+        }
+    }
+
+    /// The dtype's name in a safetensors header (`F32`, `BF16`, `F16`).
+    pub fn safetensors_name(self) -> &'static str {
+        match self {
+            Self::F32 => "F32",
+            Self::Bf16 => "BF16",
+            Self::F16 => "F16",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 | Self::F16 => 2,
+        }
+    }
+
+    /// Appends `values` cast to this dtype, little endian, to `out`.
+    fn encode(self, values: &[f32], out: &mut Vec<u8>) {
+        out.reserve(values.len() * self.size());
+        match self {
+            Self::F32 => {
+                for x in values {
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+            Self::Bf16 => {
+                for &x in values {
+                    out.extend_from_slice(&bf16::from_f32(x).to_le_bytes());
+                }
+            }
+            Self::F16 => {
+                for &x in values {
+                    out.extend_from_slice(&f16::from_f32(x).to_le_bytes());
+                }
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for ExportDtype {
+    type Err = String;
+
+    /// `fp32`/`f32`, `bf16`, `fp16`/`f16` (any case).
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "fp32" | "f32" | "float32" => Ok(Self::F32),
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            "fp16" | "f16" | "float16" => Ok(Self::F16),
+            _ => Err(format!("unknown dtype `{s}` (expected fp32, bf16 or fp16)")),
+        }
+    }
+}
+
+/// The exported name of every tensor, units in order (see the module
+/// documentation): the registered names if unique, else `<unit>.<tensor>`.
+fn tensor_names(units: &[UnitLayout]) -> std::result::Result<Vec<String>, String> {
+    let plain: Vec<String> = units
+        .iter()
+        .flat_map(|u| u.tensors.iter().map(|t| t.name.clone()))
+        .collect();
+    let unique = |names: &[String]| -> std::result::Result<(), String> {
+        let mut seen = std::collections::HashSet::new();
+        for n in names {
+            if n == "__metadata__" {
+                return Err("a tensor is named `__metadata__`, reserved by safetensors".into());
+            }
+            if !seen.insert(n.as_str()) {
+                return Err(format!("two tensors would both be named `{n}`"));
+            }
+        }
+        Ok(())
+    };
+    if unique(&plain).is_ok() {
+        return Ok(plain);
+    }
+    let qualified: Vec<String> = units
+        .iter()
+        .flat_map(|u| u.tensors.iter().map(|t| format!("{}.{}", u.name, t.name)))
+        .collect();
+    unique(&qualified)?;
+    Ok(qualified)
+}
+
+/// The safetensors header (length prefix and padding included) and the
+/// length of the data section.
+fn header(units: &[UnitLayout], dtype: ExportDtype) -> std::result::Result<(Vec<u8>, u64), String> {
+    let names = tensor_names(units)?;
+    let mut json = String::from(r#"{"__metadata__":{"format":"pt"}"#);
+    let mut at = 0u64;
+    let tensors = units.iter().flat_map(|u| u.tensors.iter());
+    for (name, t) in names.iter().zip(tensors) {
+        let end = at + (t.numel * dtype.size()) as u64;
+        let key = serde_json::to_string(name).map_err(|e| e.to_string())?;
+        let shape: Vec<String> = t.shape.iter().map(usize::to_string).collect();
+        write!(
+            json,
+            r#",{key}:{{"dtype":"{}","shape":[{}],"data_offsets":[{at},{end}]}}"#,
+            dtype.safetensors_name(),
+            shape.join(",")
+        )
+        .expect("writing to a String");
+        at = end;
+    }
+    json.push('}');
+    while json.len() % 8 != 0 {
+        json.push(' ');
+    }
+    let mut out = Vec::with_capacity(8 + json.len());
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(json.as_bytes());
+    Ok((out, at))
+}
+
+/// Streams one safetensors file: the header first, then every unit's
+/// values in order ([`SafetensorsWriter::write`]); [`finish`] checks that
+/// every value came, fsyncs and renames `PATH.tmp` over `PATH`. Dropped
+/// unfinished, it removes `PATH.tmp`.
+///
+/// [`finish`]: SafetensorsWriter::finish
+pub(crate) struct SafetensorsWriter {
+    out: Option<BufWriter<File>>,
+    path: PathBuf,
+    tmp: PathBuf,
+    dtype: ExportDtype,
+    hasher: crc32fast::Hasher,
+    bytes: Vec<u8>,
+    written: u64,
+    total: u64,
+}
+
+impl SafetensorsWriter {
+    /// Creates `PATH.tmp` for the units `units` (in order) as `dtype`, and
+    /// writes the header.
+    pub(crate) fn create(path: &Path, units: &[UnitLayout], dtype: ExportDtype) -> Result<Self> {
+        let (head, data) = header(units, dtype).map_err(|e| err(path, e))?;
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(".tmp");
+        let tmp = PathBuf::from(tmp);
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)
+            .map_err(|e| err(path, format!("cannot create {}: {e}", tmp.display())))?;
+        let mut w = Self {
+            out: Some(BufWriter::with_capacity(WRITE_BUF, file)),
+            path: path.to_path_buf(),
+            tmp,
+            dtype,
+            hasher: crc32fast::Hasher::new(),
+            bytes: Vec::new(),
+            written: 0,
+            total: head.len() as u64 + data,
+        };
+        w.put(&head)?;
+        Ok(w)
+    }
+
+    fn put(&mut self, bytes: &[u8]) -> Result<()> {
+        let out = self.out.as_mut().expect("open until finish");
+        out.write_all(bytes)
+            .map_err(|e| err(&self.path, format!("write of {}: {e}", self.tmp.display())))?;
+        self.hasher.update(bytes);
+        self.written += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Appends the next `values` (in unit and tensor order), cast.
+    pub(crate) fn write(&mut self, values: &[f32]) -> Result<()> {
+        let mut bytes = std::mem::take(&mut self.bytes);
+        bytes.clear();
+        self.dtype.encode(values, &mut bytes);
+        if self.written + bytes.len() as u64 > self.total {
+            return Err(err(
+                &self.path,
+                format!(
+                    "more values than the header declares ({} bytes)",
+                    self.total
+                ),
+            ));
+        }
+        let r = self.put(&bytes);
+        self.bytes = bytes;
+        r
+    }
+
+    /// Flushes, fsyncs and renames the file into place: its length and
+    /// CRC32.
+    pub(crate) fn finish(mut self) -> Result<(u64, u32)> {
+        if self.written != self.total {
+            return Err(err(
+                &self.path,
+                format!("{} of the {} bytes were written", self.written, self.total),
+            ));
+        }
+        let out = self.out.take().expect("open until finish");
+        let tmp = self.tmp.clone();
+        let file = out.into_inner().map_err(|e| {
+            err(
+                &self.path,
+                format!("write of {}: {}", tmp.display(), e.error()),
+            )
+        })?;
+        file.sync_all()
+            .map_err(|e| err(&self.path, format!("fsync of {}: {e}", tmp.display())))?;
+        drop(file);
+        fs::rename(&tmp, &self.path).map_err(|e| {
+            err(
+                &self.path,
+                format!("rename of {} into place: {e}", tmp.display()),
+            )
+        })?;
+        if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            sync_dir(dir)?;
+        }
+        let crc = std::mem::replace(&mut self.hasher, crc32fast::Hasher::new()).finalize();
+        Ok((self.written, crc))
+    }
+}
+
+impl Drop for SafetensorsWriter {
+    fn drop(&mut self) {
+        if self.out.take().is_some() {
+            let _ = fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zero_core::partition::{PartitionPlan, TensorSpec, UnitSpec};
+
+    /// A unit's name and its tensors' names and shapes.
+    type Unit<'a> = (&'a str, &'a [(&'a str, &'a [usize])]);
+
+    fn plan(units: &[Unit<'_>]) -> PartitionPlan {
+        let specs: Vec<UnitSpec> = units
+            .iter()
+            .map(|(u, ts)| {
+                UnitSpec::new(*u, ts.iter().map(|(n, s)| TensorSpec::new(*n, s)).collect())
+            })
+            .collect();
+        PartitionPlan::new(&specs, 2).expect("plan")
+    }
+
+    #[test]
+    fn names_are_kept_when_unique_else_qualified() {
+        let hf = plan(&[
+            (
+                "model.embed_tokens",
+                &[("model.embed_tokens.weight", &[4, 2])],
+            ),
+            (
+                "lm_head",
+                &[("model.norm.weight", &[2]), ("lm_head.weight", &[4, 2])],
+            ),
+        ]);
+        assert_eq!(
+            tensor_names(hf.units()).unwrap(),
+            [
+                "model.embed_tokens.weight",
+                "model.norm.weight",
+                "lm_head.weight"
+            ]
+        );
+        let mlp = plan(&[
+            ("layer0", &[("weight", &[3, 2]), ("bias", &[3])]),
+            ("layer1", &[("weight", &[1, 3]), ("bias", &[1])]),
+        ]);
+        assert_eq!(
+            tensor_names(mlp.units()).unwrap(),
+            [
+                "layer0.weight",
+                "layer0.bias",
+                "layer1.weight",
+                "layer1.bias"
+            ]
+        );
+        // `a` + `b.c` and `a.b` + `c` collide even when qualified.
+        let clash = plan(&[
+            ("a", &[("b.c", &[1]), ("x", &[1])]),
+            ("a.b", &[("c", &[1]), ("x", &[1])]),
+        ]);
+        let e = tensor_names(clash.units()).unwrap_err();
+        assert!(e.contains("`a.b.c`"), "{e}");
+    }
+
+    /// The header parses with the `safetensors` crate, is padded to 8
+    /// bytes, and its offsets tile the data section in unit order.
+    #[test]
+    fn header_parses_and_tiles_the_data() {
+        let p = plan(&[
+            ("u0", &[("w", &[3, 5]), ("s", &[])]),
+            ("u1", &[("empty", &[0, 4]), ("b", &[7])]),
+        ]);
+        for dtype in [ExportDtype::F32, ExportDtype::Bf16, ExportDtype::F16] {
+            let (head, data) = header(p.units(), dtype).unwrap();
+            let n = u64::from_le_bytes(head[..8].try_into().unwrap());
+            assert_eq!(n as usize, head.len() - 8);
+            assert_eq!(n % 8, 0);
+            let numel = 15 + 1 + 7;
+            assert_eq!(data, (numel * dtype.size()) as u64);
+            let mut file = head.clone();
+            file.resize(head.len() + data as usize, 0);
+            let st = safetensors::SafeTensors::deserialize(&file).expect("valid file");
+            assert_eq!(st.names().len(), 4);
+            let s = st.tensor("s").unwrap();
+            assert_eq!(s.shape(), &[] as &[usize]);
+            assert_eq!(s.dtype().to_string(), dtype.safetensors_name());
+            let (_, meta) = safetensors::SafeTensors::read_metadata(&file).unwrap();
+            let order: Vec<usize> = ["w", "s", "empty", "b"]
+                .iter()
+                .map(|n| meta.info(n).unwrap().data_offsets.0)
+                .collect();
+            assert!(order.windows(2).all(|w| w[0] <= w[1]), "{order:?}");
+        }
+    }
+
+    #[test]
+    fn encode_rounds_to_nearest_even() {
+        let x = [
+            1.0f32,
+            -2.5,
+            f32::from_bits(0x3f80_8000),
+            f32::from_bits(0x3f81_8000),
+        ];
+        let mut out = Vec::new();
+        ExportDtype::Bf16.encode(&x, &mut out);
+        let got: Vec<u16> = out
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        // Ties go to the even mantissa: 0x3f80_8000 → 0x3f80, 0x3f81_8000 → 0x3f82.
+        assert_eq!(got, [0x3f80, 0xc020, 0x3f80, 0x3f82]);
+        assert_eq!("BF16".parse::<ExportDtype>(), Ok(ExportDtype::Bf16));
+        assert_eq!("fp32".parse::<ExportDtype>(), Ok(ExportDtype::F32));
+        assert!("int8".parse::<ExportDtype>().is_err());
+    }
+
+    /// The writer's file parses back with the `safetensors` crate, its
+    /// values cast; its length and CRC32 are the file's; a write of more
+    /// values than the header declares, or a finish before all came, fails
+    /// naming the file and leaves nothing behind.
+    #[test]
+    fn writer_streams_the_values_and_cleans_up() {
+        let d = crate::format::TestDir::new("safetensors-writer");
+        let p = plan(&[("u0", &[("w", &[2, 3])]), ("u1", &[("b", &[2])])]);
+        let values: Vec<f32> = (0..8).map(|i| i as f32 * 0.5 - 1.0).collect();
+        let path = d.0.join("model.safetensors");
+        let mut w = SafetensorsWriter::create(&path, p.units(), ExportDtype::F32).unwrap();
+        w.write(&values[..6]).unwrap();
+        w.write(&values[6..]).unwrap();
+        let (len, crc) = w.finish().unwrap();
+        let file = fs::read(&path).unwrap();
+        assert_eq!((len, crc), (file.len() as u64, crc32fast::hash(&file)));
+        assert!(!d.0.join("model.safetensors.tmp").exists());
+        let st = safetensors::SafeTensors::deserialize(&file).unwrap();
+        let b = st.tensor("b").unwrap();
+        let got: Vec<f32> = b
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, values[6..]);
+
+        let out = d.0.join("short.safetensors");
+        let mut w = SafetensorsWriter::create(&out, p.units(), ExportDtype::Bf16).unwrap();
+        let e = w.write(&[0.0; 9]).unwrap_err().to_string();
+        assert!(
+            e.contains("short.safetensors: more values than the header declares"),
+            "{e}"
+        );
+        w.write(&values[..5]).unwrap();
+        let e = w.finish().unwrap_err().to_string();
+        assert!(
+            e.contains("of the") && e.contains("bytes were written"),
+            "{e}"
+        );
+        assert!(!out.exists());
+        assert!(!d.0.join("short.safetensors.tmp").exists());
+    }
+}
