@@ -198,13 +198,13 @@ fn builder(a: &Args, comm: ThreadComm, init: &Init) -> (EngineBuilder<ThreadComm
 fn train_step(e: &mut Engine<ThreadComm>, units: &[UnitId]) {
     for (k, &u) in units.iter().enumerate().rev() {
         let numel = e.layout(u).expect("layout").numel;
-        e.gather(u).expect("gather");
+        let p = e.gather(u).expect("gather");
         let mut g = e.grad_buffer::<bf16>(u).expect("grad buffer");
         for (i, x) in g[..numel].iter_mut().enumerate() {
             let t = ((i + 31 * k) % 997) as f32 / 498.0 - 1.0;
             *x = bf16::from_f32(1e-3 * t);
         }
-        e.release(u).expect("release");
+        drop(p);
         e.grad_ready(u, g).expect("grad_ready");
     }
     e.step().expect("step");

@@ -494,16 +494,15 @@ fn train_step<T: Element, C: Communicator>(
     numels: &[usize],
 ) -> zero::Result<()> {
     for &u in units {
-        e.gather(u)?;
-        black_box(e.params::<T>(u)?.first());
-        e.release(u)?;
+        let p = e.gather(u)?;
+        black_box(p.params::<T>()?.first());
     }
     for (k, &u) in units.iter().enumerate().rev() {
-        e.gather(u)?;
-        black_box(e.params::<T>(u)?.first());
+        let p = e.gather(u)?;
+        black_box(p.params::<T>()?.first());
         let mut g = e.grad_buffer::<T>(u)?;
         g[..numels[k]].fill(T::from_f32(1e-3 * (k + 1) as f32));
-        e.release(u)?;
+        drop(p);
         e.grad_ready(u, g)?;
     }
     e.step()?;

@@ -510,10 +510,10 @@ fn run_engine(
             e.reset_stats();
             let t0 = Instant::now();
             for (k, &u) in units.iter().enumerate().rev() {
-                e.gather(u).expect("gather");
+                let p = e.gather(u).expect("gather");
                 let mut g = e.grad_buffer::<bf16>(u).expect("grad buffer");
                 g[..numels[k]].fill(bf16::from_f32(1e-3 * (k + 1) as f32));
-                e.release(u).expect("release");
+                drop(p);
                 e.grad_ready(u, g).expect("grad_ready");
             }
             e.step()

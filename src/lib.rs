@@ -20,7 +20,9 @@ mod format;
 pub(crate) mod schedule;
 pub mod trace;
 
-pub use engine::{Engine, EngineBuilder, EngineStats, Init, StepOutcome, UnitId, UnitState};
+pub use engine::{
+    Engine, EngineBuilder, EngineStats, GradBuffer, Init, StepOutcome, UnitGuard, UnitId, UnitState,
+};
 pub use error::{Error, Result};
 pub use trace::Tracer;
 pub use zero_comm as comm;

@@ -284,6 +284,35 @@ impl Stage3Schedule {
         }
     }
 
+    /// An evaluation gather (forward only, `Engine::eval`): not recorded
+    /// into the order, no position along it, no prefetch; the unit is
+    /// launched unless it is gathered or in flight (a hit on what the step
+    /// prefetched for training is fine: the values are the same).
+    pub(crate) fn gather_eval(&mut self, i: usize, out: &mut Actions) {
+        if self.units[i].state == Residency::Sharded {
+            self.make_room(self.units[i].padded, out);
+            self.launch(i, out);
+        }
+        self.wait(i, out);
+        self.units[i].in_use += 1;
+    }
+
+    /// An evaluation release: after its last use a unit that is not
+    /// persistent is freed (evaluation has no order to reuse it along).
+    pub(crate) fn release_eval(&mut self, i: usize, out: &mut Actions) {
+        let u = &mut self.units[i];
+        if u.in_use == 0 {
+            return;
+        }
+        u.in_use -= 1;
+        if u.in_use > 0 || u.persistent {
+            return;
+        }
+        self.tick += 1;
+        u.released_at = self.tick;
+        self.free(i, out);
+    }
+
     /// End of a micro-batch: fix the trace after the first one, finish
     /// prefetches nobody used, free what is not persistent.
     pub(crate) fn end_micro_batch(&mut self, out: &mut Actions) {
@@ -519,6 +548,40 @@ mod tests {
             "the first recording is no order change"
         );
         assert_eq!(s.trace.as_deref(), Some(&[1][..]));
+    }
+
+    #[test]
+    fn evaluation_gathers_are_not_recorded_and_free_on_release() {
+        let k = Stage3Knobs {
+            prefetch_bucket_size: N,
+            max_reuse_distance: usize::MAX,
+            param_persistence_threshold: 10,
+            ..knobs()
+        };
+        // u0 is persistent (fewer elements than the threshold).
+        let mut s = recorded(k, &[8, N, N, N], &[0, 1, 2, 3]);
+        s.gather_persistent(&mut Actions::default());
+        let trace = s.trace.clone();
+        // Evaluation in another order: no prefetch, no warning, no order
+        // change, no position along the trace.
+        let g = call(&mut s, |s, o| s.gather_eval(3, o));
+        assert_eq!(g.list, vec![Launch(3), Wait(3)]);
+        assert_eq!(g.warning, None);
+        // Released: freed even though the trace (on track) would reuse it.
+        assert_eq!(
+            call(&mut s, |s, o| s.release_eval(3, o)).list,
+            vec![Free(3)]
+        );
+        // A persistent unit stays.
+        assert_eq!(call(&mut s, |s, o| s.gather_eval(0, o)).list, vec![]);
+        assert_eq!(call(&mut s, |s, o| s.release_eval(0, o)).list, vec![]);
+        assert_eq!(s.live(), 8);
+        assert_eq!(s.trace, trace);
+        assert!(s.recording.is_empty() && s.pos == 0 && s.on_track);
+        // Training then follows the recorded order with its prefetch.
+        let g = call(&mut s, |s, o| s.gather(0, o));
+        assert_eq!(g.list, vec![Launch(1)]);
+        assert_eq!(g.warning, None);
     }
 
     #[test]

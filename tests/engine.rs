@@ -372,9 +372,9 @@ fn unknown_unit_is_an_error() {
 #[test]
 fn step_with_a_gathered_unit_or_an_outstanding_gradient_is_an_error() {
     let msgs = misuse(2, |e, m| {
-        e.gather(m.units[1]).unwrap();
+        let p = e.gather(m.units[1]).unwrap();
         let err = e.step().unwrap_err();
-        e.release(m.units[1]).unwrap();
+        drop(p);
         assert!(
             err.to_string().contains("unit `layer1` is still gathered"),
             "{err}"
@@ -391,24 +391,112 @@ fn step_with_a_gathered_unit_or_an_outstanding_gradient_is_an_error() {
 }
 
 #[test]
-fn params_of_an_ungathered_unit_and_wrong_dtype_are_errors() {
+fn params_in_the_wrong_dtype_or_tensor_are_errors() {
     let msgs = misuse(2, |e, m| {
-        let err = e.params::<f32>(m.units[0]).unwrap_err();
-        assert!(err.to_string().contains("not gathered"), "{err}");
-        e.gather(m.units[0]).unwrap();
-        let err = e.params::<bf16>(m.units[0]).unwrap_err();
-        e.release(m.units[0]).unwrap();
-        let r = e.release(m.units[0]).unwrap_err();
+        let p = e.gather(m.units[0]).unwrap();
+        let err = p.param::<f32>("gamma").unwrap_err();
         assert!(
-            r.to_string()
-                .contains("release(`layer0`): the unit is not gathered"),
-            "{r}"
+            err.to_string()
+                .contains("param(`layer0`, `gamma`): no such tensor"),
+            "{err}"
         );
-        err
+        p.params::<bf16>().unwrap_err()
     });
     for m in msgs {
         assert!(m.contains("dtype mismatch"), "{m}");
     }
+}
+
+/// A guard releases its unit when it drops, wherever that happens: the
+/// trainer may hold several units at once, keep one while it writes the
+/// unit's gradient, and the guards outliving the engine is harmless.
+#[test]
+fn unit_guards_release_on_drop() {
+    for stage in 0..=3u8 {
+        let out = ThreadGroup::run(2, |comm| {
+            let mut b = Engine::builder(config(2, stage, 1, Precision::Fp32), comm).seed(5);
+            let model = Mlp::register(&mut b, DIMS).unwrap();
+            let mut e = b.build().unwrap();
+            let (a, c) = (model.units[0], model.units[2]);
+            let pa = e.gather(a).unwrap();
+            let pc = e.gather(c).unwrap();
+            let again = e.gather(a).unwrap();
+            assert_eq!(pa.params::<f32>().unwrap(), again.params::<f32>().unwrap());
+            drop((pa, again));
+            // Parameters readable while the gradient is written.
+            let mut g = e.grad_buffer::<f32>(c).unwrap();
+            let w = pc.param::<f32>("weight").unwrap();
+            g[..w.len()].copy_from_slice(w);
+            let err = e.step().unwrap_err().to_string();
+            assert!(err.contains("gradient buffer of unit `layer2`"), "{err}");
+            e.grad_ready(c, g).unwrap();
+            let err = e.step().unwrap_err().to_string();
+            assert!(err.contains("unit `layer2` is still gathered"), "{err}");
+            let kept = e.gather(model.units[1]).unwrap();
+            drop(pc);
+            drop(e);
+            // The engine is gone; the guard's parameters are still valid.
+            kept.params::<f32>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .sum::<u32>()
+        })
+        .unwrap();
+        assert_eq!(out[0], out[1], "stage {stage}");
+    }
+}
+
+/// Evaluation mode: forward passes in any order neither warn nor change
+/// the stage-3 gather order or the training results; training calls are
+/// refused until train().
+#[test]
+fn evaluation_mode_leaves_training_alone() {
+    let world = 2;
+    let cfg = config(world, 3, 1, Precision::Fp32);
+    let base = train(world, &cfg, 4, MB);
+    let out = ThreadGroup::run(world, |comm| {
+        let rank = comm.rank();
+        let mut b = Engine::builder(cfg.clone(), comm).seed(5);
+        let model = Mlp::register(&mut b, DIMS).unwrap();
+        let mut e = b.build().unwrap();
+        for s in 0..4 {
+            let first = ((s * world + rank) * MB) as u64;
+            let (x, y) = batch(first, MB, DIMS[0]);
+            model.train_micro_batch::<f32, _>(&mut e, &x, &y).unwrap();
+            e.step().unwrap();
+            e.eval().unwrap();
+            assert!(!e.is_training());
+            // Evaluate back to front: another order than training's.
+            for &u in model.units.iter().rev() {
+                drop(e.gather(u).unwrap());
+            }
+            model.predict::<f32, _>(&mut e, &x).unwrap();
+            let err = e
+                .grad_buffer::<f32>(model.units[0])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("evaluation mode"), "{err}");
+            assert!(e
+                .step()
+                .unwrap_err()
+                .to_string()
+                .contains("evaluation mode"));
+            let p = e.gather(model.units[0]).unwrap();
+            let err = e.train().unwrap_err().to_string();
+            assert!(err.contains("unit `layer0` is gathered"), "{err}");
+            drop(p);
+            e.train().unwrap();
+        }
+        assert!(e.warnings().is_empty(), "{:?}", e.warnings());
+        assert_eq!(e.stats().gather_order_changes, 0);
+        e.unit_ids()
+            .into_iter()
+            .map(|u| e.unit_state(u).unwrap())
+            .collect::<Vec<_>>()
+    })
+    .unwrap();
+    assert_bits_eq(&base.states, &out[0], "with evaluations between steps");
 }
 
 #[test]

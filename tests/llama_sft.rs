@@ -304,8 +304,7 @@ fn train_rank<T: Element, C: Communicator>(
             model.snapshot(&mut e)?;
         }
         if opts.gather_every_step {
-            e.gather(model.head)?;
-            e.release(model.head)?;
+            drop(e.gather(model.head)?);
         }
     }
     let snapshot = model.snapshot(&mut e)?;

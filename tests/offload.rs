@@ -244,15 +244,14 @@ struct Damaged {
 fn read_params(e: &mut Engine<ThreadComm>) -> Vec<Vec<u16>> {
     let mut out = Vec::new();
     for u in e.unit_ids() {
-        e.gather(u).unwrap();
+        let p = e.gather(u).unwrap();
         out.push(
-            e.params::<bf16>(u)
+            p.params::<bf16>()
                 .unwrap()
                 .iter()
                 .map(|x| x.to_bits())
                 .collect(),
         );
-        e.release(u).unwrap();
     }
     out
 }
@@ -1053,7 +1052,7 @@ fn param_damaged_run(opt: OffloadDevice, damage: ParamDamage, dir: &Path) -> Vec
         }
         let u = e.unit_ids()[0];
         let gather_error = match e.gather(u) {
-            Ok(()) => String::new(),
+            Ok(_) => String::new(),
             Err(err) => err.to_string(),
         };
         let step_error = match e.step() {

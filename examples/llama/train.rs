@@ -23,7 +23,7 @@ use zero::core::memory::{Category, Tier};
 use zero::core::partition::{TensorSpec, UnitSpec};
 use zero::core::Element;
 use zero::trace::Tracer;
-use zero::{Engine, EngineBuilder, Init, Result, UnitId};
+use zero::{Engine, EngineBuilder, Init, Result, UnitGuard, UnitId};
 
 use super::ops;
 use super::{block_tensors, tensors, Block, BlockCache, BlockParams, Config, Kind, TensorInfo};
@@ -166,12 +166,15 @@ impl SftModel {
         })
     }
 
-    /// Gathers `u`, converts its parameters to f32, releases it.
-    fn fetch<T: Element, C: Communicator>(e: &mut Engine<C>, u: UnitId) -> Result<Vec<f32>> {
-        e.gather(u)?;
-        let p = f32s(e.params::<T>(u)?);
-        e.release(u)?;
-        Ok(p)
+    /// Gathers `u` and converts its parameters to f32 for the CPU ops; the
+    /// unit stays gathered until the guard drops.
+    fn fetch<T: Element, C: Communicator>(
+        e: &mut Engine<C>,
+        u: UnitId,
+    ) -> Result<(UnitGuard, Vec<f32>)> {
+        let p = e.gather(u)?;
+        let flat = f32s(p.params::<T>()?);
+        Ok((p, flat))
     }
 
     /// Slices a block unit's flat parameters into its 9 tensors.
@@ -217,12 +220,12 @@ impl SftModel {
 
         // Forward.
         let fwd = tracer.span(rank, "forward", "compute");
-        let table = Self::fetch::<T, C>(e, self.embed)?;
+        let (p, table) = Self::fetch::<T, C>(e, self.embed)?;
         let mut x = ops::embedding_forward(&table, tokens, c.dim);
-        drop(table);
+        drop((p, table));
         let mut saved: Vec<Saved> = Vec::with_capacity(c.n_layers);
         for &u in &self.layers {
-            let flat = Self::fetch::<T, C>(e, u)?;
+            let (_unit, flat) = Self::fetch::<T, C>(e, u)?;
             let cache = self
                 .block
                 .forward(&self.block_params(&flat), &x, batch, seq);
@@ -242,8 +245,7 @@ impl SftModel {
         // then its backward right away (its parameters are at hand).
         let bwd = tracer.span(rank, "backward", "compute");
         let picked: Vec<usize> = (0..rows).filter(|&r| targets[r] >= 0).collect();
-        e.gather(self.head)?;
-        let hp = f32s(e.params::<T>(self.head)?);
+        let (head, hp) = Self::fetch::<T, C>(e, self.head)?;
         let (norm_w, head_w) = hp.split_at(c.dim);
         let mut hx = Vec::with_capacity(picked.len() * c.dim);
         for &r in &picked {
@@ -273,7 +275,7 @@ impl SftModel {
         let mut dnorm = vec![0.0; c.dim];
         let mut dhx = vec![0.0; hx.len()];
         ops::rmsnorm_backward(&dxn, &hx, norm_w, &inv, &mut dhx, &mut dnorm);
-        e.release(self.head)?;
+        drop(head);
         for (o, v) in g.iter_mut().zip(dnorm.iter().chain(&dhead)) {
             *o = T::from_f32(*v);
         }
@@ -285,7 +287,7 @@ impl SftModel {
 
         // Blocks, last to first.
         for (l, &u) in self.layers.iter().enumerate().rev() {
-            let flat = Self::fetch::<T, C>(e, u)?;
+            let (unit, flat) = Self::fetch::<T, C>(e, u)?;
             let p = self.block_params(&flat);
             let s = saved.pop().expect("one saved state per block");
             let cache = match s {
@@ -309,6 +311,7 @@ impl SftModel {
                 }
                 at += t.len();
             }
+            drop(unit);
             e.grad_ready(u, g)?;
             debug_assert_eq!(l, saved.len());
         }

@@ -11,7 +11,7 @@
 use zero::comm::Communicator;
 use zero::core::partition::{TensorSpec, UnitSpec};
 use zero::core::Element;
-use zero::{Engine, EngineBuilder, Init, Result, UnitId};
+use zero::{Engine, EngineBuilder, Init, Result, UnitGuard, UnitId};
 
 /// Layer sizes and the registered units.
 pub struct Mlp {
@@ -60,8 +60,8 @@ impl Mlp {
         z
     }
 
-    fn read<T: Element, C: Communicator>(e: &Engine<C>, u: UnitId, name: &str) -> Result<Vec<f32>> {
-        Ok(e.param::<T>(u, name)?.iter().map(|x| x.to_f32()).collect())
+    fn read<T: Element>(p: &UnitGuard, name: &str) -> Result<Vec<f32>> {
+        Ok(p.param::<T>(name)?.iter().map(|x| x.to_f32()).collect())
     }
 
     /// Predictions for `x` (`n × dims[0]`).
@@ -73,10 +73,10 @@ impl Mlp {
         let n = x.len() / self.dims[0];
         let mut a = x.to_vec();
         for (l, &u) in self.units.iter().enumerate() {
-            e.gather(u)?;
-            let w = Self::read::<T, C>(e, u, "weight")?;
-            let b = Self::read::<T, C>(e, u, "bias")?;
-            e.release(u)?;
+            let p = e.gather(u)?;
+            let w = Self::read::<T>(&p, "weight")?;
+            let b = Self::read::<T>(&p, "bias")?;
+            drop(p);
             a = self.layer(l, &w, &b, &a, n);
         }
         Ok(a)
@@ -95,10 +95,10 @@ impl Mlp {
         let out = *self.dims.last().expect("dims");
         let mut acts = vec![x.to_vec()];
         for (l, &u) in self.units.iter().enumerate() {
-            e.gather(u)?;
-            let w = Self::read::<T, C>(e, u, "weight")?;
-            let b = Self::read::<T, C>(e, u, "bias")?;
-            e.release(u)?;
+            let p = e.gather(u)?;
+            let w = Self::read::<T>(&p, "weight")?;
+            let b = Self::read::<T>(&p, "bias")?;
+            drop(p);
             let next = self.layer(l, &w, &b, acts.last().expect("input"), n);
             acts.push(next);
         }
@@ -119,11 +119,11 @@ impl Mlp {
         for l in (0..self.units.len()).rev() {
             let u = self.units[l];
             let (i, o) = (self.dims[l], self.dims[l + 1]);
-            e.gather(u)?;
-            let w = Self::read::<T, C>(e, u, "weight")?;
-            let layout = e.layout(u)?.clone();
+            let p = e.gather(u)?;
+            let w = Self::read::<T>(&p, "weight")?;
+            let layout = p.layout().clone();
             let mut g = e.grad_buffer::<T>(u)?;
-            e.release(u)?;
+            drop(p);
             let a = &acts[l];
             let wo = layout.tensor("weight").expect("weight").offset;
             let bo = layout.tensor("bias").expect("bias").offset;

@@ -423,10 +423,7 @@ fn read_state(
             reader.drop_behind(own_state && cast_in_fill);
             reader.read_into(u, StateArray::Master, abs.clone(), master)?;
             if cast_in_fill {
-                let p = units[u]
-                    .params
-                    .as_mut()
-                    .expect("params are home outside collectives");
+                let p = units[u].params_mut();
                 // The parameters hold the whole unit in stages 0–2
                 // and the rank's shard (from bases[u]) in stage 3.
                 let pbase = if stage == 3 { bases[u] } else { 0 };
@@ -529,9 +526,8 @@ fn load_unit(
             DType::F16 => job.run_home::<f16>(po, pbase)?,
         },
         None => {
-            let p = params
-                .as_mut()
-                .expect("params are home outside collectives");
+            let p = std::sync::Arc::get_mut(params.as_mut().expect("params are home"))
+                .expect("no UnitGuard holds the parameters of an engine being loaded");
             job.run(|at, x| p.store_slice(at - pbase, x))?;
         }
     }

@@ -19,6 +19,7 @@
 //! ```
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use zero_comm::{Communicator, Work};
 use zero_core::config::ResolvedConfig;
@@ -27,6 +28,7 @@ use zero_core::partition::PartitionPlan;
 use zero_core::DType;
 
 use super::dynbuf::DynBuf;
+use super::lease::exclusive;
 use super::param_offload::{Fetch, ParamOffload};
 use super::{ring_bytes, wait_traced, EngineStats};
 use crate::schedule::{Action, Actions, Stage3Knobs, Stage3Schedule};
@@ -71,8 +73,8 @@ pub(crate) struct ParamGatherer {
     /// Per unit: the gathered buffer's length and the shard's.
     padded: Vec<usize>,
     shard_len: Vec<usize>,
-    /// Gathered units (full, padded).
-    full: Vec<Option<DynBuf>>,
+    /// Gathered units (full, padded), shared with the trainer's guards.
+    full: Vec<Option<Arc<DynBuf>>>,
     inflight: Vec<Option<Work<DynBuf>>>,
     /// Freed gathered buffers, per length.
     pool: HashMap<usize, Vec<DynBuf>>,
@@ -109,7 +111,7 @@ impl ParamGatherer {
 
     /// Unit `i`'s gathered parameters (padded), if they are gathered and
     /// not in flight.
-    pub(crate) fn params(&self, i: usize) -> Option<&DynBuf> {
+    pub(crate) fn params(&self, i: usize) -> Option<&Arc<DynBuf>> {
         self.full[i].as_ref()
     }
 
@@ -127,6 +129,26 @@ impl ParamGatherer {
     /// Ends one use of unit `i` (see [`Stage3Schedule::release`]).
     pub(crate) fn release<C: Communicator>(&mut self, i: usize, io: GatherIo<'_, C>) -> Result<()> {
         self.decide_and_run(io, |s, out| s.release(i, out))
+    }
+
+    /// An evaluation gather of unit `i` (see
+    /// [`Stage3Schedule::gather_eval`]).
+    pub(crate) fn gather_eval<C: Communicator>(
+        &mut self,
+        i: usize,
+        io: GatherIo<'_, C>,
+    ) -> Result<()> {
+        self.decide_and_run(io, |s, out| s.gather_eval(i, out))
+    }
+
+    /// Ends one evaluation use of unit `i` (see
+    /// [`Stage3Schedule::release_eval`]).
+    pub(crate) fn release_eval<C: Communicator>(
+        &mut self,
+        i: usize,
+        io: GatherIo<'_, C>,
+    ) -> Result<()> {
+        self.decide_and_run(io, |s, out| s.release_eval(i, out))
     }
 
     /// The end of a micro-batch: waits for the shard reads issued ahead,
@@ -197,11 +219,12 @@ impl ParamGatherer {
                 }
                 Action::Wait(i) => {
                     if let Some(w) = self.inflight[i].take() {
-                        self.full[i] = Some(wait_traced(tracer, comm.rank(), w)?);
+                        self.full[i] = Some(Arc::new(wait_traced(tracer, comm.rank(), w)?));
                     }
                 }
                 Action::Free(i) => {
                     if let Some(b) = self.full[i].take() {
+                        let b = exclusive(b, i, comm.rank())?;
                         self.pool.entry(b.len()).or_default().push(b);
                     }
                 }
@@ -232,7 +255,7 @@ impl ParamGatherer {
         let (padded, shard) = (self.padded[i], self.shard_len[i]);
         let (rank, world) = (comm.rank(), comm.world_size());
         let mut buf = match self.full[i].take() {
-            Some(b) => b,
+            Some(b) => exclusive(b, i, rank)?,
             None => match self.pool.get_mut(&padded).and_then(Vec::pop) {
                 Some(b) => b,
                 None => {

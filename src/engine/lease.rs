@@ -1,5 +1,11 @@
 //! What the engine lends to the trainer, and how it comes back.
 //!
+//! A [`UnitGuard`] is a unit's gathered parameters, from
+//! `Engine::gather` until it is dropped: it holds them (shared, read
+//! only), so the trainer can read them while it writes the unit's
+//! gradient; dropping it releases the unit (stage 3 frees or keeps the
+//! gathered buffer), through a queue the engine drains at its next call.
+//!
 //! A [`GradBuffer`] is a unit's gradient buffer of one micro-batch. The
 //! trainer writes it and hands it back with `Engine::grad_ready`. If it is
 //! dropped instead (an error path: the trainer's `?` left the backward
@@ -10,9 +16,11 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use zero_core::partition::UnitLayout;
 use zero_core::{Element, HostBuffer};
 
 use super::dynbuf::DynBuf;
+use crate::{Error, Result};
 
 /// Buffers dropped by the trainer, waiting for the engine: (unit, buffer).
 #[derive(Clone, Default)]
@@ -94,4 +102,107 @@ impl<T: Element> std::fmt::Debug for GradBuffer<T> {
             .field("dtype", &T::DTYPE)
             .finish()
     }
+}
+
+/// Units released by dropped guards, waiting for the engine, in drop order.
+#[derive(Clone, Default)]
+pub(crate) struct Releases(Arc<Mutex<Vec<usize>>>);
+
+impl Releases {
+    /// Everything released since the last call, in drop order.
+    pub(crate) fn take(&self) -> Vec<usize> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+/// A gathered unit's parameters, from
+/// [`Engine::gather`](super::Engine::gather) until dropped (which releases
+/// the unit). It needs no borrow of the engine: a trainer keeps it while it
+/// asks the engine for the unit's gradient buffer, and may hold several
+/// units at once. While any guard of a unit is alive the engine neither
+/// frees nor updates its parameters (`step` refuses to run).
+#[must_use = "the unit is released when the guard drops: bind it with `let p = engine.gather(u)?`"]
+pub struct UnitGuard {
+    params: Arc<DynBuf>,
+    layout: Arc<UnitLayout>,
+    unit: usize,
+    rank: usize,
+    releases: Releases,
+}
+
+impl UnitGuard {
+    pub(crate) fn new(
+        params: Arc<DynBuf>,
+        layout: Arc<UnitLayout>,
+        unit: usize,
+        rank: usize,
+        releases: Releases,
+    ) -> Self {
+        UnitGuard {
+            params,
+            layout,
+            unit,
+            rank,
+            releases,
+        }
+    }
+
+    /// The unit's layout (its tensors' names, shapes and offsets).
+    pub fn layout(&self) -> &UnitLayout {
+        &self.layout
+    }
+
+    /// The unit's full parameters (real elements, no padding), in the
+    /// training dtype `T`.
+    pub fn params<T: Element>(&self) -> Result<&[T]> {
+        let s = self
+            .params
+            .slice::<T>()
+            .ok_or(zero_core::Error::DTypeMismatch {
+                op: "UnitGuard::params",
+                expected: self.params.dtype(),
+                got: T::DTYPE,
+            })?;
+        Ok(&s[..self.layout.numel])
+    }
+
+    /// One tensor of the unit.
+    pub fn param<T: Element>(&self, tensor: &str) -> Result<&[T]> {
+        let all = self.params::<T>()?;
+        let t = self.layout.tensor(tensor).ok_or_else(|| Error::Usage {
+            rank: self.rank,
+            what: format!("param(`{}`, `{tensor}`): no such tensor", self.layout.name),
+        })?;
+        Ok(&all[t.offset..t.offset + t.numel])
+    }
+}
+
+impl Drop for UnitGuard {
+    fn drop(&mut self) {
+        self.releases
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(self.unit);
+    }
+}
+
+impl std::fmt::Debug for UnitGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnitGuard")
+            .field("unit", &self.layout.name)
+            .field("dtype", &self.params.dtype())
+            .finish()
+    }
+}
+
+/// The only holder of a shared buffer gets it back (to update it, or to
+/// hand it to a collective); a lease still alive is an internal error
+/// naming unit `unit` (the engine refuses steps while units are
+/// gathered, so it means a bug, not a misuse).
+pub(crate) fn exclusive(shared: Arc<DynBuf>, unit: usize, rank: usize) -> Result<DynBuf> {
+    Arc::try_unwrap(shared).map_err(|_| Error::Usage {
+        rank,
+        what: format!("internal: unit #{unit}'s parameters are still held by a UnitGuard"),
+    })
 }

@@ -113,6 +113,7 @@ mod param_offload;
 mod reducer;
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use zero_comm::{Communicator, Work};
@@ -134,8 +135,8 @@ use gatherer::{GatherIo, HomeShards, ParamGatherer, Shards};
 use health::Health;
 pub use init::Init;
 use init::{fnv1a, mix};
-pub use lease::GradBuffer;
-use lease::Returns;
+use lease::{exclusive, Releases, Returns};
+pub use lease::{GradBuffer, UnitGuard};
 use offload::{Offload, UnitRanges};
 use optimizer::{relative, Moments, OptimizerShard};
 use param_offload::ParamOffload;
@@ -256,16 +257,27 @@ pub struct EngineBuilder<C: Communicator> {
 
 /// The per-unit state.
 struct Unit {
-    layout: UnitLayout,
+    layout: Arc<UnitLayout>,
     /// Stage 0–2: the full padded unit; stage 3: this rank's shard. `None`
-    /// only while a collective holds it.
-    params: Option<DynBuf>,
+    /// only while a collective holds it. Shared with the trainer's
+    /// [`UnitGuard`]s (stages 0–2).
+    params: Option<Arc<DynBuf>>,
     /// How many `gather`s are not yet `release`d.
     gathers: usize,
     /// Stages 1–2: the updated parameters' all-gather is queued or in
     /// flight (the local copy is stale or lent to the collective).
     stale: bool,
     _allocs: Vec<Allocation>,
+}
+
+impl Unit {
+    /// The unit's own parameters, to update or fill: no [`UnitGuard`] holds
+    /// them then (the step refuses to run while a unit is gathered, and a
+    /// checkpoint load fills a new engine).
+    fn params_mut(&mut self) -> &mut DynBuf {
+        Arc::get_mut(self.params.as_mut().expect("params are home"))
+            .expect("no UnitGuard holds the parameters while they are updated")
+    }
 }
 
 impl HomeShards for Vec<Unit> {
@@ -290,6 +302,10 @@ pub struct Engine<C: Communicator> {
     reducer: GradReducer,
     /// Gradient buffers the trainer dropped instead of handing back.
     returns: Returns,
+    /// Units whose guards dropped.
+    releases: Releases,
+    /// Training (the default) or evaluation mode.
+    training: bool,
     /// Stages 1–2: the all-gathers of updated parameters in flight (unit,
     /// handle), in launch order, and their padded elements …
     param_gathers: VecDeque<(usize, Work<DynBuf>)>,
@@ -622,8 +638,8 @@ impl<C: Communicator> EngineBuilder<C> {
             }
             moments.push(Moments { master, m, v });
             units.push(Unit {
-                layout: layout.clone(),
-                params: Some(params),
+                layout: Arc::new(layout.clone()),
+                params: Some(Arc::new(params)),
                 gathers: 0,
                 stale: false,
                 _allocs: allocs,
@@ -648,11 +664,11 @@ impl<C: Communicator> EngineBuilder<C> {
             None
         };
         let poff = if param_offloading {
-            let init: Vec<DynBuf> = units
+            let init: Vec<Arc<DynBuf>> = units
                 .iter_mut()
                 .map(|u| u.params.take().expect("params are home at build"))
                 .collect();
-            let views: Vec<&DynBuf> = init.iter().collect();
+            let views: Vec<&DynBuf> = init.iter().map(|b| &**b).collect();
             let built = ParamOffload::new(&cfg, rank, pdt, &views, &tracker, param_swap_faults);
             drop(views);
             drop(init);
@@ -697,6 +713,8 @@ impl<C: Communicator> EngineBuilder<C> {
             units,
             reducer,
             returns: Returns::default(),
+            releases: Releases::default(),
+            training: true,
             param_gathers: VecDeque::new(),
             param_gather_elems: 0,
             param_gather_queue: VecDeque::new(),
@@ -1001,8 +1019,7 @@ impl<C: Communicator> Engine<C> {
     /// every later call fails with that error instead of touching them.
     fn guard<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
         self.health.check_comm().map_err(|what| self.usage(what))?;
-        self.take_back_dropped();
-        let r = f(self);
+        let r = self.take_back_dropped().and_then(|()| f(self));
         if let Err(Error::Comm(e)) = &r {
             self.health.comm_failed(e.to_string());
         }
@@ -1011,10 +1028,14 @@ impl<C: Communicator> Engine<C> {
 
     /// Gradient buffers the trainer dropped (an error path) come home: their
     /// units have no gradient in this micro-batch.
-    fn take_back_dropped(&mut self) {
+    fn take_back_dropped(&mut self) -> Result<()> {
         for (i, buf) in self.returns.take() {
             self.reducer.take_back_unused(i, buf);
         }
+        for i in self.releases.take() {
+            self.release(i)?;
+        }
+        Ok(())
     }
 
     /// After a swap-file error only reading parameters works, and reading
@@ -1050,13 +1071,17 @@ impl<C: Communicator> Engine<C> {
     // Parameters
 
     /// Makes a unit's full parameters available (stage 3: all-gathers
-    /// them, or waits for the prefetch; stages 0–2 hold them anyway).
-    /// Every `gather` needs a matching [`Engine::release`] before `step`.
-    pub fn gather(&mut self, unit: UnitId) -> Result<()> {
+    /// them, or waits for the prefetch; stages 0–2 hold them anyway) and
+    /// returns them as a [`UnitGuard`], which releases the unit when it
+    /// drops (stage 3 then frees the gathered buffer unless it is
+    /// persistent or needed again soon). The guard borrows nothing from the
+    /// engine: keep it while the unit's gradient is written. `step`
+    /// refuses to run while a guard is alive.
+    pub fn gather(&mut self, unit: UnitId) -> Result<UnitGuard> {
         self.guard(|e| e.gather_inner(unit))
     }
 
-    fn gather_inner(&mut self, unit: UnitId) -> Result<()> {
+    fn gather_inner(&mut self, unit: UnitId) -> Result<UnitGuard> {
         let i = self.check(unit, "gather")?;
         if let Some(first) = self.health.params_lost() {
             return Err(self.usage(format!(
@@ -1068,8 +1093,13 @@ impl<C: Communicator> Engine<C> {
         if self.stage == 3 {
             let _span = self.tracer.span(self.rank, "gather", "comm");
             let t = Instant::now();
+            let training = self.training;
             let (s3, io) = self.s3_parts();
-            let r = s3.gather(i, io);
+            let r = if training {
+                s3.gather(i, io)
+            } else {
+                s3.gather_eval(i, io)
+            };
             if let Some(w) = self.s3.take_warning() {
                 self.warn(w);
             }
@@ -1086,21 +1116,34 @@ impl<C: Communicator> Engine<C> {
         } else if !self.param_gather_queue.is_empty() {
             self.advance_param_gathers(None)?;
         }
+        let params = if self.stage == 3 {
+            self.s3.params(i)
+        } else {
+            self.units[i].params.as_ref()
+        };
+        let params = params
+            .ok_or_else(|| {
+                self.usage(format!(
+                    "internal: gather(`{}`): the parameters are not home after the gather",
+                    self.name(i)
+                ))
+            })?
+            .clone();
         self.units[i].gathers += 1;
-        Ok(())
+        Ok(UnitGuard::new(
+            params,
+            self.units[i].layout.clone(),
+            i,
+            self.rank,
+            self.releases.clone(),
+        ))
     }
 
-    /// Ends one use of a unit's parameters (stage 3 frees them unless they
-    /// are persistent or needed again soon).
-    pub fn release(&mut self, unit: UnitId) -> Result<()> {
-        self.guard(|e| e.release_inner(unit))
-    }
-
-    fn release_inner(&mut self, unit: UnitId) -> Result<()> {
-        let i = self.check(unit, "release")?;
+    /// Ends one use of unit `i`'s parameters (its guard dropped).
+    fn release(&mut self, i: usize) -> Result<()> {
         if self.units[i].gathers == 0 {
             return Err(self.usage(format!(
-                "release(`{}`): the unit is not gathered",
+                "internal: release(`{}`): the unit is not gathered",
                 self.name(i)
             )));
         }
@@ -1108,50 +1151,65 @@ impl<C: Communicator> Engine<C> {
         if self.stage == 3 {
             // (The schedule counts the gathers too: the last release
             // frees or keeps the unit.)
+            let training = self.training;
             let (s3, io) = self.s3_parts();
-            s3.release(i, io)?;
+            if training {
+                s3.release(i, io)?;
+            } else {
+                s3.release_eval(i, io)?;
+            }
         }
         Ok(())
     }
 
-    /// The full parameters of a gathered unit (real elements, no padding),
-    /// in the training dtype `T`.
-    pub fn params<T: Element>(&self, unit: UnitId) -> Result<&[T]> {
-        let i = self.check(unit, "params")?;
-        let u = &self.units[i];
-        if u.gathers == 0 {
+    /// Whether the engine is in training mode (the default; see
+    /// [`Engine::eval`]).
+    pub fn is_training(&self) -> bool {
+        self.training
+    }
+
+    /// Switches to evaluation: forward passes only. Gathers work as in
+    /// training but are not recorded into the stage-3 gather order (so an
+    /// evaluation in another order neither warns nor changes what training
+    /// prefetches) and free each unit when its guard drops;
+    /// `grad_buffer`, `grad_ready`, `step` and `zero_grad` are refused
+    /// until [`Engine::train`]. No unit may be gathered and no gradient
+    /// buffer out when switching; the gradients of an unfinished
+    /// accumulation window are kept.
+    pub fn eval(&mut self) -> Result<()> {
+        self.guard(|e| e.switch_mode(false, "eval"))
+    }
+
+    /// Switches back to training (see [`Engine::eval`]).
+    pub fn train(&mut self) -> Result<()> {
+        self.guard(|e| e.switch_mode(true, "train"))
+    }
+
+    fn switch_mode(&mut self, training: bool, call: &str) -> Result<()> {
+        if let Some(u) = self.units.iter().find(|u| u.gathers > 0) {
             return Err(self.usage(format!(
-                "params(`{}`): the unit is not gathered; call gather first",
+                "{call}() while unit `{}` is gathered; drop its UnitGuard first",
                 u.layout.name
             )));
         }
-        let buf = if self.stage == 3 {
-            self.s3.params(i)
-        } else {
-            u.params.as_ref()
-        };
-        let buf = buf.ok_or_else(|| {
-            self.usage(format!(
-                "params(`{}`): the parameters are in use by a collective",
-                u.layout.name
-            ))
-        })?;
-        let s = buf.slice::<T>().ok_or(zero_core::Error::DTypeMismatch {
-            op: "Engine::params",
-            expected: self.pdt,
-            got: T::DTYPE,
-        })?;
-        Ok(&s[..u.layout.numel])
+        if let Some(i) = self.reducer.find(GradState::Lent) {
+            return Err(self.usage(format!(
+                "{call}() while the gradient buffer of unit `{}` is out; hand it back first",
+                self.name(i)
+            )));
+        }
+        self.training = training;
+        Ok(())
     }
 
-    /// One tensor of a gathered unit.
-    pub fn param<T: Element>(&self, unit: UnitId, tensor: &str) -> Result<&[T]> {
-        let all = self.params::<T>(unit)?;
-        let l = &self.units[unit.index].layout;
-        let t = l.tensor(tensor).ok_or_else(|| {
-            self.usage(format!("param(`{}`, `{tensor}`): no such tensor", l.name))
-        })?;
-        Ok(&all[t.offset..t.offset + t.numel])
+    /// Training calls are refused in evaluation mode.
+    fn check_training(&self, call: &str) -> Result<()> {
+        if self.training {
+            return Ok(());
+        }
+        Err(self.usage(format!(
+            "{call}: the engine is in evaluation mode (Engine::eval); call Engine::train() first"
+        )))
     }
 
     /// The full state of a unit (parameters, fp32 master, m, v), real
@@ -1254,6 +1312,7 @@ impl<C: Communicator> Engine<C> {
 
     fn grad_buffer_inner<T: Element>(&mut self, unit: UnitId) -> Result<GradBuffer<T>> {
         let i = self.check(unit, "grad_buffer")?;
+        self.check_training("grad_buffer")?;
         self.check_swap("grad_buffer")?;
         if T::DTYPE != self.pdt {
             return Err(zero_core::Error::DTypeMismatch {
@@ -1300,6 +1359,7 @@ impl<C: Communicator> Engine<C> {
 
     fn grad_ready_inner<T: Element>(&mut self, unit: UnitId, grad: GradBuffer<T>) -> Result<()> {
         let i = self.check(unit, "grad_ready")?;
+        self.check_training("grad_ready")?;
         if grad.unit() != i {
             return Err(self.usage(format!(
                 "grad_ready(`{}`): the buffer is unit `{}`'s (from grad_buffer(`{}`))",
@@ -1366,11 +1426,12 @@ impl<C: Communicator> Engine<C> {
     }
 
     fn step_inner(&mut self) -> Result<StepOutcome> {
+        self.check_training("step")?;
         self.check_swap("step")?;
         for u in &self.units {
             if u.gathers > 0 {
                 return Err(self.usage(format!(
-                    "step() while unit `{}` is still gathered; release it first",
+                    "step() while unit `{}` is still gathered; drop its UnitGuard first",
                     u.layout.name
                 )));
             }
@@ -1482,7 +1543,7 @@ impl<C: Communicator> Engine<C> {
         }
         if !self.cfg.zero.overlap_comm || self.stage == 0 {
             let params = self.units.iter_mut().enumerate().map(|(i, u)| {
-                let p = u.params.as_mut().expect("params are home");
+                let p = u.params_mut();
                 (i, p.slice_mut::<P>().expect("the parameter dtype"))
             });
             return self.opt.step_units::<G, P>(k, &self.reducer, params);
@@ -1494,7 +1555,7 @@ impl<C: Communicator> Engine<C> {
         // same bits as one call over all units.
         let head = self.s3.head();
         for i in 0..self.units.len() {
-            let p = self.units[i].params.as_mut().expect("params are home");
+            let p = self.units[i].params_mut();
             let low = p.slice_mut::<P>().expect("the parameter dtype");
             self.opt
                 .step_units::<G, P>(k, &self.reducer, std::iter::once((i, low)))?;
@@ -1635,8 +1696,11 @@ impl<C: Communicator> Engine<C> {
         let mut params: Vec<&mut [P]> = Vec::with_capacity(self.units.len());
         if !param_home {
             for u in self.units.iter_mut() {
-                let p = u.params.as_mut().expect("params are home");
-                params.push(p.slice_mut::<P>().expect("the parameter dtype"));
+                params.push(
+                    u.params_mut()
+                        .slice_mut::<P>()
+                        .expect("the parameter dtype"),
+                );
             }
         }
         let r = self
@@ -1804,6 +1868,7 @@ impl<C: Communicator> Engine<C> {
                 }
                 self.param_gather_queue.pop_front();
                 let p = self.units[j].params.take().expect("params are home");
+                let p = exclusive(p, j, self.rank)?;
                 self.stats.gather_bytes += ring_bytes(n, self.world, self.pdt);
                 let work = p.all_gather(&self.comm, &vec![s; self.world]);
                 self.param_gathers.push_back((j, work));
@@ -1818,7 +1883,7 @@ impl<C: Communicator> Engine<C> {
                 .pop_front()
                 .expect("a stale unit has its all-gather queued or in flight");
             self.param_gather_elems -= self.units[j].layout.padded_numel;
-            self.units[j].params = Some(wait_traced(&self.tracer, self.rank, w)?);
+            self.units[j].params = Some(Arc::new(wait_traced(&self.tracer, self.rank, w)?));
             self.units[j].stale = false;
         }
     }
@@ -1833,7 +1898,7 @@ impl<C: Communicator> Engine<C> {
                 None => {
                     let (j, w) = self.param_gathers.pop_front().expect("not empty");
                     self.param_gather_elems -= self.units[j].layout.padded_numel;
-                    self.units[j].params = Some(wait_traced(&self.tracer, self.rank, w)?);
+                    self.units[j].params = Some(Arc::new(wait_traced(&self.tracer, self.rank, w)?));
                     self.units[j].stale = false;
                 }
             }
@@ -1853,6 +1918,7 @@ impl<C: Communicator> Engine<C> {
     }
 
     fn zero_grad_inner(&mut self) -> Result<()> {
+        self.check_training("zero_grad")?;
         self.check_swap("zero_grad")?;
         if let Some(i) = self.reducer.find(GradState::Lent) {
             return Err(self.usage(format!(
