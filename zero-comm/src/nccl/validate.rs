@@ -18,7 +18,7 @@ use cudarc::nccl::sys;
 use super::batch::{grouped, ok_or, Launch};
 use super::check::Coll;
 use super::comm::{call_failure_of, NcclComm, State};
-use crate::op::{OpDesc, OpKind};
+use crate::op::{Elem, OpDesc, OpKind};
 use crate::{Error, Result};
 
 /// Words per rank: number of ops, the first op's header and length, and a
@@ -47,7 +47,7 @@ fn desc(l: &Launch) -> OpDesc {
             Coll::AllGather => OpKind::AllGather,
         },
         reduce: l.reduce,
-        dtype: l.plan.dtype,
+        elem: Elem::Num(l.plan.dtype),
         len: l.plan.total,
         counts_hash: 0,
         root: 0,
