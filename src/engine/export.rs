@@ -33,12 +33,13 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use zero_comm::agree::first_failure;
 use zero_comm::Communicator;
 use zero_core::partition::UnitLayout;
 use zero_core::{bf16, f16, DType, HostBuffer};
 
 use super::checkpoint::{open_saved, Reader};
-use super::{first_failure, Engine};
+use super::Engine;
 use crate::{Error, Result};
 
 /// The file name of the consolidated weights inside a checkpoint directory.
