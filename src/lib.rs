@@ -13,6 +13,7 @@
 //!   swap files, which the engine uses for `offload_optimizer`.
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod agree;
 pub mod engine;
 mod error;
 pub mod estimate;

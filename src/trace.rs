@@ -89,8 +89,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
+use zero_comm::agree::exchange_bytes;
 use zero_comm::{Communicator, Work};
-use zero_core::{bf16, HostBuffer};
 
 use crate::{Error, Result};
 
@@ -592,40 +592,24 @@ pub fn overlap(events: &[Event], rank: usize) -> Overlap {
 /// and one shared tracer, read [`Tracer::events`] instead (gathering
 /// would duplicate the events).
 pub fn gather_events<C: Communicator>(comm: &C, events: Vec<Event>) -> Result<Option<Vec<Event>>> {
-    let world = comm.world_size();
     let rank = comm.rank();
     let bytes = encode(&events);
     drop(events);
-    // Round 1: every rank's byte length; round 2: the bytes, padded to the
-    // longest (all_gather takes the same count from every rank). Bytes
-    // travel as bf16 bit patterns, which collectives copy exactly.
-    let lens = crate::engine::exchange_words(comm, &[bytes.len() as u64])?;
-    let lens: Vec<usize> = lens.iter().map(|w| w[0] as usize).collect();
-    let n = lens.iter().copied().max().unwrap_or(0).div_ceil(2);
-    if n == 0 {
-        return Ok((rank == 0).then(Vec::new));
-    }
-    let send = HostBuffer::from_fn(n, |i| {
-        let b = |k: usize| bytes.get(k).copied().unwrap_or(0);
-        bf16::from_bits(u16::from_le_bytes([b(2 * i), b(2 * i + 1)]))
-    })?;
-    let recv = HostBuffer::<bf16>::zeros(n * world)?;
-    let (_, recv) = comm.all_gather(send, recv, &vec![n; world]).wait()?;
+    // Every rank's bytes, whatever their lengths (two collectives).
+    let parts = exchange_bytes(comm, &bytes)?;
+    drop(bytes);
     if rank != 0 {
         return Ok(None);
     }
     let mut all = Vec::new();
-    let mut buf = Vec::with_capacity(2 * n);
-    for (r, &len) in lens.iter().enumerate() {
-        buf.clear();
-        buf.extend(
-            recv[r * n..(r + 1) * n]
-                .iter()
-                .flat_map(|x| x.to_bits().to_le_bytes()),
-        );
-        decode(&buf[..len], &mut all).ok_or_else(|| Error::Disagreement {
+    for (r, part) in parts.iter().enumerate() {
+        decode(part, &mut all).ok_or_else(|| Error::Disagreement {
             rank,
-            what: format!("gather_events: rank {r} sent {len} bytes that are not a trace (a different version of zero?)"),
+            what: format!(
+                "gather_events: rank {r} sent {} bytes that are not a trace (a different version \
+                 of zero?)",
+                part.len()
+            ),
         })?;
     }
     Ok(Some(all))

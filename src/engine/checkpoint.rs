@@ -55,6 +55,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use serde_json::Value;
+use zero_comm::agree::{exchange_u64, first_failure};
 use zero_comm::Communicator;
 use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
 use zero_core::{bf16, f16, DType, Element};
@@ -62,9 +63,8 @@ use zero_core::{bf16, f16, DType, Element};
 use super::optimizer::{Moments, OptimizerShard};
 use super::param_offload::ParamOffload;
 use super::reducer::GradState;
-use super::{
-    agree_on_setup, exchange_words, first_failure, Engine, EngineBuilder, Init, StepOutcome, Unit,
-};
+use super::{Engine, EngineBuilder, Init, StepOutcome, Unit};
+use crate::agree::agree_on_setup;
 use crate::format::checkpoint::{
     check_files, check_units, prepare, publish, rank_file, read_manifest, step_dir_name, tmp_dir,
     FileEntry, Manifest, ModelFileEntry, RankFileWriter, Reader, SavedRun, StateArray,
@@ -135,7 +135,7 @@ impl<C: Communicator> Engine<C> {
             Ok(0)
         };
         let id = *prep.as_ref().unwrap_or(&0);
-        let words = exchange_words(&self.comm, &[u64::from(prep.is_err()), id])?;
+        let words = exchange_u64(&self.comm, &[u64::from(prep.is_err()), id])?;
         if words[0][0] != 0 {
             let why = first_failure(&self.comm, prep.as_ref().err())?;
             prep?;
@@ -157,14 +157,14 @@ impl<C: Communicator> Engine<C> {
             Ok((b, c)) => (*b, c.clone()),
             Err(_) => (0, Vec::new()),
         };
-        let head = exchange_words(
+        let head = exchange_u64(
             &self.comm,
             &[u64::from(written.is_err()), bytes, crcs.len() as u64],
         )?;
         let max = head.iter().map(|w| w[2] as usize).max().unwrap_or(0).max(1);
         let mut mine: Vec<u64> = crcs.iter().map(|&c| u64::from(c)).collect();
         mine.resize(max, 0);
-        let all = exchange_words(&self.comm, &mine)?;
+        let all = exchange_u64(&self.comm, &mine)?;
         if head.iter().any(|w| w[0] != 0) {
             // Every rank knows: share the first failure's text.
             let failed = first_failure(&self.comm, written.as_ref().err())?;

@@ -12,10 +12,11 @@
 
 use std::path::{Path, PathBuf};
 
+use zero_comm::agree::first_failure;
 use zero_comm::Communicator;
 use zero_core::HostBuffer;
 
-use super::{first_failure, Engine};
+use super::Engine;
 use crate::format::checkpoint::{open_saved, Reader, StateArray};
 use crate::format::safetensors::{ExportDtype, SafetensorsWriter};
 use crate::{Error, Result};

@@ -116,6 +116,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use zero_comm::agree::{exchange_u64, first_failure};
 use zero_comm::{Communicator, Work};
 use zero_core::config::{CheckFor, OffloadDevice, Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier};
@@ -124,6 +125,7 @@ use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
 use zero_core::{bf16, f16, DType, Device, Element, HostBuffer};
 use zero_offload::FaultPlan;
 
+use crate::agree::agree_on_setup;
 pub use crate::format::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
 pub use crate::format::safetensors::ExportDtype;
 use crate::trace::Tracer;
@@ -343,47 +345,6 @@ pub struct Engine<C: Communicator> {
     seed: u64,
     /// Checkpoints kept by [`Engine::save_checkpoint`] (0: all).
     keep_last: usize,
-}
-
-/// Every rank learns whether every rank could set up `what`, so that all
-/// fail together instead of hanging in the next collective: this rank's own
-/// error, or one naming the first rank that failed.
-fn agree_on_setup<C: Communicator, T>(comm: &C, built: Result<T>, what: &str) -> Result<T> {
-    let failed = first_failure(comm, built.as_ref().err())?;
-    let ok = built?;
-    match failed {
-        Some((r, why)) => Err(Error::Usage {
-            rank: comm.rank(),
-            what: format!("rank {r} could not set up its {what}): {why}"),
-        }),
-        None => Ok(ok),
-    }
-}
-
-/// Every rank learns the lowest rank whose `local` error is set, and that
-/// error's text (a collective: every rank calls it at the same point).
-pub(crate) fn first_failure<C: Communicator>(
-    comm: &C,
-    local: Option<&Error>,
-) -> Result<Option<(usize, String)>> {
-    let text = local.map(|e| e.to_string()).unwrap_or_default();
-    let head = exchange_words(comm, &[u64::from(local.is_some()), text.len() as u64])?;
-    let Some(r) = head.iter().position(|w| w[0] != 0) else {
-        return Ok(None);
-    };
-    let words = (head[r][1] as usize).div_ceil(8).max(1);
-    let mut mine = vec![0u64; words];
-    if comm.rank() == r {
-        for (w, chunk) in mine.iter_mut().zip(text.as_bytes().chunks(8)) {
-            let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
-            *w = u64::from_le_bytes(b);
-        }
-    }
-    let all = exchange_words(comm, &mine)?;
-    let bytes: Vec<u8> = all[r].iter().flat_map(|w| w.to_le_bytes()).collect();
-    let why = String::from_utf8_lossy(&bytes[..head[r][1] as usize]).into_owned();
-    Ok(Some((r, why)))
 }
 
 static NEXT_ENGINE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -784,7 +745,7 @@ fn check_agreement<C: Communicator>(
         .collect();
     // Round 1: counts (as exact small floats) and the config digest.
     let mut head = vec![specs.len() as u64, cfg_digest];
-    let all = exchange_words(comm, &head)?;
+    let all = exchange_u64(comm, &head)?;
     let counts: Vec<u64> = all.iter().map(|w| w[0]).collect();
     if let Some(r) = (0..world).find(|&r| all[r][1] != cfg_digest) {
         return Err(Error::Disagreement {
@@ -799,7 +760,7 @@ fn check_agreement<C: Communicator>(
     head.clear();
     let mut mine = digests.clone();
     mine.resize(max, 0);
-    let all = exchange_words(comm, &mine)?;
+    let all = exchange_u64(comm, &mine)?;
     for i in 0..max {
         if let Some(r) = (0..world).find(|&r| all[r][i] != mine[i]) {
             let here = specs
@@ -827,29 +788,6 @@ fn check_agreement<C: Communicator>(
 /// it overlapped compute).
 pub(crate) fn wait_traced<R: 'static>(tracer: &Tracer, rank: usize, work: Work<R>) -> Result<R> {
     tracer.wait(rank, work)
-}
-
-/// All-gathers `words.len()` u64 per rank (the same length on every rank),
-/// bit-exactly (carried as bf16 bit patterns, which collectives copy).
-pub(crate) fn exchange_words<C: Communicator>(comm: &C, words: &[u64]) -> Result<Vec<Vec<u64>>> {
-    let n = words.len() * 4;
-    let world = comm.world_size();
-    let send = HostBuffer::from_fn(n, |i| {
-        bf16::from_bits((words[i / 4] >> (16 * (i % 4))) as u16)
-    })?;
-    let recv = HostBuffer::<bf16>::zeros(n * world)?;
-    let (_, recv) = comm.all_gather(send, recv, &vec![n; world]).wait()?;
-    Ok((0..world)
-        .map(|r| {
-            (0..words.len())
-                .map(|w| {
-                    (0..4).fold(0u64, |acc, k| {
-                        acc | (u64::from(recv[r * n + w * 4 + k].to_bits()) << (16 * k))
-                    })
-                })
-                .collect()
-        })
-        .collect())
 }
 
 impl<C: Communicator> Engine<C> {
@@ -1721,7 +1659,7 @@ impl<C: Communicator> Engine<C> {
             Err(_) if off.rescued() => 1,
             Err(_) => 2,
         };
-        let verdict = exchange_words(&self.comm, &[word])?;
+        let verdict = exchange_u64(&self.comm, &[word])?;
         let rank = self.rank;
         let usage = |what: String| Error::Usage { rank, what };
         if verdict.iter().any(|w| w[0] == 2) {
@@ -1786,7 +1724,7 @@ impl<C: Communicator> Engine<C> {
             Some(DType::BF16) => self.opt.local_sum_squares::<bf16>(&self.reducer),
             Some(DType::F16) => self.opt.local_sum_squares::<f16>(&self.reducer),
         };
-        let parts = exchange_words(&self.comm, &[local.to_bits()])?;
+        let parts = exchange_u64(&self.comm, &[local.to_bits()])?;
         let sumsq = parts.iter().fold(0f64, |a, w| a + f64::from_bits(w[0]));
         let loss_scale = self.loss_scale();
         let ga = self.cfg.gradient_accumulation_steps;

@@ -5,7 +5,7 @@ use std::any::Any;
 use zero_core::{Element, HostBuffer};
 
 use crate::counts::{counts_hash, offsets};
-use crate::op::{OpDesc, OpKind};
+use crate::op::{Elem, OpDesc, OpKind};
 use crate::shm::Bufs;
 use crate::work::Work;
 use crate::{Error, ReduceOp, Result};
@@ -57,8 +57,13 @@ impl RawOp {
 
 /// The typed output of a completed raw operation.
 fn take<T: Element>(v: &mut [Box<dyn Any + Send>], i: usize) -> HostBuffer<T> {
+    take_as::<HostBuffer<T>>(v, i)
+}
+
+/// Buffer `i` of a completed raw operation, as the type it was given as.
+fn take_as<B: 'static>(v: &mut [Box<dyn Any + Send>], i: usize) -> B {
     *std::mem::replace(&mut v[i], Box::new(()))
-        .downcast::<HostBuffer<T>>()
+        .downcast::<B>()
         .expect("collective returns the buffers it was given")
 }
 
@@ -68,10 +73,20 @@ fn desc<T: Element>(
     len: usize,
     counts: &[usize],
 ) -> OpDesc {
+    desc_of(Elem::Num(T::DTYPE), kind, reduce, len, counts)
+}
+
+fn desc_of(
+    elem: Elem,
+    kind: OpKind,
+    reduce: Option<ReduceOp>,
+    len: usize,
+    counts: &[usize],
+) -> OpDesc {
     OpDesc {
         kind,
         reduce,
-        dtype: T::DTYPE,
+        elem,
         len,
         counts_hash: if counts.is_empty() {
             0
@@ -277,6 +292,67 @@ pub trait Communicator: Send + Sync {
         };
         self.submit(raw)
             .map(|mut v| (take::<T>(&mut v, 0), take::<T>(&mut v, 1)))
+    }
+
+    /// [`Communicator::all_gather`] of raw bytes: every rank's `send`
+    /// (`counts[r]` bytes on rank r) lands in `recv` (`sum(counts)` bytes)
+    /// on every rank, in rank order, byte for byte. Returns `(send, recv)`.
+    ///
+    /// The bytes are copied, never interpreted or reduced (for small
+    /// agreements among ranks; see [`crate::agree`]). Validated like every
+    /// collective: ranks that pass different `counts` get
+    /// [`Error::Mismatch`], as do ranks where a peer calls another
+    /// collective at this point.
+    ///
+    /// ```
+    /// use zero_comm::{Communicator, ThreadGroup};
+    ///
+    /// let got = ThreadGroup::run(2, |comm| {
+    ///     let counts = [1, 2];
+    ///     let send = vec![comm.rank() as u8 + 7; counts[comm.rank()]];
+    ///     let (_, recv) = comm.all_gather_bytes(send, vec![0; 3], &counts).wait().unwrap();
+    ///     recv
+    /// })
+    /// .unwrap();
+    /// assert_eq!(got, vec![vec![7, 8, 8]; 2]);
+    /// ```
+    fn all_gather_bytes(
+        &self,
+        send: Vec<u8>,
+        mut recv: Vec<u8>,
+        counts: &[usize],
+    ) -> Work<(Vec<u8>, Vec<u8>)> {
+        let (rank, world) = (self.rank(), self.world_size());
+        let total: usize = counts.iter().sum();
+        let error = check_counts(rank, world, "all_gather_bytes", counts).or_else(|| {
+            if send.len() != counts[rank] {
+                Some(format!(
+                    "input has {} bytes but counts[{rank}] is {}",
+                    send.len(),
+                    counts[rank]
+                ))
+            } else if recv.len() != total {
+                Some(format!(
+                    "output has {} bytes but counts sum to {total}",
+                    recv.len()
+                ))
+            } else {
+                None
+            }
+        });
+        let bufs = Bufs {
+            send: send.as_ptr(),
+            recv: recv.as_mut_ptr(),
+        };
+        let raw = RawOp {
+            desc: desc_of(Elem::Byte, OpKind::AllGather, None, total, counts),
+            counts: counts.to_vec(),
+            bufs,
+            keep: vec![Box::new(send), Box::new(recv)],
+            error: invalid(rank, "all_gather_bytes", error),
+        };
+        self.submit(raw)
+            .map(|mut v| (take_as::<Vec<u8>>(&mut v, 0), take_as::<Vec<u8>>(&mut v, 1)))
     }
 
     /// All-gather in place: `buf` holds `sum(counts)` elements and rank r's

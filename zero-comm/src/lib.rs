@@ -2,7 +2,10 @@
 //!
 //! One small trait, [`Communicator`], with asynchronous collectives
 //! (all-reduce, reduce-scatter, all-gather, broadcast, barrier) on f32,
-//! bf16 and f16 [`HostBuffer`](zero_core::HostBuffer)s, and backends:
+//! bf16 and f16 [`HostBuffer`](zero_core::HostBuffer)s, an all-gather of
+//! raw bytes ([`Communicator::all_gather_bytes`]) for the small agreements
+//! among ranks in [`agree`] (every rank's bytes or u64 words, the first
+//! rank that failed), and backends:
 //!
 //! - [`ThreadGroup`] / [`ThreadComm`]: N ranks as threads of one process
 //!   (the embedded default). Collectives read the peers' memory directly.
@@ -25,6 +28,7 @@
 //! departed peer gives [`Error::PeerFailed`]. None of them hangs.
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod agree;
 pub mod bucket;
 mod communicator;
 mod counts;

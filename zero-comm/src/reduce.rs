@@ -304,7 +304,7 @@ fn fused<T: Element, const N: usize, const OP: u8>(mut b: [&mut [T]; N]) {
 /// `src` valid for reads and every destination for writes of `len`
 /// elements; destinations do not overlap each other or `src` (unless equal
 /// to it), and nobody else writes any of them during the call.
-pub(crate) unsafe fn copy_to_all<T: Element>(src: *const T, dsts: &[*mut T], len: usize) {
+pub(crate) unsafe fn copy_to_all<T: Copy>(src: *const T, dsts: &[*mut T], len: usize) {
     let others = dsts.iter().filter(|&&d| !std::ptr::eq(d, src)).count();
     let bytes = len * std::mem::size_of::<T>();
     if bytes * others < STREAM_MIN_BYTES {
@@ -341,7 +341,7 @@ pub(crate) unsafe fn copy_to_all<T: Element>(src: *const T, dsts: &[*mut T], len
 /// # Safety
 /// `src` valid for reads and `dst` for writes of `len` elements, not
 /// written by anyone else during the call.
-pub(crate) unsafe fn copy<T: Element>(src: *const T, dst: *mut T, len: usize) {
+pub(crate) unsafe fn copy<T: Copy>(src: *const T, dst: *mut T, len: usize) {
     if len == 0 || std::ptr::eq(src, dst) {
         return;
     }

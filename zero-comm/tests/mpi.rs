@@ -15,7 +15,9 @@
 //! `mpirun` is a failure, not a skip. Started by `mpirun` (as a *worker*),
 //! every rank checks every collective x dtype x reduction against
 //! [`reference_reduce`] and sequential references, on registered (pool),
-//! unregistered (heap) and mixed buffers, then the failure behaviour
+//! unregistered (heap) and mixed buffers, the byte all-gather and the
+//! agreements built on it (exact bytes and u64 words, per-rank lengths,
+//! the first failing rank), then the failure behaviour
 //! (mismatch, timeout, peers that leave or fail), each failure on a
 //! communicator of its own. The last line is `mpi: N passed, M failed`.
 
@@ -23,6 +25,7 @@ use std::io::{BufRead, BufReader, Read};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use zero_comm::agree::{exchange_bytes, exchange_u64, first_failure};
 use zero_comm::{
     even_counts, launch, launched_by_mpi, offsets, reference_reduce, Comm, CommOptions,
     Communicator, Error, MpiComm, ReduceOp,
@@ -798,8 +801,82 @@ fn main_checks(comm: &Comm, rep: &mut Report) {
             || format!("{bad:?}"),
         );
     }
+    byte_checks(comm, rep);
     let b = comm.barrier().wait();
     rep.check("barrier", b.is_ok(), || format!("{b:?}"));
+}
+
+/// Bytes of rank `rank`: every value 0..=255, in an order of its own.
+fn noise(rank: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| ((i * 131 + rank * 61 + (i >> 8)) % 256) as u8)
+        .collect()
+}
+
+/// The byte all-gather (never in the pool: always staged within a node,
+/// MPI between nodes) and the agreements on it.
+fn byte_checks(comm: &Comm, rep: &mut Report) {
+    let (r, n) = (comm.rank(), comm.world_size());
+    // Per-rank lengths: a zero, odd sizes, and more than one 4 MiB bounce
+    // round (64M pool).
+    for big in [false, true] {
+        let counts: Vec<usize> = (0..n)
+            .map(|p| match p % 3 {
+                0 if big => (5 << 20) + 3,
+                0 => 1001,
+                1 => 0,
+                _ => 7,
+            })
+            .collect();
+        let want: Vec<u8> = (0..n).flat_map(|p| noise(p, counts[p])).collect();
+        let got = comm
+            .all_gather_bytes(noise(r, counts[r]), vec![0xa5; want.len()], &counts)
+            .wait();
+        rep.check(
+            &format!("all_gather_bytes counts {counts:?}"),
+            matches!(&got, Ok((s, o)) if *s == noise(r, counts[r]) && *o == want),
+            || format!("{:?}", got.as_ref().map(|_| "other bytes")),
+        );
+        let parts = exchange_bytes(comm, &noise(r, counts[r]));
+        let want: Vec<Vec<u8>> = (0..n).map(|p| noise(p, counts[p])).collect();
+        rep.check(
+            &format!("exchange_bytes lengths {counts:?}"),
+            parts.as_ref().is_ok_and(|p| *p == want),
+            || format!("{:?}", parts.as_ref().map(|_| "other bytes")),
+        );
+    }
+    // Words whose bits a float transport could bend (NaNs of every width).
+    let mine = |p: usize| {
+        vec![
+            0x7ff0_0000_0000_0001 ^ p as u64,
+            0xfff8_dead_beef_0001,
+            0x7fc1_ffff_7f81_0001,
+            f64::NAN.to_bits(),
+            (0.1f64 * (p + 1) as f64).to_bits(),
+            u64::MAX - p as u64,
+        ]
+    };
+    let words = exchange_u64(comm, &mine(r));
+    let want: Vec<Vec<u64>> = (0..n).map(mine).collect();
+    rep.check(
+        "exchange_u64 keeps NaN-looking bit patterns",
+        words.as_ref().is_ok_and(|w| *w == want),
+        || format!("{words:x?}"),
+    );
+    let none = first_failure(comm, None::<&str>);
+    rep.check(
+        "first_failure: nobody failed",
+        matches!(none, Ok(None)),
+        || format!("{none:?}"),
+    );
+    let text = |p: usize| format!("rank {p}: ошибка ✗ {}", "y".repeat(p * 1000));
+    let mine = (r + 1 >= n).then(|| text(r));
+    let seen = first_failure(comm, mine.as_deref());
+    rep.check(
+        "first_failure: the lowest failing rank and its text",
+        matches!(&seen, Ok(Some((p, t))) if *p == n - 1 && *t == text(n - 1)),
+        || format!("{seen:?}"),
+    );
 }
 
 /// A fresh communicator for one failure scenario (MPI is initialised only
@@ -876,6 +953,25 @@ fn failure_checks(main: &Comm, rep: &mut Report) {
         );
     }
     resync(rep, "a size mismatch");
+
+    // Mismatch of a byte agreement: rank 0 exchanges one word more.
+    {
+        let c = fresh(Duration::from_secs(20));
+        let e = exchange_u64(&c, &vec![3; 1 + usize::from(r == 0)]);
+        let msg = e.as_ref().err().map(|e| e.to_string()).unwrap_or_default();
+        rep.check(
+            "mismatch: byte agreements of different sizes",
+            matches!(e, Err(Error::Mismatch { seq: 1, .. }))
+                && msg.contains(&format!("rank 0 called all_gather(u8, {} elements", 16 * n))
+                && msg.contains(&format!(
+                    "rank {} called all_gather(u8, {} elements",
+                    n - 1,
+                    8 * n
+                )),
+            || format!("{e:?}"),
+        );
+    }
+    resync(rep, "a byte agreement mismatch");
 
     // Timeout: rank 1 arrives long after the others gave up.
     {

@@ -25,7 +25,7 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use zero_core::{bf16, f16, DType, Element};
+use zero_core::{bf16, f16, DType};
 
 use super::hier;
 use super::net::Net;
@@ -33,9 +33,33 @@ use super::runtime::Comm;
 use super::staged;
 use super::window::Node;
 use crate::communicator::RawOp;
-use crate::op::{OpDesc, OpKind};
+use crate::op::{Elem, OpDesc, OpKind};
 use crate::shm::{dispatch_dtype, Bufs, Ctx, ShmGroup};
 use crate::{Error, Result};
+
+/// Evaluates `$body` with the type alias `$t` naming the float type of the
+/// element type `$elem`, for the reductions. Bytes are only all-gathered
+/// (`Communicator::all_gather_bytes` is the one maker of byte collectives),
+/// so no reduction meets them.
+macro_rules! with_num {
+    ($elem:expr, $t:ident => $body:expr) => {
+        match $elem {
+            Elem::Num(DType::F32) => {
+                type $t = f32;
+                $body
+            }
+            Elem::Num(DType::BF16) => {
+                type $t = bf16;
+                $body
+            }
+            Elem::Num(DType::F16) => {
+                type $t = f16;
+                $body
+            }
+            Elem::Byte => unreachable!("only all_gather_bytes makes byte collectives"),
+        }
+    };
+}
 
 /// A closure that runs on the progress thread with the engine (the native
 /// MPI baselines); travels in a `RawOp` of kind barrier.
@@ -115,15 +139,16 @@ impl Engine {
                 return f.map_or(Ok(()), |f| f(self));
             }
         }
-        let r = match op.desc.dtype {
-            DType::F32 => self.collective::<f32>(seq, op),
-            DType::BF16 => self.collective::<bf16>(seq, op),
-            DType::F16 => self.collective::<f16>(seq, op),
+        let r = match op.desc.elem {
+            Elem::Byte => self.collective::<u8>(seq, op),
+            num => with_num!(num, T => self.collective::<T>(seq, op)),
         };
         r.map_err(|e| renumber(e, seq))
     }
 
-    fn collective<T: Element>(&mut self, seq: u64, op: &RawOp) -> Result<()> {
+    /// Runs `op`, whose elements are `T` (data movement only needs their
+    /// size; reductions dispatch on the descriptor's element type).
+    fn collective<T: Copy>(&mut self, seq: u64, op: &RawOp) -> Result<()> {
         let desc = op.desc;
         // Across nodes with `validate`, the first round's body (after the
         // descriptors matched within the node) all-gathers them over MPI.
@@ -161,7 +186,7 @@ impl Engine {
         r
     }
 
-    fn paths<T: Element>(
+    fn paths<T: Copy>(
         &mut self,
         seq: u64,
         op: &RawOp,
@@ -211,7 +236,7 @@ impl Engine {
                     if direct {
                         // SAFETY: every rank's buffers are in the pool and
                         // valid for the agreed sizes (run_with's contract).
-                        unsafe { algorithm::<T>(ctx, net, seq, world) }
+                        unsafe { algorithm(ctx, net, seq, world) }
                     } else {
                         Ok(())
                     }
@@ -232,17 +257,19 @@ impl Engine {
                 // are valid for the sizes its descriptor implies.
                 unsafe {
                     match kind {
-                        OpKind::AllReduce => {
-                            net.all_reduce::<T>(seq, &desc, recv.cast(), desc.len, reduce)
-                        }
-                        OpKind::ReduceScatter => net.reduce_scatter::<T>(
-                            seq,
-                            &desc,
-                            send.cast(),
-                            recv.cast(),
-                            &op.counts,
-                            reduce,
-                        ),
+                        OpKind::AllReduce => with_num!(desc.elem, F => {
+                            net.all_reduce::<F>(seq, &desc, recv.cast(), desc.len, reduce)
+                        }),
+                        OpKind::ReduceScatter => with_num!(desc.elem, F => {
+                            net.reduce_scatter::<F>(
+                                seq,
+                                &desc,
+                                send.cast(),
+                                recv.cast(),
+                                &op.counts,
+                                reduce,
+                            )
+                        }),
                         OpKind::AllGather => {
                             net.all_gather::<T>(seq, &desc, send.cast(), recv.cast(), &op.counts)
                         }
@@ -258,7 +285,7 @@ impl Engine {
 
     /// One shared-memory round that runs the algorithm `desc` names
     /// (staged rounds: all buffers are bounce regions).
-    pub(crate) fn round_algorithm<T: Element>(
+    pub(crate) fn round_algorithm(
         &mut self,
         seq: u64,
         desc: &OpDesc,
@@ -268,7 +295,7 @@ impl Engine {
         let world = self.world.size();
         // SAFETY: staged.rs publishes bounce regions sized for `desc`.
         self.round(desc, counts, bufs, |ctx, net| unsafe {
-            algorithm::<T>(ctx, net, seq, world)
+            algorithm(ctx, net, seq, world)
         })
     }
 
@@ -298,17 +325,12 @@ impl Engine {
 ///
 /// # Safety
 /// As `ShmGroup::run_with`'s body.
-unsafe fn algorithm<T: Element>(
-    ctx: &Ctx<'_>,
-    net: Option<&mut Net>,
-    seq: u64,
-    world: usize,
-) -> Result<()> {
+unsafe fn algorithm(ctx: &Ctx<'_>, net: Option<&mut Net>, seq: u64, world: usize) -> Result<()> {
     match net {
-        // SAFETY: forwarded.
-        Some(net) if ctx.desc.kind == OpKind::AllReduce => unsafe {
-            hier::all_reduce::<T>(ctx, net, seq, world)
-        },
+        Some(net) if ctx.desc.kind == OpKind::AllReduce => with_num!(ctx.desc.elem, T => {
+            // SAFETY: forwarded.
+            unsafe { hier::all_reduce::<T>(ctx, net, seq, world) }
+        }),
         _ => {
             // SAFETY: forwarded.
             unsafe { dispatch_dtype(ctx) };

@@ -475,7 +475,7 @@ impl Net {
     /// # Safety
     /// `send` valid for `counts[rank]` elements, `recv` for `sum(counts)`
     /// (in place: `send == recv + offset(rank)`); nobody else accesses them.
-    pub(crate) unsafe fn all_gather<T: Element>(
+    pub(crate) unsafe fn all_gather<T: Copy>(
         &mut self,
         seq: u64,
         desc: &OpDesc,

@@ -22,8 +22,6 @@
 //!   gathered piece of rank p → recv[offset(p) + k·P ..]
 //! ```
 
-use zero_core::Element;
-
 use super::engine::Engine;
 use crate::counts::{counts_hash, offsets, round_pieces};
 use crate::op::{OpDesc, OpKind};
@@ -48,7 +46,7 @@ fn round_desc(desc: &OpDesc, len: usize, counts: &[usize]) -> OpDesc {
 /// # Safety
 /// `send` and `recv` are valid for the sizes `desc`/`counts` imply (as for
 /// `ShmGroup::run`) and not accessed by anyone else until this returns.
-pub(crate) unsafe fn run<T: Element>(
+pub(crate) unsafe fn run<T: Copy>(
     e: &mut Engine,
     seq: u64,
     desc: &OpDesc,
@@ -90,7 +88,7 @@ pub(crate) unsafe fn run<T: Element>(
                         send: b.cast(),
                         recv: b.cast(),
                     };
-                    e.round_algorithm::<T>(seq, &round_desc(desc, c, &[]), &[], bufs)?;
+                    e.round_algorithm(seq, &round_desc(desc, c, &[]), &[], bufs)?;
                     if !is_root {
                         copy(b.cast_const(), recv.add(a), c);
                     }
@@ -110,7 +108,7 @@ pub(crate) unsafe fn run<T: Element>(
                         send: b.cast(),
                         recv: out.cast(),
                     };
-                    e.round_algorithm::<T>(seq, &round_desc(desc, at, &piece), &piece, bufs)?;
+                    e.round_algorithm(seq, &round_desc(desc, at, &piece), &piece, bufs)?;
                     copy(out.cast_const(), recv.add(k * per), piece[me]);
                 }
             }
@@ -124,7 +122,7 @@ pub(crate) unsafe fn run<T: Element>(
                         send: b.cast(),
                         recv: gathered.cast(),
                     };
-                    e.round_algorithm::<T>(seq, &round_desc(desc, total, &piece), &piece, bufs)?;
+                    e.round_algorithm(seq, &round_desc(desc, total, &piece), &piece, bufs)?;
                     for (p, o) in offsets(&piece).into_iter().enumerate() {
                         copy(
                             gathered.add(o).cast_const(),

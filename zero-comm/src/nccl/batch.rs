@@ -14,28 +14,16 @@
 //! batch a single completion event. If any recorded op has bad arguments,
 //! nothing is enqueued at all.
 
-use std::ffi::c_void;
-
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use cudarc::nccl::sys;
 use zero_core::Element;
 
 use super::check::{plan, Coll, Operand, Plan, Site};
 use super::comm::{call_failure_of, NcclComm};
-use super::{ffi, validate, NcclWork};
+use super::enqueue::{enqueue, grouped, Launch};
+use super::validate;
+use super::work::NcclWork;
 use crate::{Error, ReduceOp, Result};
-
-/// One checked collective, with device addresses, ready to enqueue.
-#[derive(Debug, Clone)]
-pub(crate) struct Launch {
-    pub name: &'static str,
-    pub plan: Plan,
-    pub reduce: Option<ReduceOp>,
-    /// Device address NCCL reads from (offset applied).
-    pub send: u64,
-    /// Device address NCCL writes to (offset applied).
-    pub recv: u64,
-}
 
 /// Collectives recorded on one [`NcclComm`], launched together by
 /// [`NcclBatch::launch`] in one NCCL group (see [`NcclComm::group`]).
@@ -314,70 +302,5 @@ impl std::fmt::Debug for NcclBatch<'_> {
             .field("ops", &self.ops.iter().map(|l| l.name).collect::<Vec<_>>())
             .field("error", &self.error)
             .finish()
-    }
-}
-
-/// A failed NCCL call: its name and result.
-pub(crate) type CallError = (&'static str, sys::ncclResult_t);
-
-/// `Ok` for `ncclSuccess` and `ncclInProgress` (a non-blocking
-/// communicator goes on in NCCL's threads: poll it).
-pub(crate) fn ok_or(
-    call: &'static str,
-    r: sys::ncclResult_t,
-) -> std::result::Result<(), CallError> {
-    match r {
-        sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => Ok(()),
-        _ => Err((call, r)),
-    }
-}
-
-/// Runs `enqueue` between `ncclGroupStart` and `ncclGroupEnd` (the end
-/// always runs, so this thread's group is closed whatever happens); the
-/// first failing call.
-pub(crate) fn grouped(
-    enqueue: impl FnOnce() -> std::result::Result<(), CallError>,
-) -> std::result::Result<(), CallError> {
-    // SAFETY: ncclGroupStart takes no arguments and opens a group on this
-    // thread; the library and symbol are present (a communicator exists).
-    ok_or("ncclGroupStart", unsafe { sys::ncclGroupStart() })?;
-    let r = enqueue();
-    // SAFETY: closes the group opened above, on the same thread.
-    let end = ok_or("ncclGroupEnd", unsafe { sys::ncclGroupEnd() });
-    r.and(end)
-}
-
-/// Enqueues one collective.
-///
-/// # Safety
-/// `raw` is a live communicator whose lock the caller holds; `l.send` and
-/// `l.recv` are device addresses on its GPU valid for the counts of
-/// `l.plan`, and stay valid until the collective completes; `stream`
-/// belongs to that GPU.
-unsafe fn enqueue(
-    l: &Launch,
-    raw: sys::ncclComm_t,
-    stream: sys::cudaStream_t,
-) -> std::result::Result<(), CallError> {
-    let dt = ffi::data_type(l.plan.dtype);
-    let op = ffi::red_op(l.reduce.unwrap_or(ReduceOp::Sum));
-    let (send, recv) = (l.send as *const c_void, l.recv as *mut c_void);
-    let n = l.plan.count;
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        match l.plan.coll {
-            Coll::AllReduce => ok_or(
-                "ncclAllReduce",
-                sys::ncclAllReduce(send, recv, n, dt, op, raw, stream),
-            ),
-            Coll::ReduceScatter => ok_or(
-                "ncclReduceScatter",
-                sys::ncclReduceScatter(send, recv, n, dt, op, raw, stream),
-            ),
-            Coll::AllGather => ok_or(
-                "ncclAllGather",
-                sys::ncclAllGather(send, recv, n, dt, raw, stream),
-            ),
-        }
     }
 }

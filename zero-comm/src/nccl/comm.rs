@@ -171,8 +171,9 @@ impl NcclComm {
         // `raw` and `config` are valid for the call and NCCL copies the
         // config; the rank and size were checked; this device's context is
         // current, which is the device NCCL binds the communicator to.
-        let r =
-            unsafe { sys::ncclCommInitRankConfig(&mut raw, n, ffi::sys_id(id), r, &mut config) };
+        let r = unsafe {
+            sys::ncclCommInitRankConfig(&mut raw, n, ffi::sys_id(id.as_bytes()), r, &mut config)
+        };
         let started = Instant::now();
         {
             let mut st = comm.lock();
@@ -202,7 +203,7 @@ impl NcclComm {
         if comm.opts.validate {
             let scratch = comm
                 .stream
-                .alloc_zeros::<u64>(super::validate::WORDS * world)
+                .alloc_zeros::<u64>(super::describe::WORDS * world)
                 .map_err(|e| comm.cuda_error("nccl_init", "cuMemAllocAsync", e))?;
             comm.lock().scratch = Some(scratch);
         }

@@ -14,7 +14,7 @@ use cudarc::nccl::sys;
 use zero_core::DType;
 
 use super::check::{version_string, MIN_VERSION};
-use super::{NcclError, NcclFailure, NcclId};
+use super::{NcclError, NcclFailure};
 use crate::ReduceOp;
 
 /// Every NCCL function the backend calls. cudarc resolves a symbol on its
@@ -116,8 +116,11 @@ fn load() -> Result<i32, NcclFailure> {
     Ok(v)
 }
 
-/// A new unique id (`ncclGetUniqueId`).
-pub(crate) fn unique_id() -> Result<NcclId, NcclError> {
+/// Bytes of an NCCL unique id (`NCCL_UNIQUE_ID_BYTES`).
+pub(crate) const ID_BYTES: usize = 128;
+
+/// A new unique id (`ncclGetUniqueId`), as its bytes.
+pub(crate) fn unique_id() -> Result<[u8; ID_BYTES], NcclError> {
     library()?;
     let mut id = MaybeUninit::<sys::ncclUniqueId>::uninit();
     // SAFETY: the library and symbol are present (library()); NCCL writes
@@ -132,13 +135,13 @@ pub(crate) fn unique_id() -> Result<NcclId, NcclError> {
     }
     // SAFETY: ncclGetUniqueId succeeded, so the id is initialized.
     let id = unsafe { id.assume_init() };
-    Ok(NcclId::from_bytes(id.internal.map(|c| c as u8)))
+    Ok(id.internal.map(|c| c as u8))
 }
 
-/// The id as NCCL takes it.
-pub(crate) fn sys_id(id: &NcclId) -> sys::ncclUniqueId {
+/// An id's bytes as NCCL takes them.
+pub(crate) fn sys_id(bytes: &[u8; ID_BYTES]) -> sys::ncclUniqueId {
     sys::ncclUniqueId {
-        internal: id.as_bytes().map(|b| b as std::ffi::c_char),
+        internal: bytes.map(|b| b as std::ffi::c_char),
     }
 }
 
@@ -256,7 +259,7 @@ mod tests {
     #[test]
     fn ids_convert_both_ways() {
         let bytes: [u8; 128] = std::array::from_fn(|i| (255 - i) as u8);
-        let s = sys_id(&NcclId::from_bytes(bytes));
+        let s = sys_id(&bytes);
         assert_eq!(s.internal.map(|c| c as u8), bytes);
     }
 

@@ -9,10 +9,10 @@
 //!  every rank: decode ─▶ NcclId, or PeerFailed { peer: 0 } when rank 0 failed
 //! ```
 //!
-//! Host collectives move f32, bf16 and f16 only; each byte travels as the
-//! f32 of its value (0.0 ..= 255.0), exact whatever a transport does with
-//! floats. Rank 0 always takes part in the broadcast, also when it could
-//! not create the id, so no rank waits for an id that never comes.
+//! The id travels in a typed broadcast: each byte as the f32 of its value
+//! (0.0 ..= 255.0), exact whatever a transport does with floats. Rank 0
+//! always takes part in the broadcast, also when it could not create the
+//! id, so no rank waits for an id that never comes.
 
 use zero_core::HostBuffer;
 
@@ -41,7 +41,9 @@ impl NcclId {
     pub fn new() -> Result<NcclId> {
         #[cfg(feature = "cuda")]
         {
-            super::ffi::unique_id().map_err(Error::from)
+            super::ffi::unique_id()
+                .map(NcclId::from_bytes)
+                .map_err(Error::from)
         }
         #[cfg(not(feature = "cuda"))]
         {

@@ -116,6 +116,10 @@ mod collectives;
 #[cfg(feature = "cuda")]
 mod comm;
 #[cfg(feature = "cuda")]
+mod describe;
+#[cfg(feature = "cuda")]
+mod enqueue;
+#[cfg(feature = "cuda")]
 mod ffi;
 #[cfg(feature = "cuda")]
 mod group;

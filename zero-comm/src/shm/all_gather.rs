@@ -15,16 +15,16 @@
 //! In place, a rank's input is region r of its own output, so that store is
 //! skipped.
 
-use zero_core::Element;
-
 use super::Ctx;
 use crate::counts::offsets;
 use crate::reduce::copy_to_all;
 
+/// Moves elements of any type (a float dtype, or bytes): it only copies.
+///
 /// # Safety
 /// See `ShmGroup::run`; send p holds `counts[p]` elements, every recv
 /// holds `sum(counts)`.
-pub(crate) unsafe fn run<T: Element>(ctx: &Ctx<'_>) {
+pub(crate) unsafe fn run<T: Copy>(ctx: &Ctx<'_>) {
     let off = offsets(ctx.counts)[ctx.rank];
     let count = ctx.counts[ctx.rank];
     if count == 0 {

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use zero_core::{bf16, f16, DType, Element};
 
-use crate::op::{OpDesc, OpKind};
+use crate::op::{Elem, OpDesc, OpKind};
 use crate::{Error, Result};
 
 // State words: 0 means the slot has not been initialised yet.
@@ -395,17 +395,25 @@ impl Ctx<'_> {
     }
 }
 
-/// Runs the algorithm `ctx.desc` names, for its dtype.
+/// Runs the algorithm `ctx.desc` names, for its element type.
 ///
 /// # Safety
 /// See [`ShmGroup::run`].
 pub(crate) unsafe fn dispatch_dtype(ctx: &Ctx<'_>) {
     // SAFETY: forwarded from the caller.
     unsafe {
-        match ctx.desc.dtype {
-            DType::F32 => dispatch::<f32>(ctx),
-            DType::BF16 => dispatch::<bf16>(ctx),
-            DType::F16 => dispatch::<f16>(ctx),
+        match ctx.desc.elem {
+            Elem::Num(DType::F32) => dispatch::<f32>(ctx),
+            Elem::Num(DType::BF16) => dispatch::<bf16>(ctx),
+            Elem::Num(DType::F16) => dispatch::<f16>(ctx),
+            Elem::Byte => match ctx.desc.kind {
+                OpKind::AllGather => all_gather::run::<u8>(ctx),
+                OpKind::Barrier => {}
+                kind => unreachable!(
+                    "{} of bytes: only all_gather_bytes makes byte collectives",
+                    kind.name()
+                ),
+            },
         }
     }
 }
