@@ -676,14 +676,19 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The facade's modules (`src/`), the engine's files counted as one module
-/// `engine` (its inner structure is checked once the engine is split into
-/// components; see issue 18): no cycles.
+/// The facade's modules (`src/`): no cycles. The engine's components
+/// (`src/engine/{reducer,gatherer,optimizer,health,lease,stats,...}.rs`)
+/// are checked one by one; only the files that still hold `impl Engine`
+/// blocks (`checkpoint.rs`, `export.rs`) count as part of the `engine`
+/// module itself.
 #[test]
 fn src_modules_import_one_way() {
     let krate = Crate::read(&root().join("src"));
     let edges = krate.edges(&|m: &ModPath| {
-        if m.first().map(String::as_str) == Some("engine") {
+        let engine_itself = m.first().map(String::as_str) == Some("engine")
+            && m.get(1)
+                .is_none_or(|f| matches!(f.as_str(), "checkpoint" | "export"));
+        if engine_itself {
             vec!["engine".to_string()]
         } else {
             m.clone()

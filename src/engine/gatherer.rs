@@ -27,10 +27,10 @@ use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
 use zero_core::partition::PartitionPlan;
 use zero_core::DType;
 
-use super::dynbuf::DynBuf;
+use super::dynbuf::{ring_bytes, DynBuf};
 use super::lease::exclusive;
 use super::param_offload::{Fetch, ParamOffload};
-use super::{ring_bytes, wait_traced, EngineStats};
+use super::stats::EngineStats;
 use crate::schedule::{Action, Actions, Stage3Knobs, Stage3Schedule};
 use crate::trace::Tracer;
 use crate::Result;
@@ -219,7 +219,7 @@ impl ParamGatherer {
                 }
                 Action::Wait(i) => {
                     if let Some(w) = self.inflight[i].take() {
-                        self.full[i] = Some(Arc::new(wait_traced(tracer, comm.rank(), w)?));
+                        self.full[i] = Some(Arc::new(tracer.wait(comm.rank(), w)?));
                     }
                 }
                 Action::Free(i) => {

@@ -111,10 +111,11 @@ mod offload;
 mod optimizer;
 mod param_offload;
 mod reducer;
+mod stats;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use zero_comm::agree::{exchange_u64, first_failure};
 use zero_comm::{Communicator, Work};
@@ -130,7 +131,7 @@ pub use crate::format::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
 pub use crate::format::safetensors::ExportDtype;
 use crate::trace::Tracer;
 use crate::{Error, Result};
-pub(crate) use dynbuf::ring_bytes;
+use dynbuf::ring_bytes;
 use dynbuf::DynBuf;
 pub use export::export_checkpoint;
 use gatherer::{GatherIo, HomeShards, ParamGatherer, Shards};
@@ -143,6 +144,7 @@ use offload::{Offload, UnitRanges};
 use optimizer::{relative, Moments, OptimizerShard};
 use param_offload::ParamOffload;
 use reducer::{GradReducer, GradState};
+pub use stats::EngineStats;
 
 /// A registered unit of one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -176,52 +178,6 @@ pub struct StepOutcome {
     pub loss_scale: f32,
     /// Optimizer steps applied so far.
     pub steps: u64,
-}
-
-/// Time and traffic counters, for benchmarks and logs. Times are wall
-/// time this rank spent in each phase; bytes are what this rank sent, as a
-/// ring algorithm moves them ((N-1)/N of the buffer per reduce-scatter or
-/// all-gather, twice that per all-reduce).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct EngineStats {
-    /// Waiting for, and storing, gradient reductions.
-    pub reduce_time: Duration,
-    /// Norm, clipping and AdamW.
-    pub optimizer_time: Duration,
-    /// Parameter all-gathers (stages 1–2 after the step; stage 3 gathers
-    /// the trainer waited for).
-    pub gather_time: Duration,
-    /// Bytes sent for gradient reductions.
-    pub reduce_bytes: u64,
-    /// Bytes sent for parameter all-gathers.
-    pub gather_bytes: u64,
-    /// Bytes this rank read from a checkpoint's rank files in
-    /// [`Engine::load_checkpoint`]: whole CRC blocks, those that hold the
-    /// elements the rank needs, each read once without offload (with
-    /// offload a block two ranges share may be read again, and with both
-    /// optimizer and parameter offload the master twice).
-    pub checkpoint_read_bytes: u64,
-    /// Stage 3: most elements ever gathered at once (in use, kept for
-    /// reuse, prefetched or persistent).
-    pub peak_live_elems: usize,
-    /// Stage 3: all-gathers issued ahead of use.
-    pub prefetches: u64,
-    /// Stage 3: gathers that found their unit already resident or in flight.
-    pub prefetch_hits: u64,
-    /// Stage 3 with `offload_param.device = "nvme"`: gathers whose shard
-    /// read from the swap file was issued ahead of them.
-    pub param_reads_ahead: u64,
-    /// Stage 3 with `offload_param.device = "nvme"`: shard reads from the
-    /// parameter swap file (a gather whose shard was not in the host cache
-    /// of `offload_param.max_in_cpu` elements).
-    pub param_swap_reads: u64,
-    /// Stage 3 with `offload_param.device = "nvme"`: gathers whose shard
-    /// came from the host cache (`offload_param.max_in_cpu`), with no swap
-    /// read.
-    pub param_cache_hits: u64,
-    /// Stage 3: micro-batches whose gather order differed from the recorded
-    /// one (or ended early), so that their order was recorded instead.
-    pub gather_order_changes: u64,
 }
 
 /// The full (unsharded) state of one unit, read out for evaluation and
@@ -781,13 +737,6 @@ fn check_agreement<C: Communicator>(
         }
     }
     Ok(())
-}
-
-/// Waits for a collective and records, on the tracer's `collective` track,
-/// when it ran on the progress thread (so that a trace shows how much of
-/// it overlapped compute).
-pub(crate) fn wait_traced<R: 'static>(tracer: &Tracer, rank: usize, work: Work<R>) -> Result<R> {
-    tracer.wait(rank, work)
 }
 
 impl<C: Communicator> Engine<C> {
@@ -1821,7 +1770,7 @@ impl<C: Communicator> Engine<C> {
                 .pop_front()
                 .expect("a stale unit has its all-gather queued or in flight");
             self.param_gather_elems -= self.units[j].layout.padded_numel;
-            self.units[j].params = Some(Arc::new(wait_traced(&self.tracer, self.rank, w)?));
+            self.units[j].params = Some(Arc::new(self.tracer.wait(self.rank, w)?));
             self.units[j].stale = false;
         }
     }
@@ -1836,7 +1785,7 @@ impl<C: Communicator> Engine<C> {
                 None => {
                     let (j, w) = self.param_gathers.pop_front().expect("not empty");
                     self.param_gather_elems -= self.units[j].layout.padded_numel;
-                    self.units[j].params = Some(Arc::new(wait_traced(&self.tracer, self.rank, w)?));
+                    self.units[j].params = Some(Arc::new(self.tracer.wait(self.rank, w)?));
                     self.units[j].stale = false;
                 }
             }

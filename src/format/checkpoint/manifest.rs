@@ -13,10 +13,8 @@ use zero_core::DType;
 
 use super::super::safetensors::ExportDtype;
 use super::super::{ck, io};
-use super::{
-    checkpoint_dir, rank_file, BLOCK, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST_FILE,
-    MODEL_FILE,
-};
+use super::names::{checkpoint_dir, rank_file};
+use super::{BLOCK, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST_FILE, MODEL_FILE};
 use crate::Result;
 
 /// A tensor of a saved unit.

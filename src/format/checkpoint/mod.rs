@@ -43,7 +43,7 @@
 //!
 //! A crash at any point leaves the previous checkpoint (and `latest`)
 //! intact or the new one complete; `.tmp-*` directories are ignored when a
-//! root is opened ([`checkpoint_dir`]), and a root whose `latest` is
+//! root is opened ([`checkpoint_dir`](names::checkpoint_dir)), and a root whose `latest` is
 //! missing opens its newest `step*` directory (only complete checkpoints
 //! are renamed into place).
 //!
@@ -74,6 +74,7 @@ use zero_core::partition::PartitionPlan;
 use crate::Result;
 
 mod manifest;
+mod names;
 mod rank_file;
 mod reader;
 mod root;
@@ -82,9 +83,10 @@ mod writer;
 pub(crate) use manifest::{
     check_units, read_manifest, saved_plan, FileEntry, Manifest, ModelFileEntry, SavedRun,
 };
-pub(crate) use rank_file::{check_files, rank_file, StateArray};
+pub(crate) use names::rank_file;
+pub(crate) use rank_file::{check_files, StateArray};
 pub(crate) use reader::Reader;
-pub(crate) use root::{checkpoint_dir, prepare, publish, step_dir_name, tmp_dir};
+pub(crate) use root::{prepare, publish, step_dir_name, tmp_dir};
 pub(crate) use writer::RankFileWriter;
 
 /// The `format` of a checkpoint manifest.

@@ -10,6 +10,7 @@ use std::path::Path;
 use zero_core::partition::{PartitionPlan, UnitLayout};
 
 use super::super::{ck, io};
+use super::names::rank_file;
 use super::{Manifest, BLOCK, CHECKPOINT_VERSION, MANIFEST_FILE};
 use crate::Result;
 
@@ -17,11 +18,6 @@ use crate::Result;
 const MAGIC: &[u8; 8] = b"ZEROCKPT";
 /// The header's length: [`MAGIC`], the version and the rank (u32 LE).
 pub(super) const HEADER: u64 = 16;
-
-/// The name of saving rank `r`'s file.
-pub(crate) fn rank_file(r: usize) -> String {
-    format!("rank{r:05}.bin")
-}
 
 /// The header of rank `rank`'s file.
 pub(super) fn header(rank: usize) -> [u8; HEADER as usize] {
