@@ -7,13 +7,15 @@
 //!   `CpuAdamW` / `optim::sum_squares`. It runs on every CPU mode.
 //! - The hazard checker on the CPU backend: a missing wait or sync fails
 //!   with `Error::Hazard` naming the buffer, both operations and both
-//!   streams, in Checked mode; the same
+//!   streams, in Checked mode and in Chaos mode on every seed; the same
 //!   program with the wait passes; Inline checks nothing.
-//! - A drop while in use is reported by the next call.
+//! - Chaos mode: the same numbers as Inline for a correctly ordered
+//!   multi-stream program, freed memory poisoned, a drop while in use
+//!   reported by the next call.
 
 use zero_core::backend::{
     AccessKind, AdamWPart, Agent, Backend, BufferHandle, CpuBackend, CpuMode, PackPiece, Stream,
-    UnpackPiece,
+    UnpackPiece, POISON,
 };
 use zero_core::optim::{sum_squares, AdamWParams, AdamWSlices, AdamWStep, CpuAdamW, NORM_CHUNK};
 use zero_core::{bf16, f16, Element, Error, HostBuffer, Result};
@@ -43,7 +45,12 @@ impl Rng {
 
 /// Every CPU mode: the conformance suite must hold on each.
 fn modes() -> Vec<CpuMode> {
-    vec![CpuMode::Inline, CpuMode::Checked]
+    vec![
+        CpuMode::Inline,
+        CpuMode::Checked,
+        CpuMode::Chaos { seed: 1 },
+        CpuMode::Chaos { seed: 2 },
+    ]
 }
 
 fn each_mode(f: impl Fn(&CpuBackend)) {
@@ -571,12 +578,19 @@ fn assert_early_drop_reported(dev: &CpuBackend) {
 }
 
 #[test]
-fn a_missing_wait_fails_in_checked_mode() {
+fn a_missing_wait_fails_in_checked_mode_and_on_every_chaos_seed() {
     let want: Vec<f32> = (0..64).map(|i| i as f32 * 0.5).collect();
     let dev = CpuBackend::new(CpuMode::Checked).unwrap();
     assert_missing_wait(&bucket_program(&dev, false).unwrap_err());
     assert_early_drop_reported(&dev);
     assert_eq!(bucket_program(&dev, true).unwrap(), want);
+    for seed in 0..100 {
+        let dev = CpuBackend::new(CpuMode::Chaos { seed }).unwrap();
+        assert_missing_wait(&bucket_program(&dev, false).unwrap_err());
+        assert_early_drop_reported(&dev);
+        // The refused operation did not run, and the backend goes on.
+        assert_eq!(bucket_program(&dev, true).unwrap(), want, "seed {seed}");
+    }
 }
 
 #[test]
@@ -593,7 +607,7 @@ fn inline_mode_checks_nothing_and_is_the_default() {
 }
 
 fn checked_modes() -> Vec<CpuBackend> {
-    [CpuMode::Checked]
+    [CpuMode::Checked, CpuMode::Chaos { seed: 3 }]
         .into_iter()
         .map(|m| CpuBackend::new(m).unwrap())
         .collect()
@@ -811,8 +825,155 @@ fn a_drop_while_in_use_is_reported_by_the_next_call() {
             msg.contains(&format!("\"src\" ({src_id}) [0..1000): drop on host writes while copy_d2d on compute (not synced) reads [0..1000)")),
             "{msg}"
         );
-        // Reported once; the copy saw the data.
+        // Reported once; the copy still saw the data (Chaos: the memory
+        // was freed only after the queues passed the drop).
         dev.sync_all().unwrap();
         assert_eq!(dev.host_slice(&dst, 0..1000).unwrap(), &[3.0; 1000][..]);
     }
+}
+
+// ---------------------------------------------------------------------------
+// Chaos mode.
+// ---------------------------------------------------------------------------
+
+/// A correctly ordered multi-stream step: upload, pack on compute, a
+/// "collective" on comm (host code on lent memory), unpack with
+/// accumulation, the norm, AdamW with a bf16 copy, download. Returns the
+/// parameters, the master weights and the norm.
+fn ordered_step(dev: &CpuBackend) -> Result<(Vec<bf16>, Vec<f32>, f64)> {
+    let mut rng = Rng(21);
+    let n = 3000;
+    let g0: Vec<bf16> = rng.vec(n);
+    let g1: Vec<bf16> = rng.vec(n);
+    let master: Vec<f32> = rng.vec(2 * n);
+    let (b0, b1) = (upload(dev, &g0, "grad 0")?, upload(dev, &g1, "grad 1")?);
+    let mut dm = upload(dev, &master, "master")?;
+    let (mut m, mut v) = (dev.alloc::<f32>(2 * n, "m")?, dev.alloc::<f32>(2 * n, "v")?);
+    let mut acc = upload(dev, &rng.vec::<f32>(2 * n), "acc")?;
+    let mut params = dev.alloc::<bf16>(2 * n, "params")?;
+    let mut bucket = dev.alloc::<f32>(2 * n, "bucket 0")?;
+    for step in 1..=3u64 {
+        dev.pack(
+            Compute,
+            &[
+                PackPiece {
+                    src: &b0,
+                    src_at: 0,
+                    dst_at: 0,
+                    len: n,
+                },
+                PackPiece {
+                    src: &b1,
+                    src_at: 0,
+                    dst_at: n,
+                    len: n,
+                },
+            ],
+            &mut bucket,
+        )?;
+        let packed = dev.record(Compute)?;
+        dev.wait(Comm, &packed)?;
+        let (loan, mut host) =
+            dev.lend(Comm, "all_reduce", bucket, &[(0..2 * n, AccessKind::Write)])?;
+        for x in host.iter_mut() {
+            *x = *x * 2.0 + 0.25;
+        }
+        let (b, reduced) = dev.give_back(loan, host)?;
+        bucket = b;
+        dev.wait(Compute, &reduced)?;
+        dev.unpack(
+            Compute,
+            &bucket,
+            &mut [UnpackPiece {
+                dst: &mut acc,
+                dst_at: 0,
+                src_at: 0,
+                len: 2 * n,
+            }],
+            true,
+        )?;
+        let norm = dev.sum_squares(Compute, &[(&acc, 0..n), (&acc, n..2 * n)])?;
+        let k = AdamWStep::new(&AdamWParams::torch_default(), 1e-3, step, 0.5);
+        dev.adamw(
+            Compute,
+            &k,
+            vec![AdamWPart {
+                master: &mut dm,
+                m: &mut m,
+                v: &mut v,
+                state: 0..2 * n,
+                grad: &acc,
+                grad_at: 0,
+                low: Some((&mut params, 0)),
+            }],
+        )?;
+        let done = dev.record(Compute)?;
+        dev.sync(&done)?;
+        let _ = dev.read_scalars(&norm)?;
+    }
+    let norm = dev.sum_squares(Compute, &[(&acc, 0..2 * n)])?;
+    let p = download(dev, &params)?;
+    let w = download(dev, &dm)?;
+    Ok((p, w, dev.read_scalars(&norm)?[0]))
+}
+
+#[test]
+fn chaos_gives_the_numbers_of_inline_on_every_seed() {
+    let (p, w, norm) = ordered_step(&CpuBackend::new(CpuMode::Inline).unwrap()).unwrap();
+    for seed in 0..20 {
+        let dev = CpuBackend::new(CpuMode::Chaos { seed }).unwrap();
+        let (p2, w2, norm2) = ordered_step(&dev).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        assert_eq!(bits(&p2), bits(&p), "seed {seed}");
+        assert_eq!(bits(&w2), bits(&w), "seed {seed}");
+        assert_eq!(norm2.to_bits(), norm.to_bits(), "seed {seed}");
+    }
+    let (p3, _, _) = ordered_step(&CpuBackend::new(CpuMode::Checked).unwrap()).unwrap();
+    assert_eq!(bits(&p3), bits(&p));
+}
+
+#[test]
+fn chaos_poisons_freed_memory() {
+    let dev = CpuBackend::new(CpuMode::Chaos { seed: 5 }).unwrap();
+    let mut b = dev.alloc::<bf16>(100, "freed").unwrap();
+    let id = b.id();
+    dev.fill(Compute, &mut b, 0..100, bf16::ONE).unwrap();
+    let done = dev.record(Compute).unwrap();
+    dev.sync(&done).unwrap();
+    drop(b);
+    dev.sync_all().unwrap();
+    let bytes = dev
+        .quarantined(id)
+        .expect("the freed buffer is quarantined");
+    assert_eq!(bytes.len(), 200);
+    assert!(bytes.iter().all(|&x| x == POISON));
+    let poisoned: bf16 = bytemuck::pod_read_unaligned(&bytes[..2]);
+    assert!(poisoned.is_nan());
+    // The other modes keep nothing.
+    let dev = CpuBackend::new(CpuMode::Checked).unwrap();
+    let b = dev.alloc::<f32>(4, "x").unwrap();
+    let id = b.id();
+    drop(b);
+    assert_eq!(dev.quarantined(id), None);
+}
+
+#[test]
+fn chaos_runs_streams_concurrently() {
+    // A stream waiting for an event blocks only itself: the host and the
+    // other streams go on, and results arrive once the event's work ran.
+    let dev = CpuBackend::new(CpuMode::Chaos { seed: 9 }).unwrap();
+    let mut a = dev.alloc::<f32>(1 << 16, "a").unwrap();
+    let mut b = dev.alloc::<f32>(1 << 16, "b").unwrap();
+    for i in 0..50 {
+        dev.fill(Compute, &mut a, 0..1 << 16, i as f32).unwrap();
+    }
+    let filled = dev.record(Compute).unwrap();
+    dev.wait(Comm, &filled).unwrap();
+    dev.copy_d2d(Comm, &a, 0, &mut b, 0, 1 << 16).unwrap();
+    let copied = dev.record(Comm).unwrap();
+    dev.sync(&copied).unwrap();
+    assert!(dev
+        .host_slice(&b, 0..1 << 16)
+        .unwrap()
+        .iter()
+        .all(|&x| x == 49.0));
 }

@@ -34,7 +34,8 @@
 //! refused with [`Error::Hazard`](crate::Error::Hazard), naming the buffer,
 //! both operations and both streams. Ordering is decided by the events the
 //! caller recorded and waited for, not by timing, so a missing wait fails on
-//! every run.
+//! every run. `Chaos` adds real concurrency: one worker thread per stream
+//! with random delays, real events, and freed buffers poisoned.
 //!
 //! The rules the checker enforces, for a new access `b` on agent `X` (a
 //! stream, or the host) and an earlier access `a` on agent `Y` to an
@@ -68,7 +69,7 @@ use crate::{DType, Device, Element, Result};
 pub mod cpu;
 mod hazard;
 
-pub use cpu::{CpuBackend, CpuBuffer, CpuEvent, CpuMode, CpuScalars, Loan};
+pub use cpu::{CpuBackend, CpuBuffer, CpuEvent, CpuMode, CpuScalars, Loan, POISON};
 
 /// A stream of one rank's device: compute, communication, host-to-device
 /// and device-to-host copies (the same kinds as the CUDA streams of

@@ -14,6 +14,13 @@
 //!   refused with [`Error::Hazard`], before anything runs. Because ordering
 //!   is decided by the events the caller waited for, never by timing, a
 //!   missing wait fails on every run.
+//! - [`CpuMode::Chaos`]: the checker, plus real concurrency. Each stream is
+//!   a worker thread running its queue in order, each operation after a
+//!   random delay drawn from the seed; events are real (a stream waits for
+//!   another's progress, `sync` blocks the host). A dropped buffer's memory
+//!   is poisoned (every byte `0xFF`, a NaN in every dtype) once every queue
+//!   has passed the drop, and kept for a while before it is reused. A
+//!   correctly ordered program gives the same numbers as in `Inline`.
 //!
 //! # Memory shared with host code
 //!
@@ -42,9 +49,13 @@ use super::{
 use crate::optim::{AdamWSlices, AdamWStep, CpuAdamW};
 use crate::{Device, Element, Error, HostBuffer, Result};
 
+mod chaos;
 mod kernels;
 
+use chaos::Workers;
 use kernels::{store, Raw};
+
+pub use chaos::POISON;
 
 /// How a [`CpuBackend`] runs and checks its operations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -56,6 +67,12 @@ pub enum CpuMode {
     /// Tests: operations run at once, after the hazard checker accepted
     /// every access they declare.
     Checked,
+    /// Tests: the checker, plus one worker thread per stream with random
+    /// delays drawn from `seed`, real events, and freed memory poisoned.
+    Chaos {
+        /// Seeds the delays.
+        seed: u64,
+    },
 }
 
 /// Buffer ids are unique across backends, so a buffer of another backend
@@ -69,7 +86,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 struct Inner {
     mode: CpuMode,
-    /// Checked.
+    /// Checked or Chaos.
     checked: bool,
     instance: u64,
     adam: CpuAdamW,
@@ -77,6 +94,7 @@ struct Inner {
     /// The first error that could not be returned where it happened (a
     /// drop, an operation on a worker); the next fallible call returns it.
     stored: Arc<Mutex<Option<Error>>>,
+    workers: Option<Workers>,
 }
 
 impl Inner {
@@ -92,8 +110,9 @@ impl Inner {
     }
 
     /// Releases the memory of buffer `id`: checked as a host write of all
-    /// of it when `check` (a conflict is stored), then freed.
-    fn release<T: Element>(&self, id: BufferId, mem: HostBuffer<T>, check: bool) {
+    /// of it when `check` (a conflict is stored), then freed at once, or in
+    /// Chaos mode once every queue passed this point.
+    fn release<T: Element>(&self, id: BufferId, mut mem: HostBuffer<T>, check: bool) {
         let mut checker = lock(&self.checker);
         if check {
             let decl = Decl {
@@ -106,8 +125,22 @@ impl Inner {
             }
         }
         checker.forget(id);
+        if let Some(w) = &self.workers {
+            let (ptr, bytes) = (
+                mem.as_mut_ptr().cast::<u8>(),
+                mem.capacity() * size_of::<T>(),
+            );
+            w.bury(id, Box::new(mem), ptr, bytes);
+        }
+    }
 
-        drop(mem);
+    /// Blocks until every queued operation that may touch `id` has run
+    /// (Chaos mode).
+    fn quiesce(&self, id: BufferId) {
+        if let Some(w) = &self.workers {
+            let pending = lock(&self.checker).pending(id);
+            w.wait_all(pending);
+        }
     }
 }
 
@@ -150,7 +183,8 @@ impl std::fmt::Debug for CpuBackend {
 /// slices, [`CpuBackend::lend`]), so the checked modes see every access.
 /// Dropping it is a host write of all of it: in the checked modes a drop
 /// while an unsynced operation still uses it stores [`Error::Hazard`] for
-/// the backend's next call.
+/// the backend's next call, and in Chaos mode the memory is only freed (and
+/// poisoned) once every queue has passed the drop.
 pub struct CpuBuffer<T: Element> {
     mem: ManuallyDrop<HostBuffer<T>>,
     id: BufferId,
@@ -262,6 +296,8 @@ pub struct CpuEvent {
     backend: u64,
     stream: Stream,
     clock: Clock,
+    /// Chaos: items queued on `stream` when recorded.
+    seq: u64,
 }
 
 impl CpuEvent {
@@ -352,7 +388,10 @@ impl CpuBackend {
     /// (its instruction set, threads and tiles).
     pub fn with_adamw(mode: CpuMode, adam: CpuAdamW) -> Result<Self> {
         let stored = Arc::new(Mutex::new(None));
-
+        let workers = match mode {
+            CpuMode::Chaos { seed } => Some(Workers::start(seed, stored.clone())?),
+            CpuMode::Inline | CpuMode::Checked => None,
+        };
         Ok(CpuBackend {
             inner: Arc::new(Inner {
                 mode,
@@ -361,6 +400,7 @@ impl CpuBackend {
                 adam,
                 checker: Mutex::new(Checker::new()),
                 stored,
+                workers,
             }),
         })
     }
@@ -435,7 +475,7 @@ impl CpuBackend {
             owner.release(id, mem, false);
             return Err(e);
         }
-
+        owner.quiesce(id);
         lock(&owner.checker).forget(id);
         Ok(mem)
     }
@@ -445,7 +485,9 @@ impl CpuBackend {
     /// declares (element ranges of `buf`).
     ///
     /// The operation is checked like any other: make `stream` wait for the
-    /// event after which the memory is ready first.  The loan's [`event`](Loan::event) is
+    /// event after which the memory is ready first. In Chaos mode this
+    /// blocks until the queued work that touches the buffer has run, since
+    /// the memory leaves the backend. The loan's [`event`](Loan::event) is
     /// recorded after the operation: later work on other streams must wait
     /// for it, as for any operation, once the memory is back.
     ///
@@ -483,11 +525,13 @@ impl CpuBackend {
                 })
                 .collect();
             let mut checker = lock(&owner.checker);
-            checker.enqueue(stream, op, &decls, 0)?;
+            let seq = owner.workers.as_ref().map_or(0, |w| w.pushed(stream));
+            checker.enqueue(stream, op, &decls, seq)?;
             Ok(self.event_locked(&checker, stream))
         });
         match enqueued {
             Ok(event) => {
+                owner.quiesce(id);
                 let loan = Loan {
                     id,
                     label,
@@ -581,6 +625,13 @@ impl CpuBackend {
         Ok(())
     }
 
+    /// Test hook (Chaos mode): the bytes of freed buffer `id` once its
+    /// memory was poisoned, while it is kept in quarantine; `None` before
+    /// that, after it was reused, and in the other modes.
+    pub fn quarantined(&self, id: BufferId) -> Option<Vec<u8>> {
+        self.inner.workers.as_ref()?.quarantine().bytes(id)
+    }
+
     fn own<T: Element>(&self, buf: &CpuBuffer<T>, op: &'static str) -> Result<()> {
         if Arc::ptr_eq(&buf.owner, &self.inner) {
             Ok(())
@@ -628,6 +679,7 @@ impl CpuBackend {
             backend: self.inner.instance,
             stream,
             clock: Clock::default(),
+            seq: 0,
         }
     }
 
@@ -636,11 +688,13 @@ impl CpuBackend {
             backend: self.inner.instance,
             stream,
             clock: checker.record(stream),
+            seq: self.inner.workers.as_ref().map_or(0, |w| w.pushed(stream)),
         }
     }
 
     /// Runs `job` as operation `op` on `stream`: at once in `Inline`; after
-    /// the checker accepted `decls` in `Checked`.
+    /// the checker accepted `decls` in `Checked`; queued on the stream's
+    /// worker in `Chaos`.
     ///
     /// `job` may only dereference the [`Raw`] ranges that `decls` declares
     /// (with the declared access), and only ranges of buffers the caller
@@ -662,10 +716,29 @@ impl CpuBackend {
         inner.take_stored()?;
         let decls = decls();
         let mut checker = lock(&inner.checker);
-        checker.enqueue(stream, op, &decls, 0)?;
-        // Run under the lock: the checker's single host agent stands for
-        // one thread driving the backend.
-        job()
+        match &inner.workers {
+            None => {
+                checker.enqueue(stream, op, &decls, 0)?;
+                // Run under the lock: the checker's single host agent
+                // stands for one thread driving the backend.
+                job()
+            }
+            Some(w) => {
+                checker.enqueue(stream, op, &decls, w.next_seq(stream))?;
+                // SAFETY (of the job's raw ranges, which it dereferences on
+                // the worker later): the checker accepted every declared
+                // access, so each is ordered after every conflicting access
+                // enqueued earlier (and the worker honours that order
+                // through its queue and its waits), and every later
+                // conflicting access must be ordered after this one (or is
+                // refused before it is queued). The memory outlives the
+                // job: a dropped buffer is freed only after every queue ran
+                // past the drop, and lent or unwrapped memory leaves only
+                // after the jobs that touch it ran (`quiesce`).
+                w.run(stream, Box::new(job));
+                Ok(())
+            }
+        }
     }
 }
 
@@ -704,7 +777,11 @@ impl Backend for CpuBackend {
         self.inner.take_stored()?;
         let mut checker = lock(&self.inner.checker);
         checker.wait(stream, &event.clock);
-
+        if let Some(w) = &self.inner.workers {
+            if event.stream != stream {
+                w.wait(stream, event.stream, event.seq);
+            }
+        }
         Ok(())
     }
 
@@ -713,7 +790,9 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         self.own_event(event, "sync")?;
-
+        if let Some(w) = &self.inner.workers {
+            w.wait_until(event.stream, event.seq);
+        }
         self.inner.take_stored()?;
         lock(&self.inner.checker).sync(&event.clock);
         Ok(())
@@ -723,7 +802,10 @@ impl Backend for CpuBackend {
         if !self.inner.checked {
             return Ok(());
         }
-
+        if let Some(w) = &self.inner.workers {
+            let seqs = Stream::ALL.map(|s| w.pushed(s));
+            w.wait_all(seqs);
+        }
         self.inner.take_stored()?;
         lock(&self.inner.checker).sync_all();
         Ok(())
