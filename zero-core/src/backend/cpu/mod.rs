@@ -352,6 +352,21 @@ impl<T: Element> Loan<T> {
         self.id
     }
 
+    /// The label of the lent buffer.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// The number of elements lent (what must come back).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no elements were lent.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// The event recorded right after the lending operation on its stream:
     /// what later work must wait for (or the host sync) before it touches
     /// the buffer again.
