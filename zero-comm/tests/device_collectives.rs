@@ -189,7 +189,7 @@ fn using_the_result_without_waiting_for_its_event_is_a_hazard() {
                 "{msg}"
             );
             // So is the host reading it without a sync.
-            assert!(matches!(dev.host_slice(&buf, 0..8), Err(zero_core::Error::Hazard { .. })));
+            assert!(matches!(dev.host_slice(&buf, 0..8), Err(zero_core::Error::Hazard(_))));
             dev.wait(Compute, &done).unwrap();
             dev.fill(Compute, &mut buf, 0..1, 0.0).unwrap();
             let end = dev.record(Compute).unwrap();
@@ -220,14 +220,9 @@ fn a_collective_started_before_its_data_is_ready_fails_on_every_rank() {
         .unwrap();
         for (rank, e) in results {
             match &e {
-                Error::Core(zero_core::Error::Hazard {
-                    buffer,
-                    op,
-                    other_op,
-                    ..
-                }) => {
+                Error::Core(zero_core::Error::Hazard(h)) => {
                     assert_eq!(
-                        (buffer.as_str(), *op, *other_op),
+                        (h.buffer.as_str(), h.op, h.other_op),
                         ("bucket 2", "all_reduce", "fill")
                     );
                 }

@@ -114,41 +114,18 @@ pub enum Error {
     Cuda(Box<dyn std::error::Error + Send + Sync>),
     /// An access to a device buffer that is not ordered after a conflicting
     /// earlier access (the checked CPU backend's hazard checker, see
-    /// [`crate::backend`]): at least one of the two writes, their element
-    /// ranges overlap, and no chain of events orders the earlier one before
-    /// the new one. The new operation was not run.
+    /// [`crate::backend`]): the buffer, both operations, their streams and
+    /// ranges, as fields of [`Hazard`](crate::backend::Hazard). The new
+    /// operation was not run.
     ///
     /// ```text
     /// hazard on buffer "bucket 0" (#7) [0..4096): pack on compute writes
     /// while all_reduce on comm (not waited for) reads [0..8192)
     /// ```
-    #[error(
-        "hazard on buffer {buffer:?} ({id}) [{}..{}): {op} on {agent} {access} while \
-         {other_op} on {other_agent} ({}) {other_access} [{}..{})",
-        .range.start, .range.end, .agent.unordered(), .other_range.start, .other_range.end
-    )]
-    Hazard {
-        /// The buffer's label.
-        buffer: String,
-        /// The buffer's id.
-        id: crate::backend::BufferId,
-        /// The elements the refused operation accesses.
-        range: std::ops::Range<usize>,
-        /// The refused operation (e.g. `"pack"`, `"read_host"`).
-        op: &'static str,
-        /// Where it was issued: a stream, or the host.
-        agent: crate::backend::Agent,
-        /// Whether it reads or writes `range`.
-        access: crate::backend::AccessKind,
-        /// The earlier operation it conflicts with.
-        other_op: &'static str,
-        /// Where that one was issued.
-        other_agent: crate::backend::Agent,
-        /// Whether that one reads or writes `other_range`.
-        other_access: crate::backend::AccessKind,
-        /// The elements the earlier operation accesses.
-        other_range: std::ops::Range<usize>,
-    },
+    ///
+    /// Boxed, so that every `Result` of the crate stays small.
+    #[error("{0}")]
+    Hazard(Box<crate::backend::Hazard>),
     /// A device backend was used in a way it cannot serve: a buffer or event
     /// of another backend, a buffer that was freed or lent, an operation
     /// that failed on a stream's queue. `msg` names the buffer or stream.

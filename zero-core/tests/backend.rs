@@ -14,8 +14,8 @@
 //!   reported by the next call.
 
 use zero_core::backend::{
-    AccessKind, AdamWPart, Agent, Backend, BufferHandle, CpuBackend, CpuMode, PackPiece, Stream,
-    UnpackPiece, POISON,
+    AccessKind, AdamWPart, Agent, Backend, BufferHandle, CpuBackend, CpuMode, Hazard, PackPiece,
+    Stream, UnpackPiece, POISON,
 };
 use zero_core::optim::{sum_squares, AdamWParams, AdamWSlices, AdamWStep, CpuAdamW, NORM_CHUNK};
 use zero_core::{bf16, f16, Element, Error, HostBuffer, Result};
@@ -528,18 +528,19 @@ fn bucket_program(dev: &CpuBackend, wait: bool) -> Result<Vec<f32>> {
 
 fn assert_missing_wait(e: &Error) {
     match e {
-        Error::Hazard {
-            buffer,
-            range,
-            op,
-            agent,
-            access,
-            other_op,
-            other_agent,
-            other_access,
-            other_range,
-            ..
-        } => {
+        Error::Hazard(h) => {
+            let Hazard {
+                buffer,
+                range,
+                op,
+                agent,
+                access,
+                other_op,
+                other_agent,
+                other_access,
+                other_range,
+                ..
+            } = &**h;
             assert_eq!(buffer, "bucket 0");
             assert_eq!(*range, 0..64);
             assert_eq!(
@@ -631,10 +632,7 @@ fn reading_host_memory_before_sync_is_a_hazard() {
         );
         // A stream waiting is not the host knowing.
         dev.wait(Compute, &copied).unwrap();
-        assert!(matches!(
-            dev.host_slice(&host, 0..3),
-            Err(Error::Hazard { .. })
-        ));
+        assert!(matches!(dev.host_slice(&host, 0..3), Err(Error::Hazard(_))));
         dev.sync(&copied).unwrap();
         assert_eq!(dev.read_host(&host, 0..3).unwrap(), &[1.0, 2.0, 3.0]);
         // Sum-of-squares results are host reads too.

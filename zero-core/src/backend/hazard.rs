@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::{AccessKind, Agent, BufferId, Stream};
+use super::{AccessKind, Agent, BufferId, Hazard, Stream};
 use crate::{Error, Result};
 
 const HOST: usize = 4;
@@ -207,8 +207,8 @@ impl Checker {
                     ),
                 });
             }
-            let hazard =
-                |other_agent, other_op, other_access, other_range: &Range<usize>| Error::Hazard {
+            let hazard = |other_agent, other_op, other_access, other_range: &Range<usize>| {
+                Error::Hazard(Box::new(Hazard {
                     buffer: t.label.to_string(),
                     id: d.id,
                     range: d.range.clone(),
@@ -219,7 +219,8 @@ impl Checker {
                     other_agent,
                     other_access,
                     other_range: other_range.clone(),
-                };
+                }))
+            };
             // Two accesses of one operation to one buffer run concurrently
             // (e.g. the threads of a kernel): they must not conflict.
             for e in &decls[..i] {
@@ -550,7 +551,7 @@ mod tests {
                         let refused = o.access(s, r, w);
                         prop_assert_eq!(got.is_err(), refused);
                         if let Err(e) = got {
-                            prop_assert!(matches!(e, Error::Hazard { .. }), "{}", e);
+                            prop_assert!(matches!(e, Error::Hazard(_)), "{}", e);
                         }
                     }
                     Step::Host(r, w) => {

@@ -146,6 +146,59 @@ impl fmt::Display for AccessKind {
     }
 }
 
+/// An access that is not ordered after a conflicting earlier one: what
+/// [`Error::Hazard`](crate::Error::Hazard) carries. Its `Display` reads
+///
+/// ```text
+/// hazard on buffer "bucket 0" (#7) [0..4096): pack on compute writes
+/// while all_reduce on comm (not waited for) reads [0..8192)
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hazard {
+    /// The buffer's label.
+    pub buffer: String,
+    /// The buffer's id.
+    pub id: BufferId,
+    /// The elements the refused operation accesses.
+    pub range: Range<usize>,
+    /// The refused operation (e.g. `"pack"`, `"read_host"`).
+    pub op: &'static str,
+    /// Where it was issued: a stream, or the host.
+    pub agent: Agent,
+    /// Whether it reads or writes `range`.
+    pub access: AccessKind,
+    /// The earlier operation it conflicts with.
+    pub other_op: &'static str,
+    /// Where that one was issued.
+    pub other_agent: Agent,
+    /// Whether that one reads or writes `other_range`.
+    pub other_access: AccessKind,
+    /// The elements the earlier operation accesses.
+    pub other_range: Range<usize>,
+}
+
+impl fmt::Display for Hazard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "hazard on buffer {:?} ({}) [{}..{}): {} on {} {} while {} on {} ({}) {} [{}..{})",
+            self.buffer,
+            self.id,
+            self.range.start,
+            self.range.end,
+            self.op,
+            self.agent,
+            self.access,
+            self.other_op,
+            self.other_agent,
+            self.agent.unordered(),
+            self.other_access,
+            self.other_range.start,
+            self.other_range.end
+        )
+    }
+}
+
 /// What every buffer handle of a backend tells about itself.
 ///
 /// A handle owns its memory; moving it never moves the data.

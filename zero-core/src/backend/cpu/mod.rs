@@ -1104,11 +1104,22 @@ impl Backend for CpuBackend {
         dst: &mut CpuBuffer<D>,
     ) -> Result<()> {
         const OP: &str = "pack";
+        if !self.inner.checked {
+            // Production: the loops on slices, no job to build.
+            for p in pieces {
+                bounds(OP, p.src, p.src_at, p.len)?;
+                bounds(OP, dst, p.dst_at, p.len)?;
+            }
+            for p in pieces {
+                let s = &p.src.mem[p.src_at..p.src_at + p.len];
+                store(s, &mut dst.mem[p.dst_at..p.dst_at + p.len], false);
+            }
+            return Ok(());
+        }
+        self.own(dst, OP)?;
         let mut raws = Vec::with_capacity(pieces.len());
         for p in pieces {
-            if self.inner.checked {
-                self.own(p.src, OP)?;
-            }
+            self.own(p.src, OP)?;
             raws.push((
                 p.src.raw(OP, p.src_at, p.len)?,
                 dst.raw_mut(OP, p.dst_at, p.len)?,
@@ -1141,11 +1152,22 @@ impl Backend for CpuBackend {
         accumulate: bool,
     ) -> Result<()> {
         const OP: &str = "unpack";
+        if !self.inner.checked {
+            // Production: the loops on slices, no job to build.
+            for p in pieces.iter() {
+                bounds(OP, src, p.src_at, p.len)?;
+                bounds(OP, p.dst, p.dst_at, p.len)?;
+            }
+            for p in pieces.iter_mut() {
+                let s = &src.mem[p.src_at..p.src_at + p.len];
+                store(s, &mut p.dst.mem[p.dst_at..p.dst_at + p.len], accumulate);
+            }
+            return Ok(());
+        }
+        self.own(src, OP)?;
         let mut raws = Vec::with_capacity(pieces.len());
         for p in pieces.iter_mut() {
-            if self.inner.checked {
-                self.own(p.dst, OP)?;
-            }
+            self.own(p.dst, OP)?;
             raws.push((
                 src.raw(OP, p.src_at, p.len)?,
                 p.dst.raw_mut(OP, p.dst_at, p.len)?,
