@@ -17,6 +17,10 @@
 //!   ([`NcclGroup`]) or broadcast over a host communicator such as MPI's.
 //!   See [`nccl`].
 //!
+//! [`DeviceCollectives`] runs the same collectives on a device backend's
+//! buffers, ordered by its events (see [`device`]): over the CPU backend
+//! through any host communicator.
+//!
 //! How a collective runs within a node (both backends): [`shm`] describes
 //! the two-phase protocol, and each algorithm has its own file with a
 //! diagram of its data movement.
@@ -32,6 +36,7 @@ pub mod agree;
 pub mod bucket;
 mod communicator;
 mod counts;
+pub mod device;
 mod error;
 mod exec;
 mod launch;
@@ -47,6 +52,7 @@ mod work;
 pub use bucket::{shard_len, shard_range, Bucket, BucketLayout, BucketPlan, Bucketer};
 pub use communicator::{Communicator, RawOp};
 pub use counts::{even_counts, offsets};
+pub use device::{DeviceCollectives, DeviceWork};
 pub use error::{Error, Result};
 pub use launch::{launch, launched_by_mpi, Comm};
 pub use mpi::MpiComm;

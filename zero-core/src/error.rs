@@ -112,6 +112,30 @@ pub enum Error {
     /// An error from the CUDA driver, NVRTC or a CUDA library.
     #[error("cuda: {0}")]
     Cuda(Box<dyn std::error::Error + Send + Sync>),
+    /// An access to a device buffer that is not ordered after a conflicting
+    /// earlier access (the checked CPU backend's hazard checker, see
+    /// [`crate::backend`]): the buffer, both operations, their streams and
+    /// ranges, as fields of [`Hazard`](crate::backend::Hazard). The new
+    /// operation was not run.
+    ///
+    /// ```text
+    /// hazard on buffer "bucket 0" (#7) [0..4096): pack on compute writes
+    /// while all_reduce on comm (not waited for) reads [0..8192)
+    /// ```
+    ///
+    /// Boxed, so that every `Result` of the crate stays small.
+    #[error("{0}")]
+    Hazard(Box<crate::backend::Hazard>),
+    /// A device backend was used in a way it cannot serve: a buffer or event
+    /// of another backend, a buffer that was freed or lent, an operation
+    /// that failed on a stream's queue. `msg` names the buffer or stream.
+    #[error("backend: {op}: {msg}")]
+    Backend {
+        /// The operation that was refused or failed.
+        op: &'static str,
+        /// What is wrong.
+        msg: String,
+    },
 }
 
 /// `Result` with [`Error`].

@@ -12,6 +12,9 @@
 //!   panicking.
 //! - [`HostBuffer`]: an aligned host allocation that owns its elements, the
 //!   unit of data that moves through collectives.
+//! - [`backend`]: the device backend seam (typed buffers, four streams,
+//!   events, the engine's primitives) and the CPU backend with its hazard
+//!   checker.
 //! - [`partition`]: the partition plan (units of named tensors, padded so
 //!   that each splits into `world_size` equal, aligned shards).
 //! - [`memory`]: the memory tracker (per tier and category, current and
@@ -22,6 +25,7 @@
 //! - [`Error`] and [`Result`]: the one error type of this crate.
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod backend;
 mod buffer;
 pub mod config;
 pub mod cuda;
