@@ -579,25 +579,14 @@ impl Sim {
                 track(tier, Category::Grads, len * asize);
             }
         }
-        // Buckets.
-        let largest = plan
-            .units()
-            .iter()
-            .map(|u| u.padded_numel)
-            .max()
-            .unwrap_or(0);
-        let bucket_cap = cfg
-            .zero
-            .reduce_bucket_size
-            .min(plan.padded_numel())
-            .max(largest) as u64;
-        let overlaps = match stage {
-            0 => true,
-            1 => false,
-            _ => cfg.zero.overlap_comm,
-        };
-        for _ in 0..if overlaps { 2 } else { 1 } {
-            track(Tier::Device, Category::CommBuffers, bucket_cap * csize);
+        // Buckets: the engine's.
+        let (bucket_cap, count) = crate::engine::bucket_plan(cfg, &plan);
+        for _ in 0..count {
+            track(
+                Tier::Device,
+                Category::CommBuffers,
+                bucket_cap as u64 * csize,
+            );
         }
         if offloading {
             optimizer_offload(cfg, psize as usize, &state_lens, &mut track);

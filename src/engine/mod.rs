@@ -143,6 +143,7 @@ pub use lease::{GradBuffer, UnitGuard};
 use offload::{Offload, UnitRanges};
 use optimizer::{relative, Moments, OptimizerShard};
 use param_offload::ParamOffload;
+pub(crate) use reducer::buckets as bucket_plan;
 use reducer::{GradReducer, GradState};
 pub use stats::EngineStats;
 

@@ -107,6 +107,26 @@ pub(crate) fn overlaps(cfg: &ResolvedConfig) -> bool {
     }
 }
 
+/// The gradient buckets of the memory plan (the engine allocates them, the
+/// estimator counts them): their capacity in elements — as large as
+/// `reduce_bucket_size` but no larger than the model, and at least the
+/// largest unit — and how many: two when reductions overlap the backward
+/// pass, else one.
+pub(crate) fn buckets(cfg: &ResolvedConfig, plan: &PartitionPlan) -> (usize, usize) {
+    let largest = plan
+        .units()
+        .iter()
+        .map(|u| u.padded_numel)
+        .max()
+        .unwrap_or(0);
+    let cap = cfg
+        .zero
+        .reduce_bucket_size
+        .min(plan.padded_numel())
+        .max(largest);
+    (cap, if overlaps(cfg) { 2 } else { 1 })
+}
+
 impl GradReducer {
     /// Allocates every gradient home and the bucket buffers of the memory
     /// plan (prefaulted: the step takes no page faults).
@@ -151,23 +171,10 @@ impl GradReducer {
                 Some(a)
             });
         }
-        // Bucket buffers: as large as reduce_bucket_size (no larger than
-        // the model) and at least the largest unit; two when reductions
-        // overlap the backward pass.
-        let largest = plan
-            .units()
-            .iter()
-            .map(|u| u.padded_numel)
-            .max()
-            .unwrap_or(0);
-        let bucket_cap = cfg
-            .zero
-            .reduce_bucket_size
-            .min(plan.padded_numel())
-            .max(largest);
+        let (bucket_cap, count) = buckets(cfg, plan);
         let overlap = overlaps(cfg);
         let mut free = Vec::new();
-        for _ in 0..if overlap { 2 } else { 1 } {
+        for _ in 0..count {
             let mut b = DynBuf::alloc(comm, cdt, bucket_cap)?;
             b.prefault();
             allocs.push(tracker.allocate(Tier::Device, Category::CommBuffers, b.capacity_bytes()));
