@@ -428,7 +428,7 @@ fn unit_guards_release_on_drop() {
             let w = pc.param::<f32>("weight").unwrap();
             g[..w.len()].copy_from_slice(w);
             let err = e.step().unwrap_err().to_string();
-            assert!(err.contains("gradient buffer of unit `layer2`"), "{err}");
+            assert!(err.contains("unit `layer2` is still gathered"), "{err}");
             e.grad_ready(c, g).unwrap();
             let err = e.step().unwrap_err().to_string();
             assert!(err.contains("unit `layer2` is still gathered"), "{err}");
