@@ -440,7 +440,7 @@ fn unit_guards_release_on_drop() {
                 .unwrap()
                 .iter()
                 .map(|x| x.to_bits())
-                .sum::<u32>()
+                .collect::<Vec<u32>>()
         })
         .unwrap();
         assert_eq!(out[0], out[1], "stage {stage}");
