@@ -14,9 +14,6 @@
 //!   buckets, stage-3 prefetch, reuse eviction, gradient accumulation,
 //!   fp32 and no nvme host cache covers the other code paths.
 
-#[path = "../examples/llama/mod.rs"]
-mod llama;
-
 use std::path::PathBuf;
 
 use zero::comm::{Communicator, ThreadComm, ThreadGroup};
@@ -26,6 +23,7 @@ use zero::core::memory::{Category, MemoryReport, Tier};
 use zero::core::DType;
 use zero::estimate::{estimate, estimate_table, LlamaDims, Model, Setup, Workload};
 use zero::{Engine, Tracer};
+use zero_llama as llama;
 
 use llama::data;
 use llama::train::SftModel;
