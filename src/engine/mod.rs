@@ -103,6 +103,7 @@
 mod checkpoint;
 mod dynbuf;
 mod export;
+mod faults;
 mod init;
 mod offload;
 mod param_offload;
@@ -112,13 +113,13 @@ use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
+use faults::FaultPlan;
 use zero_comm::{Communicator, Work};
 use zero_core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier};
 use zero_core::optim::{clip_coefficient, AdamWSlices, AdamWStep, CpuAdamW, LossScaler};
 use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
 use zero_core::{bf16, f16, DType, Device, Element, HostBuffer};
-use zero_offload::FaultPlan;
 
 use crate::trace::Tracer;
 use crate::{Error, Result};
@@ -453,6 +454,7 @@ impl<C: Communicator> EngineBuilder<C> {
     /// (`offload_optimizer.device = "nvme"`), for testing the error paths:
     /// a failed block write, or a filesystem that rejects `O_DIRECT`. Not
     /// for production use. Ignored without nvme offload.
+    #[cfg(feature = "testing")]
     pub fn swap_faults(mut self, faults: FaultPlan) -> Self {
         self.swap_faults = Some(faults);
         self
@@ -463,6 +465,7 @@ impl<C: Communicator> EngineBuilder<C> {
     /// failed block write (counted from the build, which writes each unit
     /// shard once), or a filesystem that rejects `O_DIRECT`. Not for
     /// production use. Ignored without nvme parameter offload.
+    #[cfg(feature = "testing")]
     pub fn param_swap_faults(mut self, faults: FaultPlan) -> Self {
         self.param_swap_faults = Some(faults);
         self
