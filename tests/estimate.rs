@@ -436,7 +436,7 @@ fn matches_the_tracker_task_with_checkpointing() {
     validate("task", true, |_| {});
 }
 
-/// The settings of `tests/llama_sft.rs` and more: small buckets, prefetch
+/// The settings of `examples/llama/tests/sft.rs` and more: small buckets, prefetch
 /// of a few units, no persistence, a live cap below the model (so reuse
 /// evicts), gradient accumulation, fp32, no host cache with nvme.
 #[test]
