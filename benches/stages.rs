@@ -80,9 +80,6 @@
 //! this benchmark: timings drift 10–25% between runs, which is why every
 //! ratio is taken against baselines of the same run.
 
-#[path = "../examples/llama/mod.rs"]
-mod llama;
-
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -96,6 +93,7 @@ use zero::core::{bf16, f16, DType, Element};
 use zero::estimate::{estimate, LlamaDims, Model, Setup, Workload};
 use zero::trace::{overlap, write_chrome_trace};
 use zero::{Engine, Tracer};
+use zero_llama as llama;
 
 use llama::data;
 use llama::train::{forward_flops, SftModel};

@@ -10,11 +10,9 @@
 //! cargo run --example llama_sft -- --help
 //! ```
 //!
-//! The model, the data and the engine glue are in `examples/llama/`
-//! (`mod.rs`, `data.rs`, `train.rs`); `--help` explains every flag.
-
-#[path = "llama/mod.rs"]
-mod llama;
+//! The model, the data and the engine glue are the `zero-llama` crate in
+//! `examples/llama/` (`src/lib.rs`, `data.rs`, `train.rs`); `--help`
+//! explains every flag.
 
 use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Write};
@@ -31,6 +29,7 @@ use zero::core::optim::{LossScaleConfig, LrSchedule, WarmupType};
 use zero::core::{bf16, f16, Element, HostBuffer};
 use zero::trace::{gather_events, overlap, write_chrome_trace, Tracer};
 use zero::Engine;
+use zero_llama as llama;
 
 use llama::data::{self, Sample, Task};
 use llama::train::{forward_flops, generate, measure_gemm_peak, SftModel};

@@ -24,9 +24,10 @@
 //! override a `--config` file's blocks only when given. Every rank trains on its own samples; rank 0
 //! prints the loss (averaged over ranks) per step, a held-out loss at the
 //! end, and every rank prints its memory report.
-
-#[path = "mlp/mod.rs"]
-mod mlp;
+//!
+//! The model, [`Mlp`] (one unit per layer: registered with the builder,
+//! gathered for forward and backward, its gradient handed back with
+//! `grad_ready`), is the engine tests' model, in `zero-testkit/src/mlp.rs`.
 
 use std::path::PathBuf;
 use std::process::exit;
@@ -36,8 +37,7 @@ use zero::core::config::{AutoValues, DeepSpeedConfig, OffloadDevice, Precision, 
 use zero::core::optim::LrSchedule;
 use zero::core::{bf16, f16, Element, HostBuffer};
 use zero::Engine;
-
-use mlp::{batch, Mlp};
+use zero_testkit::mlp::{batch, Mlp};
 
 struct Args {
     stage: u8,

@@ -49,7 +49,8 @@
 # NCCL_DEBUG (default WARN).
 #
 # MPI is not needed anywhere: zero-comm and the facade are built with
-# --no-default-features (their default feature is `mpi`).
+# --no-default-features (their default feature is `mpi`); zero-llama takes
+# zero without it.
 #
 # Exit status: 0 when every step passed, 1 when one failed, 3 when there
 # was nothing to run (no cargo and no prebuilt executables).
@@ -115,15 +116,15 @@ if [ "$mode" = build ]; then
     "cuda_streams|test:cuda_streams|test -p zero-core --features cuda --test cuda_streams --no-run"
     "nvrtc|test:nvrtc|test -p zero-core --features cuda --test nvrtc --no-run"
     "nccl|test:nccl|test -p zero-comm --no-default-features --features cuda --test nccl --no-run"
-    "llama_cuda|test:llama_cuda|test -p zero --no-default-features --features cuda --test llama_cuda --no-run"
-    "llama_cuda_nvrtc|test:llama_cuda_nvrtc|test -p zero --no-default-features --features cuda --test llama_cuda_nvrtc --no-run"
+    "llama_cuda|test:cuda_kernels|test -p zero-llama --features cuda --test cuda_kernels --no-run"
+    "llama_cuda_nvrtc|test:nvrtc|test -p zero-llama --features cuda --test nvrtc --no-run"
     "cuda-bench|bench:cuda|test -p zero --no-default-features --features cuda --bench cuda --no-run"
   )
   # Where each one runs from (cargo runs tests in their package's folder).
   declare -A cwd=(
     [zero-core-lib]=zero-core [cuda_adamw]=zero-core [cuda_arena]=zero-core
     [cuda_streams]=zero-core [nvrtc]=zero-core [nccl]=zero-comm [cuda-bench]=
-    [llama_cuda]= [llama_cuda_nvrtc]=
+    [llama_cuda]=examples/llama [llama_cuda_nvrtc]=examples/llama
   )
   for b in "${builds[@]}"; do
     IFS='|' read -r name target args <<<"$b"
@@ -397,7 +398,7 @@ if [ "$mode" = cargo ]; then
   note "cargo: $CARGO ($("$CARGO" -V)); offline"
   step test-zero-core "$CARGO" test -p zero-core --features cuda
   step test-nccl "$CARGO" test -p zero-comm --no-default-features --features cuda --test nccl
-  step test-llama_cuda "$CARGO" test -p zero --no-default-features --features cuda --test llama_cuda --test llama_cuda_nvrtc
+  step test-llama_cuda "$CARGO" test -p zero-llama --features cuda --test cuda_kernels --test nvrtc
   step bench-cuda "$CARGO" bench -p zero --no-default-features --features cuda --bench cuda -- "${bench_args[@]}"
 else
   dir=$(cd "$prebuilt" 2>/dev/null && pwd) || {

@@ -41,6 +41,7 @@ cargo test -p zero-core --features cuda
 # path is tested for real; the GPU tests print "skipped").
 cargo test -p zero-comm --features cuda --lib nccl
 cargo test -p zero-comm --features cuda --test nccl
-# The Llama example's kernels: NVRTC compilation (required), the host check
-# of their math against the CPU ops, and the GPU tests (skipped without one).
-cargo test --features cuda --test llama_cuda_nvrtc --test llama_kernels_on_host --test llama_cuda
+# The Llama model's kernels (the zero-llama crate, examples/llama): NVRTC
+# compilation (required), the host check of their math against the CPU ops,
+# and the GPU tests (skipped without one).
+cargo test -p zero-llama --features cuda --test nvrtc --test kernels_on_host --test cuda_kernels

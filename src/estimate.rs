@@ -188,7 +188,7 @@ impl LlamaDims {
     }
 
     /// Bytes of one block's forward cache (f32) for `micro` sequences of
-    /// `seq` tokens: what `examples/llama/train.rs` (`cache_bytes`) keeps
+    /// `seq` tokens: what `examples/llama/src/train.rs` (`cache_bytes`) keeps
     /// per block between forward and backward.
     pub fn block_cache_bytes(&self, micro: usize, seq: usize) -> u64 {
         let (d, h) = (self.hidden, self.intermediate);
@@ -215,7 +215,7 @@ enum Script {
     /// Forward over the units in order, backward in reverse, each gathered
     /// both times; no activations.
     Generic,
-    /// `examples/llama/train.rs`.
+    /// `examples/llama/src/train.rs`.
     Llama(LlamaDims),
 }
 

@@ -3,18 +3,16 @@
 //! `keep_last`, and the errors for missing, truncated, corrupted or
 //! foreign files, unknown manifest versions and mismatched units.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 
-use common::mlp::{batch, Mlp};
-use common::*;
 use serde_json::{json, Value};
 use zero::comm::{Communicator, ThreadGroup};
 use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::{bf16, f16, Element};
 use zero::offload::FaultPlan;
 use zero::{Engine, UnitState};
+use zero_testkit::mlp::{batch, Mlp};
+use zero_testkit::runs::*;
 
 /// A fresh directory.
 fn tmp_dir(name: &str) -> PathBuf {

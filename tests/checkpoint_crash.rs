@@ -38,8 +38,6 @@
 //! `ZERO_CKPT_CRASH_SEED` replays another sequence of kills;
 //! `ZERO_CKPT_CRASH_TRIALS` sets their number (default [`TRIALS`]).
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::ExitStatusExt;
@@ -48,14 +46,14 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::mlp::{batch, Mlp};
-use common::{assert_bits_eq, MB};
 use serde_json::{json, Value};
 use zero::comm::{Communicator, ThreadGroup};
 use zero::core::bf16;
 use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::optim::LrSchedule;
 use zero::{Engine, UnitState};
+use zero_testkit::mlp::{batch, Mlp};
+use zero_testkit::runs::{assert_bits_eq, MB};
 
 /// Selects the child role: `<variant>:<root>:<swap dir>`.
 const CHILD_ENV: &str = "ZERO_CKPT_CRASH_CHILD";

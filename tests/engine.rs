@@ -3,16 +3,14 @@
 //! full batch, the memory formulas of ZeRO, stage-3 prefetch limits, and
 //! misuse errors.
 
-mod common;
-
-use common::mlp::{batch, Mlp};
-use common::*;
 use zero::comm::{Communicator, ThreadGroup};
 use zero::core::config::{Precision, ResolvedConfig};
 use zero::core::memory::{Category, Tier};
 use zero::core::partition::{TensorSpec, UnitSpec};
 use zero::core::{bf16, DType};
 use zero::{Engine, Error, Init, UnitState};
+use zero_testkit::mlp::{batch, Mlp};
+use zero_testkit::runs::*;
 
 /// Stages 0–3 end bit-identical at each world size 1–4, for gradient
 /// accumulation 1 and 3, in fp32, bf16 and fp16 (with overflow skips).

@@ -40,8 +40,6 @@
 //! (`scripts/mpirun.sh -n 2 target/debug/deps/engine_mpi-<hash>`), a worker
 //! picks the run by its number of ranks and computes its own references.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
@@ -54,8 +52,8 @@ use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::optim::LossScaleConfig;
 use zero::core::{bf16, f16, HostBuffer};
 
-use common::mlp::{batch, Mlp};
-use common::{train_with, Trained, DIMS, MB};
+use zero_testkit::mlp::{batch, Mlp};
+use zero_testkit::runs::{train_with, Trained, DIMS, MB};
 
 const STEPS: usize = 6;
 
@@ -348,7 +346,7 @@ fn train_segment<T: zero::core::Element, C: Communicator>(
     let (mut outcomes, mut losses) = (Vec::new(), Vec::new());
     for s in from..from + steps {
         for m in 0..ga {
-            // As `common::train_with`: rank r's micro-batch m of step s.
+            // As `zero_testkit::runs::train_with`: rank r's micro-batch m of step s.
             let first = (((s * ga + m) * world + rank) * MB) as u64;
             let (x, y) = batch(first, MB, DIMS[0]);
             let loss = model

@@ -14,9 +14,6 @@
 //!   buckets, stage-3 prefetch, reuse eviction, gradient accumulation,
 //!   fp32 and no nvme host cache covers the other code paths.
 
-#[path = "../examples/llama/mod.rs"]
-mod llama;
-
 use std::path::PathBuf;
 
 use zero::comm::{Communicator, ThreadComm, ThreadGroup};
@@ -26,6 +23,7 @@ use zero::core::memory::{Category, MemoryReport, Tier};
 use zero::core::DType;
 use zero::estimate::{estimate, estimate_table, LlamaDims, Model, Setup, Workload};
 use zero::{Engine, Tracer};
+use zero_llama as llama;
 
 use llama::data;
 use llama::train::SftModel;
@@ -438,7 +436,7 @@ fn matches_the_tracker_task_with_checkpointing() {
     validate("task", true, |_| {});
 }
 
-/// The settings of `tests/llama_sft.rs` and more: small buckets, prefetch
+/// The settings of `examples/llama/tests/sft.rs` and more: small buckets, prefetch
 /// of a few units, no persistence, a live cap below the model (so reuse
 /// evicts), gradient accumulation, fp32, no host cache with nvme.
 #[test]

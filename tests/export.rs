@@ -7,15 +7,8 @@
 //! directory, malformed manifest, truncated or corrupted rank file,
 //! unwritable output).
 
-mod common;
-
-#[path = "../examples/llama/mod.rs"]
-mod llama;
-
 use std::path::{Path, PathBuf};
 
-use common::mlp::{batch, Mlp};
-use common::*;
 use safetensors::SafeTensors;
 use serde_json::{json, Value};
 use zero::comm::{Communicator, ThreadComm, ThreadGroup};
@@ -23,6 +16,9 @@ use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::{bf16, f16, Element};
 use zero::engine::{export_checkpoint, ExportDtype};
 use zero::{Engine, UnitState};
+use zero_llama as llama;
+use zero_testkit::mlp::{batch, Mlp};
+use zero_testkit::runs::*;
 
 /// A fresh directory.
 fn tmp_dir(name: &str) -> PathBuf {

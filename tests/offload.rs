@@ -7,20 +7,18 @@
 //! the last good step still readable; after a failed write, the whole
 //! state after the step readable and saved to a checkpoint elsewhere).
 
-mod common;
-
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use common::mlp::{batch, Mlp};
-use common::*;
 use zero::comm::{Communicator, ThreadComm, ThreadGroup};
 use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::memory::{Category, Tier};
 use zero::core::{bf16, DType};
 use zero::offload::FaultPlan;
 use zero::Engine;
+use zero_testkit::mlp::{batch, Mlp};
+use zero_testkit::runs::*;
 
 /// A fresh directory for swap files.
 fn tmp_dir(name: &str) -> PathBuf {

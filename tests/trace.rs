@@ -3,19 +3,17 @@
 //! trace file, `gather_events` across per-rank tracers, and a disabled
 //! tracer that records nothing and changes nothing.
 
-mod common;
-
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use common::mlp::{batch, Mlp};
-use common::*;
 use zero::comm::{Communicator, ThreadGroup};
 use zero::core::bf16;
 use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::trace::{gather_events, write_chrome_trace, Event, SpanGuard, Tracer};
 use zero::{Engine, UnitState};
+use zero_testkit::mlp::{batch, Mlp};
+use zero_testkit::runs::*;
 
 static_assertions::assert_impl_all!(Tracer: Clone, Send, Sync, Default);
 static_assertions::assert_impl_all!(SpanGuard: Send, Sync);

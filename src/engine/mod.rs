@@ -103,6 +103,7 @@
 mod checkpoint;
 mod dynbuf;
 mod export;
+mod faults;
 mod gatherer;
 mod health;
 mod init;
@@ -117,6 +118,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
+use faults::FaultPlan;
 use zero_comm::agree::{exchange_u64, first_failure};
 use zero_comm::{Communicator, Work};
 use zero_core::config::{CheckFor, OffloadDevice, Precision, ResolvedConfig};
@@ -124,7 +126,6 @@ use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier}
 use zero_core::optim::{clip_coefficient, AdamWStep, CpuAdamW, LossScaler};
 use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
 use zero_core::{bf16, f16, DType, Device, Element, HostBuffer};
-use zero_offload::FaultPlan;
 
 use crate::agree::agree_on_setup;
 pub use crate::format::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
@@ -354,6 +355,7 @@ impl<C: Communicator> EngineBuilder<C> {
     /// (`offload_optimizer.device = "nvme"`), for testing the error paths:
     /// a failed block write, or a filesystem that rejects `O_DIRECT`. Not
     /// for production use. Ignored without nvme offload.
+    #[cfg(feature = "testing")]
     pub fn swap_faults(mut self, faults: FaultPlan) -> Self {
         self.swap_faults = Some(faults);
         self
@@ -364,6 +366,7 @@ impl<C: Communicator> EngineBuilder<C> {
     /// failed block write (counted from the build, which writes each unit
     /// shard once), or a filesystem that rejects `O_DIRECT`. Not for
     /// production use. Ignored without nvme parameter offload.
+    #[cfg(feature = "testing")]
     pub fn param_swap_faults(mut self, faults: FaultPlan) -> Self {
         self.param_swap_faults = Some(faults);
         self

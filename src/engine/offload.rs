@@ -91,10 +91,11 @@ use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
 use zero_core::optim::{AdamWSlices, AdamWStep, CpuAdamW};
 use zero_core::{DType, Element};
 use zero_offload::{
-    FaultPlan, HostPool, HostPoolOptions, IoError, IoTicket, PooledBuffer, RegionId, RegionSpec,
-    SwapFile, SwapOptions,
+    HostPool, HostPoolOptions, IoError, IoTicket, PooledBuffer, RegionId, RegionSpec, SwapFile,
+    SwapOptions,
 };
 
+use super::faults::{set_faults, FaultPlan};
 use crate::trace::{RankTracer, Tracer};
 use crate::{Error, Result};
 
@@ -281,9 +282,7 @@ impl Offload {
             let dir = oo.nvme_path.clone().unwrap_or_default();
             let mut options = SwapOptions::from_aio(dir, rank, &cfg.zero.aio);
             options.tag = "optimizer".into();
-            if let Some(f) = faults {
-                options.faults = f;
-            }
+            set_faults(&mut options, faults);
             let specs: Vec<RegionSpec> = tiles
                 .iter()
                 .enumerate()

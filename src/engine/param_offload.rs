@@ -71,11 +71,12 @@ use zero_core::config::{OffloadDevice, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
 use zero_core::{DType, Element};
 use zero_offload::{
-    AlignedBuf, FaultPlan, HostPool, HostPoolOptions, IoTicket, PooledBuffer, RegionId, RegionSpec,
-    SwapFile, SwapOptions,
+    AlignedBuf, HostPool, HostPoolOptions, IoTicket, PooledBuffer, RegionId, RegionSpec, SwapFile,
+    SwapOptions,
 };
 
 use super::dynbuf::DynBuf;
+use super::faults::{set_faults, FaultPlan};
 use crate::trace::{RankTracer, Tracer};
 use crate::{Error, Result};
 
@@ -200,9 +201,7 @@ impl ParamOffload {
             let dir = op.nvme_path.clone().unwrap_or_default();
             let mut options = SwapOptions::from_aio(dir, rank, &cfg.zero.aio);
             options.tag = "params".into();
-            if let Some(f) = faults {
-                options.faults = f;
-            }
+            set_faults(&mut options, faults);
             let specs: Vec<RegionSpec> = bytes
                 .iter()
                 .enumerate()

@@ -9,8 +9,7 @@ use zero_core::optim::{
 };
 use zero_core::{bf16, f16, Element, Error};
 
-mod common;
-use common::Rng;
+use zero_testkit::rng::Rng;
 
 trait Wide {
     fn wide(&mut self) -> f32;

@@ -18,9 +18,8 @@ use zero_core::optim::{
 };
 use zero_core::{bf16, f16, Element, Error};
 
-mod common;
-mod kernel_checks;
-use common::Rng;
+use zero_testkit::kernel_checks;
+use zero_testkit::rng::Rng;
 
 struct Gpu {
     adam: GpuAdamW,

@@ -182,9 +182,6 @@ fn default_alignment_is_the_cuda_malloc_guarantee() {
 }
 
 #[cfg(feature = "cuda")]
-mod kernel_checks;
-
-#[cfg(feature = "cuda")]
 mod gpu {
     use std::io::Write;
 
@@ -204,7 +201,7 @@ mod gpu {
 
     /// CUDA device 0, or `None` after a skip line.
     fn gpu(test: &str) -> Option<CudaDevice> {
-        super::kernel_checks::cuda_device_or_skip(test)
+        zero_testkit::kernel_checks::cuda_device_or_skip(test)
     }
 
     fn plan(rank: usize) -> ArenaPlan {

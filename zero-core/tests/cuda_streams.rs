@@ -17,7 +17,7 @@ use zero_core::cuda::stream::{PinnedHostBuffer, StreamKind, Streams};
 use zero_core::memory::{Category, MemoryTracker, Tier};
 use zero_core::{CudaDevice, Error};
 
-mod kernel_checks;
+use zero_testkit::kernel_checks;
 
 /// Elements of the large test buffers (f32: 64 MiB).
 const N: usize = 16 << 20;

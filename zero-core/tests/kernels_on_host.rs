@@ -23,10 +23,9 @@ use zero_core::optim::{
 };
 use zero_core::{bf16, f16, DType, Element};
 
-mod common;
-mod kernel_checks;
-use common::Rng;
 use kernel_checks::run_driver as run;
+use zero_testkit::kernel_checks;
+use zero_testkit::rng::Rng;
 
 fn kernels_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels")

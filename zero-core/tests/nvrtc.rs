@@ -9,10 +9,9 @@
 //! library the tests print a skip line, or fail when `ZERO_REQUIRE_NVRTC=1`.
 #![cfg(feature = "cuda")]
 
-mod kernel_checks;
-use kernel_checks::{compile_clean, nvrtc_or_skip};
 use zero_core::cuda::kernels::{compile, KernelError, KernelSource, SOURCES};
 use zero_core::Error;
+use zero_testkit::kernel_checks::{compile_clean, nvrtc_or_skip};
 
 const ARCHS: [&str; 2] = ["sm_80", "sm_90"];
 

@@ -12,8 +12,7 @@ use zero_core::{bf16, f16, Element, Error};
 // Helpers
 // ---------------------------------------------------------------------------
 
-mod common;
-use common::Rng;
+use zero_testkit::rng::Rng;
 
 /// Values spread over many binades, so that summation order matters.
 trait Wide {

@@ -31,7 +31,7 @@ pub mod host;
 pub mod nvme;
 
 pub use host::{AlignedBuf, HostPool, HostPoolOptions, PooledBuffer};
-pub use nvme::{
-    FaultPlan, IoBuffer, IoError, IoTicket, RegionId, RegionSpec, SwapFile, SwapOptions,
-};
+#[cfg(feature = "testing")]
+pub use nvme::FaultPlan;
+pub use nvme::{IoBuffer, IoError, IoTicket, RegionId, RegionSpec, SwapFile, SwapOptions};
 pub use zero_core::{Device, Error, Result};

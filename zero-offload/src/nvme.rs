@@ -178,7 +178,9 @@ unsafe impl IoBuffer for PooledBuffer {
 // Options
 // ---------------------------------------------------------------------------
 
-/// Faults to inject, for tests of the error paths. Default: none.
+/// Faults to inject, for tests of the error paths (feature `testing`; a
+/// build without it has no fault path at all). Default: none.
+#[cfg(feature = "testing")]
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FaultPlan {
     /// Fail the block write with this sequence number (0-based, counted
@@ -199,6 +201,7 @@ pub struct FaultPlan {
     pub write_delay: std::time::Duration,
 }
 
+#[cfg(feature = "testing")]
 impl FaultPlan {
     /// Fails the `k`-th block write (0-based) with `ENOSPC`.
     pub fn enospc_at(k: u64) -> FaultPlan {
@@ -263,7 +266,8 @@ pub struct SwapOptions {
     /// Reserve the file's blocks at creation (`posix_fallocate`), so a full
     /// disk fails at start-up rather than in a step. Default true.
     pub preallocate: bool,
-    /// Faults to inject (tests). Default none.
+    /// Faults to inject (tests; feature `testing`). Default none.
+    #[cfg(feature = "testing")]
     pub faults: FaultPlan,
 }
 
@@ -281,6 +285,7 @@ impl SwapOptions {
             thread_count: aio.thread_count,
             direct_io: true,
             preallocate: true,
+            #[cfg(feature = "testing")]
             faults: FaultPlan::default(),
         }
     }
@@ -294,6 +299,15 @@ impl SwapOptions {
             thread_count: aio.thread_count,
             ..SwapOptions::new(dir, rank)
         }
+    }
+
+    /// Whether the fault plan has the filesystem reject `O_DIRECT`: never
+    /// without the feature `testing`.
+    fn rejects_direct_io(&self) -> bool {
+        #[cfg(feature = "testing")]
+        return self.faults.reject_direct_io;
+        #[cfg(not(feature = "testing"))]
+        false
     }
 
     /// Checks the values; errors name the DeepSpeed key.
@@ -728,7 +742,9 @@ struct FileShared {
     queue: Mutex<Queue>,
     work: Condvar,
     /// Block writes started, for [`FaultPlan::fail_write_at`].
+    #[cfg(feature = "testing")]
     writes: AtomicU64,
+    #[cfg(feature = "testing")]
     faults: FaultPlan,
 }
 
@@ -745,6 +761,26 @@ impl FileShared {
                 p.logical
             ),
         }
+    }
+
+    /// The fault plan's failure or delay of the block write `p` (feature
+    /// `testing`): counts the write, fails it when the plan says so, else
+    /// holds it for the plan's delay.
+    #[cfg(feature = "testing")]
+    fn inject_write_fault(&self, p: &Piece) -> Option<Error> {
+        let seq = self.writes.fetch_add(1, Ordering::Relaxed);
+        if self.faults.fails_write(seq) {
+            let errno = match self.faults.fail_write_errno {
+                0 => libc::ENOSPC,
+                e => e,
+            };
+            let err = std::io::Error::from_raw_os_error(errno);
+            return Some(self.piece_error(p, format!("{err} (injected fault)")));
+        }
+        if !self.faults.write_delay.is_zero() {
+            std::thread::sleep(self.faults.write_delay);
+        }
+        None
     }
 
     /// Runs one piece; `None` on success.
@@ -764,17 +800,9 @@ impl FileShared {
         let crc = crc32fast::hash(&data[..p.logical]);
         let state = &self.blocks[p.block];
         state.store(0, Ordering::Release);
-        let seq = self.writes.fetch_add(1, Ordering::Relaxed);
-        if self.faults.fails_write(seq) {
-            let errno = match self.faults.fail_write_errno {
-                0 => libc::ENOSPC,
-                e => e,
-            };
-            let err = std::io::Error::from_raw_os_error(errno);
-            return Some(self.piece_error(p, format!("{err} (injected fault)")));
-        }
-        if !self.faults.write_delay.is_zero() {
-            std::thread::sleep(self.faults.write_delay);
+        #[cfg(feature = "testing")]
+        if let Some(err) = self.inject_write_fault(p) {
+            return Some(err);
         }
         let mut done = 0;
         while done < p.io_len {
@@ -1059,7 +1087,7 @@ impl SwapFile {
             )
         };
         let mut direct = options.direct_io;
-        let mut file = if direct && options.faults.reject_direct_io {
+        let mut file = if direct && options.rejects_direct_io() {
             direct = false;
             warnings.push(fallback_warning(
                 &"Invalid argument (os error 22), injected fault",
@@ -1156,7 +1184,9 @@ impl SwapFile {
                 shutdown: false,
             }),
             work: Condvar::new(),
+            #[cfg(feature = "testing")]
             writes: AtomicU64::new(0),
+            #[cfg(feature = "testing")]
             faults: options.faults.clone(),
         });
         let mut swap = SwapFile {

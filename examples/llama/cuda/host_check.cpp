@@ -1,6 +1,6 @@
 // zero llama example: host driver for llama_math.cuh, used by
-// tests/llama_kernels_on_host.rs to check the GPU kernels' math against the
-// CPU ops of examples/llama/ops.rs on machines without a GPU.
+// examples/llama/tests/kernels_on_host.rs to check the GPU kernels' math
+// against the CPU ops of examples/llama/src/ops.rs on machines without a GPU.
 //
 // Build: c++ -O2 -ffp-contract=off -fno-fast-math -std=c++17
 //        -I zero-core/kernels -I examples/llama/cuda host_check.cpp

@@ -2,7 +2,7 @@
 // kernels (embedding, RMSNorm, RoPE, causal softmax, SwiGLU, cross-entropy,
 // forward and backward), shared by the `__global__` wrappers in the .cu
 // files next to this header and by the host driver host_check.cpp, which
-// tests/llama_kernels_on_host.rs builds with the host C++ compiler.
+// examples/llama/tests/kernels_on_host.rs builds with the host C++ compiler.
 //
 // Like zero_math.cuh (included by name: zero-core's kernel registry hands
 // it to NVRTC) this compiles as CUDA under NVRTC without any toolkit header

@@ -1,19 +1,24 @@
 //! What the tests of CUDA sources share, for zero-core's kernels and the
-//! Llama example's (included from the root package's tests by `#[path]`):
+//! Llama model's:
 //!
 //! - [`host_driver`]: builds a kernel header's host check driver with the
 //!   host C++ compiler (the header's math compiled as plain C++), and
 //!   [`run_driver`] feeds it;
-//! - [`nvrtc_or_skip`] and [`compile_clean`] (feature `cuda`): NVRTC is
-//!   there (or a visible skip, or a failure with the install instructions
-//!   when `ZERO_REQUIRE_NVRTC=1`), and a source compiles with no warning to
-//!   a CUBIN with exactly its listed entry points; [`cuda_device_or_skip`]:
-//!   GPU 0 for the tests that need one, or a visible skip.
-#![allow(dead_code, unused_imports)]
+//! - [`nvrtc_or_skip`] and [`compile_clean`]: NVRTC is there (or a visible
+//!   skip, or a failure with the install instructions when
+//!   `ZERO_REQUIRE_NVRTC=1`), and a source compiles with no warning to a
+//!   CUBIN with exactly its listed entry points; [`cuda_device_or_skip`]:
+//!   GPU 0 for the tests that need one, or a visible skip. These exist in
+//!   every build (as zero-core's NVRTC and device calls do); without
+//!   zero-core's `cuda` feature there is no NVRTC and no CUDA device, so
+//!   only the tests built with it call them.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+
+use zero_core::cuda::kernels::{compile, nvrtc_available, CompiledSource, KernelSource};
+use zero_core::{CudaDevice, Device};
 
 /// Flags the kernels' contract is checked under: no contraction of `a*b+c`
 /// and no value-changing optimizations, warnings as errors.
@@ -112,85 +117,74 @@ pub fn run_driver(exe: &Path, args: &[&str], input: Vec<u8>) -> Vec<u8> {
     out.stdout
 }
 
-#[cfg(feature = "cuda")]
-pub use nvrtc::*;
-
-#[cfg(feature = "cuda")]
-mod nvrtc {
-    use std::io::Write;
-
-    use zero_core::cuda::kernels::{compile, nvrtc_available, CompiledSource, KernelSource};
-    use zero_core::{CudaDevice, Device};
-
-    /// CUDA device 0, or `None` after a visible `{test}: skipped: ...` line
-    /// (straight to stderr: libtest hides `eprintln!` of passing tests).
-    pub fn cuda_device_or_skip(test: &str) -> Option<CudaDevice> {
-        match Device::cuda(0) {
-            Ok(Device::Cuda(d)) => Some(d),
-            Ok(Device::Cpu) => unreachable!("Device::cuda gives a CUDA device"),
-            Err(e) => {
-                let _ = writeln!(std::io::stderr(), "{test}: skipped: no CUDA device ({e})");
-                None
-            }
+/// CUDA device 0, or `None` after a visible `{test}: skipped: ...` line
+/// (straight to stderr: libtest hides `eprintln!` of passing tests).
+pub fn cuda_device_or_skip(test: &str) -> Option<CudaDevice> {
+    match Device::cuda(0) {
+        Ok(Device::Cuda(d)) => Some(d),
+        Ok(Device::Cpu) => unreachable!("Device::cuda gives a CUDA device"),
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "{test}: skipped: no CUDA device ({e})");
+            None
         }
     }
+}
 
-    /// Whether NVRTC is there; otherwise a visible skip, or a failure with
-    /// the install instructions when `ZERO_REQUIRE_NVRTC=1`.
-    pub fn nvrtc_or_skip(test: &str) -> bool {
-        if nvrtc_available() {
-            return true;
-        }
-        assert!(
-            std::env::var("ZERO_REQUIRE_NVRTC").map_or(true, |v| v != "1"),
-            "ZERO_REQUIRE_NVRTC=1 but libnvrtc cannot be loaded: install it with \
-             `pip install nvidia-cuda-nvrtc-cu12==12.8.93` and run with \
-             LD_LIBRARY_PATH=<site-packages>/nvidia/cuda_nvrtc/lib \
-             (scripts/test-cuda.sh does both)"
-        );
-        // Straight to stderr: libtest hides `eprintln!` output of passing
-        // tests.
-        let _ = writeln!(
-            std::io::stderr(),
-            "{test}: skipped: libnvrtc not found (set LD_LIBRARY_PATH to its directory)"
-        );
-        false
+/// Whether NVRTC is there; otherwise a visible skip, or a failure with
+/// the install instructions when `ZERO_REQUIRE_NVRTC=1`.
+pub fn nvrtc_or_skip(test: &str) -> bool {
+    if nvrtc_available() {
+        return true;
     }
+    assert!(
+        std::env::var("ZERO_REQUIRE_NVRTC").map_or(true, |v| v != "1"),
+        "ZERO_REQUIRE_NVRTC=1 but libnvrtc cannot be loaded: install it with \
+         `pip install nvidia-cuda-nvrtc-cu12==12.8.93` and run with \
+         LD_LIBRARY_PATH=<site-packages>/nvidia/cuda_nvrtc/lib \
+         (scripts/test-cuda.sh does both)"
+    );
+    // Straight to stderr: libtest hides `eprintln!` output of passing
+    // tests.
+    let _ = writeln!(
+        std::io::stderr(),
+        "{test}: skipped: libnvrtc not found (set LD_LIBRARY_PATH to its directory)"
+    );
+    false
+}
 
-    /// Compiles `src` for `arch`; panics on an error, on any warning in the
-    /// log, and, for a real architecture (`sm_XY`), on a missing CUBIN or a
-    /// PTX whose `.entry` kernels are not exactly `src.entry_points`.
-    pub fn compile_clean(src: &KernelSource, arch: &str) -> CompiledSource {
-        let c = compile(src, arch).unwrap_or_else(|e| panic!("{} for {arch}: {e}", src.name));
+/// Compiles `src` for `arch`; panics on an error, on any warning in the
+/// log, and, for a real architecture (`sm_XY`), on a missing CUBIN or a
+/// PTX whose `.entry` kernels are not exactly `src.entry_points`.
+pub fn compile_clean(src: &KernelSource, arch: &str) -> CompiledSource {
+    let c = compile(src, arch).unwrap_or_else(|e| panic!("{} for {arch}: {e}", src.name));
+    assert!(
+        !c.log.to_ascii_lowercase().contains("warning"),
+        "{} for {arch} compiled with warnings:\n{}",
+        src.name,
+        c.log
+    );
+    if arch.starts_with("sm_") {
+        let cubin = c.cubin.as_deref().unwrap_or_default();
         assert!(
-            !c.log.to_ascii_lowercase().contains("warning"),
-            "{} for {arch} compiled with warnings:\n{}",
+            cubin.starts_with(b"\x7fELF"),
+            "{} for {arch}: no CUBIN",
+            src.name
+        );
+        let entries = c.ptx.matches(".entry ").count();
+        assert_eq!(
+            entries,
+            src.entry_points.len(),
+            "{} for {arch}: {entries} kernels in the PTX, {} listed",
             src.name,
-            c.log
+            src.entry_points.len()
         );
-        if arch.starts_with("sm_") {
-            let cubin = c.cubin.as_deref().unwrap_or_default();
+        for e in src.entry_points {
             assert!(
-                cubin.starts_with(b"\x7fELF"),
-                "{} for {arch}: no CUBIN",
+                c.ptx.contains(&format!(".entry {e}(")),
+                "{} for {arch}: entry point `{e}` missing from the PTX",
                 src.name
             );
-            let entries = c.ptx.matches(".entry ").count();
-            assert_eq!(
-                entries,
-                src.entry_points.len(),
-                "{} for {arch}: {entries} kernels in the PTX, {} listed",
-                src.name,
-                src.entry_points.len()
-            );
-            for e in src.entry_points {
-                assert!(
-                    c.ptx.contains(&format!(".entry {e}(")),
-                    "{} for {arch}: entry point `{e}` missing from the PTX",
-                    src.name
-                );
-            }
         }
-        c
     }
+    c
 }

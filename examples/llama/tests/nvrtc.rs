@@ -8,19 +8,15 @@
 //! the PTX is not checked for approximate instructions.
 //!
 //! Run with `LD_LIBRARY_PATH=<site-packages>/nvidia/cuda_nvrtc/lib
-//! ZERO_REQUIRE_NVRTC=1 cargo test --features cuda --test llama_cuda_nvrtc`.
+//! ZERO_REQUIRE_NVRTC=1 cargo test -p zero-llama --features cuda --test nvrtc`.
 //! Without the library the tests print a skip line, or fail when
 //! `ZERO_REQUIRE_NVRTC=1`.
 #![cfg(feature = "cuda")]
 
-#[path = "../zero-core/tests/kernel_checks/mod.rs"]
-mod kernel_checks;
-#[path = "../examples/llama/mod.rs"]
-mod llama;
-
-use kernel_checks::{compile_clean, nvrtc_or_skip};
 use llama::cuda::LLAMA_SOURCES;
 use zero::core::cuda::kernels::compile;
+use zero_llama as llama;
+use zero_testkit::kernel_checks::{compile_clean, nvrtc_or_skip};
 
 #[test]
 fn every_llama_source_compiles_cleanly_with_its_entry_points() {

@@ -14,15 +14,25 @@ use gemm::Parallelism;
 /// `b` is `[k, n]` or, transposed, `[n, k]`. `out` has row stride `ldc`.
 #[derive(Clone, Copy, Debug)]
 pub struct Mm {
+    /// Rows of the output.
     pub m: usize,
+    /// Columns of the output.
     pub n: usize,
+    /// The inner dimension.
     pub k: usize,
+    /// `a` is stored transposed.
     pub ta: bool,
+    /// `b` is stored transposed.
     pub tb: bool,
+    /// Row stride of `a` as stored.
     pub lda: usize,
+    /// Row stride of `b` as stored.
     pub ldb: usize,
+    /// Row stride of `out`.
     pub ldc: usize,
+    /// Scale of the product.
     pub alpha: f32,
+    /// Scale of the previous `out` (0: overwrite).
     pub beta: f32,
     /// 0 or 1: single-threaded; more: rayon with that many tasks.
     pub threads: usize,
@@ -299,13 +309,18 @@ pub fn rmsnorm_backward(
 /// Precomputed rotary tables `[max_seq, head_dim / 2]` (HF-Llama "rotate
 /// half" convention: element `i` pairs with `i + head_dim / 2`).
 pub struct Rope {
+    /// `cos(pos * freq_i)`, `[max_seq, half]`.
     pub cos: Vec<f32>,
+    /// `sin(pos * freq_i)`, `[max_seq, half]`.
     pub sin: Vec<f32>,
+    /// `head_dim / 2`.
     pub half: usize,
+    /// Positions in the tables.
     pub max_seq: usize,
 }
 
 impl Rope {
+    /// Tables for heads of `head_dim` (even), positions `0..max_seq`, base `theta`.
     pub fn new(head_dim: usize, max_seq: usize, theta: f64) -> Self {
         assert!(head_dim.is_multiple_of(2), "RoPE needs an even head_dim");
         let half = head_dim / 2;
@@ -369,10 +384,15 @@ impl Rope {
 /// Shape of a causal (grouped-query) attention call.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
+    /// Sequences.
     pub batch: usize,
+    /// Tokens per sequence.
     pub seq: usize,
+    /// Query heads.
     pub n_heads: usize,
+    /// Key/value heads (dividing `n_heads`).
     pub n_kv_heads: usize,
+    /// Width of one head.
     pub head_dim: usize,
 }
 
@@ -528,8 +548,11 @@ fn sigmoid(z: f32) -> f32 {
 
 /// Activations kept by [`swiglu_forward`].
 pub struct SwigluCache {
+    /// The gate projection `x W1ᵀ`.
     pub h1: Vec<f32>,
+    /// The up projection `x W3ᵀ`.
     pub h3: Vec<f32>,
+    /// `silu(h1) ∘ h3`, the input of the down projection.
     pub a: Vec<f32>,
 }
 
@@ -557,8 +580,11 @@ pub fn swiglu_forward(
 
 /// Gradients of the three SwiGLU weights.
 pub struct SwigluGrads {
+    /// Gradient of the gate projection.
     pub w1: Vec<f32>,
+    /// Gradient of the up projection.
     pub w3: Vec<f32>,
+    /// Gradient of the down projection.
     pub w2: Vec<f32>,
 }
 

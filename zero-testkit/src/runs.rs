@@ -1,9 +1,5 @@
-//! Helpers shared by the engine integration tests: training the MLP on
+//! What the engine integration tests share: training the [`Mlp`] on
 //! thread ranks and comparing states bit for bit.
-#![allow(dead_code)]
-
-#[path = "../../examples/mlp/mod.rs"]
-pub mod mlp;
 
 use zero::comm::{Communicator, ThreadGroup};
 use zero::core::config::{Precision, ResolvedConfig};
@@ -11,20 +7,29 @@ use zero::core::optim::LossScaleConfig;
 use zero::core::{bf16, f16, Element};
 use zero::{Engine, StepOutcome, UnitState};
 
-use mlp::{batch, Mlp};
+use crate::mlp::{batch, Mlp};
 
+/// The layer sizes of the tests' MLP: 6 inputs, two hidden layers, 1 output.
 pub const DIMS: &[usize] = &[6, 24, 40, 1];
+/// Samples per rank per micro-batch in [`config`].
 pub const MB: usize = 4;
 
 /// What one rank saw: final state of every unit and every step's outcome.
 pub struct Trained {
+    /// Every unit's final state, in unit order.
     pub states: Vec<UnitState>,
+    /// The outcome of every step that reached a boundary.
     pub outcomes: Vec<StepOutcome>,
+    /// Every micro-batch's loss on this rank.
     pub losses: Vec<f32>,
     /// The engine's counters at the end of training.
     pub stats: zero::EngineStats,
 }
 
+/// Trains the MLP ([`DIMS`], seed 5) for `steps` steps of `mb` samples
+/// per rank per micro-batch on `comm`, in parameter dtype `T`; this rank's
+/// view. Rank r's micro-batch m of step s holds the same samples whatever
+/// the stage.
 pub fn train_with<T: Element, C: Communicator>(
     comm: C,
     cfg: &ResolvedConfig,
@@ -84,6 +89,10 @@ pub fn train(world: usize, cfg: &ResolvedConfig, steps: usize, mb: usize) -> Tra
     all.swap_remove(0)
 }
 
+/// A config for `world` ranks at `stage`: [`MB`] samples per micro-batch,
+/// `ga` micro-batches per step, constant learning rate 1e-2, clipping at
+/// 1, small buckets (several per step); with fp16, a dynamic loss scale
+/// that starts high enough to overflow.
 pub fn config(world: usize, stage: u8, ga: usize, precision: Precision) -> ResolvedConfig {
     let mut c = ResolvedConfig::simple(stage, world, MB);
     c.gradient_accumulation_steps = ga;
@@ -111,6 +120,7 @@ pub fn config(world: usize, stage: u8, ga: usize, precision: Precision) -> Resol
     c
 }
 
+/// The bits of a unit's params, master, m and v.
 pub fn bits(s: &UnitState) -> Vec<Vec<u32>> {
     [&s.params, &s.master, &s.m, &s.v]
         .iter()
@@ -130,6 +140,8 @@ pub fn assert_same_run(base: &Trained, t: &Trained, what: &str) {
     assert_eq!(base.losses, t.losses, "{what}");
 }
 
+/// The same unit states, bit for bit; a failure names `what`, the unit,
+/// the state and the element.
 pub fn assert_bits_eq(a: &[UnitState], b: &[UnitState], what: &str) {
     assert_eq!(a.len(), b.len());
     for (u, (x, y)) in a.iter().zip(b).enumerate() {

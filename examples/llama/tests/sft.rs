@@ -1,4 +1,4 @@
-//! The engine glue of the Llama SFT example (`examples/llama/train.rs`) on a
+//! The engine glue of the Llama SFT example (`zero_llama::train`) on a
 //! tiny model and the addition task:
 //!
 //! - greedy decoding with the KV cache ([`generate`]) gives the tokens of a
@@ -12,9 +12,6 @@
 //! - stage 3 keeps one gather order through training and snapshots;
 //! - the tiny model learns.
 
-#[path = "../examples/llama/mod.rs"]
-mod llama;
-
 use std::path::{Path, PathBuf};
 
 use zero::comm::{Communicator, ThreadComm, ThreadGroup};
@@ -22,6 +19,7 @@ use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::optim::LrSchedule;
 use zero::core::{bf16, Element};
 use zero::{Engine, EngineStats, Tracer, UnitState};
+use zero_llama as llama;
 
 use llama::data::{self, Sample};
 use llama::train::{generate, SftModel};

@@ -5,7 +5,7 @@
 //!
 //! # Sources
 //!
-//! The CUDA C++ lives next to this file: `llama_math.cuh` holds every
+//! The CUDA C++ lives in the crate's `cuda/`: `llama_math.cuh` holds every
 //! per-lane and per-element body, written to compile both under NVRTC and
 //! as plain host C++; the `.cu` files hold the `__global__` wrappers.
 //! [`LLAMA_SOURCES`] lists them for
@@ -14,9 +14,9 @@
 //! zero-core's `zero_math.cuh`, which `llama_math.cuh` includes, from the
 //! library's). Row reductions run one row per warp, in three
 //! phases (lanes fold strided elements, a shuffle butterfly combines them,
-//! lanes write); `tests/llama_kernels_on_host.rs` runs the same phases on
-//! the host against [`super::ops`], `tests/llama_cuda_nvrtc.rs` compiles
-//! every source, `tests/llama_cuda.rs` runs the kernels on a GPU.
+//! lanes write); `tests/kernels_on_host.rs` runs the same phases on the
+//! host against [`super::ops`], `tests/nvrtc.rs` compiles every source,
+//! `tests/cuda_kernels.rs` runs the kernels on a GPU.
 //!
 //! Nothing uses atomics: every result is run-to-run identical. The weight
 //! gradients of RMSNorm and the embedding are reduced in a fixed order (the
@@ -72,26 +72,26 @@ pub const ELEMENTWISE_ENTRY_POINTS: &[&str] = &[
 /// `zero_math.cuh`, which NVRTC gets from the library's headers).
 pub const LLAMA_HEADERS: &[KernelHeader] = &[KernelHeader {
     name: "llama_math.cuh",
-    source: include_str!("llama_math.cuh"),
+    source: include_str!("../../cuda/llama_math.cuh"),
 }];
 
 /// Every CUDA source of the Llama example.
 pub const LLAMA_SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "llama_norm.cu",
-        source: include_str!("llama_norm.cu"),
+        source: include_str!("../../cuda/llama_norm.cu"),
         headers: LLAMA_HEADERS,
         entry_points: NORM_ENTRY_POINTS,
     },
     KernelSource {
         name: "llama_softmax.cu",
-        source: include_str!("llama_softmax.cu"),
+        source: include_str!("../../cuda/llama_softmax.cu"),
         headers: LLAMA_HEADERS,
         entry_points: SOFTMAX_ENTRY_POINTS,
     },
     KernelSource {
         name: "llama_elementwise.cu",
-        source: include_str!("llama_elementwise.cu"),
+        source: include_str!("../../cuda/llama_elementwise.cu"),
         headers: LLAMA_HEADERS,
         entry_points: ELEMENTWISE_ENTRY_POINTS,
     },
@@ -119,8 +119,11 @@ pub fn rmsnorm_scratch_len(rows: usize, d: usize) -> usize {
 /// its rows in the CPU's order, one GPU thread per element, no atomics.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EmbeddingGradPlan {
+    /// Row indices sorted by token (stable).
     pub order: Vec<u32>,
+    /// Where each token's rows start in `order`, plus the end.
     pub seg_start: Vec<u32>,
+    /// The token of each segment, increasing.
     pub seg_token: Vec<u32>,
 }
 
@@ -171,7 +174,5 @@ impl EmbeddingGradPlan {
 
 #[cfg(feature = "cuda")]
 mod gpu;
-// Not every file that includes the llama module uses the launchers.
 #[cfg(feature = "cuda")]
-#[allow(unused_imports)]
 pub use gpu::*;

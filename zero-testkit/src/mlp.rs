@@ -1,12 +1,10 @@
 //! A small multi-layer perceptron driven through the engine API: the model
-//! of `examples/mlp_regression.rs` and of the engine's tests.
+//! of the engine's tests and of `examples/mlp_regression.rs`.
 //!
 //! Each layer is one unit with tensors `weight` `[out, in]` and `bias`
 //! `[out]`; hidden layers use tanh. The loss is the mean squared error of
 //! the micro-batch. Compute is f32 whatever the parameter dtype `T`:
 //! parameters are read as `T` and converted, gradients are written as `T`.
-
-#![allow(dead_code)]
 
 use zero::comm::Communicator;
 use zero::core::partition::{TensorSpec, UnitSpec};

@@ -1,15 +1,13 @@
-//! Checks of the addition task's data module (`examples/llama/data.rs`):
+//! Checks of the addition task's data module (`zero_llama::data`):
 //! tokenizer, chat template, the generated split, JSON loading, batches,
 //! scoring and epoch order.
-
-#[path = "../examples/llama/mod.rs"]
-mod llama;
 
 use std::collections::HashSet;
 use std::path::PathBuf;
 
 use llama::data::*;
 use proptest::prelude::*;
+use zero_llama as llama;
 
 /// The records of `/work/shared/fixtures/math_sample.json` (the original
 /// experiment's format), inline so the test needs no file outside the repo.

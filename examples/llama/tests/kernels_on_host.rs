@@ -1,10 +1,10 @@
 //! The Llama example's GPU kernels, checked on the host: the per-lane and
-//! per-element bodies of `examples/llama/cuda/llama_math.cuh` are compiled
-//! with the host C++ compiler into `examples/llama/cuda/host_check.cpp`,
+//! per-element bodies of `cuda/llama_math.cuh` are compiled
+//! with the host C++ compiler into `cuda/host_check.cpp`,
 //! which emulates each launch (row kernels: phase 1 for the 32 lanes of a
 //! row, the butterfly the device runs with shuffles, phase 3 for the 32
 //! lanes; elementwise and column kernels: every thread index), and the
-//! results are compared with the CPU ops of `examples/llama/ops.rs`.
+//! results are compared with the CPU ops of `zero_llama::ops`.
 //!
 //! Tolerances. The reductions add in another order than the CPU (32
 //! strided lanes and a butterfly against one running sum; the RMSNorm
@@ -23,22 +23,17 @@
 //! The compiler is `$CXX` or `c++`. Without one the tests print a skip line,
 //! or fail when `CI` is set.
 
-#[path = "../zero-core/tests/kernel_checks/mod.rs"]
-mod kernel_checks;
-#[path = "../examples/llama/mod.rs"]
-mod llama;
-mod llama_kernel_cases;
-
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use llama::cuda::EmbeddingGradPlan;
 use llama::ops::{self, Rope};
 use llama::XorShift;
-use llama_kernel_cases::{
+use zero::core::{bf16, Element};
+use zero_llama as llama;
+use zero_testkit::llama_kernel_cases::{
     check, check_exact, identity_attention, narrow, randn, round, Act, SwigluCase,
 };
-use zero::core::{bf16, Element};
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -50,11 +45,11 @@ fn driver() -> Option<&'static Path> {
     static DRIVER: OnceLock<Option<PathBuf>> = OnceLock::new();
     DRIVER
         .get_or_init(|| {
-            let cuda = root().join("examples/llama/cuda");
-            kernel_checks::host_driver(
+            let cuda = root().join("cuda");
+            zero_testkit::kernel_checks::host_driver(
                 "llama_kernels_on_host",
                 &cuda.join("host_check.cpp"),
-                &[&root().join("zero-core/kernels"), &cuda],
+                &[&root().join("../../zero-core/kernels"), &cuda],
                 &Path::new(env!("CARGO_TARGET_TMPDIR")).join("llama_kernels_on_host"),
             )
         })
@@ -63,7 +58,10 @@ fn driver() -> Option<&'static Path> {
 
 /// Runs `host_check op E` on `input`; returns its stdout.
 fn run<E: Act>(exe: &Path, op: &str, input: Rec) -> Out {
-    Out(kernel_checks::run_driver(exe, &[op, E::NAME], input.0), 0)
+    Out(
+        zero_testkit::kernel_checks::run_driver(exe, &[op, E::NAME], input.0),
+        0,
+    )
 }
 
 /// A driver input record.

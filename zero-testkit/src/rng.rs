@@ -1,4 +1,4 @@
-//! Helpers shared by zero-core's integration tests.
+//! Random numbers for tests, without `rand`.
 
 /// A small deterministic generator (xorshift64*), so tests need no `rand`.
 pub struct Rng(pub u64);

@@ -1,8 +1,5 @@
-//! `examples/llama/weights.rs`: safetensors round trips (F32 bit-exact, BF16
+//! `zero_llama::weights`: safetensors round trips (F32 bit-exact, BF16
 //! rounded), foreign files (F16, extra tensors), and every error path.
-
-#[path = "../examples/llama/mod.rs"]
-mod llama;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -11,6 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use llama::weights::{self, Dtype};
 use llama::{init_params, tensors, Config};
 use safetensors::tensor::TensorView;
+use zero_llama as llama;
 
 /// Smaller than `Config::tiny()`: every test writes and reads a whole model.
 fn cfg() -> Config {

@@ -1,12 +1,10 @@
-//! Checks of the CPU Llama core in `examples/llama/`: every operator's
+//! Checks of the CPU Llama core in `zero_llama`: every operator's
 //! backward against central finite differences, one full block, and a tiny
 //! model that overfits one batch.
 
-#[path = "../examples/llama/mod.rs"]
-mod llama;
-
 use llama::ops::*;
 use llama::{Block, BlockParams, Config, Model, XorShift};
+use zero_llama as llama;
 
 /// Perturbation of the per-operator checks.
 const H: f32 = 1e-3;

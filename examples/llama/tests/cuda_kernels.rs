@@ -1,5 +1,5 @@
 //! The Llama example's GPU kernels on a GPU: each against the CPU op of
-//! `examples/llama/ops.rs` on random inputs, f32 and bf16 activations, and
+//! `zero_llama::ops` on random inputs, f32 and bf16 activations, and
 //! finite-difference gradient checks in f32 of every backward kernel
 //! against its forward kernel.
 //!
@@ -15,12 +15,6 @@
 //! Without a GPU (`Device::cuda(0)` fails) every test prints a skip line.
 #![cfg(feature = "cuda")]
 
-#[path = "../zero-core/tests/kernel_checks/mod.rs"]
-mod kernel_checks;
-#[path = "../examples/llama/mod.rs"]
-mod llama;
-mod llama_kernel_cases;
-
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
@@ -29,8 +23,9 @@ use llama::cuda::{
 };
 use llama::ops::{self, Rope};
 use llama::XorShift;
-use llama_kernel_cases::{check, identity_attention, randn, round, Act, SwigluCase};
 use zero::core::bf16;
+use zero_llama as llama;
+use zero_testkit::llama_kernel_cases::{check, identity_attention, randn, round, Act, SwigluCase};
 
 struct Gpu {
     k: LlamaKernels,
@@ -39,8 +34,8 @@ struct Gpu {
 
 /// The kernels on GPU 0, or a visible skip.
 fn gpu(test: &str) -> Option<Gpu> {
-    let dev = kernel_checks::cuda_device_or_skip(test)?;
-    if !kernel_checks::nvrtc_or_skip(test) {
+    let dev = zero_testkit::kernel_checks::cuda_device_or_skip(test)?;
+    if !zero_testkit::kernel_checks::nvrtc_or_skip(test) {
         return None;
     }
     let k = LlamaKernels::new(&dev).unwrap_or_else(|e| panic!("loading the Llama kernels: {e}"));

@@ -10,14 +10,23 @@ use super::Config;
 /// norms `[dim]`.
 #[derive(Clone, Copy)]
 pub struct BlockParams<'a> {
+    /// `self_attn.q_proj`.
     pub wq: &'a [f32],
+    /// `self_attn.k_proj`.
     pub wk: &'a [f32],
+    /// `self_attn.v_proj`.
     pub wv: &'a [f32],
+    /// `self_attn.o_proj`.
     pub wo: &'a [f32],
+    /// `mlp.gate_proj`.
     pub gate: &'a [f32],
+    /// `mlp.up_proj`.
     pub up: &'a [f32],
+    /// `mlp.down_proj`.
     pub down: &'a [f32],
+    /// `input_layernorm`.
     pub attn_norm: &'a [f32],
+    /// `post_attention_layernorm`.
     pub mlp_norm: &'a [f32],
 }
 
@@ -42,14 +51,23 @@ impl<'a> BlockParams<'a> {
 
 /// Parameter gradients of one block, same order as [`BlockParams`].
 pub struct BlockGrads {
+    /// Gradient of `self_attn.q_proj`.
     pub wq: Vec<f32>,
+    /// Gradient of `self_attn.k_proj`.
     pub wk: Vec<f32>,
+    /// Gradient of `self_attn.v_proj`.
     pub wv: Vec<f32>,
+    /// Gradient of `self_attn.o_proj`.
     pub wo: Vec<f32>,
+    /// Gradient of `mlp.gate_proj`.
     pub gate: Vec<f32>,
+    /// Gradient of `mlp.up_proj`.
     pub up: Vec<f32>,
+    /// Gradient of `mlp.down_proj`.
     pub down: Vec<f32>,
+    /// Gradient of `input_layernorm`.
     pub attn_norm: Vec<f32>,
+    /// Gradient of `post_attention_layernorm`.
     pub mlp_norm: Vec<f32>,
 }
 
@@ -72,19 +90,33 @@ impl BlockGrads {
 
 /// Activations saved by [`Block::forward`] for the backward pass.
 pub struct BlockCache {
+    /// Sequences in the batch.
     pub batch: usize,
+    /// Tokens per sequence.
     pub seq: usize,
+    /// The block input `[rows, dim]`.
     pub x: Vec<f32>,
+    /// The attention norm's output.
     pub xn1: Vec<f32>,
+    /// The attention norm's `1 / rms` per row.
     pub inv1: Vec<f32>,
+    /// Queries after RoPE `[rows, n_heads * head_dim]`.
     pub q: Vec<f32>,
+    /// Keys after RoPE `[rows, n_kv_heads * head_dim]`.
     pub k: Vec<f32>,
+    /// Values `[rows, n_kv_heads * head_dim]`.
     pub v: Vec<f32>,
+    /// Attention probabilities (causal softmax) per head.
     pub probs: Vec<f32>,
+    /// Attention output before `o_proj`.
     pub attn: Vec<f32>,
+    /// The residual stream after attention: `x + o_proj(attn)`.
     pub h: Vec<f32>,
+    /// The MLP norm's output.
     pub xn2: Vec<f32>,
+    /// The MLP norm's `1 / rms` per row.
     pub inv2: Vec<f32>,
+    /// The SwiGLU's activations.
     pub mlp: SwigluCache,
     /// The block output.
     pub y: Vec<f32>,
@@ -92,12 +124,16 @@ pub struct BlockCache {
 
 /// Block hyper-parameters plus the rotary tables; stateless otherwise.
 pub struct Block {
+    /// Hyper-parameters.
     pub cfg: Config,
+    /// The rotary tables.
     pub rope: Rope,
+    /// Threads of the GEMMs.
     pub threads: usize,
 }
 
 impl Block {
+    /// A block of `cfg`, GEMMs on `threads` threads.
     pub fn new(cfg: Config, threads: usize) -> Self {
         let rope = Rope::new(cfg.head_dim(), cfg.max_seq, cfg.rope_theta);
         Block { cfg, rope, threads }

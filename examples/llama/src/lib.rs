@@ -1,12 +1,12 @@
 //! A Llama-style decoder on the CPU, f32 compute, hand-written forward and
-//! backward: the model core of `examples/llama_sft.rs` (engine integration
-//! comes later) and of `tests/llama_ops.rs`.
+//! backward: the model crate of `examples/llama_sft.rs` (not published).
 //!
 //! Parameters are plain `&[f32]` slices, one per tensor, in the order of
 //! [`tensors`] (HF-Llama names and shapes). All GEMMs go through
-//! [`ops::matmul`] (the `gemm` crate).
-
-#![allow(dead_code)]
+//! [`ops::matmul`] (the `gemm` crate). [`data`] is the addition task,
+//! [`train`] the engine glue, [`weights`] Hugging Face safetensors in and
+//! out, [`cuda`] the GPU kernels of the non-GEMM ops (launchers with the
+//! `cuda` feature).
 
 pub mod block;
 pub mod cuda;
@@ -20,15 +20,23 @@ pub use block::{Block, BlockCache, BlockParams};
 /// Model hyper-parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Config {
+    /// Vocabulary size (rows of the embedding and the LM head).
     pub vocab: usize,
+    /// Model width (hidden size).
     pub dim: usize,
+    /// Transformer blocks.
     pub n_layers: usize,
+    /// Query heads.
     pub n_heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than `n_heads`).
     pub n_kv_heads: usize,
     /// SwiGLU inner width.
     pub hidden: usize,
+    /// The longest sequence (positions of the RoPE tables).
     pub max_seq: usize,
+    /// RMSNorm epsilon.
     pub norm_eps: f32,
+    /// RoPE base frequency.
     pub rope_theta: f64,
 }
 
@@ -63,6 +71,7 @@ impl Config {
         }
     }
 
+    /// Width of one attention head: `dim / n_heads`.
     pub fn head_dim(&self) -> usize {
         self.dim / self.n_heads
     }
@@ -87,20 +96,27 @@ impl Config {
 /// What a tensor is, for initialization.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
+    /// A token embedding: normal(0, 0.02).
     Embedding,
+    /// A projection matrix: normal(0, 0.02).
     Linear,
+    /// An RMSNorm weight: ones.
     Norm,
 }
 
 /// One named parameter tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorInfo {
+    /// The Hugging Face name (`model.layers.0.self_attn.q_proj.weight`).
     pub name: String,
+    /// Row-major shape, Hugging Face's.
     pub shape: Vec<usize>,
+    /// What it is, for initialization.
     pub kind: Kind,
 }
 
 impl TensorInfo {
+    /// Number of elements.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
@@ -161,9 +177,11 @@ pub fn param_count(cfg: &Config) -> usize {
 pub struct XorShift(pub u64);
 
 impl XorShift {
+    /// A generator seeded from `seed` (any value, zero included).
     pub fn new(seed: u64) -> Self {
         XorShift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         let mut x = self.0;
         x ^= x >> 12;
@@ -181,6 +199,7 @@ impl XorShift {
         let s: f32 = (0..4).map(|_| self.uniform()).sum();
         (s - 2.0) * 3.0f32.sqrt()
     }
+    /// Uniform in `0..n` (`n > 0`).
     pub fn below(&mut self, n: usize) -> usize {
         (self.next_u64() % n as u64) as usize
     }
@@ -200,25 +219,36 @@ pub fn init_params(cfg: &Config, seed: u64) -> Vec<Vec<f32>> {
 
 /// Saved activations of a whole-model forward pass.
 pub struct ModelCache {
+    /// Sequences in the batch.
     pub batch: usize,
+    /// Tokens per sequence.
     pub seq: usize,
+    /// The input tokens `[batch * seq]`.
     pub tokens: Vec<u32>,
+    /// Every block's saved activations, in layer order.
     pub blocks: Vec<BlockCache>,
     /// Input of the final norm.
     pub hf: Vec<f32>,
+    /// The final norm's `1 / rms` per row.
     pub inv: Vec<f32>,
+    /// Output of the final norm (input of the LM head).
     pub xn: Vec<f32>,
+    /// Gradient of the mean loss with respect to the logits.
     pub dlogits: Vec<f32>,
 }
 
 /// Embedding → blocks → final RMSNorm → LM head → cross-entropy.
 pub struct Model {
+    /// Hyper-parameters.
     pub cfg: Config,
+    /// The block (shared by every layer: parameters are passed in).
     pub block: Block,
+    /// Threads of the GEMMs.
     pub threads: usize,
 }
 
 impl Model {
+    /// The model of `cfg` (panics on inconsistent sizes), GEMMs on `threads` threads.
     pub fn new(cfg: Config, threads: usize) -> Self {
         cfg.validate();
         Model {

@@ -1,17 +1,17 @@
-//! What the Llama kernel tests share, on the host (`llama_kernels_on_host`)
-//! and on a GPU (`llama_cuda`): the activation types and their tolerances,
-//! random inputs, the comparisons with the CPU ops, and reference cases
-//! built from `examples/llama/ops.rs`.
-#![allow(dead_code)]
+//! What the Llama kernel tests share, on the host (zero-llama's
+//! `kernels_on_host`) and on a GPU (`cuda_kernels`): the activation types
+//! and their tolerances, random inputs, the comparisons with the CPU ops,
+//! and reference cases built from `zero_llama::ops`.
 
 use std::io::Write;
 
-use crate::llama::ops::{self, AttnShape};
-use crate::llama::XorShift;
-use zero::core::{bf16, Element};
+use zero_core::{bf16, Element};
+use zero_llama::ops::{self, AttnShape};
+use zero_llama::XorShift;
 
 /// The activation types of the kernels.
 pub trait Act: Element {
+    /// The type's name in test output and driver arguments (`f32`, `bf16`).
     const NAME: &'static str;
     /// Tolerance relative to |want|: f32 rounding or one bf16 ulp.
     const RTOL: f32;
@@ -30,6 +30,7 @@ impl Act for bf16 {
 /// Tolerance relative to the largest |want| of an output.
 pub const SCALE_TOL: f32 = 1e-5;
 
+/// `n` values of `scale` times a standard normal draw.
 pub fn randn(rng: &mut XorShift, n: usize, scale: f32) -> Vec<f32> {
     (0..n).map(|_| scale * rng.normal()).collect()
 }
@@ -88,11 +89,17 @@ pub fn check_exact(what: &str, got: &[f32], want: &[f32]) {
 /// so that its cache holds the kernels' inputs and outputs exactly:
 /// forward h1, h3 → a; backward da, h1, h3 → dh1, dh3 (dx = [dh1 | dh3]).
 pub struct SwigluCase {
+    /// Gate projections (inputs of the forward kernel).
     pub h1: Vec<f32>,
+    /// Up projections (inputs of the forward kernel).
     pub h3: Vec<f32>,
+    /// The CPU's forward output `silu(h1) ∘ h3`.
     pub a: Vec<f32>,
+    /// The output gradient (input of the backward kernel).
     pub da: Vec<f32>,
+    /// The CPU's gradient of `h1`.
     pub dh1: Vec<f32>,
+    /// The CPU's gradient of `h3`.
     pub dh3: Vec<f32>,
 }
 
