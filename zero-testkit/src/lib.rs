@@ -5,10 +5,10 @@
 //! - [`kernel_checks`]: the tests of CUDA sources, for zero-core's kernels
 //!   and the Llama model's: host check drivers built with the C++ compiler,
 //!   NVRTC compilation with no warning, GPU 0 or a visible skip;
-//! - [`mlp`] and [`runs`] (feature `engine`): the engine tests' model, a
+//! - `mlp` and `runs` (feature `engine`): the engine tests' model, a
 //!   small MLP driven through the engine API, and training it on thread
 //!   ranks with states compared bit for bit;
-//! - [`llama_kernel_cases`] (feature `llama`): what the Llama kernel tests
+//! - `llama_kernel_cases` (feature `llama`): what the Llama kernel tests
 //!   share on the host and on a GPU.
 //!
 //! The features keep the facade out of zero-core's tests: zero-core takes

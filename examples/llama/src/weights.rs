@@ -2,12 +2,12 @@
 //!
 //! # Mapping
 //!
-//! There is none to do: [`tensors`](super::tensors) already names every
+//! There is none to do: [`tensors`] already names every
 //! parameter as HF-Transformers' `LlamaForCausalLM` state dict does
 //! (`model.embed_tokens.weight`, `model.layers.{i}.self_attn.q_proj.weight`,
 //! …, `model.norm.weight`, `lm_head.weight`), with the same row-major
 //! `[out_features, in_features]` shapes. [`load`] looks each one up by name
-//! and returns them in [`tensors`](super::tensors) order.
+//! and returns them in [`tensors`] order.
 //!
 //! The q/k projections need no permutation either. HF checkpoints store them
 //! in the "rotate-half" RoPE layout (element `i` of a head pairs with element
@@ -73,7 +73,7 @@ pub fn load(path: &Path, cfg: &Config) -> Result<Vec<Vec<f32>>, String> {
     load_with_report(path, cfg).map(|(params, _)| params)
 }
 
-/// Reads every tensor of [`tensors`](super::tensors)`(cfg)`, in that order, as
+/// Reads every tensor of [`tensors`]`(cfg)`, in that order, as
 /// f32 from the safetensors file at `path`. Also returns the names of the
 /// tensors in the file that the model does not use, sorted.
 ///
@@ -295,7 +295,7 @@ impl View for Out<'_> {
     }
 }
 
-/// Writes `params` (in [`tensors`](super::tensors)`(cfg)` order) to `path`
+/// Writes `params` (in [`tensors`]`(cfg)` order) to `path`
 /// under their HF-Llama names, as `dtype`, with `__metadata__` `{"format":
 /// "pt"}`. Atomic: the file is written to `PATH.tmp`, fsynced, then renamed
 /// over `path`.
