@@ -257,6 +257,15 @@ enum DynWork {
 }
 
 impl DynWork {
+    /// Whether the collective was refused before it started.
+    fn is_refused(&self) -> bool {
+        match self {
+            DynWork::F32(w) => w.is_refused(),
+            DynWork::Bf16(w) => w.is_refused(),
+            DynWork::F16(w) => w.is_refused(),
+        }
+    }
+
     /// Waits for the collective (recording it into `tracer`) and returns
     /// the bucket and the event after which its result may be used.
     fn wait(self, tracer: &Tracer, rank: usize) -> Result<(DevBuf, CpuEvent)> {
@@ -608,6 +617,13 @@ impl GradReducer {
         Ok(mem)
     }
 
+    fn internal(&self, what: &str) -> Error {
+        Error::Usage {
+            rank: self.rank,
+            what: format!("internal: {what}"),
+        }
+    }
+
     /// The memory of unit `i`'s lent gradient buffer, back from the
     /// trainer under the lent buffer's id.
     fn give_back(&mut self, i: usize, mem: DynBuf) -> Result<DevBuf> {
@@ -811,6 +827,14 @@ impl GradReducer {
             let counts = vec![section; world];
             map_dev!(buf, DynWork, b => comm.device_reduce_scatter(backend, b, &counts, ReduceOp::Sum, &packed))
         };
+        if work.is_refused() {
+            // Refused (a hazard on the bucket, bad arguments): the bucket
+            // is gone with it; report why now, before a later collective
+            // fails on the failed communicator.
+            return Err(work.wait(tracer, self.rank).err().unwrap_or_else(|| {
+                self.internal("a refused reduction of the gradient bucket succeeded")
+            }));
+        }
         let sent = if all_reduce {
             ring_bytes(elems, world, self.cdt) * 2
         } else {
