@@ -379,9 +379,9 @@ fn write_rank_file(
             w.write_state(u, local.start + bases[u], master, m, v)
         })?,
         None => {
-            for u in 0..layouts.len() {
+            for (u, &base) in bases.iter().enumerate().take(layouts.len()) {
                 let st = opt.moments(u);
-                w.write_state(u, bases[u], &st.master, &st.m, &st.v)?;
+                w.write_state(u, base, &st.master, &st.m, &st.v)?;
             }
         }
     }

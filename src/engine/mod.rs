@@ -54,8 +54,8 @@
 //! failed write) fails the step on every rank: the rank whose file failed
 //! reports the file, the others name that rank. From then on
 //! [`Engine::step`] and the gradient calls return an error saying so,
-//! while [`Engine::gather`], [`Engine::params`] and [`Engine::release`]
-//! keep working. What the state is then depends on the error:
+//! while [`Engine::gather`] and reading the parameters of its
+//! [`UnitGuard`] keep working. What the state is then depends on the error:
 //!
 //! - A failed *write* (disk full, an I/O error) loses nothing: the tiles
 //!   whose write failed are kept in host memory and the step completes
@@ -1147,7 +1147,7 @@ impl<C: Communicator> Engine<C> {
     /// With nvme offload it reads the unit's tiles from the swap file.
     /// After a swap-file error it returns an error (the optimizer state is
     /// lost; read the parameters with [`Engine::gather`] and
-    /// [`Engine::params`] instead), except after a failed swap write,
+    /// [`UnitGuard::params`] instead), except after a failed swap write,
     /// which loses nothing: then it returns the state after that step.
     pub fn unit_state(&mut self, unit: UnitId) -> Result<UnitState> {
         self.guard(|e| e.unit_state_inner(unit))
