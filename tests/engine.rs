@@ -735,13 +735,23 @@ fn checked_modes() -> Vec<CpuMode> {
 /// CPU backend (the hazard checker on every access, and in Chaos mode real
 /// stream threads with random delays) training at stages 0–3 is bit for
 /// bit the inline run (fp32 with the persistent buffer as the home, bf16
-/// with gradient accumulation into a separate home).
+/// with gradient accumulation into a separate home, and with the
+/// optimizer offloaded to the CPU, whose AdamW reads the homes tile by
+/// tile).
 #[test]
 fn the_gradient_path_is_ordered_on_a_checked_backend() {
     let world = 2;
-    for (precision, ga) in [(Precision::Fp32, 1), (Precision::Bf16, 2)] {
+    for (precision, ga, offload) in [
+        (Precision::Fp32, 1, false),
+        (Precision::Bf16, 2, false),
+        (Precision::Bf16, 2, true),
+    ] {
         for stage in 0..=3u8 {
-            let cfg = config(world, stage, ga, precision);
+            let mut cfg = config(world, stage, ga, precision);
+            if offload {
+                cfg.zero.offload_optimizer.device = zero::core::config::OffloadDevice::Cpu;
+                cfg.zero.sub_group_size = 256;
+            }
             let base = train_on_backend(world, &cfg, 3, CpuMode::Inline, None);
             let base = base[0].as_ref().expect("inline run");
             for mode in checked_modes() {
@@ -749,7 +759,9 @@ fn the_gradient_path_is_ordered_on_a_checked_backend() {
                     .into_iter()
                     .enumerate()
                 {
-                    let what = format!("{precision:?} ga {ga} stage {stage} {mode:?} rank {rank}");
+                    let what = format!(
+                        "{precision:?} ga {ga} offload {offload} stage {stage} {mode:?} rank {rank}"
+                    );
                     let states = r.unwrap_or_else(|e| panic!("{what}: {e}"));
                     assert_bits_eq(base, &states, &what);
                 }
