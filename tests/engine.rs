@@ -737,17 +737,21 @@ fn checked_modes() -> Vec<CpuMode> {
 /// bit the inline run (fp32 with the persistent buffer as the home, bf16
 /// with gradient accumulation into a separate home, and with the
 /// optimizer offloaded to the CPU, whose AdamW reads the homes tile by
-/// tile).
+/// tile; and 3 ranks with buckets whose rank sections are moved down
+/// over themselves before the reduce-scatter).
 #[test]
 fn the_gradient_path_is_ordered_on_a_checked_backend() {
-    let world = 2;
-    for (precision, ga, offload) in [
-        (Precision::Fp32, 1, false),
-        (Precision::Bf16, 2, false),
-        (Precision::Bf16, 2, true),
+    for (world, precision, ga, offload, bucket) in [
+        (2, Precision::Fp32, 1, false, None),
+        (2, Precision::Bf16, 2, false, None),
+        (2, Precision::Bf16, 2, true, None),
+        (3, Precision::Bf16, 1, false, Some(1200)),
     ] {
         for stage in 0..=3u8 {
             let mut cfg = config(world, stage, ga, precision);
+            if let Some(b) = bucket {
+                cfg.zero.reduce_bucket_size = b;
+            }
             if offload {
                 cfg.zero.offload_optimizer.device = zero::core::config::OffloadDevice::Cpu;
                 cfg.zero.sub_group_size = 256;
@@ -760,7 +764,8 @@ fn the_gradient_path_is_ordered_on_a_checked_backend() {
                     .enumerate()
                 {
                     let what = format!(
-                        "{precision:?} ga {ga} offload {offload} stage {stage} {mode:?} rank {rank}"
+                        "world {world} {precision:?} ga {ga} offload {offload} bucket {bucket:?} \
+                         stage {stage} {mode:?} rank {rank}"
                     );
                     let states = r.unwrap_or_else(|e| panic!("{what}: {e}"));
                     assert_bits_eq(base, &states, &what);

@@ -1003,3 +1003,37 @@ impl Drop for GradReducer {
         let _ = self.backend.sync_all();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zero_core::backend::CpuMode;
+
+    /// `move_down` is `copy_within` (memmove) on the backend, also when
+    /// the ranges overlap (the backend copies disjoint ranges only), on a
+    /// checked backend.
+    #[test]
+    fn move_down_is_memmove() {
+        for mode in [
+            CpuMode::Inline,
+            CpuMode::Checked,
+            CpuMode::Chaos { seed: 7 },
+        ] {
+            let dev = CpuBackend::new(mode).unwrap();
+            for (src, dst, len) in [(10, 0, 5), (10, 8, 7), (10, 9, 20), (64, 1, 64), (5, 4, 1)] {
+                let n = src + len + 3;
+                let init: Vec<f32> = (0..n).map(|x| x as f32).collect();
+                let mut mem = zero_core::HostBuffer::<f32>::zeros(n).unwrap();
+                mem.copy_from_slice(&init);
+                let mut buf = DevBuf::F32(dev.wrap(mem, "bucket").unwrap());
+                move_down(&dev, &mut buf, src, dst, len).unwrap();
+                let done = dev.record(Stream::Compute).unwrap();
+                dev.sync(&done).unwrap();
+                let mut want = init.clone();
+                want.copy_within(src..src + len, dst);
+                let got = buf.host_slice::<f32>(&dev).unwrap().unwrap();
+                assert_eq!(got, &want[..], "{mode:?} {src} {dst} {len}");
+            }
+        }
+    }
+}
