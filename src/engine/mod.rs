@@ -401,7 +401,8 @@ impl<C: Communicator> EngineBuilder<C> {
     /// Default: `CpuBackend::new(CpuMode::Inline)`, which checks nothing
     /// and costs nothing; tests pass `CpuMode::Checked` or
     /// `CpuMode::Chaos` to have every ordering decision proved by the
-    /// hazard checker.
+    /// hazard checker. Give each rank its own backend: one host thread
+    /// drives a backend (its clones share it).
     pub fn backend(mut self, backend: CpuBackend) -> Self {
         self.backend = Some(backend);
         self
