@@ -4,10 +4,12 @@
 //! misuse errors.
 
 use zero::comm::{Communicator, ThreadGroup};
+use zero::core::backend::{CpuBackend, CpuMode};
 use zero::core::config::{Precision, ResolvedConfig};
 use zero::core::memory::{Category, Tier};
 use zero::core::partition::{TensorSpec, UnitSpec};
 use zero::core::{bf16, DType};
+use zero::engine::SkipWait;
 use zero::{Engine, Error, Init, UnitState};
 use zero_testkit::mlp::{batch, Mlp};
 use zero_testkit::runs::*;
@@ -572,12 +574,18 @@ fn bad_registration_and_config_are_errors() {
 /// on the way out (the trainer's `?`), `step()` refuses it naming the
 /// units without a gradient, and `zero_grad()` starts over. Returns rank
 /// 0's final states.
-fn train_with_failed_micro_batch(stage: u8, fail_at: Option<usize>) -> Vec<UnitState> {
+fn train_with_failed_micro_batch(
+    stage: u8,
+    fail_at: Option<usize>,
+    mode: CpuMode,
+) -> Vec<UnitState> {
     let world = 2;
     let cfg = config(world, stage, 1, Precision::Fp32);
     ThreadGroup::run(world, |comm| {
         let rank = comm.rank();
-        let mut b = Engine::builder(cfg.clone(), comm).seed(5);
+        let mut b = Engine::builder(cfg.clone(), comm)
+            .seed(5)
+            .backend(CpuBackend::new(mode).unwrap());
         let model = Mlp::register(&mut b, DIMS).unwrap();
         let mut e = b.build().unwrap();
         for s in 0..4 {
@@ -624,18 +632,25 @@ fn train_with_failed_micro_batch(stage: u8, fail_at: Option<usize>) -> Vec<UnitS
 /// step() names the units without a gradient, zero_grad() drops the
 /// micro-batch (waiting for the reductions already in flight), and the
 /// run then continues exactly as one that never had the failed
-/// micro-batch.
+/// micro-batch. On a checked backend too: the reducer's abort and zeroing
+/// paths order (and sync) everything they touch.
 #[test]
 fn a_dropped_gradient_buffer_is_recovered_by_zero_grad() {
     for stage in 0..=3u8 {
-        let clean = train_with_failed_micro_batch(stage, None);
-        for fail_at in [0, 2] {
-            let t = train_with_failed_micro_batch(stage, Some(fail_at));
-            assert_bits_eq(
-                &clean,
-                &t,
-                &format!("stage {stage}, failure before step {fail_at}"),
-            );
+        let clean = train_with_failed_micro_batch(stage, None, CpuMode::Inline);
+        for mode in [
+            CpuMode::Inline,
+            CpuMode::Checked,
+            CpuMode::Chaos { seed: 1 },
+        ] {
+            for fail_at in [0, 2] {
+                let t = train_with_failed_micro_batch(stage, Some(fail_at), mode);
+                assert_bits_eq(
+                    &clean,
+                    &t,
+                    &format!("stage {stage} {mode:?}, failure before step {fail_at}"),
+                );
+            }
         }
     }
 }
@@ -660,5 +675,173 @@ fn a_missing_gradient_is_an_error() {
             m.contains("no gradient for unit `layer1`") && m.contains("2 of 3 units"),
             "{m}"
         );
+    }
+}
+
+/// Trains `steps` steps on `world` thread ranks, each rank on its own CPU
+/// backend in `mode`, optionally with one wait of the gradient path left
+/// out; every rank's final state, or its first error.
+fn train_on_backend(
+    world: usize,
+    cfg: &ResolvedConfig,
+    steps: usize,
+    mode: CpuMode,
+    skip: Option<SkipWait>,
+) -> Vec<zero::Result<Vec<UnitState>>> {
+    fn run<T: zero::core::Element>(
+        comm: zero::comm::ThreadComm,
+        cfg: &ResolvedConfig,
+        steps: usize,
+        mode: CpuMode,
+        skip: Option<SkipWait>,
+    ) -> zero::Result<Vec<UnitState>> {
+        let (world, rank) = (comm.world_size(), comm.rank());
+        let ga = cfg.gradient_accumulation_steps;
+        let mut b = Engine::builder(cfg.clone(), comm)
+            .seed(5)
+            .backend(CpuBackend::new(mode)?);
+        if let Some(s) = skip {
+            b = b.skip_wait_for_tests(s);
+        }
+        let model = Mlp::register(&mut b, DIMS)?;
+        let mut e = b.build()?;
+        for s in 0..steps {
+            for m in 0..ga {
+                let first = (((s * ga + m) * world + rank) * MB) as u64;
+                let (x, y) = batch(first, MB, DIMS[0]);
+                model.train_micro_batch::<T, _>(&mut e, &x, &y)?;
+                e.step()?;
+            }
+        }
+        e.unit_ids().into_iter().map(|u| e.unit_state(u)).collect()
+    }
+    ThreadGroup::run(world, |comm| match cfg.precision {
+        Precision::Fp32 => run::<f32>(comm, cfg, steps, mode, skip),
+        Precision::Bf16 => run::<bf16>(comm, cfg, steps, mode, skip),
+        Precision::Fp16 => run::<zero::core::f16>(comm, cfg, steps, mode, skip),
+    })
+    .expect("ranks ran")
+}
+
+fn checked_modes() -> Vec<CpuMode> {
+    let mut modes = vec![CpuMode::Checked];
+    modes.extend((1..=3).map(|seed| CpuMode::Chaos { seed }));
+    modes
+}
+
+/// The gradient path runs over the engine's device backend: on a checked
+/// CPU backend (the hazard checker on every access, and in Chaos mode real
+/// stream threads with random delays) training at stages 0–3 is bit for
+/// bit the inline run (fp32 with the persistent buffer as the home, bf16
+/// with gradient accumulation into a separate home, and with the
+/// optimizer offloaded to the CPU, whose AdamW reads the homes tile by
+/// tile; and 3 ranks with buckets whose rank sections are moved down
+/// over themselves before the reduce-scatter).
+#[test]
+fn the_gradient_path_is_ordered_on_a_checked_backend() {
+    for (world, precision, ga, offload, bucket) in [
+        (2, Precision::Fp32, 1, false, None),
+        (2, Precision::Bf16, 2, false, None),
+        (2, Precision::Bf16, 2, true, None),
+        (3, Precision::Bf16, 1, false, Some(1200)),
+    ] {
+        for stage in 0..=3u8 {
+            let mut cfg = config(world, stage, ga, precision);
+            if let Some(b) = bucket {
+                cfg.zero.reduce_bucket_size = b;
+            }
+            if offload {
+                cfg.zero.offload_optimizer.device = zero::core::config::OffloadDevice::Cpu;
+                cfg.zero.sub_group_size = 256;
+            }
+            let base = train_on_backend(world, &cfg, 3, CpuMode::Inline, None);
+            let base = base[0].as_ref().expect("inline run");
+            for mode in checked_modes() {
+                for (rank, r) in train_on_backend(world, &cfg, 3, mode, None)
+                    .into_iter()
+                    .enumerate()
+                {
+                    let what = format!(
+                        "world {world} {precision:?} ga {ga} offload {offload} bucket {bucket:?} \
+                         stage {stage} {mode:?} rank {rank}"
+                    );
+                    let states = r.unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert_bits_eq(base, &states, &what);
+                }
+            }
+        }
+    }
+}
+
+/// The checker is proven on the engine: with one wait of the gradient
+/// path removed (the communication stream's wait for the packing of a
+/// bucket, or the host's sync of the last unpack before the optimizer
+/// reads the homes; `EngineBuilder::skip_wait_for_tests`) every run at
+/// every stage fails with `Error::Hazard`
+/// naming the buffer, both operations and both streams — in Checked mode
+/// and on every Chaos seed, whatever the timing.
+#[test]
+fn a_removed_wait_of_the_gradient_path_is_a_hazard_on_every_run() {
+    use zero::core::backend::{Agent, Stream};
+    let world = 2;
+    for stage in 0..=3u8 {
+        let cfg = config(world, stage, 1, Precision::Fp32);
+        for skip in [SkipWait::PackBeforeReduce, SkipWait::HomesBeforeHostRead] {
+            for mode in checked_modes() {
+                for (rank, r) in train_on_backend(world, &cfg, 2, mode, Some(skip))
+                    .into_iter()
+                    .enumerate()
+                {
+                    let what = format!("stage {stage} {skip:?} {mode:?} rank {rank}");
+                    let e = match r {
+                        Ok(_) => panic!("{what}: trained without a hazard"),
+                        Err(e) => e,
+                    };
+                    let msg = e.to_string();
+                    let Error::Core(zero::core::Error::Hazard(h)) = &e else {
+                        panic!("{what}: not a hazard: {msg}");
+                    };
+                    let agents = [h.agent.to_string(), h.other_agent.to_string()];
+                    for part in [&h.buffer, h.op, h.other_op, &agents[0], &agents[1]] {
+                        assert!(msg.contains(part), "{what}: {msg}");
+                    }
+                    match skip {
+                        SkipWait::PackBeforeReduce => {
+                            assert!(h.buffer.starts_with("bucket "), "{what}: {msg}");
+                            assert!(
+                                ["all_reduce", "reduce_scatter"].contains(&h.op),
+                                "{what}: {msg}"
+                            );
+                            assert_eq!(h.agent, Agent::Stream(Stream::Comm), "{what}: {msg}");
+                            assert!(
+                                ["pack", "copy_within"].contains(&h.other_op),
+                                "{what}: {msg}"
+                            );
+                            assert_eq!(h.other_agent, Agent::Stream(Stream::Compute), "{what}");
+                        }
+                        SkipWait::HomesBeforeHostRead => {
+                            assert!(
+                                h.buffer.starts_with("grad") && h.buffer.contains("`layer"),
+                                "{what}: {msg}"
+                            );
+                            assert_eq!((h.op, h.agent), ("host_slice", Agent::Host), "{what}");
+                            // The last unsynced write of the home: the
+                            // unpack of its bucket, or (stage 1, whose
+                            // home is the full buffer and the unpack
+                            // writes the shard) the trainer's backward.
+                            let other = (h.other_op, h.other_agent);
+                            assert!(
+                                [
+                                    ("unpack", Agent::Stream(Stream::Comm)),
+                                    ("backward", Agent::Stream(Stream::Compute))
+                                ]
+                                .contains(&other),
+                                "{what}: {msg}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 }

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use zero_comm::{Communicator, ReduceOp, Work};
+use zero_comm::{Communicator, Work};
 use zero_core::{bf16, f16, DType, Element, HostBuffer};
 
 use crate::Result;
@@ -86,11 +86,6 @@ impl DynBuf {
         with_buf!(self, b => b.capacity())
     }
 
-    pub(crate) fn set_len(&mut self, len: usize) -> Result<()> {
-        with_buf!(self, b => b.set_len(len)?);
-        Ok(())
-    }
-
     /// Makes every page resident, keeping the contents
     /// ([`HostBuffer::prefault`]).
     pub(crate) fn prefault(&mut self) {
@@ -114,15 +109,6 @@ impl DynBuf {
         with_buf!(self, b => (b as &mut dyn std::any::Any)
             .downcast_mut::<HostBuffer<T>>()
             .map(|b| &mut b[..]))
-    }
-
-    /// `copy_within` on the elements (ranges in elements).
-    pub(crate) fn copy_within(&mut self, src: Range<usize>, dest: usize) {
-        with_buf!(self, b => b.copy_within(src, dest));
-    }
-
-    pub(crate) fn fill_zero(&mut self) {
-        with_buf!(self, b => b.fill(Element::from_f32(0.0)));
     }
 
     /// Elements `range` converted to f32 and appended to `out`.
@@ -162,34 +148,6 @@ impl DynBuf {
     /// Zeroes `len` elements from `d`.
     pub(crate) fn zero_range(&mut self, d: usize, len: usize) {
         with_buf!(self, b => b[d..d + len].fill(Element::from_f32(0.0)));
-    }
-
-    /// Sum-reduces the whole buffer over all ranks.
-    pub(crate) fn all_reduce<C: Communicator>(self, comm: &C) -> Work<DynBuf> {
-        match self {
-            DynBuf::F32(b) => comm.all_reduce(b, ReduceOp::Sum).map(DynBuf::F32),
-            DynBuf::Bf16(b) => comm.all_reduce(b, ReduceOp::Sum).map(DynBuf::Bf16),
-            DynBuf::F16(b) => comm.all_reduce(b, ReduceOp::Sum).map(DynBuf::F16),
-        }
-    }
-
-    /// Sum-reduce-scatter in place with `counts`.
-    pub(crate) fn reduce_scatter<C: Communicator>(
-        self,
-        comm: &C,
-        counts: &[usize],
-    ) -> Work<DynBuf> {
-        match self {
-            DynBuf::F32(b) => comm
-                .reduce_scatter_in_place(b, counts, ReduceOp::Sum)
-                .map(DynBuf::F32),
-            DynBuf::Bf16(b) => comm
-                .reduce_scatter_in_place(b, counts, ReduceOp::Sum)
-                .map(DynBuf::Bf16),
-            DynBuf::F16(b) => comm
-                .reduce_scatter_in_place(b, counts, ReduceOp::Sum)
-                .map(DynBuf::F16),
-        }
     }
 
     /// All-gather in place with `counts`.

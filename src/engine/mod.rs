@@ -54,7 +54,8 @@
 //! failed write) fails the step on every rank: the rank whose file failed
 //! reports the file, the others name that rank. From then on
 //! [`Engine::step`] and the gradient calls return an error saying so,
-//! while [`Engine::gather`] and its [`UnitGuard`] keep working. What the state is then depends on the error:
+//! while [`Engine::gather`] and reading the parameters of its
+//! [`UnitGuard`] keep working. What the state is then depends on the error:
 //!
 //! - A failed *write* (disk full, an I/O error) loses nothing: the tiles
 //!   whose write failed are kept in host memory and the step completes
@@ -120,6 +121,7 @@ use std::time::Instant;
 use faults::FaultPlan;
 use zero_comm::agree::{exchange_u64, first_failure};
 use zero_comm::{Communicator, Work};
+use zero_core::backend::{CpuBackend, CpuMode};
 use zero_core::config::{CheckFor, OffloadDevice, Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier};
 use zero_core::optim::{clip_coefficient, AdamWStep, CpuAdamW, LossScaler};
@@ -144,6 +146,8 @@ use offload::{Offload, UnitRanges};
 use optimizer::{relative, Moments, OptimizerShard};
 use param_offload::ParamOffload;
 pub(crate) use reducer::buckets as bucket_plan;
+#[doc(hidden)]
+pub use reducer::SkipWait;
 use reducer::{GradReducer, GradState};
 pub use stats::EngineStats;
 
@@ -208,6 +212,11 @@ pub struct EngineBuilder<C: Communicator> {
     param_swap_faults: Option<FaultPlan>,
     tracer: Tracer,
     keep_last: usize,
+    /// The device backend of the gradient path (`None`: an inline CPU
+    /// backend).
+    backend: Option<CpuBackend>,
+    /// Test-only: a wait of the gradient path left out.
+    skip_wait: Option<SkipWait>,
     /// Set by [`Engine::load_checkpoint`]: the load fills the master, m, v
     /// and parameters completely, so the build leaves their pages to be
     /// faulted in by the load instead of pre-faulting them.
@@ -323,6 +332,8 @@ impl<C: Communicator> Engine<C> {
             param_swap_faults: None,
             tracer: Tracer::disabled(),
             keep_last: 0,
+            backend: None,
+            skip_wait: None,
             for_load: false,
         }
     }
@@ -389,6 +400,27 @@ impl<C: Communicator> EngineBuilder<C> {
         self
     }
 
+    /// The device backend the gradient path runs on (buckets, gradient
+    /// homes, their streams and events; see `src/engine/reducer.rs`).
+    /// Default: `CpuBackend::new(CpuMode::Inline)`, which checks nothing
+    /// and costs nothing; tests pass `CpuMode::Checked` or
+    /// `CpuMode::Chaos` to have every ordering decision proved by the
+    /// hazard checker. Give each rank its own backend: one host thread
+    /// drives a backend (its clones share it).
+    pub fn backend(mut self, backend: CpuBackend) -> Self {
+        self.backend = Some(backend);
+        self
+    }
+
+    /// Test-only: leaves out one wait of the gradient path, so that a test
+    /// can prove the backend's hazard checker catches it. Never use it
+    /// outside such a test.
+    #[doc(hidden)]
+    pub fn skip_wait_for_tests(mut self, which: SkipWait) -> Self {
+        self.skip_wait = Some(which);
+        self
+    }
+
     /// Registers a unit with one initialiser per tensor. Every rank must
     /// register the same units in the same order ([`EngineBuilder::build`]
     /// checks).
@@ -445,6 +477,8 @@ impl<C: Communicator> EngineBuilder<C> {
             param_swap_faults,
             tracer,
             keep_last,
+            backend,
+            skip_wait,
             for_load,
         } = self;
         let rank = comm.rank();
@@ -566,7 +600,11 @@ impl<C: Communicator> EngineBuilder<C> {
             });
         }
 
-        let reducer = GradReducer::new(&cfg, &plan, &comm, &tracker)?;
+        let backend = match backend {
+            Some(b) => b,
+            None => CpuBackend::new(CpuMode::Inline)?,
+        };
+        let reducer = GradReducer::new(&cfg, &plan, &comm, &tracker, backend, skip_wait)?;
         let offload = if offloading {
             let views: Vec<&[f32]> = masters.iter().map(|m| &m[..]).collect();
             let built = Offload::new(&cfg, rank, pdt, ranges, &views, &tracker, swap_faults);
@@ -910,8 +948,15 @@ impl<C: Communicator> Engine<C> {
     fn guard<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
         self.health.check_comm().map_err(|what| self.usage(what))?;
         let r = self.take_back_dropped().and_then(|()| f(self));
-        if let Err(Error::Comm(e)) = &r {
-            self.health.comm_failed(e.to_string());
+        match &r {
+            Err(Error::Comm(e)) => self.health.comm_failed(e.to_string()),
+            // An access of the gradient path not ordered after the one
+            // before it (an ordering bug, caught by a checked backend): a
+            // bucket may be lost with its collective, and the peers failed.
+            Err(Error::Core(e @ zero_core::Error::Hazard(_))) => {
+                self.health.comm_failed(e.to_string())
+            }
+            _ => {}
         }
         r
     }
@@ -920,7 +965,7 @@ impl<C: Communicator> Engine<C> {
     /// units have no gradient in this micro-batch.
     fn take_back_dropped(&mut self) -> Result<()> {
         for (i, buf) in self.returns.take() {
-            self.reducer.take_back_unused(i, buf);
+            self.reducer.take_back_unused(i, buf)?;
         }
         for i in self.releases.take() {
             self.release(i)?;
@@ -1672,9 +1717,9 @@ impl<C: Communicator> Engine<C> {
         // unit order (stage 0 too, so that every stage adds the same terms).
         let local = match self.reducer.home_dtype() {
             None => 0.0,
-            Some(DType::F32) => self.opt.local_sum_squares::<f32>(&self.reducer),
-            Some(DType::BF16) => self.opt.local_sum_squares::<bf16>(&self.reducer),
-            Some(DType::F16) => self.opt.local_sum_squares::<f16>(&self.reducer),
+            Some(DType::F32) => self.opt.local_sum_squares::<f32>(&self.reducer)?,
+            Some(DType::BF16) => self.opt.local_sum_squares::<bf16>(&self.reducer)?,
+            Some(DType::F16) => self.opt.local_sum_squares::<f16>(&self.reducer)?,
         };
         let parts = exchange_u64(&self.comm, &[local.to_bits()])?;
         let sumsq = parts.iter().fold(0f64, |a, w| a + f64::from_bits(w[0]));

@@ -135,15 +135,15 @@ impl OptimizerShard {
     /// This rank's part of the squared gradient norm: its shard of every
     /// unit, in unit order, in one parallel region; the terms summed in
     /// unit order.
-    pub(crate) fn local_sum_squares<G: Element>(&self, grads: &GradReducer) -> f64 {
-        let slices: Vec<&[G]> = self
+    pub(crate) fn local_sum_squares<G: Element>(&self, grads: &GradReducer) -> Result<f64> {
+        let slices = self
             .ranges
             .iter()
             .enumerate()
-            .map(|(i, r)| &grads.home(i).slice::<G>().expect("one gradient dtype")[r.norm.clone()])
-            .collect();
+            .map(|(i, r)| Ok(&grads.home_slice::<G>(i)?[r.norm.clone()]))
+            .collect::<Result<Vec<&[G]>>>()?;
         let sums = self.adam.sum_squares_many(&slices);
-        sums.iter().fold(0f64, |a, s| a + s)
+        Ok(sums.iter().fold(0f64, |a, s| a + s))
     }
 
     /// AdamW on the units `units` in one parallel region, writing each
@@ -162,7 +162,7 @@ impl OptimizerShard {
             let s = state[i].take().expect("each unit once");
             parts.push(AdamWSlices {
                 master: &mut s.master[r.state.clone()],
-                grad: &grads.home(i).slice::<G>().expect("one gradient dtype")[r.grad.clone()],
+                grad: &grads.home_slice::<G>(i)?[r.grad.clone()],
                 m: &mut s.m[r.state.clone()],
                 v: &mut s.v[r.state.clone()],
                 low: Some(&mut low[r.params.clone()]),
@@ -182,9 +182,9 @@ impl OptimizerShard {
         grads: &GradReducer,
         params: &mut [&mut [P]],
     ) -> Result<()> {
-        let homes: Vec<&[G]> = (0..self.ranges.len())
-            .map(|i| grads.home(i).slice::<G>().expect("one gradient dtype"))
-            .collect();
+        let homes = (0..self.ranges.len())
+            .map(|i| grads.home_slice::<G>(i))
+            .collect::<Result<Vec<&[G]>>>()?;
         let off = self.offload.as_mut().expect("optimizer offload");
         off.step(&self.adam, k, &homes, params)
     }

@@ -21,18 +21,72 @@
 //! Per unit the gradient goes through [`GradState`]: `Empty` at the start
 //! of a micro-batch, `Lent` while the trainer writes it, `Ready` once it is
 //! handed back.
+//!
+//! # Streams and events
+//!
+//! Buckets, gradient homes and gradient buffers are buffers of the
+//! engine's [`CpuBackend`], and every ordering decision of the gradient
+//! path is made here, explicitly:
+//!
+//! ```text
+//!  compute  ─[fill 0]─[backward (lent)]─[pack → bucket]─●packed
+//!                                                        ╲ wait (device collective)
+//!  comm     ──────────────────────────────────────────────◆─[reduce]─●done─[unpack → homes]─●unpacked
+//!                                                                                          ╲
+//!  compute  (a bucket reused for packing waits for its ●unpacked) ◆   host: sync(last ●unpacked)
+//!                                                                        before it reads the homes
+//! ```
+//!
+//! - `lend`: the buffer is zeroed on the compute stream and lent to the
+//!   trainer as the operation `backward` on the compute stream
+//!   ([`CpuBackend::lend`]): the trainer's writes are compute-stream work,
+//!   and `hand_back` takes the memory back under the same id
+//!   ([`CpuBackend::give_back`]), so the checker follows the buffer across
+//!   micro-batches and nothing is allocated or copied.
+//! - `pack` runs on the compute stream, after the trainer's work (program
+//!   order); the collective starts on the communication stream after the
+//!   event `packed` recorded after the last pack;
+//! - its completion event orders the `unpack` of this rank's section into
+//!   the homes on the communication stream; the event recorded after it
+//!   is what the compute stream waits for before packing into that bucket
+//!   again, and what the host syncs (in [`GradReducer::finish`] and before
+//!   zeroing) before it reads or writes the homes.
+//!
+//! In the backend's `Inline` mode (production) every call runs at once and
+//! events are empty values; in `Checked`/`Chaos` mode the hazard checker
+//! proves each access ordered.
 
+use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 
-use zero_comm::{Communicator, Work};
+use zero_comm::{Communicator, DeviceCollectives, DeviceWork, ReduceOp};
+use zero_core::backend::{
+    AccessKind, Backend, BufferHandle, CpuBackend, CpuBuffer, CpuEvent, Loan, PackPiece, Stream,
+    UnpackPiece,
+};
 use zero_core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
 use zero_core::partition::PartitionPlan;
-use zero_core::DType;
+use zero_core::{bf16, f16, DType, Element};
 
 use super::dynbuf::{ring_bytes, DynBuf};
 use crate::trace::Tracer;
-use crate::Result;
+use crate::{Error, Result};
+
+/// Test-only: one wait of the gradient path that
+/// [`EngineBuilder::skip_wait_for_tests`](super::EngineBuilder::skip_wait_for_tests)
+/// removes, to prove that the backend's hazard checker catches it.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SkipWait {
+    /// The collective starts after an event of the communication stream
+    /// instead of the compute stream's `packed`: the communication stream
+    /// does not wait for the packing of the bucket.
+    PackBeforeReduce,
+    /// [`GradReducer::finish`] does not sync the last unpack before the
+    /// optimizer reads the homes on the host.
+    HomesBeforeHostRead,
+}
 
 /// Where a unit's gradient of the current micro-batch is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,21 +99,298 @@ pub(crate) enum GradState {
     Ready,
 }
 
+/// A buffer of the backend of f32, bf16 or f16.
+enum DevBuf {
+    F32(CpuBuffer<f32>),
+    Bf16(CpuBuffer<bf16>),
+    F16(CpuBuffer<f16>),
+}
+
+/// Runs `$e` with `$x` bound to the typed buffer inside `$b`.
+macro_rules! with_dev {
+    ($b:expr, $x:ident => $e:expr) => {
+        match $b {
+            DevBuf::F32($x) => $e,
+            DevBuf::Bf16($x) => $e,
+            DevBuf::F16($x) => $e,
+        }
+    };
+}
+
+/// Runs `$e` (a typed value) with `$x` bound to the typed buffer inside
+/// `$b`, wrapping the result in the same variant of `$w`.
+macro_rules! map_dev {
+    ($b:expr, $w:ident, $x:ident => $e:expr) => {
+        match $b {
+            DevBuf::F32($x) => $w::F32($e),
+            DevBuf::Bf16($x) => $w::Bf16($e),
+            DevBuf::F16($x) => $w::F16($e),
+        }
+    };
+}
+
+impl DevBuf {
+    /// A zeroed buffer from `comm`'s allocator (MPI's shared window).
+    fn alloc<C: Communicator>(
+        backend: &CpuBackend,
+        comm: &C,
+        dtype: DType,
+        len: usize,
+        label: &str,
+    ) -> Result<Self> {
+        Ok(match dtype {
+            DType::F32 => DevBuf::F32(comm.device_alloc(backend, len, label)?),
+            DType::BF16 => DevBuf::Bf16(comm.device_alloc(backend, len, label)?),
+            DType::F16 => DevBuf::F16(comm.device_alloc(backend, len, label)?),
+        })
+    }
+
+    fn dtype(&self) -> DType {
+        with_dev!(self, b => b.dtype())
+    }
+
+    fn len(&self) -> usize {
+        with_dev!(self, b => b.len())
+    }
+
+    fn bytes(&self) -> u64 {
+        (self.len() * self.dtype().size_in_bytes()) as u64
+    }
+
+    /// Makes every page resident (a host write).
+    fn prefault(&mut self, backend: &CpuBackend) -> Result<()> {
+        with_dev!(self, b => backend.prefault(b)?);
+        Ok(())
+    }
+
+    /// Zeroes the buffer on `stream`.
+    fn fill_zero(&mut self, backend: &CpuBackend, stream: Stream) -> Result<()> {
+        let n = self.len();
+        with_dev!(self, b => backend.fill(stream, b, 0..n, Element::from_f32(0.0))?);
+        Ok(())
+    }
+
+    /// Zeroes the buffer from the host (checked: every earlier access must
+    /// have been synced).
+    fn host_zero(&mut self, backend: &CpuBackend) -> Result<()> {
+        let n = self.len();
+        with_dev!(self, b => backend.host_slice_mut(b, 0..n)?.fill(Element::from_f32(0.0)));
+        Ok(())
+    }
+
+    /// The typed contents for the host to read (checked), if the dtype is
+    /// `T`'s.
+    fn host_slice<T: Element>(&self, backend: &CpuBackend) -> Result<Option<&[T]>> {
+        with_dev!(self, b => match (b as &dyn Any).downcast_ref::<CpuBuffer<T>>() {
+            Some(t) => Ok(Some(backend.host_slice(t, 0..t.len())?)),
+            None => Ok(None),
+        })
+    }
+
+    /// Lends the buffer to the trainer as the operation `backward` on the
+    /// compute stream (it writes all of it).
+    fn lend(self, backend: &CpuBackend) -> Result<(DynLoan, DynBuf)> {
+        fn one<T: Element>(
+            backend: &CpuBackend,
+            b: CpuBuffer<T>,
+        ) -> Result<(Loan<T>, zero_core::HostBuffer<T>)> {
+            let n = b.len();
+            Ok(backend.lend(Stream::Compute, "backward", b, &[(0..n, AccessKind::Write)])?)
+        }
+        Ok(match self {
+            DevBuf::F32(b) => {
+                let (l, m) = one(backend, b)?;
+                (DynLoan::F32(l), DynBuf::from_host(m))
+            }
+            DevBuf::Bf16(b) => {
+                let (l, m) = one(backend, b)?;
+                (DynLoan::Bf16(l), DynBuf::from_host(m))
+            }
+            DevBuf::F16(b) => {
+                let (l, m) = one(backend, b)?;
+                (DynLoan::F16(l), DynBuf::from_host(m))
+            }
+        })
+    }
+}
+
+/// A buffer lent to the trainer ([`CpuBackend::lend`]).
+enum DynLoan {
+    F32(Loan<f32>),
+    Bf16(Loan<bf16>),
+    F16(Loan<f16>),
+}
+
+impl DynLoan {
+    /// Takes the trainer's memory back under the lent buffer's id.
+    fn give_back(self, backend: &CpuBackend, mem: DynBuf, rank: usize) -> Result<DevBuf> {
+        fn one<T: Element>(
+            backend: &CpuBackend,
+            loan: Loan<T>,
+            mem: DynBuf,
+            rank: usize,
+        ) -> Result<CpuBuffer<T>> {
+            let mem = mem.into_host::<T>().map_err(|m| Error::Usage {
+                rank,
+                what: format!(
+                    "internal: the gradient buffer {:?} was lent as {} and came back as {}",
+                    loan.label(),
+                    T::DTYPE,
+                    m.dtype()
+                ),
+            })?;
+            Ok(backend.give_back(loan, mem)?.0)
+        }
+        Ok(match self {
+            DynLoan::F32(l) => DevBuf::F32(one(backend, l, mem, rank)?),
+            DynLoan::Bf16(l) => DevBuf::Bf16(one(backend, l, mem, rank)?),
+            DynLoan::F16(l) => DevBuf::F16(one(backend, l, mem, rank)?),
+        })
+    }
+}
+
+/// A device collective on a bucket, in flight.
+enum DynWork {
+    F32(DeviceWork<CpuBackend, f32>),
+    Bf16(DeviceWork<CpuBackend, bf16>),
+    F16(DeviceWork<CpuBackend, f16>),
+}
+
+impl DynWork {
+    /// Whether the collective was refused before it started.
+    fn is_refused(&self) -> bool {
+        match self {
+            DynWork::F32(w) => w.is_refused(),
+            DynWork::Bf16(w) => w.is_refused(),
+            DynWork::F16(w) => w.is_refused(),
+        }
+    }
+
+    /// Waits for the collective (recording it into `tracer`) and returns
+    /// the bucket and the event after which its result may be used.
+    fn wait(self, tracer: &Tracer, rank: usize) -> Result<(DevBuf, CpuEvent)> {
+        fn one<T: Element>(
+            tracer: &Tracer,
+            rank: usize,
+            w: DeviceWork<CpuBackend, T>,
+        ) -> Result<(CpuBuffer<T>, CpuEvent)> {
+            let op = w.op();
+            let (done, timing) = w.wait_timed().map_err(comm_error)?;
+            if let Some(t) = timing {
+                tracer.record(rank, op, "collective", t.started, t.finished);
+            }
+            Ok(done)
+        }
+        Ok(match self {
+            DynWork::F32(w) => {
+                let (b, e) = one(tracer, rank, w)?;
+                (DevBuf::F32(b), e)
+            }
+            DynWork::Bf16(w) => {
+                let (b, e) = one(tracer, rank, w)?;
+                (DevBuf::Bf16(b), e)
+            }
+            DynWork::F16(w) => {
+                let (b, e) = one(tracer, rank, w)?;
+                (DevBuf::F16(b), e)
+            }
+        })
+    }
+}
+
+/// A collective refused for an error of the backend (a hazard: an access
+/// of the bucket not ordered after the packing) is that error, not a
+/// communication failure.
+fn comm_error(e: zero_comm::Error) -> Error {
+    match e {
+        zero_comm::Error::Core(e @ zero_core::Error::Hazard(_)) => Error::Core(e),
+        e => Error::Comm(e),
+    }
+}
+
+/// `len` elements of `src[src_at..]` into `dst[dst_at..]`, converting, on
+/// the compute stream.
+fn pack(
+    backend: &CpuBackend,
+    src: &DevBuf,
+    src_at: usize,
+    dst: &mut DevBuf,
+    dst_at: usize,
+    len: usize,
+) -> Result<()> {
+    with_dev!(dst, d => with_dev!(src, s => {
+        let piece = PackPiece::<CpuBackend, _> { src: s, src_at, dst_at, len };
+        backend.pack(Stream::Compute, std::slice::from_ref(&piece), d)?
+    }));
+    Ok(())
+}
+
+/// `len` elements of `src[src_at..]` into `dst[dst_at..]`, converting (or
+/// adding), on the communication stream.
+#[allow(clippy::too_many_arguments)]
+fn unpack(
+    backend: &CpuBackend,
+    src: &DevBuf,
+    src_at: usize,
+    dst: &mut DevBuf,
+    dst_at: usize,
+    len: usize,
+    add: bool,
+) -> Result<()> {
+    with_dev!(dst, d => with_dev!(src, s => {
+        let mut piece = UnpackPiece::<CpuBackend, _> { dst: d, dst_at, src_at, len };
+        backend.unpack(Stream::Comm, s, std::slice::from_mut(&mut piece), add)?
+    }));
+    Ok(())
+}
+
+/// Moves `buf[src..src + len]` down to `buf[dst..]` (`dst < src`) on the
+/// compute stream, in pieces that do not overlap (the backend's
+/// `copy_within` copies disjoint ranges only).
+fn move_down(
+    backend: &CpuBackend,
+    buf: &mut DevBuf,
+    src: usize,
+    dst: usize,
+    len: usize,
+) -> Result<()> {
+    let step = src - dst;
+    let mut done = 0;
+    while done < len {
+        let n = step.min(len - done);
+        let from = src + done..src + done + n;
+        with_dev!(&mut *buf, b => backend.copy_within(Stream::Compute, b, from, dst + done)?);
+        done += n;
+    }
+    Ok(())
+}
+
 /// A bucket of gradients being filled.
 struct OpenBucket {
-    buf: DynBuf,
+    buf: DevBuf,
     units: Vec<usize>,
     elems: usize,
 }
 
 /// A bucket whose reduction is in flight.
 struct InFlight {
-    work: Work<DynBuf>,
+    work: DynWork,
     units: Vec<usize>,
+}
+
+/// A bucket ready to be packed into, and the event after which the
+/// compute stream may write it (the unpack of its last reduction).
+struct FreeBucket {
+    buf: DevBuf,
+    after: Option<CpuEvent>,
 }
 
 /// Gradient buckets and homes of one rank.
 pub(crate) struct GradReducer {
+    /// The device the buckets, homes and gradient buffers live on.
+    backend: CpuBackend,
+    /// Test-only: a wait left out (see [`SkipWait`]).
+    skip: Option<SkipWait>,
     stage: u8,
     rank: usize,
     world: usize,
@@ -77,22 +408,27 @@ pub(crate) struct GradReducer {
     padded: Vec<usize>,
     shard: Vec<usize>,
     bucket_cap: usize,
-    free: Vec<DynBuf>,
+    free: Vec<FreeBucket>,
     open: Option<OpenBucket>,
     inflight: VecDeque<InFlight>,
+    /// The event after the last unpack into the homes (what the host syncs
+    /// before it touches them); `None` once synced.
+    unpacked: Option<CpuEvent>,
     /// Stage 1: units handed back, reduced after the backward pass.
     deferred: Vec<usize>,
     /// Stages 2–3: transient full gradient buffers by length.
-    pool: HashMap<usize, Vec<DynBuf>>,
+    pool: HashMap<usize, Vec<DevBuf>>,
     /// Stages 0–1: the persistent full gradient buffer in P (`None` while
-    /// lent or in a bucket).
-    grads: Vec<Option<DynBuf>>,
+    /// lent).
+    grads: Vec<Option<DevBuf>>,
     /// The accumulated gradient in A: full (stage 0) or shard; `None` when
     /// it lives in `grads` (A = P without accumulation, stages 0/1, no
     /// optimizer offload). With optimizer offload it is the host-side
     /// gradient shard that feeds the CPU AdamW (accounted in the host
     /// tier).
-    acc: Vec<Option<DynBuf>>,
+    acc: Vec<Option<DevBuf>>,
+    /// The buffers lent to the trainer, by unit.
+    loans: Vec<Option<DynLoan>>,
     state: Vec<GradState>,
     allocs: Vec<Allocation>,
 }
@@ -129,12 +465,15 @@ pub(crate) fn buckets(cfg: &ResolvedConfig, plan: &PartitionPlan) -> (usize, usi
 
 impl GradReducer {
     /// Allocates every gradient home and the bucket buffers of the memory
-    /// plan (prefaulted: the step takes no page faults).
+    /// plan on `backend` (from `comm`'s allocator, prefaulted: the step
+    /// takes no page faults).
     pub(crate) fn new<C: Communicator>(
         cfg: &ResolvedConfig,
         plan: &PartitionPlan,
         comm: &C,
         tracker: &MemoryTracker,
+        backend: CpuBackend,
+        skip: Option<SkipWait>,
     ) -> Result<Self> {
         let stage = cfg.zero.stage;
         let pdt = match cfg.precision {
@@ -151,9 +490,10 @@ impl GradReducer {
         for layout in plan.units() {
             let full = layout.padded_numel;
             grads.push(if stage <= 1 {
-                let mut g = DynBuf::alloc(comm, pdt, full)?;
-                g.prefault();
-                allocs.push(tracker.allocate(Tier::Device, Category::Grads, g.capacity_bytes()));
+                let label = format!("grad `{}`", layout.name);
+                let mut g = DevBuf::alloc(&backend, comm, pdt, full, &label)?;
+                g.prefault(&backend)?;
+                allocs.push(tracker.allocate(Tier::Device, Category::Grads, g.bytes()));
                 Some(g)
             } else {
                 None
@@ -162,26 +502,32 @@ impl GradReducer {
                 None
             } else {
                 let len = if stage == 0 { full } else { layout.shard_len };
-                let mut a = DynBuf::alloc(comm, adt, len)?;
-                a.prefault();
+                let label = format!("grad home `{}`", layout.name);
+                let mut a = DevBuf::alloc(&backend, comm, adt, len, &label)?;
+                a.prefault(&backend)?;
                 // With optimizer offload the gradient shard feeding AdamW
                 // is host memory (device→host as buckets complete).
                 let tier = if offloading { Tier::Host } else { Tier::Device };
-                allocs.push(tracker.allocate(tier, Category::Grads, a.capacity_bytes()));
+                allocs.push(tracker.allocate(tier, Category::Grads, a.bytes()));
                 Some(a)
             });
         }
         let (bucket_cap, count) = buckets(cfg, plan);
         let overlap = overlaps(cfg);
         let mut free = Vec::new();
-        for _ in 0..count {
-            let mut b = DynBuf::alloc(comm, cdt, bucket_cap)?;
-            b.prefault();
-            allocs.push(tracker.allocate(Tier::Device, Category::CommBuffers, b.capacity_bytes()));
-            free.push(b);
+        for k in 0..count {
+            let mut b = DevBuf::alloc(&backend, comm, cdt, bucket_cap, &format!("bucket {k}"))?;
+            b.prefault(&backend)?;
+            allocs.push(tracker.allocate(Tier::Device, Category::CommBuffers, b.bytes()));
+            free.push(FreeBucket {
+                buf: b,
+                after: None,
+            });
         }
         let n = plan.units().len();
         Ok(GradReducer {
+            backend,
+            skip,
             stage,
             rank: comm.rank(),
             world: comm.world_size(),
@@ -197,10 +543,12 @@ impl GradReducer {
             free,
             open: None,
             inflight: VecDeque::new(),
+            unpacked: None,
             deferred: Vec::new(),
             pool: HashMap::new(),
             grads,
             acc,
+            loans: (0..n).map(|_| None).collect(),
             state: vec![GradState::Empty; n],
             allocs,
         })
@@ -227,13 +575,27 @@ impl GradReducer {
         self.acc[i].is_some()
     }
 
-    /// The reduced (and accumulated) gradient of unit `i`: the separate
-    /// accumulation buffer, or the persistent one.
-    pub(crate) fn home(&self, i: usize) -> &DynBuf {
+    /// The gradient home of unit `i`: the separate accumulation buffer, or
+    /// the persistent one.
+    fn home(&self, i: usize) -> &DevBuf {
         self.acc[i]
             .as_ref()
             .or(self.grads[i].as_ref())
             .expect("a gradient home")
+    }
+
+    /// The reduced (and accumulated) gradient of unit `i`, for the host to
+    /// read: a checked host read, valid once [`GradReducer::finish`]
+    /// synced the homes. `G` must be [`home_dtype`](Self::home_dtype).
+    pub(crate) fn home_slice<G: Element>(&self, i: usize) -> Result<&[G]> {
+        let home = self.home(i);
+        home.host_slice::<G>(&self.backend)?.ok_or_else(|| {
+            Error::from(zero_core::Error::DTypeMismatch {
+                op: "GradReducer::home_slice",
+                expected: home.dtype(),
+                got: G::DTYPE,
+            })
+        })
     }
 
     /// The dtype of the gradient homes (one for every unit).
@@ -242,8 +604,10 @@ impl GradReducer {
     }
 
     /// Lends unit `i`'s gradient buffer to the trainer, zeroed: the
-    /// persistent one (stages 0/1) or one from the pool (stages 2/3).
-    /// `add`: later micro-batches of a step accumulate into the homes.
+    /// persistent one (stages 0/1) or one from the pool (stages 2/3). It
+    /// is zeroed on the compute stream and lent as the compute stream's
+    /// operation `backward`. `add`: later micro-batches of a step
+    /// accumulate into the homes.
     pub(crate) fn lend<C: Communicator>(
         &mut self,
         comm: &C,
@@ -253,9 +617,28 @@ impl GradReducer {
         add: bool,
     ) -> Result<DynBuf> {
         let mut buf = self.take_buffer(comm, tracker, tracer, i, add)?;
-        buf.fill_zero();
+        buf.fill_zero(&self.backend, Stream::Compute)?;
+        let (loan, mem) = buf.lend(&self.backend)?;
+        self.loans[i] = Some(loan);
         self.state[i] = GradState::Lent;
-        Ok(buf)
+        Ok(mem)
+    }
+
+    fn internal(&self, what: &str) -> Error {
+        Error::Usage {
+            rank: self.rank,
+            what: format!("internal: {what}"),
+        }
+    }
+
+    /// The memory of unit `i`'s lent gradient buffer, back from the
+    /// trainer under the lent buffer's id.
+    fn give_back(&mut self, i: usize, mem: DynBuf) -> Result<DevBuf> {
+        let loan = self.loans[i].take().ok_or_else(|| Error::Usage {
+            rank: self.rank,
+            what: format!("internal: unit #{i}'s gradient buffer came back but was not lent"),
+        })?;
+        loan.give_back(&self.backend, mem, self.rank)
     }
 
     /// Takes unit `i`'s gradient buffer back from the trainer: it joins
@@ -267,9 +650,10 @@ impl GradReducer {
         comm: &C,
         tracer: &Tracer,
         i: usize,
-        buf: DynBuf,
+        mem: DynBuf,
         add: bool,
     ) -> Result<u64> {
+        let buf = self.give_back(i, mem)?;
         self.state[i] = GradState::Ready;
         if self.stage == 1 {
             self.grads[i] = Some(buf);
@@ -287,7 +671,7 @@ impl GradReducer {
         tracer: &Tracer,
         i: usize,
         add: bool,
-    ) -> Result<DynBuf> {
+    ) -> Result<DevBuf> {
         if self.stage <= 1 {
             self.wait_for_home(comm, tracer, i, add)?;
             return Ok(self.grads[i].take().expect("grad buffer is home"));
@@ -296,11 +680,12 @@ impl GradReducer {
         if let Some(b) = self.pool.get_mut(&len).and_then(Vec::pop) {
             return Ok(b);
         }
-        let b = DynBuf::alloc(comm, self.pdt, len)?;
+        let label = format!("grad buffer of {len} elements");
+        let b = DevBuf::alloc(&self.backend, comm, self.pdt, len, &label)?;
         // Transient gradient buffers stay in the pool: accounted as
         // gradients for as long as they exist.
         self.allocs
-            .push(tracker.allocate(Tier::Device, Category::Grads, b.capacity_bytes()));
+            .push(tracker.allocate(Tier::Device, Category::Grads, b.bytes()));
         Ok(b)
     }
 
@@ -325,12 +710,14 @@ impl GradReducer {
         Ok(())
     }
 
-    /// Copies unit `i`'s gradient into the open bucket (converting to the
-    /// communication dtype) and gives the gradient buffer back at once
-    /// (stages 2/3: to the pool, so only the units in flight hold full
-    /// gradients). The bucket starts its reduction when full. Layout:
-    /// stage 0 puts the units one after another; stages 1–3 group the
-    /// units' shards by rank, in sections of `stride = capacity / N`:
+    /// Packs unit `i`'s gradient into the open bucket on the compute
+    /// stream (converting to the communication dtype) and gives the
+    /// gradient buffer back at once (stages 2/3: to the pool, so only the
+    /// units in flight hold full gradients; its next user writes it on the
+    /// compute stream, after the pack). The bucket starts its reduction
+    /// when full. Layout: stage 0 puts the units one after another; stages
+    /// 1–3 group the units' shards by rank, in sections of
+    /// `stride = capacity / N`:
     ///
     /// ```text
     ///  units a, b:   a = [a0 a1]  b = [b0 b1]     (shard r of each unit)
@@ -341,7 +728,7 @@ impl GradReducer {
         comm: &C,
         tracer: &Tracer,
         i: usize,
-        grad: DynBuf,
+        grad: DevBuf,
         add: bool,
     ) -> Result<u64> {
         let n = self.padded[i];
@@ -363,22 +750,33 @@ impl GradReducer {
             if self.free.is_empty() {
                 self.complete_oldest(tracer, add)?;
             }
-            let buf = self.free.pop().expect("a bucket buffer is free");
+            let f = self.free.pop().expect("a bucket buffer is free");
+            // The compute stream packs into it only after the unpack of
+            // its last reduction read it.
+            if let Some(ev) = &f.after {
+                self.backend.wait(Stream::Compute, ev)?;
+            }
             self.open = Some(OpenBucket {
-                buf,
+                buf: f.buf,
                 units: Vec::new(),
                 elems: 0,
             });
         }
         let b = self.open.as_mut().expect("opened above");
         if self.stage == 0 {
-            b.buf.store_from(b.elems, &grad, 0, n, false);
+            pack(&self.backend, &grad, 0, &mut b.buf, b.elems, n)?;
         } else {
             let shard = n / world;
             let at = b.elems / world;
             for r in 0..world {
-                b.buf
-                    .store_from(r * stride + at, &grad, r * shard, shard, false);
+                pack(
+                    &self.backend,
+                    &grad,
+                    r * shard,
+                    &mut b.buf,
+                    r * stride + at,
+                    shard,
+                )?;
             }
         }
         b.units.push(i);
@@ -387,7 +785,7 @@ impl GradReducer {
         if self.stage <= 1 {
             self.grads[i] = Some(grad);
         } else {
-            self.pool.entry(grad.len()).or_default().push(grad);
+            self.pool.entry(n).or_default().push(grad);
         }
         if full {
             sent += self.launch_open(comm, tracer, add)?;
@@ -397,8 +795,9 @@ impl GradReducer {
 
     /// Starts the reduction of the open bucket: all-reduce (stage 0) or
     /// reduce-scatter of the rank sections (stages 1–3), after closing the
-    /// gaps between sections of a bucket that is not full. Returns the
-    /// bytes sent.
+    /// gaps between sections of a bucket that is not full (on the compute
+    /// stream), on the communication stream after the event recorded
+    /// after the packing. Returns the bytes sent.
     fn launch_open<C: Communicator>(
         &mut self,
         comm: &C,
@@ -410,34 +809,43 @@ impl GradReducer {
         };
         let mut buf = open.buf;
         let world = self.world;
-        let (work, sent) = if self.stage == 0 {
-            buf.set_len(open.elems)?;
-            (
-                buf.all_reduce(comm),
-                ring_bytes(open.elems, world, self.cdt) * 2,
-            )
-        } else {
-            let section = open.elems / world;
+        let elems = open.elems;
+        let section = elems / world;
+        if self.stage > 0 {
             let stride = self.bucket_cap / world;
             if section < stride {
                 for r in 1..world {
-                    buf.copy_within(r * stride..r * stride + section, r * section);
+                    move_down(&self.backend, &mut buf, r * stride, r * section, section)?;
                 }
             }
-            buf.set_len(open.elems)?;
-            if self.reduce_scatter {
-                (
-                    buf.reduce_scatter(comm, &vec![section; world]),
-                    ring_bytes(open.elems, world, self.cdt),
-                )
-            } else {
-                // `reduce_scatter: false`: all-reduce, keep this rank's
-                // section (the same sums, twice the traffic).
-                (
-                    buf.all_reduce(comm),
-                    ring_bytes(open.elems, world, self.cdt) * 2,
-                )
-            }
+        }
+        let backend = &self.backend;
+        let packed = if self.skip == Some(SkipWait::PackBeforeReduce) {
+            backend.record(Stream::Comm)?
+        } else {
+            backend.record(Stream::Compute)?
+        };
+        let all_reduce = self.stage == 0 || !self.reduce_scatter;
+        let work = if all_reduce {
+            // Stage 0; or `reduce_scatter: false`: all-reduce, keep this
+            // rank's section (the same sums, twice the traffic).
+            map_dev!(buf, DynWork, b => comm.device_all_reduce(backend, b, elems, ReduceOp::Sum, &packed))
+        } else {
+            let counts = vec![section; world];
+            map_dev!(buf, DynWork, b => comm.device_reduce_scatter(backend, b, &counts, ReduceOp::Sum, &packed))
+        };
+        if work.is_refused() {
+            // Refused (a hazard on the bucket, bad arguments): the bucket
+            // is gone with it; report why now, before a later collective
+            // fails on the failed communicator.
+            return Err(work.wait(tracer, self.rank).err().unwrap_or_else(|| {
+                self.internal("a refused reduction of the gradient bucket succeeded")
+            }));
+        }
+        let sent = if all_reduce {
+            ring_bytes(elems, world, self.cdt) * 2
+        } else {
+            ring_bytes(elems, world, self.cdt)
         };
         self.inflight.push_back(InFlight {
             work,
@@ -449,18 +857,21 @@ impl GradReducer {
         Ok(sent)
     }
 
-    /// Waits for the oldest bucket and stores its result in the units'
-    /// homes (`add`: adds it).
+    /// Waits for the oldest bucket and, on the communication stream after
+    /// its completion event, stores its result in the units' homes
+    /// (`add`: adds it).
     fn complete_oldest(&mut self, tracer: &Tracer, add: bool) -> Result<()> {
         let Some(f) = self.inflight.pop_front() else {
             return Ok(());
         };
-        let buf = tracer.wait(self.rank, f.work)?;
+        let (buf, done) = f.work.wait(tracer, self.rank)?;
         // With optimizer offload the accumulated shard is host memory:
         // this is the device→host copy of the reduced gradient.
         let _span = self
             .offloading
             .then(|| tracer.span(self.rank, "grad to host", "offload"));
+        let backend = &self.backend;
+        backend.wait(Stream::Comm, &done)?;
         let world = self.world;
         let rank = self.rank;
         if self.stage == 0 {
@@ -471,33 +882,47 @@ impl GradReducer {
                     .as_mut()
                     .or(self.grads[i].as_mut())
                     .expect("a gradient home");
-                dst.store_from(0, &buf, off, n, add);
+                unpack(backend, &buf, off, dst, 0, n, add)?;
                 off += n;
             }
         } else {
-            let section = buf.len() / world;
+            let elems: usize = f.units.iter().map(|&i| self.padded[i]).sum();
+            let section = elems / world;
             let mut off = rank * section;
             for &i in &f.units {
                 let s = self.shard[i];
                 match self.acc[i].as_mut() {
-                    Some(acc) => acc.store_from(0, &buf, off, s, add),
-                    None => self.grads[i]
-                        .as_mut()
-                        .expect("stage 1 grads are home")
-                        .store_from(rank * s, &buf, off, s, add),
+                    Some(acc) => unpack(backend, &buf, off, acc, 0, s, add)?,
+                    None => {
+                        let g = self.grads[i].as_mut().expect("stage 1 grads are home");
+                        unpack(backend, &buf, off, g, rank * s, s, add)?;
+                    }
                 }
                 off += s;
             }
         }
-        let mut buf = buf;
-        buf.set_len(buf.capacity())?;
-        self.free.push(buf);
+        let unpacked = backend.record(Stream::Comm)?;
+        self.free.push(FreeBucket {
+            buf,
+            after: Some(unpacked.clone()),
+        });
+        self.unpacked = Some(unpacked);
+        Ok(())
+    }
+
+    /// The host waits for the last unpack into the homes: from here on it
+    /// may read and write them.
+    fn sync_homes(&mut self) -> Result<()> {
+        if let Some(ev) = self.unpacked.take() {
+            self.backend.sync(&ev)?;
+        }
         Ok(())
     }
 
     /// Reduces what is left of this micro-batch (stage 1's deferred units,
-    /// the open bucket) and waits for everything. Every unit must have
-    /// been handed back. Returns the bytes sent.
+    /// the open bucket), waits for everything and syncs the homes for the
+    /// host (the optimizer reads them there). Every unit must have been
+    /// handed back. Returns the bytes sent.
     pub(crate) fn finish<C: Communicator>(
         &mut self,
         comm: &C,
@@ -516,13 +941,18 @@ impl GradReducer {
         for s in &mut self.state {
             *s = GradState::Empty;
         }
+        if self.skip == Some(SkipWait::HomesBeforeHostRead) {
+            self.unpacked = None;
+        }
+        self.sync_homes()?;
         Ok(sent)
     }
 
     /// Takes back unit `i`'s gradient buffer that the trainer dropped
     /// without handing it back (an error path): the unit has no gradient
     /// in this micro-batch, and the buffer is home again.
-    pub(crate) fn take_back_unused(&mut self, i: usize, buf: DynBuf) {
+    pub(crate) fn take_back_unused(&mut self, i: usize, mem: DynBuf) -> Result<()> {
+        let buf = self.give_back(i, mem)?;
         if self.state[i] == GradState::Lent {
             self.state[i] = GradState::Empty;
         }
@@ -531,6 +961,7 @@ impl GradReducer {
         } else {
             self.pool.entry(buf.len()).or_default().push(buf);
         }
+        Ok(())
     }
 
     /// Ends a micro-batch that will not be stepped (after an error):
@@ -542,22 +973,74 @@ impl GradReducer {
             self.complete_oldest(tracer, false)?;
         }
         if let Some(open) = self.open.take() {
-            let mut buf = open.buf;
-            buf.set_len(buf.capacity())?;
-            self.free.push(buf);
+            // Its last access was a pack on the compute stream: the next
+            // pack into it is ordered after that.
+            self.free.push(FreeBucket {
+                buf: open.buf,
+                after: None,
+            });
         }
         self.deferred.clear();
-        self.zero();
-        Ok(())
+        self.zero()
     }
 
-    /// Drops the accumulated gradients (the homes are zeroed).
-    pub(crate) fn zero(&mut self) {
+    /// Drops the accumulated gradients: the host syncs the last unpack and
+    /// every pack (the gradient buffers are read by packs), then zeroes the
+    /// homes.
+    pub(crate) fn zero(&mut self) -> Result<()> {
         for s in &mut self.state {
             *s = GradState::Empty;
         }
+        self.sync_homes()?;
+        let packed = self.backend.record(Stream::Compute)?;
+        self.backend.sync(&packed)?;
+        let backend = &self.backend;
         for h in self.acc.iter_mut().chain(self.grads.iter_mut()).flatten() {
-            h.fill_zero();
+            h.host_zero(backend)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for GradReducer {
+    /// Buffers still used by a stream (an error left work unsynced) are
+    /// waited for before they are freed; an error is not reported here
+    /// (`Drop` never fails).
+    fn drop(&mut self) {
+        let _ = self.backend.sync_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zero_core::backend::CpuMode;
+
+    /// `move_down` is `copy_within` (memmove) on the backend, also when
+    /// the ranges overlap (the backend copies disjoint ranges only), on a
+    /// checked backend.
+    #[test]
+    fn move_down_is_memmove() {
+        for mode in [
+            CpuMode::Inline,
+            CpuMode::Checked,
+            CpuMode::Chaos { seed: 7 },
+        ] {
+            let dev = CpuBackend::new(mode).unwrap();
+            for (src, dst, len) in [(10, 0, 5), (10, 8, 7), (10, 9, 20), (64, 1, 64), (5, 4, 1)] {
+                let n = src + len + 3;
+                let init: Vec<f32> = (0..n).map(|x| x as f32).collect();
+                let mut mem = zero_core::HostBuffer::<f32>::zeros(n).unwrap();
+                mem.copy_from_slice(&init);
+                let mut buf = DevBuf::F32(dev.wrap(mem, "bucket").unwrap());
+                move_down(&dev, &mut buf, src, dst, len).unwrap();
+                let done = dev.record(Stream::Compute).unwrap();
+                dev.sync(&done).unwrap();
+                let mut want = init.clone();
+                want.copy_within(src..src + len, dst);
+                let got = buf.host_slice::<f32>(&dev).unwrap().unwrap();
+                assert_eq!(got, &want[..], "{mode:?} {src} {dst} {len}");
+            }
         }
     }
 }

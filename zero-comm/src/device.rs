@@ -82,6 +82,15 @@ impl<B: Backend, T: Element> DeviceWork<B, T> {
         self.op
     }
 
+    /// Whether the collective was refused before it started (bad
+    /// arguments, a hazard on the buffer): [`wait`](DeviceWork::wait)
+    /// then returns why, once the peers were told. A caller that reports
+    /// the refusal at once gets this error rather than a later
+    /// collective's "the communicator failed earlier".
+    pub fn is_refused(&self) -> bool {
+        matches!(self.state, State::Failed(..))
+    }
+
     /// Whether [`wait`](DeviceWork::wait) would return without blocking.
     pub fn is_completed(&self) -> bool {
         match &self.state {
