@@ -14,15 +14,25 @@ use zero::{Engine, Error, Init, UnitState};
 use zero_testkit::mlp::{batch, Mlp};
 use zero_testkit::runs::*;
 
-/// Stages 0–3 end bit-identical at each world size 1–4, for gradient
-/// accumulation 1 and 3, in fp32, bf16 and fp16 (with overflow skips).
-#[test]
-fn all_stages_are_bit_identical() {
+// Stages 0–3 end bit-identical at each world size 1–4, for gradient
+// accumulation 1 and 3, in fp32, bf16 and fp16 (with overflow skips), on
+// every backend present (the checked CPU backend proves the gradient
+// path's order on every configuration), and the same on every backend.
+zero_testkit::test_device!(all_stages_are_bit_identical, |device| {
     let steps = 6;
     for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
         for ga in [1, 3] {
             for world in 1..=4 {
+                let train = |w, c: &ResolvedConfig, s, mb| train_device(device, w, c, s, mb);
                 let base = train(world, &config(world, 0, ga, precision), steps, MB);
+                let inline = train_device(
+                    TestDevice::default(),
+                    world,
+                    &config(world, 0, ga, precision),
+                    steps,
+                    MB,
+                );
+                assert_same_run(&inline, &base, &format!("{device:?} vs inline"));
                 assert_eq!(base.outcomes.len(), steps);
                 if precision == Precision::Fp16 {
                     let skipped = base.outcomes.iter().filter(|o| o.skipped).count();
@@ -39,7 +49,7 @@ fn all_stages_are_bit_identical() {
             }
         }
     }
-}
+});
 
 /// Stage 3's prefetch, persistence, reuse and live-parameter settings (and
 /// overlap off, and bf16 accumulation) change when collectives run, never

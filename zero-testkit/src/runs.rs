@@ -2,6 +2,7 @@
 //! thread ranks and comparing states bit for bit.
 
 use zero::comm::{Communicator, ThreadGroup};
+use zero::core::backend::{CpuBackend, CpuMode};
 use zero::core::config::{Precision, ResolvedConfig};
 use zero::core::optim::LossScaleConfig;
 use zero::core::{bf16, f16, Element};
@@ -26,6 +27,78 @@ pub struct Trained {
     pub stats: zero::EngineStats,
 }
 
+/// A backend the engine tests run on (see [`test_device!`](crate::test_device)):
+/// today the CPU backend, production-like (`Inline`) or with the hazard
+/// checker (`Checked`). The CUDA backend joins when the engine runs on it
+/// (issue 19).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TestDevice {
+    /// [`CpuBackend`] in a mode.
+    Cpu(CpuMode),
+}
+
+impl Default for TestDevice {
+    /// The production CPU backend.
+    fn default() -> Self {
+        TestDevice::Cpu(CpuMode::Inline)
+    }
+}
+
+impl TestDevice {
+    /// Every device these tests can run on here.
+    pub fn present() -> Vec<TestDevice> {
+        vec![
+            TestDevice::Cpu(CpuMode::Inline),
+            TestDevice::Cpu(CpuMode::Checked),
+        ]
+    }
+
+    /// A builder on this device (one backend per rank).
+    pub fn builder<C: Communicator>(
+        self,
+        cfg: ResolvedConfig,
+        comm: C,
+    ) -> zero::Result<zero::EngineBuilder<C>> {
+        let TestDevice::Cpu(mode) = self;
+        Ok(Engine::builder(cfg, comm).backend(CpuBackend::new(mode)?))
+    }
+}
+
+/// Runs a test body once per backend present ([`TestDevice::present`]):
+/// `test_device!(name, |device| { ... })` defines the module `name` with
+/// one `#[test]` per device, each calling the body with its
+/// [`TestDevice`].
+#[macro_export]
+macro_rules! test_device {
+    ($name:ident, |$device:ident| $body:block) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            fn run($device: $crate::runs::TestDevice) $body
+
+            #[test]
+            fn cpu_inline() {
+                run($crate::runs::TestDevice::Cpu(
+                    zero::core::backend::CpuMode::Inline,
+                ));
+            }
+
+            #[test]
+            fn cpu_checked() {
+                run($crate::runs::TestDevice::Cpu(
+                    zero::core::backend::CpuMode::Checked,
+                ));
+            }
+
+            #[test]
+            fn covers_every_device_present() {
+                assert_eq!($crate::runs::TestDevice::present().len(), 2);
+            }
+        }
+    };
+}
+
 /// Trains the MLP ([`DIMS`], seed 5) for `steps` steps of `mb` samples
 /// per rank per micro-batch on `comm`, in parameter dtype `T`; this rank's
 /// view. Rank r's micro-batch m of step s holds the same samples whatever
@@ -36,10 +109,21 @@ pub fn train_with<T: Element, C: Communicator>(
     steps: usize,
     mb: usize,
 ) -> zero::Result<Trained> {
+    train_on::<T, C>(TestDevice::default(), comm, cfg, steps, mb)
+}
+
+/// [`train_with`] on `device`.
+pub fn train_on<T: Element, C: Communicator>(
+    device: TestDevice,
+    comm: C,
+    cfg: &ResolvedConfig,
+    steps: usize,
+    mb: usize,
+) -> zero::Result<Trained> {
     let world = comm.world_size();
     let rank = comm.rank();
     let ga = cfg.gradient_accumulation_steps;
-    let mut b = Engine::builder(cfg.clone(), comm).seed(5);
+    let mut b = device.builder(cfg.clone(), comm)?.seed(5);
     let model = Mlp::register(&mut b, DIMS)?;
     let mut e = b.build()?;
     let mut outcomes = Vec::new();
@@ -72,10 +156,21 @@ pub fn train_with<T: Element, C: Communicator>(
 
 /// Trains on `world` thread ranks; rank 0's view.
 pub fn train(world: usize, cfg: &ResolvedConfig, steps: usize, mb: usize) -> Trained {
+    train_device(TestDevice::default(), world, cfg, steps, mb)
+}
+
+/// [`train`] on `device`.
+pub fn train_device(
+    device: TestDevice,
+    world: usize,
+    cfg: &ResolvedConfig,
+    steps: usize,
+    mb: usize,
+) -> Trained {
     let out = ThreadGroup::run(world, |comm| match cfg.precision {
-        Precision::Fp32 => train_with::<f32, _>(comm, cfg, steps, mb),
-        Precision::Bf16 => train_with::<bf16, _>(comm, cfg, steps, mb),
-        Precision::Fp16 => train_with::<f16, _>(comm, cfg, steps, mb),
+        Precision::Fp32 => train_on::<f32, _>(device, comm, cfg, steps, mb),
+        Precision::Bf16 => train_on::<bf16, _>(device, comm, cfg, steps, mb),
+        Precision::Fp16 => train_on::<f16, _>(device, comm, cfg, steps, mb),
     })
     .expect("ranks ran");
     let mut all: Vec<Trained> = out
