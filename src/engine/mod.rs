@@ -146,8 +146,11 @@ use offload::{Offload, UnitRanges};
 use optimizer::{relative, Moments, OptimizerShard};
 use param_offload::ParamOffload;
 pub(crate) use reducer::buckets as bucket_plan;
+#[cfg(feature = "testing")]
 #[doc(hidden)]
 pub use reducer::SkipWait;
+#[cfg(not(feature = "testing"))]
+use reducer::SkipWait;
 use reducer::{GradReducer, GradState};
 pub use stats::EngineStats;
 
@@ -412,9 +415,10 @@ impl<C: Communicator> EngineBuilder<C> {
         self
     }
 
-    /// Test-only: leaves out one wait of the gradient path, so that a test
-    /// can prove the backend's hazard checker catches it. Never use it
-    /// outside such a test.
+    /// Test-only (feature `testing`): leaves out one wait of the gradient
+    /// path, so that a test can prove the backend's hazard checker catches
+    /// it.
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn skip_wait_for_tests(mut self, which: SkipWait) -> Self {
         self.skip_wait = Some(which);

@@ -73,10 +73,11 @@ use super::dynbuf::{ring_bytes, DynBuf};
 use crate::trace::Tracer;
 use crate::{Error, Result};
 
-/// Test-only: one wait of the gradient path that
-/// [`EngineBuilder::skip_wait_for_tests`](super::EngineBuilder::skip_wait_for_tests)
-/// removes, to prove that the backend's hazard checker catches it.
+/// Test-only (feature `testing`): one wait of the gradient path that
+/// `EngineBuilder::skip_wait_for_tests` removes, to prove that the
+/// backend's hazard checker catches it.
 #[doc(hidden)]
+#[cfg_attr(not(feature = "testing"), allow(dead_code))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SkipWait {
     /// The collective starts after an event of the communication stream
