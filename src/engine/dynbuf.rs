@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 use zero_comm::{Communicator, Work};
-use zero_core::{bf16, f16, DType, Element, HostBuffer};
+use zero_core::{bf16, convert as store, f16, DType, Element, HostBuffer};
 
 use crate::Result;
 
@@ -156,24 +156,6 @@ impl DynBuf {
             DynBuf::F32(b) => comm.all_gather_in_place(b, counts).map(DynBuf::F32),
             DynBuf::Bf16(b) => comm.all_gather_in_place(b, counts).map(DynBuf::Bf16),
             DynBuf::F16(b) => comm.all_gather_in_place(b, counts).map(DynBuf::F16),
-        }
-    }
-}
-
-/// `dst = D(f32(src))`, or with `add` `dst = D(f32(dst) + f32(src))`. Same
-/// dtype without `add` is a plain copy.
-pub(crate) fn store<S: Element, D: Element>(src: &[S], dst: &mut [D], add: bool) {
-    debug_assert_eq!(src.len(), dst.len());
-    if add {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = D::from_f32(d.to_f32() + s.to_f32());
-        }
-    } else if S::DTYPE == D::DTYPE {
-        let s: &[u8] = bytemuck::cast_slice(src);
-        bytemuck::cast_slice_mut::<D, u8>(dst).copy_from_slice(s);
-    } else {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = D::from_f32(s.to_f32());
         }
     }
 }

@@ -125,6 +125,30 @@ impl Element for f16 {
     }
 }
 
+/// Converts `src` into `dst` element by element: `dst = D(f32(src))`, or
+/// with `add` `dst = D(f32(dst) + f32(src))` (accumulation in f32, rounded
+/// once to `D`). The same dtype without `add` is a plain copy. The one loop
+/// behind the engine's bucket packing and unpacking and the CPU backend's
+/// cast, accumulate, pack and unpack, so that they give the same bits.
+///
+/// # Panics
+/// If the slices differ in length (a caller's bug, checked in debug builds).
+pub fn convert<S: Element, D: Element>(src: &[S], dst: &mut [D], add: bool) {
+    debug_assert_eq!(src.len(), dst.len());
+    if add {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = D::from_f32(d.to_f32() + s.to_f32());
+        }
+    } else if S::DTYPE == D::DTYPE {
+        let s: &[u8] = bytemuck::cast_slice(src);
+        bytemuck::cast_slice_mut::<D, u8>(dst).copy_from_slice(s);
+    } else {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = D::from_f32(s.to_f32());
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -38,7 +38,7 @@ pub mod partition;
 
 pub use buffer::{HostBuffer, BUFFER_ALIGN};
 pub use device::{CudaDevice, Device};
-pub use dtype::{DType, Element};
+pub use dtype::{convert, DType, Element};
 pub use error::{Error, Result};
 
 /// Re-exported so that users name `bf16`/`f16` through one path.

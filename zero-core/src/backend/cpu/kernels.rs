@@ -1,26 +1,7 @@
 //! The loops of the CPU primitives, over raw element ranges that the
 //! backend validated and (in the checked modes) proved unshared.
 
-use crate::Element;
-
-/// `dst = D(f32(src))`, or with `add` `dst = D(f32(dst) + f32(src))`. Same
-/// dtype without `add` is a plain copy. The engine's loop, unchanged, so
-/// results stay bit-identical.
-pub(crate) fn store<S: Element, D: Element>(src: &[S], dst: &mut [D], add: bool) {
-    debug_assert_eq!(src.len(), dst.len());
-    if add {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = D::from_f32(d.to_f32() + s.to_f32());
-        }
-    } else if S::DTYPE == D::DTYPE {
-        let s: &[u8] = bytemuck::cast_slice(src);
-        bytemuck::cast_slice_mut::<D, u8>(dst).copy_from_slice(s);
-    } else {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = D::from_f32(s.to_f32());
-        }
-    }
-}
+pub(crate) use crate::dtype::convert as store;
 
 /// A validated range of a buffer's elements, as a pointer and a length,
 /// for operations that run later on a stream's worker thread.
