@@ -239,13 +239,8 @@ impl Stage3Schedule {
                 }
             }
         }
-        if self.units[i].state != Residency::Sharded {
-            if !self.units[i].persistent {
-                out.prefetch_hits += 1;
-            }
-        } else {
-            self.make_room(self.units[i].padded, out);
-            self.launch(i, out);
+        if !self.acquire(i, out) && !self.units[i].persistent {
+            out.prefetch_hits += 1;
         }
         if self.on_track && self.trace.is_some() {
             self.prefetch(out);
@@ -254,21 +249,42 @@ impl Stage3Schedule {
         self.units[i].in_use += 1;
     }
 
+    /// Launches unit `i` unless it is gathered or in flight, first freeing
+    /// units kept for reuse until it fits under the live cap; whether it
+    /// launched.
+    fn acquire(&mut self, i: usize, out: &mut Actions) -> bool {
+        if self.units[i].state != Residency::Sharded {
+            return false;
+        }
+        self.make_room(self.units[i].padded, out);
+        self.launch(i, out);
+        true
+    }
+
+    /// Ends one use of unit `i`; whether it was the last use of a unit that
+    /// is not persistent (then its release tick is set).
+    fn end_use(&mut self, i: usize) -> bool {
+        let u = &mut self.units[i];
+        if u.in_use == 0 {
+            return false;
+        }
+        u.in_use -= 1;
+        if u.in_use > 0 || u.persistent {
+            return false;
+        }
+        self.tick += 1;
+        u.released_at = self.tick;
+        true
+    }
+
     /// The trainer releases unit `i` (a release without a gather does
     /// nothing). After its last use is released, a unit that is not
     /// persistent is kept if the trace uses it again within
     /// `stage3_max_reuse_distance` elements, else freed.
     pub(crate) fn release(&mut self, i: usize, out: &mut Actions) {
-        let u = &mut self.units[i];
-        if u.in_use == 0 {
+        if !self.end_use(i) {
             return;
         }
-        u.in_use -= 1;
-        if u.in_use > 0 || u.persistent {
-            return;
-        }
-        self.tick += 1;
-        u.released_at = self.tick;
         let keep = match &self.trace {
             Some(trace) if self.on_track => {
                 let rest = &trace[self.pos.min(trace.len())..];
@@ -289,10 +305,7 @@ impl Stage3Schedule {
     /// launched unless it is gathered or in flight (a hit on what the step
     /// prefetched for training is fine: the values are the same).
     pub(crate) fn gather_eval(&mut self, i: usize, out: &mut Actions) {
-        if self.units[i].state == Residency::Sharded {
-            self.make_room(self.units[i].padded, out);
-            self.launch(i, out);
-        }
+        self.acquire(i, out);
         self.wait(i, out);
         self.units[i].in_use += 1;
     }
@@ -300,17 +313,9 @@ impl Stage3Schedule {
     /// An evaluation release: after its last use a unit that is not
     /// persistent is freed (evaluation has no order to reuse it along).
     pub(crate) fn release_eval(&mut self, i: usize, out: &mut Actions) {
-        let u = &mut self.units[i];
-        if u.in_use == 0 {
-            return;
+        if self.end_use(i) {
+            self.free(i, out);
         }
-        u.in_use -= 1;
-        if u.in_use > 0 || u.persistent {
-            return;
-        }
-        self.tick += 1;
-        u.released_at = self.tick;
-        self.free(i, out);
     }
 
     /// End of a micro-batch: fix the trace after the first one, finish

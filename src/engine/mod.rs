@@ -1301,7 +1301,7 @@ impl<C: Communicator> Engine<C> {
         self.check_training("grad_ready")?;
         if grad.unit() != i {
             return Err(self.usage(format!(
-                "grad_ready(`{}`): the buffer is unit `{}`'s (from grad_buffer(`{}`))",
+                "grad_ready(`{}`): the buffer is unit `{}`'s; hand it back with grad_ready(`{}`, ..)",
                 self.name(i),
                 self.name(grad.unit()),
                 self.name(grad.unit())
