@@ -552,15 +552,20 @@ unsafe impl Send for SendPtr {}
 
 /// The completion side of a request, without its buffer type.
 trait Completion: Send + Sync {
-    /// Whether the request has failed already (later pieces are skipped).
-    fn failed(&self) -> bool;
-    /// One piece is done, with an error or not.
-    fn finish(&self, outcome: Option<Error>);
+    /// Whether a piece of the request before file offset `at` failed
+    /// already (the pieces after it are skipped).
+    fn failed_before(&self, at: u64) -> bool;
+    /// The piece at file offset `at` is done, with an error or not. The
+    /// request reports the error of its first failing piece in file order,
+    /// whichever I/O thread finished first, so the error names the same
+    /// block on every run.
+    fn finish(&self, at: u64, outcome: Option<Error>);
 }
 
 struct ReqState<B> {
     remaining: usize,
-    error: Option<Error>,
+    /// The failing piece's file offset and error (the first in file order).
+    error: Option<(u64, Error)>,
     /// Always `Some` until the ticket takes it.
     buffer: Option<B>,
     /// The ticket was dropped before completion: report a failure through
@@ -577,19 +582,24 @@ struct Request<B> {
 }
 
 impl<B: IoBuffer> Completion for Request<B> {
-    fn failed(&self) -> bool {
-        lock(&self.state).error.is_some()
+    fn failed_before(&self, at: u64) -> bool {
+        lock(&self.state)
+            .error
+            .as_ref()
+            .is_some_and(|(first, _)| *first < at)
     }
 
-    fn finish(&self, outcome: Option<Error>) {
+    fn finish(&self, at: u64, outcome: Option<Error>) {
         let mut st = lock(&self.state);
         if let Some(e) = outcome {
-            st.error.get_or_insert(e);
+            if st.error.as_ref().is_none_or(|(first, _)| at < *first) {
+                st.error = Some((at, e));
+            }
         }
         st.remaining = st.remaining.saturating_sub(1);
         if st.remaining == 0 {
             if st.abandoned {
-                if let Some(e) = st.error.take() {
+                if let Some((_, e)) = st.error.take() {
                     lock(&self.deferred).push(e);
                 }
             }
@@ -639,7 +649,7 @@ impl<B: IoBuffer> IoTicket<B> {
                 .unwrap_or_else(PoisonError::into_inner);
         }
         st.taken = true;
-        let error = st.error.take();
+        let error = st.error.take().map(|(_, e)| e);
         let Some(buffer) = st.buffer.take() else {
             unreachable!("an IoTicket's buffer is taken only by wait(self)");
         };
@@ -663,7 +673,7 @@ impl<B: IoBuffer> Drop for IoTicket<B> {
         }
         if st.remaining > 0 {
             st.abandoned = true;
-        } else if let Some(e) = st.error.take() {
+        } else if let Some((_, e)) = st.error.take() {
             lock(&self.req.deferred).push(e);
         }
     }
@@ -901,7 +911,7 @@ fn worker(shared: Arc<FileShared>) {
             q.pieces.pop_front()
         };
         let Some(piece) = piece else { continue };
-        let outcome = if piece.req.failed() {
+        let outcome = if piece.req.failed_before(piece.file_offset) {
             None // an earlier piece failed: the request's error stands
         } else {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shared.run(&piece)))
@@ -909,7 +919,7 @@ fn worker(shared: Arc<FileShared>) {
         };
         // Report before freeing the slot: with `queue_depth` 1 the pieces
         // then complete strictly in submission order.
-        piece.req.finish(outcome);
+        piece.req.finish(piece.file_offset, outcome);
         drop(piece);
         lock(&shared.queue).in_flight -= 1;
         shared.work.notify_one();
@@ -1388,7 +1398,8 @@ impl SwapFile {
         let req = Arc::new(Request {
             state: Mutex::new(ReqState {
                 remaining: pieces,
-                error: checked.err(),
+                // An argument error comes before every piece.
+                error: checked.err().map(|e| (0, e)),
                 buffer: Some(buf),
                 abandoned: false,
                 taken: false,
