@@ -796,7 +796,14 @@ fn a_removed_wait_of_the_gradient_path_is_a_hazard_on_every_run() {
     let world = 2;
     for stage in 0..=3u8 {
         let cfg = config(world, stage, 1, Precision::Fp32);
-        for skip in [SkipWait::PackBeforeReduce, SkipWait::HomesBeforeHostRead] {
+        for skip in [
+            SkipWait::PackBeforeReduce,
+            SkipWait::HomesBeforeOptimizer,
+            SkipWait::ParamsBeforeGather,
+        ] {
+            if skip == SkipWait::ParamsBeforeGather && stage == 0 {
+                continue; // stage 0 gathers no parameters
+            }
             for mode in checked_modes() {
                 for (rank, r) in train_on_backend(world, &cfg, 2, mode, Some(skip))
                     .into_iter()
@@ -829,23 +836,42 @@ fn a_removed_wait_of_the_gradient_path_is_a_hazard_on_every_run() {
                             );
                             assert_eq!(h.other_agent, Agent::Stream(Stream::Compute), "{what}");
                         }
-                        SkipWait::HomesBeforeHostRead => {
+                        SkipWait::HomesBeforeOptimizer => {
                             assert!(
                                 h.buffer.starts_with("grad") && h.buffer.contains("`layer"),
                                 "{what}: {msg}"
                             );
-                            assert_eq!((h.op, h.agent), ("host_slice", Agent::Host), "{what}");
-                            // The last unsynced write of the home: the
-                            // unpack of its bucket, or (stage 1, whose
-                            // home is the full buffer and the unpack
-                            // writes the shard) the trainer's backward.
-                            let other = (h.other_op, h.other_agent);
-                            assert!(
-                                [
-                                    ("unpack", Agent::Stream(Stream::Comm)),
-                                    ("backward", Agent::Stream(Stream::Compute))
-                                ]
-                                .contains(&other),
+                            // The norm's kernel reads the shard of the
+                            // home that the unpack of its bucket wrote.
+                            assert_eq!(
+                                (h.op, h.agent),
+                                ("sum_squares", Agent::Stream(Stream::Compute)),
+                                "{what}: {msg}"
+                            );
+                            assert_eq!(
+                                (h.other_op, h.other_agent),
+                                ("unpack", Agent::Stream(Stream::Comm)),
+                                "{what}: {msg}"
+                            );
+                        }
+                        SkipWait::ParamsBeforeGather => {
+                            // Stage 3: the shard copied into the gathered
+                            // buffer; stages 1–2: the parameters AdamW
+                            // wrote.
+                            let (buffer, writer) = if stage == 3 {
+                                ("gathered `layer", "cast")
+                            } else {
+                                ("params `layer", "adamw")
+                            };
+                            assert!(h.buffer.starts_with(buffer), "{what}: {msg}");
+                            assert_eq!(
+                                (h.op, h.agent),
+                                ("all_gather", Agent::Stream(Stream::Comm)),
+                                "{what}: {msg}"
+                            );
+                            assert_eq!(
+                                (h.other_op, h.other_agent),
+                                (writer, Agent::Stream(Stream::Compute)),
                                 "{what}: {msg}"
                             );
                         }

@@ -57,6 +57,7 @@ use std::time::Instant;
 use serde_json::Value;
 use zero_comm::agree::{exchange_u64, first_failure};
 use zero_comm::Communicator;
+use zero_core::backend::CpuBackend;
 use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
 use zero_core::{bf16, f16, DType, Element};
 
@@ -151,7 +152,14 @@ impl<C: Communicator> Engine<C> {
             let _span = self.tracer.span(rank, "checkpoint write", "checkpoint");
             let path = tmp.join(rank_file(rank));
             let bases = self.state_bases();
-            write_rank_file(&path, self.plan.units(), rank, &bases, &self.opt)
+            write_rank_file(
+                &path,
+                self.plan.units(),
+                rank,
+                &bases,
+                &self.opt,
+                &self.backend,
+            )
         };
         let (bytes, crcs) = match &written {
             Ok((b, c)) => (*b, c.clone()),
@@ -334,9 +342,20 @@ impl<C: Communicator> Engine<C> {
         let bases = self.state_bases();
         let how = (self.stage, self.rank, self.pdt);
         let Engine {
-            units, opt, poff, ..
+            units,
+            opt,
+            poff,
+            backend,
+            ..
         } = self;
-        read_state(&mut reader, saved, units, opt, poff.as_mut(), how, &bases)?;
+        read_state(
+            &mut reader,
+            saved,
+            (units, opt, poff.as_mut()),
+            backend,
+            how,
+            &bases,
+        )?;
         self.resume_counters(m);
         self.stats.checkpoint_read_bytes = reader.bytes_read();
         Ok(())
@@ -372,6 +391,7 @@ fn write_rank_file(
     rank: usize,
     bases: &[usize],
     opt: &OptimizerShard,
+    backend: &CpuBackend,
 ) -> Result<(u64, Vec<u32>)> {
     let mut w = RankFileWriter::create(path, layouts, rank)?;
     match opt.offload() {
@@ -380,8 +400,8 @@ fn write_rank_file(
         })?,
         None => {
             for (u, &base) in bases.iter().enumerate().take(layouts.len()) {
-                let st = opt.moments(u);
-                w.write_state(u, base, &st.master, &st.m, &st.v)?;
+                let (master, m, v) = opt.moments(u).host(backend)?;
+                w.write_state(u, base, master, m, v)?;
             }
         }
     }
@@ -395,9 +415,8 @@ fn write_rank_file(
 fn read_state(
     reader: &mut Reader<'_>,
     saved: &PartitionPlan,
-    units: &mut [Unit],
-    opt: &mut OptimizerShard,
-    mut poff: Option<&mut ParamOffload>,
+    (units, opt, mut poff): (&mut [Unit], &mut OptimizerShard, Option<&mut ParamOffload>),
+    backend: &CpuBackend,
     (stage, rank, pdt): (u8, usize, DType),
     bases: &[usize],
 ) -> Result<()> {
@@ -427,7 +446,7 @@ fn read_state(
                 // The parameters hold the whole unit in stages 0–2
                 // and the rank's shard (from bases[u]) in stage 3.
                 let pbase = if stage == 3 { bases[u] } else { 0 };
-                p.store_slice(abs.start - pbase, master);
+                p.store_slice(backend, abs.start - pbase, master)?;
             }
             reader.drop_behind(own_state);
             reader.read_into(u, StateArray::M, abs.clone(), mm)?;
@@ -454,7 +473,7 @@ fn read_state(
             };
             load_unit(
                 reader,
-                (i, unit, opt.moments_mut(i)),
+                (i, unit, opt.moments_mut(i), backend),
                 clip,
                 (stage, rank, pdt),
                 (offloaded, bases[i]),
@@ -479,7 +498,7 @@ fn read_state(
 /// before). `sbase` is the unit's first element in the rank's state.
 fn load_unit(
     reader: &mut Reader<'_>,
-    (i, unit, moments): (usize, &mut Unit, &mut Moments),
+    (i, unit, moments, backend): (usize, &mut Unit, &mut Moments, &CpuBackend),
     clip: Range<usize>,
     (stage, rank, pdt): (u8, usize, DType),
     (offloaded, state_base): (bool, usize),
@@ -489,7 +508,7 @@ fn load_unit(
     let Unit {
         layout: l, params, ..
     } = unit;
-    let Moments { master, m: mm, v } = moments;
+    let (master, mm, v) = moments.host_mut(backend)?;
     let within = |r: Range<usize>| {
         let start = r.start.max(clip.start);
         start..r.end.min(clip.end).max(start)
@@ -528,7 +547,8 @@ fn load_unit(
         None => {
             let p = std::sync::Arc::get_mut(params.as_mut().expect("params are home"))
                 .expect("no UnitGuard holds the parameters of an engine being loaded");
-            job.run(|at, x| p.store_slice(at - pbase, x))?;
+            let mut p = p.host_mut(backend)?;
+            job.run(|at, x| p.store(at - pbase, x))?;
         }
     }
     if !state.is_empty() {

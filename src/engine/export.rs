@@ -143,7 +143,10 @@ impl<C: Communicator> Engine<C> {
     fn master_of(&mut self, i: usize) -> Result<HostBuffer<f32>> {
         let (local, nvme) = match self.opt.offload() {
             None => (
-                HostBuffer::from_slice(&self.opt.moments(i).master).map_err(Error::from),
+                self.opt
+                    .moments(i)
+                    .host(&self.backend)
+                    .and_then(|(master, _, _)| Ok(HostBuffer::from_slice(master)?)),
                 false,
             ),
             Some(off) => (

@@ -21,13 +21,15 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use zero_comm::{Communicator, Work};
+use zero_comm::Communicator;
+use zero_core::backend::{Backend, CpuBackend, Stream};
 use zero_core::config::ResolvedConfig;
 use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
 use zero_core::partition::PartitionPlan;
 use zero_core::DType;
 
-use super::dynbuf::{ring_bytes, DynBuf};
+use super::devbuf::{DevBuf, DynWork};
+use super::dynbuf::ring_bytes;
 use super::lease::exclusive;
 use super::param_offload::{Fetch, ParamOffload};
 use super::stats::EngineStats;
@@ -39,7 +41,7 @@ use crate::Result;
 /// parameter offload): the engine's units.
 pub(crate) trait HomeShards {
     /// Unit `unit`'s shard (padding included).
-    fn shard(&self, unit: usize) -> &DynBuf;
+    fn shard(&self, unit: usize) -> &DevBuf;
 }
 
 /// Where a launched unit's shard is copied from.
@@ -52,6 +54,11 @@ pub(crate) enum Shards<'a> {
 
 /// What the gatherer needs from the engine for one call.
 pub(crate) struct GatherIo<'a, C: Communicator> {
+    /// The device the gathered buffers and the shards live on.
+    pub(crate) backend: &'a CpuBackend,
+    /// The stream whose work an all-gather starts after (compute: the
+    /// copy of the shard into the gathered buffer).
+    pub(crate) after: Stream,
     /// The communicator the all-gathers run on (and buffers come from).
     pub(crate) comm: &'a C,
     /// Accounts new gathered buffers (`GatheredParams`, device tier).
@@ -73,11 +80,13 @@ pub(crate) struct ParamGatherer {
     /// Per unit: the gathered buffer's length and the shard's.
     padded: Vec<usize>,
     shard_len: Vec<usize>,
+    /// Per unit: the label of its gathered buffers.
+    labels: Vec<String>,
     /// Gathered units (full, padded), shared with the trainer's guards.
-    full: Vec<Option<Arc<DynBuf>>>,
-    inflight: Vec<Option<Work<DynBuf>>>,
+    full: Vec<Option<Arc<DevBuf>>>,
+    inflight: Vec<Option<DynWork>>,
     /// Freed gathered buffers, per length.
-    pool: HashMap<usize, Vec<DynBuf>>,
+    pool: HashMap<usize, Vec<DevBuf>>,
     allocs: Vec<Allocation>,
     /// The schedule's actions of the current call (reused).
     actions: Actions,
@@ -95,6 +104,10 @@ impl ParamGatherer {
             schedule: Stage3Schedule::new(Stage3Knobs::from_config(cfg), units),
             padded: units.iter().map(|u| u.padded_numel).collect(),
             shard_len: units.iter().map(|u| u.shard_len).collect(),
+            labels: units
+                .iter()
+                .map(|u| format!("gathered `{}`", u.name))
+                .collect(),
             full: (0..n).map(|_| None).collect(),
             inflight: (0..n).map(|_| None).collect(),
             pool: HashMap::new(),
@@ -111,7 +124,7 @@ impl ParamGatherer {
 
     /// Unit `i`'s gathered parameters (padded), if they are gathered and
     /// not in flight.
-    pub(crate) fn params(&self, i: usize) -> Option<&Arc<DynBuf>> {
+    pub(crate) fn params(&self, i: usize) -> Option<&Arc<DevBuf>> {
         self.full[i].as_ref()
     }
 
@@ -196,6 +209,8 @@ impl ParamGatherer {
 
     fn run<C: Communicator>(&mut self, actions: &Actions, io: GatherIo<'_, C>) -> Result<()> {
         let GatherIo {
+            backend,
+            after,
             comm,
             tracker,
             tracer,
@@ -215,11 +230,14 @@ impl ParamGatherer {
         for &action in &actions.list {
             match action {
                 Action::Launch(i) | Action::Refresh(i) => {
-                    self.launch(i, comm, tracker, pdt, &mut shards, stats)?;
+                    self.launch(i, (backend, after), comm, tracker, pdt, &mut shards, stats)?;
                 }
                 Action::Wait(i) => {
                     if let Some(w) = self.inflight[i].take() {
-                        self.full[i] = Some(Arc::new(tracer.wait(comm.rank(), w)?));
+                        // The trainer reads the unit from the host.
+                        let (b, done) = w.wait(tracer, comm.rank())?;
+                        backend.sync(&done)?;
+                        self.full[i] = Some(Arc::new(b));
                     }
                 }
                 Action::Free(i) => {
@@ -243,9 +261,11 @@ impl ParamGatherer {
 
     /// Starts the all-gather of unit `i`: into its resident buffer if it
     /// has one (a refresh), else into a pooled or new one.
+    #[allow(clippy::too_many_arguments)]
     fn launch<C: Communicator>(
         &mut self,
         i: usize,
+        (backend, after): (&CpuBackend, Stream),
         comm: &C,
         tracker: &MemoryTracker,
         pdt: DType,
@@ -259,11 +279,11 @@ impl ParamGatherer {
             None => match self.pool.get_mut(&padded).and_then(Vec::pop) {
                 Some(b) => b,
                 None => {
-                    let b = DynBuf::alloc(comm, pdt, padded)?;
+                    let b = DevBuf::alloc(backend, comm, pdt, padded, &self.labels[i])?;
                     self.allocs.push(tracker.allocate(
                         Tier::Device,
                         Category::GatheredParams,
-                        b.capacity_bytes(),
+                        b.bytes(),
                     ));
                     b
                 }
@@ -274,16 +294,25 @@ impl ParamGatherer {
             // (device-tier) buffer, or the swap read issued ahead.
             Shards::Offloaded(po) => {
                 stats.param_reads_ahead += u64::from(po.has_read(i));
-                match po.load_into(i, &mut buf, rank * shard) {
+                let slot = buf.host_bytes_mut(backend, rank * shard..(rank + 1) * shard)?;
+                match po.load_into(i, slot) {
                     Fetch::Read => stats.param_swap_reads += 1,
                     Fetch::Cached => stats.param_cache_hits += 1,
                     Fetch::Host => {}
                 }
             }
-            Shards::Home(home) => buf.store_from(rank * shard, home.shard(i), 0, shard, false),
+            Shards::Home(home) => buf.copy_from(
+                backend,
+                Stream::Compute,
+                rank * shard,
+                home.shard(i),
+                0,
+                shard,
+            )?,
         }
         stats.gather_bytes += ring_bytes(padded, world, pdt);
-        self.inflight[i] = Some(buf.all_gather(comm, &vec![shard; world]));
+        let filled = backend.record(after)?;
+        self.inflight[i] = Some(buf.all_gather(backend, comm, &vec![shard; world], &filled));
         Ok(())
     }
 }

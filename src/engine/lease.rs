@@ -16,9 +16,11 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use zero_core::backend::CpuBackend;
 use zero_core::partition::UnitLayout;
 use zero_core::{Element, HostBuffer};
 
+use super::devbuf::DevBuf;
 use super::dynbuf::DynBuf;
 use crate::{Error, Result};
 
@@ -123,7 +125,9 @@ impl Releases {
 /// frees nor updates its parameters (`step` refuses to run).
 #[must_use = "the unit is released when the guard drops: bind it with `let p = engine.gather(u)?`"]
 pub struct UnitGuard {
-    params: Arc<DynBuf>,
+    params: Arc<DevBuf>,
+    /// The device the parameters are on (reads are checked host reads).
+    backend: CpuBackend,
     layout: Arc<UnitLayout>,
     unit: usize,
     rank: usize,
@@ -132,7 +136,8 @@ pub struct UnitGuard {
 
 impl UnitGuard {
     pub(crate) fn new(
-        params: Arc<DynBuf>,
+        params: Arc<DevBuf>,
+        backend: CpuBackend,
         layout: Arc<UnitLayout>,
         unit: usize,
         rank: usize,
@@ -140,6 +145,7 @@ impl UnitGuard {
     ) -> Self {
         UnitGuard {
             params,
+            backend,
             layout,
             unit,
             rank,
@@ -155,14 +161,14 @@ impl UnitGuard {
     /// The unit's full parameters (real elements, no padding), in the
     /// training dtype `T`.
     pub fn params<T: Element>(&self) -> Result<&[T]> {
-        let s = self
-            .params
-            .slice::<T>()
-            .ok_or(zero_core::Error::DTypeMismatch {
-                op: "UnitGuard::params",
-                expected: self.params.dtype(),
-                got: T::DTYPE,
-            })?;
+        let s =
+            self.params
+                .host_slice::<T>(&self.backend)?
+                .ok_or(zero_core::Error::DTypeMismatch {
+                    op: "UnitGuard::params",
+                    expected: self.params.dtype(),
+                    got: T::DTYPE,
+                })?;
         Ok(&s[..self.layout.numel])
     }
 
@@ -200,7 +206,7 @@ impl std::fmt::Debug for UnitGuard {
 /// hand it to a collective); a lease still alive is an internal error
 /// naming unit `unit` (the engine refuses steps while units are
 /// gathered, so it means a bug, not a misuse).
-pub(crate) fn exclusive(shared: Arc<DynBuf>, unit: usize, rank: usize) -> Result<DynBuf> {
+pub(crate) fn exclusive(shared: Arc<DevBuf>, unit: usize, rank: usize) -> Result<DevBuf> {
     Arc::try_unwrap(shared).map_err(|_| Error::Usage {
         rank,
         what: format!("internal: unit #{unit}'s parameters are still held by a UnitGuard"),

@@ -101,6 +101,7 @@
 //! succeeded: the parameters of the last completed step stay readable.
 
 mod checkpoint;
+mod devbuf;
 mod dynbuf;
 mod export;
 mod faults;
@@ -120,8 +121,8 @@ use std::time::Instant;
 
 use faults::FaultPlan;
 use zero_comm::agree::{exchange_u64, first_failure};
-use zero_comm::{Communicator, Work};
-use zero_core::backend::{CpuBackend, CpuMode};
+use zero_comm::Communicator;
+use zero_core::backend::{Backend, CpuBackend, CpuMode, Stream};
 use zero_core::config::{CheckFor, OffloadDevice, Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier};
 use zero_core::optim::{clip_coefficient, AdamWStep, CpuAdamW, LossScaler};
@@ -133,6 +134,7 @@ pub use crate::format::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
 pub use crate::format::safetensors::ExportDtype;
 use crate::trace::Tracer;
 use crate::{Error, Result};
+use devbuf::{DevBuf, DynWork};
 use dynbuf::ring_bytes;
 use dynbuf::DynBuf;
 pub use export::export_checkpoint;
@@ -232,7 +234,7 @@ struct Unit {
     /// Stage 0–2: the full padded unit; stage 3: this rank's shard. `None`
     /// only while a collective holds it. Shared with the trainer's
     /// [`UnitGuard`]s (stages 0–2).
-    params: Option<Arc<DynBuf>>,
+    params: Option<Arc<DevBuf>>,
     /// How many `gather`s are not yet `release`d.
     gathers: usize,
     /// Stages 1–2: the updated parameters' all-gather is queued or in
@@ -245,14 +247,14 @@ impl Unit {
     /// The unit's own parameters, to update or fill: no [`UnitGuard`] holds
     /// them then (the step refuses to run while a unit is gathered, and a
     /// checkpoint load fills a new engine).
-    fn params_mut(&mut self) -> &mut DynBuf {
+    fn params_mut(&mut self) -> &mut DevBuf {
         Arc::get_mut(self.params.as_mut().expect("params are home"))
             .expect("no UnitGuard holds the parameters while they are updated")
     }
 }
 
 impl HomeShards for Vec<Unit> {
-    fn shard(&self, unit: usize) -> &DynBuf {
+    fn shard(&self, unit: usize) -> &DevBuf {
         self[unit].params.as_ref().expect("shards are home")
     }
 }
@@ -269,6 +271,12 @@ pub struct Engine<C: Communicator> {
     stage: u8,
     pdt: DType,
     units: Vec<Unit>,
+    /// The device every buffer of the engine lives on: parameters,
+    /// gradients, optimizer state (unless offloaded), buckets.
+    backend: CpuBackend,
+    /// The stream whose work the parameter all-gathers start after:
+    /// compute (a test may remove that wait, see [`SkipWait`]).
+    gather_after: Stream,
     /// Gradient buckets, reductions and homes.
     reducer: GradReducer,
     /// Gradient buffers the trainer dropped instead of handing back.
@@ -279,7 +287,7 @@ pub struct Engine<C: Communicator> {
     training: bool,
     /// Stages 1–2: the all-gathers of updated parameters in flight (unit,
     /// handle), in launch order, and their padded elements …
-    param_gathers: VecDeque<(usize, Work<DynBuf>)>,
+    param_gathers: VecDeque<(usize, DynWork)>,
     param_gather_elems: usize,
     /// … and the units whose all-gather is not launched yet (over
     /// `allgather_bucket_size`). With `overlap_comm` both drain during the
@@ -359,6 +367,9 @@ impl<C: Communicator> EngineBuilder<C> {
     /// kernels of [`CpuAdamW`]). Default: this machine's cores divided by
     /// the ranks running on it ([`Communicator::ranks_on_host`]), at least
     /// one, so that ranks sharing a machine do not oversubscribe its cores.
+    /// It configures the default backend's kernels: with
+    /// [`EngineBuilder::backend`] set the threads there instead
+    /// ([`CpuBackend::with_adamw`]; `build` refuses both).
     pub fn optimizer_threads(mut self, threads: usize) -> Self {
         self.optimizer_threads = Some(threads.max(1));
         self
@@ -403,10 +414,14 @@ impl<C: Communicator> EngineBuilder<C> {
         self
     }
 
-    /// The device backend the gradient path runs on (buckets, gradient
-    /// homes, their streams and events; see `src/engine/reducer.rs`).
-    /// Default: `CpuBackend::new(CpuMode::Inline)`, which checks nothing
-    /// and costs nothing; tests pass `CpuMode::Checked` or
+    /// The device backend every buffer of the engine lives on and every
+    /// operation is enqueued on: parameters and their all-gathers,
+    /// gradient buckets and homes, the fp32 master and moments with the
+    /// norm and AdamW kernels (see the streams and events in
+    /// `src/engine/reducer.rs`, `gatherer.rs` and `optimizer.rs`).
+    /// Default: `CpuBackend::with_adamw(CpuMode::Inline, ..)` with
+    /// [`EngineBuilder::optimizer_threads`], which checks nothing and
+    /// costs nothing; tests pass `CpuMode::Checked` or
     /// `CpuMode::Chaos` to have every ordering decision proved by the
     /// hazard checker. Give each rank its own backend: one host thread
     /// drives a backend (its clones share it).
@@ -515,6 +530,23 @@ impl<C: Communicator> EngineBuilder<C> {
         };
         let offloading = cfg.zero.offload_optimizer.device != OffloadDevice::None;
         let param_offloading = stage == 3 && cfg.zero.offload_param.device != OffloadDevice::None;
+        let threads = optimizer_threads.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cores / comm.ranks_on_host().max(1)).max(1)
+        });
+        let backend = match backend {
+            Some(_) if optimizer_threads.is_some() => {
+                return Err(Error::Usage {
+                    rank,
+                    what: "EngineBuilder: both optimizer_threads and backend were given; the \
+                           optimizer runs on the backend's kernels, so set the threads there \
+                           (CpuBackend::with_adamw(mode, CpuAdamW::new().with_threads(n)))"
+                        .into(),
+                })
+            }
+            Some(b) => b,
+            None => CpuBackend::with_adamw(CpuMode::Inline, CpuAdamW::new().with_threads(threads))?,
+        };
         let mut masters = Vec::new();
         let mut ranges = Vec::new();
         let mut moments = Vec::with_capacity(specs.len());
@@ -540,7 +572,13 @@ impl<C: Communicator> EngineBuilder<C> {
                 (0, full)
             };
             let mut master = HostBuffer::<f32>::zeros(state_len)?;
-            let mut params = DynBuf::alloc(&comm, pdt, p_len)?;
+            let mut params = DevBuf::alloc(
+                &backend,
+                &comm,
+                pdt,
+                p_len,
+                &format!("params `{}`", spec.name),
+            )?;
             // Initialise only what this rank stores: the union of its
             // master and parameter ranges (new buffers are zero already).
             if inits.iter().any(|i| *i != Init::Zeros) {
@@ -554,7 +592,7 @@ impl<C: Communicator> EngineBuilder<C> {
                     }
                 }
                 master.copy_from_slice(&values[state_start - lo..state_start - lo + state_len]);
-                params.store_slice(0, &values[p_start - lo..p_start - lo + p_len]);
+                params.store_slice(&backend, 0, &values[p_start - lo..p_start - lo + p_len])?;
             }
             // Large buffers are fresh mappings: fault every page in now so
             // that the step takes no page faults — except what a checkpoint
@@ -564,14 +602,14 @@ impl<C: Communicator> EngineBuilder<C> {
                 master.prefault();
             }
             if !for_load && !param_offloading {
-                params.prefault();
+                params.prefault(&backend)?;
             }
             if !offloading {
                 track(Tier::Device, Category::Master, (state_len * 4) as u64);
                 track(Tier::Device, Category::Moments, (state_len * 8) as u64);
             }
             if !param_offloading {
-                track(Tier::Device, Category::Params, params.capacity_bytes());
+                track(Tier::Device, Category::Params, params.bytes());
             }
             let mlen = if offloading { 0 } else { state_len };
             let (mut m, mut v) = (HostBuffer::zeros(mlen)?, HostBuffer::zeros(mlen)?);
@@ -579,6 +617,7 @@ impl<C: Communicator> EngineBuilder<C> {
                 m.prefault();
                 v.prefault();
             }
+            let name = &spec.name;
             if offloading {
                 let abs = if stage == 0 {
                     0..layout.numel
@@ -594,7 +633,11 @@ impl<C: Communicator> EngineBuilder<C> {
                 masters.push(master);
                 master = HostBuffer::zeros(0)?;
             }
-            moments.push(Moments { master, m, v });
+            moments.push(Moments {
+                master: backend.wrap(master, &format!("master `{name}`"))?,
+                m: backend.wrap(m, &format!("m `{name}`"))?,
+                v: backend.wrap(v, &format!("v `{name}`"))?,
+            });
             units.push(Unit {
                 layout: Arc::new(layout.clone()),
                 params: Some(Arc::new(params)),
@@ -604,11 +647,13 @@ impl<C: Communicator> EngineBuilder<C> {
             });
         }
 
-        let backend = match backend {
-            Some(b) => b,
-            None => CpuBackend::new(CpuMode::Inline)?,
+        let reducer = GradReducer::new(&cfg, &plan, &comm, &tracker, backend.clone(), skip_wait)?;
+        // What the parameter all-gathers start after: the compute stream's
+        // work (the shard copied in, AdamW), unless a test removes that wait.
+        let gather_after = match skip_wait {
+            Some(SkipWait::ParamsBeforeGather) => Stream::Comm,
+            _ => Stream::Compute,
         };
-        let reducer = GradReducer::new(&cfg, &plan, &comm, &tracker, backend, skip_wait)?;
         let offload = if offloading {
             let views: Vec<&[f32]> = masters.iter().map(|m| &m[..]).collect();
             let built = Offload::new(&cfg, rank, pdt, ranges, &views, &tracker, swap_faults);
@@ -626,11 +671,14 @@ impl<C: Communicator> EngineBuilder<C> {
             None
         };
         let poff = if param_offloading {
-            let init: Vec<Arc<DynBuf>> = units
+            let init: Vec<Arc<DevBuf>> = units
                 .iter_mut()
                 .map(|u| u.params.take().expect("params are home at build"))
                 .collect();
-            let views: Vec<&DynBuf> = init.iter().map(|b| &**b).collect();
+            let views = init
+                .iter()
+                .map(|b| b.host_bytes(&backend, 0..b.len()))
+                .collect::<Result<Vec<&[u8]>>>()?;
             let built = ParamOffload::new(&cfg, rank, pdt, &views, &tracker, param_swap_faults);
             drop(views);
             drop(init);
@@ -649,11 +697,7 @@ impl<C: Communicator> EngineBuilder<C> {
         let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
         let lr = cfg.scheduler.lr_at(0);
         let s3 = ParamGatherer::new(&cfg, &plan);
-        let threads = optimizer_threads.unwrap_or_else(|| {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            (cores / comm.ranks_on_host().max(1)).max(1)
-        });
-        let adam = CpuAdamW::new().with_threads(threads);
+        let adam = backend.adamw_kernels().clone();
         let opt = OptimizerShard::new(
             stage,
             rank,
@@ -673,6 +717,8 @@ impl<C: Communicator> EngineBuilder<C> {
             stage,
             pdt,
             units,
+            backend,
+            gather_after,
             reducer,
             returns: Returns::default(),
             releases: Releases::default(),
@@ -927,6 +973,8 @@ impl<C: Communicator> Engine<C> {
             None => Shards::Home(&self.units),
         };
         let io = GatherIo {
+            backend: &self.backend,
+            after: self.gather_after,
             comm: &self.comm,
             tracker: &self.tracker,
             tracer: &self.tracer,
@@ -1071,6 +1119,7 @@ impl<C: Communicator> Engine<C> {
         self.units[i].gathers += 1;
         Ok(UnitGuard::new(
             params,
+            self.backend.clone(),
             self.units[i].layout.clone(),
             i,
             self.rank,
@@ -1182,11 +1231,11 @@ impl<C: Communicator> Engine<C> {
         };
         let (master, m, v) = match self.opt.offload() {
             None => {
-                let s = self.opt.moments(i);
+                let (master, m, v) = self.opt.moments(i).host(&self.backend)?;
                 (
-                    gather_f32(self, &s.master)?,
-                    gather_f32(self, &s.m)?,
-                    gather_f32(self, &s.v)?,
+                    gather_f32(self, master)?,
+                    gather_f32(self, m)?,
+                    gather_f32(self, v)?,
                 )
             }
             Some(off) => {
@@ -1223,11 +1272,11 @@ impl<C: Communicator> Engine<C> {
             .expect("params are home outside collectives");
         if self.stage == 3 {
             let mut local = Vec::with_capacity(shard);
-            p.extend_f32(0..shard, &mut local);
+            p.extend_f32(&self.backend, 0..shard, &mut local)?;
             params = gather_f32(self, &local)?;
             // gather_f32 returns real elements of the full unit.
         } else {
-            p.extend_f32(0..numel, &mut params);
+            p.extend_f32(&self.backend, 0..numel, &mut params)?;
         }
         Ok(UnitState {
             params,
@@ -1436,7 +1485,14 @@ impl<C: Communicator> Engine<C> {
         if !outcome.skipped {
             let _span = self.tracer.span(self.rank, "gather", "comm");
             let t = Instant::now();
+            // The all-gathers of stages 1–2 start after AdamW on the
+            // communication stream (see `advance_param_gathers`) …
             self.gather_updated_params()?;
+            // … and what reads the updated parameters or state from the
+            // host (the trainer through its guards, offload, saving) is
+            // ordered after it here.
+            let updated = self.backend.record(Stream::Compute)?;
+            self.backend.sync(&updated)?;
             self.stats.gather_time += t.elapsed();
         }
         if self.stage == 3 {
@@ -1481,11 +1537,14 @@ impl<C: Communicator> Engine<C> {
             return self.adamw_param_offload::<G, P>(k);
         }
         if !self.cfg.zero.overlap_comm || self.stage == 0 {
-            let params = self.units.iter_mut().enumerate().map(|(i, u)| {
-                let p = u.params_mut();
-                (i, p.slice_mut::<P>().expect("the parameter dtype"))
-            });
-            return self.opt.step_units::<G, P>(k, &self.reducer, params);
+            let params = self
+                .units
+                .iter_mut()
+                .enumerate()
+                .map(|(i, u)| (i, u.params_mut()));
+            return self
+                .opt
+                .step_units::<G, P>(&self.backend, k, &self.reducer, params);
         }
         // overlap_comm: unit by unit, so that the all-gathers of updated
         // parameters start while AdamW runs on the next units — every
@@ -1494,10 +1553,13 @@ impl<C: Communicator> Engine<C> {
         // same bits as one call over all units.
         let head = self.s3.head();
         for i in 0..self.units.len() {
-            let p = self.units[i].params_mut();
-            let low = p.slice_mut::<P>().expect("the parameter dtype");
-            self.opt
-                .step_units::<G, P>(k, &self.reducer, std::iter::once((i, low)))?;
+            let low = self.units[i].params_mut();
+            self.opt.step_units::<G, P>(
+                &self.backend,
+                k,
+                &self.reducer,
+                std::iter::once((i, low)),
+            )?;
             if self.stage < 3 {
                 self.param_gather_queue.push_back(i);
                 self.units[i].stale = true;
@@ -1518,18 +1580,22 @@ impl<C: Communicator> Engine<C> {
     /// the same).
     fn adamw_param_offload<G: Element, P: Element>(&mut self, k: &AdamWStep) -> Result<()> {
         let Engine {
-            poff, opt, reducer, ..
+            poff,
+            opt,
+            reducer,
+            backend,
+            ..
         } = self;
         let Some(po) = poff.as_mut() else {
             return Ok(());
         };
         if let Some(homes) = po.host_shards::<P>()? {
-            return opt.step_units::<G, P>(k, reducer, homes.into_iter().enumerate());
+            return opt.step_units_host::<G, P>(backend, k, reducer, homes.into_iter().enumerate());
         }
         let mut r = Ok(());
         for i in 0..self.units.len() {
             r = po.write_with::<P>(i, |home| {
-                opt.step_units::<G, P>(k, reducer, std::iter::once((i, home)))
+                opt.step_units_host::<G, P>(backend, k, reducer, std::iter::once((i, home)))
             });
             if r.is_err() {
                 break;
@@ -1637,7 +1703,7 @@ impl<C: Communicator> Engine<C> {
             for u in self.units.iter_mut() {
                 params.push(
                     u.params_mut()
-                        .slice_mut::<P>()
+                        .host_slice_mut::<P>(&self.backend)?
                         .expect("the parameter dtype"),
                 );
             }
@@ -1721,9 +1787,15 @@ impl<C: Communicator> Engine<C> {
         // unit order (stage 0 too, so that every stage adds the same terms).
         let local = match self.reducer.home_dtype() {
             None => 0.0,
-            Some(DType::F32) => self.opt.local_sum_squares::<f32>(&self.reducer)?,
-            Some(DType::BF16) => self.opt.local_sum_squares::<bf16>(&self.reducer)?,
-            Some(DType::F16) => self.opt.local_sum_squares::<f16>(&self.reducer)?,
+            Some(DType::F32) => self
+                .opt
+                .local_sum_squares::<f32>(&self.backend, &self.reducer)?,
+            Some(DType::BF16) => self
+                .opt
+                .local_sum_squares::<bf16>(&self.backend, &self.reducer)?,
+            Some(DType::F16) => self
+                .opt
+                .local_sum_squares::<f16>(&self.backend, &self.reducer)?,
         };
         let parts = exchange_u64(&self.comm, &[local.to_bits()])?;
         let sumsq = parts.iter().fold(0f64, |a, w| a + f64::from_bits(w[0]));
@@ -1809,7 +1881,9 @@ impl<C: Communicator> Engine<C> {
                 let p = self.units[j].params.take().expect("params are home");
                 let p = exclusive(p, j, self.rank)?;
                 self.stats.gather_bytes += ring_bytes(n, self.world, self.pdt);
-                let work = p.all_gather(&self.comm, &vec![s; self.world]);
+                // After AdamW wrote the unit (or a checkpoint load filled it).
+                let updated = self.backend.record(self.gather_after)?;
+                let work = p.all_gather(&self.backend, &self.comm, &vec![s; self.world], &updated);
                 self.param_gathers.push_back((j, work));
                 self.param_gather_elems += n;
             }
@@ -1821,10 +1895,19 @@ impl<C: Communicator> Engine<C> {
                 .param_gathers
                 .pop_front()
                 .expect("a stale unit has its all-gather queued or in flight");
-            self.param_gather_elems -= self.units[j].layout.padded_numel;
-            self.units[j].params = Some(Arc::new(self.tracer.wait(self.rank, w)?));
-            self.units[j].stale = false;
+            self.complete_param_gather(j, w)?;
         }
+    }
+
+    /// Unit `j`'s parameter all-gather `w` is done: the host may read the
+    /// parameters again.
+    fn complete_param_gather(&mut self, j: usize, w: DynWork) -> Result<()> {
+        self.param_gather_elems -= self.units[j].layout.padded_numel;
+        let (p, done) = w.wait(&self.tracer, self.rank)?;
+        self.backend.sync(&done)?;
+        self.units[j].params = Some(Arc::new(p));
+        self.units[j].stale = false;
+        Ok(())
     }
 
     /// Completes every parameter all-gather still queued or in flight
@@ -1836,9 +1919,7 @@ impl<C: Communicator> Engine<C> {
                 Some(j) => self.advance_param_gathers(Some(j))?,
                 None => {
                     let (j, w) = self.param_gathers.pop_front().expect("not empty");
-                    self.param_gather_elems -= self.units[j].layout.padded_numel;
-                    self.units[j].params = Some(Arc::new(self.tracer.wait(self.rank, w)?));
-                    self.units[j].stale = false;
+                    self.complete_param_gather(j, w)?;
                 }
             }
         }

@@ -2,8 +2,18 @@
 //! (the whole model at stage 0, the rank's shard of every unit beyond),
 //! where they live (device tier, or the offload tiers of
 //! [`Offload`](super::offload::Offload)), and the kernels that update them
-//! (the gradient norm's sum of squares and the fused AdamW of
-//! [`CpuAdamW`]).
+//! (the gradient norm's sum of squares and the fused AdamW: the device
+//! backend's primitives, enqueued on the compute stream; with optimizer
+//! offload [`CpuAdamW`] on the host tiles).
+//!
+//! ```text
+//!  compute ─[sum_squares(homes)]─●─ host: sync, read ─ exchange ─ clip
+//!  compute ─[adamw(master, m, v, homes → params)]─●updated
+//! ```
+//!
+//! The homes were synced by the reducer's `finish`; the engine orders
+//! what reads the updated parameters after `updated` (a host sync, or the
+//! parameter all-gathers of stages 1–2, which start after it).
 //!
 //! Element ranges, per unit (`abs` is the rank's real elements of the
 //! unit, padding excluded):
@@ -19,23 +29,50 @@
 
 use std::ops::Range;
 
+use zero_core::backend::{AdamWPart, Backend, BufferHandle, CpuBackend, CpuBuffer, Stream};
 use zero_core::optim::{AdamWSlices, AdamWStep, CpuAdamW};
 use zero_core::partition::UnitLayout;
-use zero_core::{Element, HostBuffer};
+use zero_core::Element;
 
+use super::devbuf::DevBuf;
 use super::offload::Offload;
 use super::reducer::GradReducer;
-use crate::Result;
+use crate::{Error, Result};
 
 /// The fp32 optimizer state of one unit on the device tier (empty with
 /// optimizer offload).
 pub(crate) struct Moments {
     /// fp32 master weights.
-    pub(crate) master: HostBuffer<f32>,
+    pub(crate) master: CpuBuffer<f32>,
     /// AdamW first moment.
-    pub(crate) m: HostBuffer<f32>,
+    pub(crate) m: CpuBuffer<f32>,
     /// AdamW second moment.
-    pub(crate) v: HostBuffer<f32>,
+    pub(crate) v: CpuBuffer<f32>,
+}
+
+impl Moments {
+    /// Master, m and v for the host to read (checked: after a sync).
+    pub(crate) fn host<'a>(
+        &'a self,
+        backend: &CpuBackend,
+    ) -> Result<(&'a [f32], &'a [f32], &'a [f32])> {
+        let all = |b: &'a CpuBuffer<f32>| backend.host_slice(b, 0..b.len());
+        Ok((all(&self.master)?, all(&self.m)?, all(&self.v)?))
+    }
+
+    /// Master, m and v for the host to write (checked: after a sync).
+    pub(crate) fn host_mut<'a>(
+        &'a mut self,
+        backend: &CpuBackend,
+    ) -> Result<(&'a mut [f32], &'a mut [f32], &'a mut [f32])> {
+        let Moments { master, m, v } = self;
+        let (nm, n) = (master.len(), m.len());
+        Ok((
+            backend.host_slice_mut(master, 0..nm)?,
+            backend.host_slice_mut(m, 0..n)?,
+            backend.host_slice_mut(v, 0..n)?,
+        ))
+    }
 }
 
 /// The element ranges AdamW touches for one unit (see the module doc).
@@ -133,24 +170,72 @@ impl OptimizerShard {
     }
 
     /// This rank's part of the squared gradient norm: its shard of every
-    /// unit, in unit order, in one parallel region; the terms summed in
-    /// unit order.
-    pub(crate) fn local_sum_squares<G: Element>(&self, grads: &GradReducer) -> Result<f64> {
-        let slices = self
+    /// unit, in unit order, in one pass on the compute stream (the host
+    /// syncs it to read the terms); the terms summed in unit order.
+    pub(crate) fn local_sum_squares<G: Element>(
+        &self,
+        backend: &CpuBackend,
+        grads: &GradReducer,
+    ) -> Result<f64> {
+        let parts = self
             .ranges
             .iter()
             .enumerate()
-            .map(|(i, r)| Ok(&grads.home_slice::<G>(i)?[r.norm.clone()]))
-            .collect::<Result<Vec<&[G]>>>()?;
-        let sums = self.adam.sum_squares_many(&slices);
+            .map(|(i, r)| Ok((grads.home_buf::<G>(i)?, r.norm.clone())))
+            .collect::<Result<Vec<_>>>()?;
+        let sums = backend.sum_squares(Stream::Compute, &parts)?;
+        backend.sync(&backend.record(Stream::Compute)?)?;
+        let sums = backend.read_scalars(&sums)?;
         Ok(sums.iter().fold(0f64, |a, s| a + s))
     }
 
-    /// AdamW on the units `units` in one parallel region, writing each
-    /// unit's updated parameters into `low(i)` (its full parameters, or the
-    /// shard, in P).
+    /// AdamW on the units `units` in one fused call on the compute stream,
+    /// writing each unit's updated parameters into its buffer `low(i)` (its
+    /// full parameters, or the shard, in P). Whatever reads the
+    /// parameters afterwards must be ordered after it.
     pub(crate) fn step_units<'p, G: Element, P: Element>(
         &mut self,
+        backend: &CpuBackend,
+        k: &AdamWStep,
+        grads: &GradReducer,
+        units: impl Iterator<Item = (usize, &'p mut DevBuf)>,
+    ) -> Result<()> {
+        let mut parts = Vec::new();
+        let mut state: Vec<Option<&mut Moments>> = self.state.iter_mut().map(Some).collect();
+        for (i, low) in units {
+            let r = &self.ranges[i];
+            let s = state[i].take().expect("each unit once");
+            let dtype = low.dtype();
+            let low = low.typed_mut::<P>().ok_or_else(|| {
+                Error::from(zero_core::Error::DTypeMismatch {
+                    op: "OptimizerShard::step_units",
+                    expected: dtype,
+                    got: P::DTYPE,
+                })
+            })?;
+            parts.push(AdamWPart::<CpuBackend, G, P> {
+                master: &mut s.master,
+                m: &mut s.m,
+                v: &mut s.v,
+                state: r.state.clone(),
+                grad: grads.home_buf::<G>(i)?,
+                grad_at: r.grad.start,
+                low: Some((low, r.params.start)),
+            });
+        }
+        backend.adamw(Stream::Compute, k, parts)?;
+        Ok(())
+    }
+
+    /// AdamW on the units `units` from the host, writing each unit's
+    /// updated parameters into the host slice `low(i)`: parameter offload,
+    /// whose shards live in host memory or are staged there for the swap
+    /// file. The state and gradients are read through checked host views
+    /// (the homes were synced by the reducer, the state by the previous
+    /// step's sync).
+    pub(crate) fn step_units_host<'p, G: Element, P: Element>(
+        &mut self,
+        backend: &CpuBackend,
         k: &AdamWStep,
         grads: &GradReducer,
         units: impl Iterator<Item = (usize, &'p mut [P])>,
@@ -160,11 +245,12 @@ impl OptimizerShard {
         for (i, low) in units {
             let r = &self.ranges[i];
             let s = state[i].take().expect("each unit once");
+            let (master, m, v) = s.host_mut(backend)?;
             parts.push(AdamWSlices {
-                master: &mut s.master[r.state.clone()],
+                master: &mut master[r.state.clone()],
                 grad: &grads.home_slice::<G>(i)?[r.grad.clone()],
-                m: &mut s.m[r.state.clone()],
-                v: &mut s.v[r.state.clone()],
+                m: &mut m[r.state.clone()],
+                v: &mut v[r.state.clone()],
                 low: Some(&mut low[r.params.clone()]),
             });
         }

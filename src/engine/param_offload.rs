@@ -75,7 +75,6 @@ use zero_offload::{
     SwapOptions,
 };
 
-use super::dynbuf::DynBuf;
 use super::faults::{set_faults, FaultPlan};
 use crate::trace::{RankTracer, Tracer};
 use crate::{Error, Result};
@@ -130,18 +129,18 @@ pub(crate) struct ParamOffload {
 
 impl ParamOffload {
     /// Builds the homes and stores the initial shards (`init[i]` is unit
-    /// `i`'s shard, padding included).
+    /// `i`'s shard, padding included, as bytes of `pdt`).
     pub(crate) fn new(
         cfg: &ResolvedConfig,
         rank: usize,
         pdt: DType,
-        init: &[&DynBuf],
+        init: &[&[u8]],
         tracker: &MemoryTracker,
         faults: Option<FaultPlan>,
     ) -> Result<ParamOffload> {
         let op = &cfg.zero.offload_param;
         let size = pdt.size_in_bytes();
-        let bytes: Vec<usize> = init.iter().map(|b| b.len() * size).collect();
+        let bytes: Vec<usize> = init.iter().map(|b| b.len()).collect();
         let total: u64 = bytes.iter().map(|&b| b as u64).sum();
         let nvme = op.device == OffloadDevice::Nvme;
         let buffer_count = op.buffer_count.max(1);
@@ -190,7 +189,7 @@ impl ParamOffload {
                 for i in cached {
                     let mut buf = cp.acquire(bytes[i].max(1))?;
                     buf.fill(0);
-                    init[i].copy_to_bytes(&mut buf[..bytes[i]]);
+                    buf[..bytes[i]].copy_from_slice(init[i]);
                     cache[i] = Some(buf);
                 }
                 allocs.push(cp.account(tracker, Category::Params));
@@ -213,7 +212,7 @@ impl ParamOffload {
                 let id = swap.region(&specs[i].name)?;
                 let mut buf = pool.acquire(bytes[i].max(1))?;
                 buf.fill(0);
-                src.copy_to_bytes(&mut buf[..bytes[i]]);
+                buf[..bytes[i]].copy_from_slice(src);
                 drop(swap.write(id, buf).wait().map_err(|e| e.error)?);
                 regions.push(id);
             }
@@ -234,7 +233,7 @@ impl ParamOffload {
             for i in order {
                 let mut buf = pool.acquire(bytes[i].max(1))?;
                 buf.fill(0);
-                init[i].copy_to_bytes(&mut buf[..bytes[i]]);
+                buf[..bytes[i]].copy_from_slice(init[i]);
                 bufs[i] = Some(buf);
             }
             allocs.push(tracker.allocate(Tier::Host, Category::Params, total));
@@ -319,24 +318,24 @@ impl ParamOffload {
         self.reads[i].is_some()
     }
 
-    /// Copies unit `i`'s shard into `dst[at..]` (the rank's slot of the
-    /// gathered unit): from the host, the cache, or the swap read (issued
+    /// Copies unit `i`'s shard into `dst` (the bytes of the rank's slot of
+    /// the gathered unit): from the host, the cache, or the swap read (issued
     /// ahead or now, then cached). On a read error the slot is zeroed and
     /// the error kept in [`ParamOffload::failed`]: the step reports it on
     /// every rank (so that no rank leaves a collective the others are in).
-    pub(crate) fn load_into(&mut self, i: usize, dst: &mut DynBuf, at: usize) -> Fetch {
+    pub(crate) fn load_into(&mut self, i: usize, dst: &mut [u8]) -> Fetch {
         let _span = self.trace.span("param fetch", "offload");
         let n = self.bytes[i];
         self.tick += 1;
         let (r, how) = match &self.home {
             Home::Host(bufs) => {
-                dst.store_bytes(at, &bufs[i][..n]);
+                dst.copy_from_slice(&bufs[i][..n]);
                 (Ok(()), Fetch::Host)
             }
             Home::Nvme { .. } if self.cache[i].is_some() => {
                 self.last_use[i] = self.tick;
                 if let Some(c) = &self.cache[i] {
-                    dst.store_bytes(at, &c[..n]);
+                    dst.copy_from_slice(&c[..n]);
                 }
                 (Ok(()), Fetch::Cached)
             }
@@ -358,7 +357,7 @@ impl ParamOffload {
                 drop(span);
                 match r {
                     Ok(buf) => {
-                        dst.store_bytes(at, &buf[..n]);
+                        dst.copy_from_slice(&buf[..n]);
                         self.cache_insert(i, &buf[..n]);
                         (Ok(()), Fetch::Read)
                     }
@@ -367,7 +366,7 @@ impl ParamOffload {
             }
         };
         if let Err(e) = r {
-            dst.zero_range(at, n / dst.dtype().size_in_bytes());
+            dst.fill(0);
             self.failed.get_or_insert(e);
         }
         how

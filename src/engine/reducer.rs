@@ -33,8 +33,8 @@
 //!                                                        ╲ wait (device collective)
 //!  comm     ──────────────────────────────────────────────◆─[reduce]─●done─[unpack → homes]─●unpacked
 //!                                                                                          ╲
-//!  compute  (a bucket reused for packing waits for its ●unpacked) ◆   host: sync(last ●unpacked)
-//!                                                                        before it reads the homes
+//!  compute  (a bucket reused for packing waits for its ●unpacked) ◆   finish: compute waits for
+//!                                                                        the last ●unpacked (norm, AdamW)
 //! ```
 //!
 //! - `lend`: the buffer is zeroed on the compute stream and lent to the
@@ -49,26 +49,26 @@
 //! - its completion event orders the `unpack` of this rank's section into
 //!   the homes on the communication stream; the event recorded after it
 //!   is what the compute stream waits for before packing into that bucket
-//!   again, and what the host syncs (in [`GradReducer::finish`] and before
-//!   zeroing) before it reads or writes the homes.
+//!   again; [`GradReducer::finish`] makes the compute stream wait for the
+//!   last one (the optimizer's norm and AdamW read the homes there), and
+//!   the host syncs the compute stream before it reads or zeroes them.
 //!
 //! In the backend's `Inline` mode (production) every call runs at once and
 //! events are empty values; in `Checked`/`Chaos` mode the hazard checker
 //! proves each access ordered.
 
-use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 
-use zero_comm::{Communicator, DeviceCollectives, DeviceWork, ReduceOp};
+use zero_comm::{Communicator, DeviceCollectives, ReduceOp};
 use zero_core::backend::{
-    AccessKind, Backend, BufferHandle, CpuBackend, CpuBuffer, CpuEvent, Loan, PackPiece, Stream,
-    UnpackPiece,
+    Backend, CpuBackend, CpuBuffer, CpuEvent, PackPiece, Stream, UnpackPiece,
 };
 use zero_core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
 use zero_core::partition::PartitionPlan;
-use zero_core::{bf16, f16, DType, Element};
+use zero_core::{DType, Element};
 
+use super::devbuf::{map_dev, with_dev, DevBuf, DynLoan, DynWork};
 use super::dynbuf::{ring_bytes, DynBuf};
 use crate::trace::Tracer;
 use crate::{Error, Result};
@@ -84,9 +84,14 @@ pub enum SkipWait {
     /// instead of the compute stream's `packed`: the communication stream
     /// does not wait for the packing of the bucket.
     PackBeforeReduce,
-    /// [`GradReducer::finish`] does not sync the last unpack before the
-    /// optimizer reads the homes on the host.
-    HomesBeforeHostRead,
+    /// [`GradReducer::finish`] does not make the compute stream wait for
+    /// the last unpack before the optimizer's kernels read the homes.
+    HomesBeforeOptimizer,
+    /// The parameter all-gathers (stage 3's of a unit's shard, stages
+    /// 1–2's of the updated parameters) start after an event of the
+    /// communication stream instead of the compute stream's: they do not
+    /// wait for the copy of the shard or for AdamW.
+    ParamsBeforeGather,
 }
 
 /// Where a unit's gradient of the current micro-batch is.
@@ -98,215 +103,6 @@ pub(crate) enum GradState {
     Lent,
     /// Handed back: in a bucket, in flight, or reduced.
     Ready,
-}
-
-/// A buffer of the backend of f32, bf16 or f16.
-enum DevBuf {
-    F32(CpuBuffer<f32>),
-    Bf16(CpuBuffer<bf16>),
-    F16(CpuBuffer<f16>),
-}
-
-/// Runs `$e` with `$x` bound to the typed buffer inside `$b`.
-macro_rules! with_dev {
-    ($b:expr, $x:ident => $e:expr) => {
-        match $b {
-            DevBuf::F32($x) => $e,
-            DevBuf::Bf16($x) => $e,
-            DevBuf::F16($x) => $e,
-        }
-    };
-}
-
-/// Runs `$e` (a typed value) with `$x` bound to the typed buffer inside
-/// `$b`, wrapping the result in the same variant of `$w`.
-macro_rules! map_dev {
-    ($b:expr, $w:ident, $x:ident => $e:expr) => {
-        match $b {
-            DevBuf::F32($x) => $w::F32($e),
-            DevBuf::Bf16($x) => $w::Bf16($e),
-            DevBuf::F16($x) => $w::F16($e),
-        }
-    };
-}
-
-impl DevBuf {
-    /// A zeroed buffer from `comm`'s allocator (MPI's shared window).
-    fn alloc<C: Communicator>(
-        backend: &CpuBackend,
-        comm: &C,
-        dtype: DType,
-        len: usize,
-        label: &str,
-    ) -> Result<Self> {
-        Ok(match dtype {
-            DType::F32 => DevBuf::F32(comm.device_alloc(backend, len, label)?),
-            DType::BF16 => DevBuf::Bf16(comm.device_alloc(backend, len, label)?),
-            DType::F16 => DevBuf::F16(comm.device_alloc(backend, len, label)?),
-        })
-    }
-
-    fn dtype(&self) -> DType {
-        with_dev!(self, b => b.dtype())
-    }
-
-    fn len(&self) -> usize {
-        with_dev!(self, b => b.len())
-    }
-
-    fn bytes(&self) -> u64 {
-        (self.len() * self.dtype().size_in_bytes()) as u64
-    }
-
-    /// Makes every page resident (a host write).
-    fn prefault(&mut self, backend: &CpuBackend) -> Result<()> {
-        with_dev!(self, b => backend.prefault(b)?);
-        Ok(())
-    }
-
-    /// Zeroes the buffer on `stream`.
-    fn fill_zero(&mut self, backend: &CpuBackend, stream: Stream) -> Result<()> {
-        let n = self.len();
-        with_dev!(self, b => backend.fill(stream, b, 0..n, Element::from_f32(0.0))?);
-        Ok(())
-    }
-
-    /// Zeroes the buffer from the host (checked: every earlier access must
-    /// have been synced).
-    fn host_zero(&mut self, backend: &CpuBackend) -> Result<()> {
-        let n = self.len();
-        with_dev!(self, b => backend.host_slice_mut(b, 0..n)?.fill(Element::from_f32(0.0)));
-        Ok(())
-    }
-
-    /// The typed contents for the host to read (checked), if the dtype is
-    /// `T`'s.
-    fn host_slice<T: Element>(&self, backend: &CpuBackend) -> Result<Option<&[T]>> {
-        with_dev!(self, b => match (b as &dyn Any).downcast_ref::<CpuBuffer<T>>() {
-            Some(t) => Ok(Some(backend.host_slice(t, 0..t.len())?)),
-            None => Ok(None),
-        })
-    }
-
-    /// Lends the buffer to the trainer as the operation `backward` on the
-    /// compute stream (it writes all of it).
-    fn lend(self, backend: &CpuBackend) -> Result<(DynLoan, DynBuf)> {
-        fn one<T: Element>(
-            backend: &CpuBackend,
-            b: CpuBuffer<T>,
-        ) -> Result<(Loan<T>, zero_core::HostBuffer<T>)> {
-            let n = b.len();
-            Ok(backend.lend(Stream::Compute, "backward", b, &[(0..n, AccessKind::Write)])?)
-        }
-        Ok(match self {
-            DevBuf::F32(b) => {
-                let (l, m) = one(backend, b)?;
-                (DynLoan::F32(l), DynBuf::from_host(m))
-            }
-            DevBuf::Bf16(b) => {
-                let (l, m) = one(backend, b)?;
-                (DynLoan::Bf16(l), DynBuf::from_host(m))
-            }
-            DevBuf::F16(b) => {
-                let (l, m) = one(backend, b)?;
-                (DynLoan::F16(l), DynBuf::from_host(m))
-            }
-        })
-    }
-}
-
-/// A buffer lent to the trainer ([`CpuBackend::lend`]).
-enum DynLoan {
-    F32(Loan<f32>),
-    Bf16(Loan<bf16>),
-    F16(Loan<f16>),
-}
-
-impl DynLoan {
-    /// Takes the trainer's memory back under the lent buffer's id.
-    fn give_back(self, backend: &CpuBackend, mem: DynBuf, rank: usize) -> Result<DevBuf> {
-        fn one<T: Element>(
-            backend: &CpuBackend,
-            loan: Loan<T>,
-            mem: DynBuf,
-            rank: usize,
-        ) -> Result<CpuBuffer<T>> {
-            let mem = mem.into_host::<T>().map_err(|m| Error::Usage {
-                rank,
-                what: format!(
-                    "internal: the gradient buffer {:?} was lent as {} and came back as {}",
-                    loan.label(),
-                    T::DTYPE,
-                    m.dtype()
-                ),
-            })?;
-            Ok(backend.give_back(loan, mem)?.0)
-        }
-        Ok(match self {
-            DynLoan::F32(l) => DevBuf::F32(one(backend, l, mem, rank)?),
-            DynLoan::Bf16(l) => DevBuf::Bf16(one(backend, l, mem, rank)?),
-            DynLoan::F16(l) => DevBuf::F16(one(backend, l, mem, rank)?),
-        })
-    }
-}
-
-/// A device collective on a bucket, in flight.
-enum DynWork {
-    F32(DeviceWork<CpuBackend, f32>),
-    Bf16(DeviceWork<CpuBackend, bf16>),
-    F16(DeviceWork<CpuBackend, f16>),
-}
-
-impl DynWork {
-    /// Whether the collective was refused before it started.
-    fn is_refused(&self) -> bool {
-        match self {
-            DynWork::F32(w) => w.is_refused(),
-            DynWork::Bf16(w) => w.is_refused(),
-            DynWork::F16(w) => w.is_refused(),
-        }
-    }
-
-    /// Waits for the collective (recording it into `tracer`) and returns
-    /// the bucket and the event after which its result may be used.
-    fn wait(self, tracer: &Tracer, rank: usize) -> Result<(DevBuf, CpuEvent)> {
-        fn one<T: Element>(
-            tracer: &Tracer,
-            rank: usize,
-            w: DeviceWork<CpuBackend, T>,
-        ) -> Result<(CpuBuffer<T>, CpuEvent)> {
-            let op = w.op();
-            let (done, timing) = w.wait_timed().map_err(comm_error)?;
-            if let Some(t) = timing {
-                tracer.record(rank, op, "collective", t.started, t.finished);
-            }
-            Ok(done)
-        }
-        Ok(match self {
-            DynWork::F32(w) => {
-                let (b, e) = one(tracer, rank, w)?;
-                (DevBuf::F32(b), e)
-            }
-            DynWork::Bf16(w) => {
-                let (b, e) = one(tracer, rank, w)?;
-                (DevBuf::Bf16(b), e)
-            }
-            DynWork::F16(w) => {
-                let (b, e) = one(tracer, rank, w)?;
-                (DevBuf::F16(b), e)
-            }
-        })
-    }
-}
-
-/// A collective refused for an error of the backend (a hazard: an access
-/// of the bucket not ordered after the packing) is that error, not a
-/// communication failure.
-fn comm_error(e: zero_comm::Error) -> Error {
-    match e {
-        zero_comm::Error::Core(e @ zero_core::Error::Hazard(_)) => Error::Core(e),
-        e => Error::Comm(e),
-    }
 }
 
 /// `len` elements of `src[src_at..]` into `dst[dst_at..]`, converting, on
@@ -593,6 +389,20 @@ impl GradReducer {
         home.host_slice::<G>(&self.backend)?.ok_or_else(|| {
             Error::from(zero_core::Error::DTypeMismatch {
                 op: "GradReducer::home_slice",
+                expected: home.dtype(),
+                got: G::DTYPE,
+            })
+        })
+    }
+
+    /// The reduced (and accumulated) gradient of unit `i` on the device,
+    /// for the optimizer's kernels (after [`GradReducer::finish`]). `G`
+    /// must be [`home_dtype`](Self::home_dtype).
+    pub(crate) fn home_buf<G: Element>(&self, i: usize) -> Result<&CpuBuffer<G>> {
+        let home = self.home(i);
+        home.typed::<G>().ok_or_else(|| {
+            Error::from(zero_core::Error::DTypeMismatch {
+                op: "GradReducer::home_buf",
                 expected: home.dtype(),
                 got: G::DTYPE,
             })
@@ -921,9 +731,10 @@ impl GradReducer {
     }
 
     /// Reduces what is left of this micro-batch (stage 1's deferred units,
-    /// the open bucket), waits for everything and syncs the homes for the
-    /// host (the optimizer reads them there). Every unit must have been
-    /// handed back. Returns the bytes sent.
+    /// the open bucket), waits for everything and makes the compute stream
+    /// wait for the last unpack into the homes (the optimizer's kernels
+    /// read them there; the host reads them only after the norm's sync).
+    /// Every unit must have been handed back. Returns the bytes sent.
     pub(crate) fn finish<C: Communicator>(
         &mut self,
         comm: &C,
@@ -942,10 +753,13 @@ impl GradReducer {
         for s in &mut self.state {
             *s = GradState::Empty;
         }
-        if self.skip == Some(SkipWait::HomesBeforeHostRead) {
-            self.unpacked = None;
+        // The optimizer's kernels (norm, AdamW) read the homes on the
+        // compute stream.
+        match self.unpacked.take() {
+            Some(_) if self.skip == Some(SkipWait::HomesBeforeOptimizer) => {}
+            Some(ev) => self.backend.wait(Stream::Compute, &ev)?,
+            None => {}
         }
-        self.sync_homes()?;
         Ok(sent)
     }
 

@@ -1,0 +1,355 @@
+//! Engine buffers on the device backend whose element type is chosen at
+//! run time (the parameter, accumulation and communication dtypes come
+//! from the config): [`DevBuf`], an enum over the backend's typed
+//! buffers, and [`DynWork`], a device collective on one in flight.
+//!
+//! Every access goes through the backend: device work is enqueued on a
+//! stream (copies, casts, collectives), and the host reads or writes only
+//! through the backend's checked host views (`host_*`), which a checked
+//! backend refuses unless every conflicting access before was synced.
+
+use std::any::Any;
+use std::ops::Range;
+
+use zero_comm::{Communicator, DeviceCollectives, DeviceWork};
+use zero_core::backend::{
+    AccessKind, Backend, BufferHandle, CpuBackend, CpuBuffer, CpuEvent, Loan, Stream,
+};
+use zero_core::{bf16, convert, f16, DType, Element};
+
+use super::dynbuf::DynBuf;
+use crate::trace::Tracer;
+use crate::{Error, Result};
+
+/// A buffer of the backend of f32, bf16 or f16.
+pub(crate) enum DevBuf {
+    F32(CpuBuffer<f32>),
+    Bf16(CpuBuffer<bf16>),
+    F16(CpuBuffer<f16>),
+}
+
+/// Runs `$e` with `$x` bound to the typed buffer inside `$b`.
+macro_rules! with_dev {
+    ($b:expr, $x:ident => $e:expr) => {
+        match $b {
+            $crate::engine::devbuf::DevBuf::F32($x) => $e,
+            $crate::engine::devbuf::DevBuf::Bf16($x) => $e,
+            $crate::engine::devbuf::DevBuf::F16($x) => $e,
+        }
+    };
+}
+
+/// Runs `$e` (a typed value) with `$x` bound to the typed buffer inside
+/// `$b`, wrapping the result in the same variant of `$w`.
+macro_rules! map_dev {
+    ($b:expr, $w:ident, $x:ident => $e:expr) => {
+        match $b {
+            $crate::engine::devbuf::DevBuf::F32($x) => $w::F32($e),
+            $crate::engine::devbuf::DevBuf::Bf16($x) => $w::Bf16($e),
+            $crate::engine::devbuf::DevBuf::F16($x) => $w::F16($e),
+        }
+    };
+}
+
+impl DevBuf {
+    /// A zeroed buffer from `comm`'s allocator (MPI's shared window).
+    pub(crate) fn alloc<C: Communicator>(
+        backend: &CpuBackend,
+        comm: &C,
+        dtype: DType,
+        len: usize,
+        label: &str,
+    ) -> Result<Self> {
+        Ok(match dtype {
+            DType::F32 => DevBuf::F32(comm.device_alloc(backend, len, label)?),
+            DType::BF16 => DevBuf::Bf16(comm.device_alloc(backend, len, label)?),
+            DType::F16 => DevBuf::F16(comm.device_alloc(backend, len, label)?),
+        })
+    }
+
+    pub(crate) fn dtype(&self) -> DType {
+        with_dev!(self, b => b.dtype())
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        with_dev!(self, b => b.len())
+    }
+
+    pub(crate) fn bytes(&self) -> u64 {
+        (self.len() * self.dtype().size_in_bytes()) as u64
+    }
+
+    /// Makes every page resident (a host write).
+    pub(crate) fn prefault(&mut self, backend: &CpuBackend) -> Result<()> {
+        with_dev!(self, b => backend.prefault(b)?);
+        Ok(())
+    }
+
+    /// Zeroes the buffer on `stream`.
+    pub(crate) fn fill_zero(&mut self, backend: &CpuBackend, stream: Stream) -> Result<()> {
+        let n = self.len();
+        with_dev!(self, b => backend.fill(stream, b, 0..n, Element::from_f32(0.0))?);
+        Ok(())
+    }
+
+    /// Zeroes the buffer from the host (checked: every earlier access must
+    /// have been synced).
+    pub(crate) fn host_zero(&mut self, backend: &CpuBackend) -> Result<()> {
+        let n = self.len();
+        with_dev!(self, b => backend.host_slice_mut(b, 0..n)?.fill(Element::from_f32(0.0)));
+        Ok(())
+    }
+
+    /// The typed contents for the host to read (checked), if the dtype is
+    /// `T`'s.
+    pub(crate) fn host_slice<T: Element>(&self, backend: &CpuBackend) -> Result<Option<&[T]>> {
+        with_dev!(self, b => match (b as &dyn Any).downcast_ref::<CpuBuffer<T>>() {
+            Some(t) => Ok(Some(backend.host_slice(t, 0..t.len())?)),
+            None => Ok(None),
+        })
+    }
+
+    /// Lends the buffer to the trainer as the operation `backward` on the
+    /// compute stream (it writes all of it).
+    pub(crate) fn lend(self, backend: &CpuBackend) -> Result<(DynLoan, DynBuf)> {
+        fn one<T: Element>(
+            backend: &CpuBackend,
+            b: CpuBuffer<T>,
+        ) -> Result<(Loan<T>, zero_core::HostBuffer<T>)> {
+            let n = b.len();
+            Ok(backend.lend(Stream::Compute, "backward", b, &[(0..n, AccessKind::Write)])?)
+        }
+        Ok(match self {
+            DevBuf::F32(b) => {
+                let (l, m) = one(backend, b)?;
+                (DynLoan::F32(l), DynBuf::from_host(m))
+            }
+            DevBuf::Bf16(b) => {
+                let (l, m) = one(backend, b)?;
+                (DynLoan::Bf16(l), DynBuf::from_host(m))
+            }
+            DevBuf::F16(b) => {
+                let (l, m) = one(backend, b)?;
+                (DynLoan::F16(l), DynBuf::from_host(m))
+            }
+        })
+    }
+}
+
+/// A buffer lent to the trainer ([`CpuBackend::lend`]).
+pub(crate) enum DynLoan {
+    F32(Loan<f32>),
+    Bf16(Loan<bf16>),
+    F16(Loan<f16>),
+}
+
+impl DynLoan {
+    /// Takes the trainer's memory back under the lent buffer's id.
+    pub(crate) fn give_back(
+        self,
+        backend: &CpuBackend,
+        mem: DynBuf,
+        rank: usize,
+    ) -> Result<DevBuf> {
+        fn one<T: Element>(
+            backend: &CpuBackend,
+            loan: Loan<T>,
+            mem: DynBuf,
+            rank: usize,
+        ) -> Result<CpuBuffer<T>> {
+            let mem = mem.into_host::<T>().map_err(|m| Error::Usage {
+                rank,
+                what: format!(
+                    "internal: the gradient buffer {:?} was lent as {} and came back as {}",
+                    loan.label(),
+                    T::DTYPE,
+                    m.dtype()
+                ),
+            })?;
+            Ok(backend.give_back(loan, mem)?.0)
+        }
+        Ok(match self {
+            DynLoan::F32(l) => DevBuf::F32(one(backend, l, mem, rank)?),
+            DynLoan::Bf16(l) => DevBuf::Bf16(one(backend, l, mem, rank)?),
+            DynLoan::F16(l) => DevBuf::F16(one(backend, l, mem, rank)?),
+        })
+    }
+}
+
+/// A device collective on a bucket, in flight.
+pub(crate) enum DynWork {
+    F32(DeviceWork<CpuBackend, f32>),
+    Bf16(DeviceWork<CpuBackend, bf16>),
+    F16(DeviceWork<CpuBackend, f16>),
+}
+
+impl DynWork {
+    /// Whether the collective was refused before it started.
+    pub(crate) fn is_refused(&self) -> bool {
+        match self {
+            DynWork::F32(w) => w.is_refused(),
+            DynWork::Bf16(w) => w.is_refused(),
+            DynWork::F16(w) => w.is_refused(),
+        }
+    }
+
+    /// Waits for the collective (recording it into `tracer`) and returns
+    /// the bucket and the event after which its result may be used.
+    pub(crate) fn wait(self, tracer: &Tracer, rank: usize) -> Result<(DevBuf, CpuEvent)> {
+        fn one<T: Element>(
+            tracer: &Tracer,
+            rank: usize,
+            w: DeviceWork<CpuBackend, T>,
+        ) -> Result<(CpuBuffer<T>, CpuEvent)> {
+            let op = w.op();
+            let (done, timing) = w.wait_timed().map_err(comm_error)?;
+            if let Some(t) = timing {
+                tracer.record(rank, op, "collective", t.started, t.finished);
+            }
+            Ok(done)
+        }
+        Ok(match self {
+            DynWork::F32(w) => {
+                let (b, e) = one(tracer, rank, w)?;
+                (DevBuf::F32(b), e)
+            }
+            DynWork::Bf16(w) => {
+                let (b, e) = one(tracer, rank, w)?;
+                (DevBuf::Bf16(b), e)
+            }
+            DynWork::F16(w) => {
+                let (b, e) = one(tracer, rank, w)?;
+                (DevBuf::F16(b), e)
+            }
+        })
+    }
+}
+
+/// A collective refused for an error of the backend (a hazard: an access
+/// of the bucket not ordered after the packing) is that error, not a
+/// communication failure.
+pub(crate) fn comm_error(e: zero_comm::Error) -> Error {
+    match e {
+        zero_comm::Error::Core(e @ zero_core::Error::Hazard(_)) => Error::Core(e),
+        e => Error::Comm(e),
+    }
+}
+
+pub(crate) use {map_dev, with_dev};
+
+impl DevBuf {
+    /// The typed buffer, if the dtype is `T`'s.
+    pub(crate) fn typed<T: Element>(&self) -> Option<&CpuBuffer<T>> {
+        with_dev!(self, b => (b as &dyn Any).downcast_ref::<CpuBuffer<T>>())
+    }
+
+    /// The typed buffer, if the dtype is `T`'s.
+    pub(crate) fn typed_mut<T: Element>(&mut self) -> Option<&mut CpuBuffer<T>> {
+        with_dev!(self, b => (b as &mut dyn Any).downcast_mut::<CpuBuffer<T>>())
+    }
+
+    /// The typed contents for the host to write (checked), if the dtype is
+    /// `T`'s.
+    pub(crate) fn host_slice_mut<T: Element>(
+        &mut self,
+        backend: &CpuBackend,
+    ) -> Result<Option<&mut [T]>> {
+        match self.typed_mut::<T>() {
+            Some(t) => {
+                let n = t.len();
+                Ok(Some(backend.host_slice_mut(t, 0..n)?))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// The bytes of elements `range`, for the host to read (checked).
+    pub(crate) fn host_bytes(&self, backend: &CpuBackend, range: Range<usize>) -> Result<&[u8]> {
+        Ok(with_dev!(self, b => bytemuck::cast_slice(backend.host_slice(b, range)?)))
+    }
+
+    /// The bytes of elements `range`, for the host to write (checked).
+    pub(crate) fn host_bytes_mut(
+        &mut self,
+        backend: &CpuBackend,
+        range: Range<usize>,
+    ) -> Result<&mut [u8]> {
+        Ok(with_dev!(self, b => bytemuck::cast_slice_mut(backend.host_slice_mut(b, range)?)))
+    }
+
+    /// Elements `range` converted to f32 and appended to `out` (a checked
+    /// host read).
+    pub(crate) fn extend_f32(
+        &self,
+        backend: &CpuBackend,
+        range: Range<usize>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        with_dev!(self, b => out.extend(backend.host_slice(b, range)?.iter().map(|x| x.to_f32())));
+        Ok(())
+    }
+
+    /// Stores `src` (any dtype) at `self[at..]`, converting (a checked host
+    /// write).
+    pub(crate) fn store_slice<S: Element>(
+        &mut self,
+        backend: &CpuBackend,
+        at: usize,
+        src: &[S],
+    ) -> Result<()> {
+        self.host_mut(backend)?.store(at, src);
+        Ok(())
+    }
+
+    /// All of the buffer for the host to write (checked), whatever its
+    /// dtype.
+    pub(crate) fn host_mut(&mut self, backend: &CpuBackend) -> Result<HostSliceMut<'_>> {
+        let n = self.len();
+        Ok(map_dev!(self, HostSliceMut, b => backend.host_slice_mut(b, 0..n)?))
+    }
+
+    /// `self[at..at + len] = src[src_at..][..len]` on `stream`, converting
+    /// (a device copy).
+    pub(crate) fn copy_from(
+        &mut self,
+        backend: &CpuBackend,
+        stream: Stream,
+        at: usize,
+        src: &DevBuf,
+        src_at: usize,
+        len: usize,
+    ) -> Result<()> {
+        with_dev!(self, d => with_dev!(src, s => backend.cast(stream, s, src_at, d, at, len, false)?));
+        Ok(())
+    }
+
+    /// All-gather in place with `counts`, on the communication stream
+    /// after `after`.
+    pub(crate) fn all_gather<C: Communicator>(
+        self,
+        backend: &CpuBackend,
+        comm: &C,
+        counts: &[usize],
+        after: &CpuEvent,
+    ) -> DynWork {
+        map_dev!(self, DynWork, b => comm.device_all_gather(backend, b, counts, after))
+    }
+}
+
+/// A host view of a [`DevBuf`] to write, of f32, bf16 or f16.
+pub(crate) enum HostSliceMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [bf16]),
+    F16(&'a mut [f16]),
+}
+
+impl HostSliceMut<'_> {
+    /// Stores `src` (any dtype) at `[at..]`, converting.
+    pub(crate) fn store<S: Element>(&mut self, at: usize, src: &[S]) {
+        match self {
+            HostSliceMut::F32(d) => convert(src, &mut d[at..at + src.len()], false),
+            HostSliceMut::Bf16(d) => convert(src, &mut d[at..at + src.len()], false),
+            HostSliceMut::F16(d) => convert(src, &mut d[at..at + src.len()], false),
+        }
+    }
+}
