@@ -505,9 +505,7 @@ fn load_unit(
     poff: Option<&mut ParamOffload>,
     scratch: &mut [f32],
 ) -> Result<()> {
-    let Unit {
-        layout: l, params, ..
-    } = unit;
+    let l = unit.layout.clone();
     let (master, mm, v) = moments.host_mut(backend)?;
     let within = |r: Range<usize>| {
         let start = r.start.max(clip.start);
@@ -545,9 +543,7 @@ fn load_unit(
             DType::F16 => job.run_home::<f16>(po, pbase)?,
         },
         None => {
-            let p = std::sync::Arc::get_mut(params.as_mut().expect("params are home"))
-                .expect("no UnitGuard holds the parameters of an engine being loaded");
-            let mut p = p.host_mut(backend)?;
+            let mut p = unit.params_mut().host_mut(backend)?;
             job.run(|at, x| p.store(at - pbase, x))?;
         }
     }

@@ -228,34 +228,85 @@ pub struct EngineBuilder<C: Communicator> {
     pub(crate) for_load: bool,
 }
 
+/// Where a unit's own parameters are (stages 0–2: the full padded unit;
+/// stage 3: this rank's shard), one state per unit:
+///
+/// ```text
+///  Home ──step (stages 1–2)──▶ Queued ──launch──▶ Gathering ──complete──▶ Home
+///  Offloaded (stage 3 with offload_param: the shard lives in ParamOffload)
+/// ```
+enum Params {
+    /// Current and readable; shared with the trainer's [`UnitGuard`]s at
+    /// stages 0–2.
+    Home(Arc<DevBuf>),
+    /// Stages 1–2: updated by the step (this rank's range); the all-gather
+    /// of the other ranks' ranges is queued.
+    Queued(Arc<DevBuf>),
+    /// Stages 1–2: lent to that all-gather (its handle is in
+    /// `Engine::param_gathers`).
+    Gathering,
+    /// Stage 3 with `offload_param`: the shard's home is the parameter
+    /// offload.
+    Offloaded,
+}
+
 /// The per-unit state.
 struct Unit {
     layout: Arc<UnitLayout>,
-    /// Stage 0–2: the full padded unit; stage 3: this rank's shard. `None`
-    /// only while a collective holds it. Shared with the trainer's
-    /// [`UnitGuard`]s (stages 0–2).
-    params: Option<Arc<DevBuf>>,
-    /// How many `gather`s are not yet `release`d.
+    params: Params,
+    /// How many `gather`s are not yet `release`d (live [`UnitGuard`]s).
     gathers: usize,
-    /// Stages 1–2: the updated parameters' all-gather is queued or in
-    /// flight (the local copy is stale or lent to the collective).
-    stale: bool,
     _allocs: Vec<Allocation>,
 }
 
 impl Unit {
-    /// The unit's own parameters, to update or fill: no [`UnitGuard`] holds
-    /// them then (the step refuses to run while a unit is gathered, and a
-    /// checkpoint load fills a new engine).
+    /// The unit's parameters where they are current.
+    fn home(&self) -> Option<&Arc<DevBuf>> {
+        match &self.params {
+            Params::Home(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// Whether the updated parameters' all-gather is queued or in flight
+    /// (stages 1–2).
+    fn is_stale(&self) -> bool {
+        matches!(self.params, Params::Queued(_) | Params::Gathering)
+    }
+
+    /// The unit's own parameters, to update or fill: home (or queued for
+    /// their all-gather), and no [`UnitGuard`] holds them (the step refuses
+    /// to run while a unit is gathered, and a checkpoint load fills a new
+    /// engine).
     fn params_mut(&mut self) -> &mut DevBuf {
-        Arc::get_mut(self.params.as_mut().expect("params are home"))
-            .expect("no UnitGuard holds the parameters while they are updated")
+        let p = match &mut self.params {
+            Params::Home(p) | Params::Queued(p) => p,
+            Params::Gathering | Params::Offloaded => {
+                unreachable!("the step and a load update parameters that are home")
+            }
+        };
+        Arc::get_mut(p).expect("no UnitGuard holds the parameters while they are updated")
+    }
+
+    /// Stages 1–2, after the step: queues the all-gather of the updated
+    /// parameters (no-op if it is queued or in flight already).
+    fn queue_gather(&mut self) -> bool {
+        match std::mem::replace(&mut self.params, Params::Gathering) {
+            Params::Home(p) => {
+                self.params = Params::Queued(p);
+                true
+            }
+            other => {
+                self.params = other;
+                false
+            }
+        }
     }
 }
 
 impl HomeShards for Vec<Unit> {
     fn shard(&self, unit: usize) -> &DevBuf {
-        self[unit].params.as_ref().expect("shards are home")
+        self[unit].home().expect("shards are home")
     }
 }
 
@@ -640,9 +691,8 @@ impl<C: Communicator> EngineBuilder<C> {
             });
             units.push(Unit {
                 layout: Arc::new(layout.clone()),
-                params: Some(Arc::new(params)),
+                params: Params::Home(Arc::new(params)),
                 gathers: 0,
-                stale: false,
                 _allocs: allocs,
             });
         }
@@ -673,7 +723,12 @@ impl<C: Communicator> EngineBuilder<C> {
         let poff = if param_offloading {
             let init: Vec<Arc<DevBuf>> = units
                 .iter_mut()
-                .map(|u| u.params.take().expect("params are home at build"))
+                .map(
+                    |u| match std::mem::replace(&mut u.params, Params::Offloaded) {
+                        Params::Home(p) => p,
+                        _ => unreachable!("params are home at build"),
+                    },
+                )
                 .collect();
             let views = init
                 .iter()
@@ -1092,7 +1147,7 @@ impl<C: Communicator> Engine<C> {
             }
             r?;
             self.stats.gather_time += t.elapsed();
-        } else if self.units[i].stale {
+        } else if self.units[i].is_stale() {
             // Stages 1–2 with overlap_comm: the all-gather of this unit's
             // updated parameters started in step(); wait for it (and keep
             // launching the next ones).
@@ -1106,7 +1161,7 @@ impl<C: Communicator> Engine<C> {
         let params = if self.stage == 3 {
             self.s3.params(i)
         } else {
-            self.units[i].params.as_ref()
+            self.units[i].home()
         };
         let params = params
             .ok_or_else(|| {
@@ -1266,10 +1321,7 @@ impl<C: Communicator> Engine<C> {
         }
         let u = &self.units[i];
         let mut params = Vec::with_capacity(numel);
-        let p = u
-            .params
-            .as_ref()
-            .expect("params are home outside collectives");
+        let p = u.home().expect("params are home outside collectives");
         if self.stage == 3 {
             let mut local = Vec::with_capacity(shard);
             p.extend_f32(&self.backend, 0..shard, &mut local)?;
@@ -1561,8 +1613,9 @@ impl<C: Communicator> Engine<C> {
                 std::iter::once((i, low)),
             )?;
             if self.stage < 3 {
-                self.param_gather_queue.push_back(i);
-                self.units[i].stale = true;
+                if self.units[i].queue_gather() {
+                    self.param_gather_queue.push_back(i);
+                }
                 self.advance_param_gathers(None)?;
             } else if head == Some(i + 1) {
                 let (s3, io) = self.s3_parts();
@@ -1850,9 +1903,8 @@ impl<C: Communicator> Engine<C> {
                 // (With overlap_comm and the optimizer state on the device
                 // tier, AdamW queued each unit as it finished it.)
                 for i in 0..self.units.len() {
-                    if !self.units[i].stale {
+                    if self.units[i].queue_gather() {
                         self.param_gather_queue.push_back(i);
-                        self.units[i].stale = true;
                     }
                 }
                 if self.cfg.zero.overlap_comm {
@@ -1878,8 +1930,10 @@ impl<C: Communicator> Engine<C> {
                     break;
                 }
                 self.param_gather_queue.pop_front();
-                let p = self.units[j].params.take().expect("params are home");
-                let p = exclusive(p, j, self.rank)?;
+                let p = match std::mem::replace(&mut self.units[j].params, Params::Gathering) {
+                    Params::Queued(p) => exclusive(p, j, self.rank)?,
+                    _ => unreachable!("a queued unit's parameters are queued"),
+                };
                 self.stats.gather_bytes += ring_bytes(n, self.world, self.pdt);
                 // After AdamW wrote the unit (or a checkpoint load filled it).
                 let updated = self.backend.record(self.gather_after)?;
@@ -1888,7 +1942,7 @@ impl<C: Communicator> Engine<C> {
                 self.param_gather_elems += n;
             }
             match until {
-                Some(i) if self.units[i].stale => {}
+                Some(i) if self.units[i].is_stale() => {}
                 _ => return Ok(()),
             }
             let (j, w) = self
@@ -1905,8 +1959,7 @@ impl<C: Communicator> Engine<C> {
         self.param_gather_elems -= self.units[j].layout.padded_numel;
         let (p, done) = w.wait(&self.tracer, self.rank)?;
         self.backend.sync(&done)?;
-        self.units[j].params = Some(Arc::new(p));
-        self.units[j].stale = false;
+        self.units[j].params = Params::Home(Arc::new(p));
         Ok(())
     }
 

@@ -11,9 +11,11 @@
 //!  compute ─[adamw(master, m, v, homes → params)]─●updated
 //! ```
 //!
-//! The homes were synced by the reducer's `finish`; the engine orders
-//! what reads the updated parameters after `updated` (a host sync, or the
-//! parameter all-gathers of stages 1–2, which start after it).
+//! The reducer's `finish` made the compute stream wait for the last
+//! unpack into the homes; the norm's sync orders the host after it too
+//! (the offload tiers read the homes there). The engine orders what reads
+//! the updated parameters after `updated` (the parameter all-gathers of
+//! stages 1–2 start after it; then the host syncs it).
 //!
 //! Element ranges, per unit (`abs` is the rank's real elements of the
 //! unit, padding excluded):

@@ -382,8 +382,9 @@ impl GradReducer {
     }
 
     /// The reduced (and accumulated) gradient of unit `i`, for the host to
-    /// read: a checked host read, valid once [`GradReducer::finish`]
-    /// synced the homes. `G` must be [`home_dtype`](Self::home_dtype).
+    /// read: a checked host read, valid once the host synced the compute
+    /// stream after [`GradReducer::finish`] (the optimizer's norm does).
+    /// `G` must be [`home_dtype`](Self::home_dtype).
     pub(crate) fn home_slice<G: Element>(&self, i: usize) -> Result<&[G]> {
         let home = self.home(i);
         home.host_slice::<G>(&self.backend)?.ok_or_else(|| {
