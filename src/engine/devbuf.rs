@@ -51,6 +51,8 @@ macro_rules! map_dev {
     };
 }
 
+pub(crate) use {map_dev, with_dev};
+
 impl DevBuf {
     /// A zeroed buffer from `comm`'s allocator (MPI's shared window).
     pub(crate) fn alloc<C: Communicator>(
@@ -133,6 +135,103 @@ impl DevBuf {
                 (DynLoan::F16(l), DynBuf::from_host(m))
             }
         })
+    }
+
+    /// The typed buffer, if the dtype is `T`'s.
+    pub(crate) fn typed<T: Element>(&self) -> Option<&CpuBuffer<T>> {
+        with_dev!(self, b => (b as &dyn Any).downcast_ref::<CpuBuffer<T>>())
+    }
+
+    /// The typed buffer, if the dtype is `T`'s.
+    pub(crate) fn typed_mut<T: Element>(&mut self) -> Option<&mut CpuBuffer<T>> {
+        with_dev!(self, b => (b as &mut dyn Any).downcast_mut::<CpuBuffer<T>>())
+    }
+
+    /// The typed contents for the host to write (checked), if the dtype is
+    /// `T`'s.
+    pub(crate) fn host_slice_mut<T: Element>(
+        &mut self,
+        backend: &CpuBackend,
+    ) -> Result<Option<&mut [T]>> {
+        match self.typed_mut::<T>() {
+            Some(t) => {
+                let n = t.len();
+                Ok(Some(backend.host_slice_mut(t, 0..n)?))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// The bytes of elements `range`, for the host to read (checked).
+    pub(crate) fn host_bytes(&self, backend: &CpuBackend, range: Range<usize>) -> Result<&[u8]> {
+        Ok(with_dev!(self, b => bytemuck::cast_slice(backend.host_slice(b, range)?)))
+    }
+
+    /// The bytes of elements `range`, for the host to write (checked).
+    pub(crate) fn host_bytes_mut(
+        &mut self,
+        backend: &CpuBackend,
+        range: Range<usize>,
+    ) -> Result<&mut [u8]> {
+        Ok(with_dev!(self, b => bytemuck::cast_slice_mut(backend.host_slice_mut(b, range)?)))
+    }
+
+    /// Elements `range` converted to f32 and appended to `out` (a checked
+    /// host read).
+    pub(crate) fn extend_f32(
+        &self,
+        backend: &CpuBackend,
+        range: Range<usize>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        with_dev!(self, b => out.extend(backend.host_slice(b, range)?.iter().map(|x| x.to_f32())));
+        Ok(())
+    }
+
+    /// Stores `src` (any dtype) at `self[at..]`, converting (a checked host
+    /// write).
+    pub(crate) fn store_slice<S: Element>(
+        &mut self,
+        backend: &CpuBackend,
+        at: usize,
+        src: &[S],
+    ) -> Result<()> {
+        self.host_mut(backend)?.store(at, src);
+        Ok(())
+    }
+
+    /// All of the buffer for the host to write (checked), whatever its
+    /// dtype.
+    pub(crate) fn host_mut(&mut self, backend: &CpuBackend) -> Result<HostSliceMut<'_>> {
+        let n = self.len();
+        Ok(map_dev!(self, HostSliceMut, b => backend.host_slice_mut(b, 0..n)?))
+    }
+
+    /// `self[at..at + len] = src[src_at..][..len]` on `stream`, converting
+    /// (a device copy).
+    pub(crate) fn copy_from(
+        &mut self,
+        backend: &CpuBackend,
+        stream: Stream,
+        at: usize,
+        src: &DevBuf,
+        src_at: usize,
+        len: usize,
+    ) -> Result<()> {
+        with_dev!(self, d => with_dev!(src, s => backend.cast(stream, s, src_at, d, at, len, false)?));
+        Ok(())
+    }
+
+    /// All-gather in place with `counts`, on the communication stream
+    /// after `after`.
+    pub(crate) fn all_gather<C: Communicator>(
+        self,
+        backend: &CpuBackend,
+        comm: &C,
+        counts: &[usize],
+        after: &CpuEvent,
+    ) -> DynWork {
+        map_dev!(self, DynWork, b => comm.device_all_gather(backend, b, counts, after))
     }
 }
 
@@ -232,107 +331,6 @@ pub(crate) fn comm_error(e: zero_comm::Error) -> Error {
     match e {
         zero_comm::Error::Core(e @ zero_core::Error::Hazard(_)) => Error::Core(e),
         e => Error::Comm(e),
-    }
-}
-
-pub(crate) use {map_dev, with_dev};
-
-impl DevBuf {
-    /// The typed buffer, if the dtype is `T`'s.
-    pub(crate) fn typed<T: Element>(&self) -> Option<&CpuBuffer<T>> {
-        with_dev!(self, b => (b as &dyn Any).downcast_ref::<CpuBuffer<T>>())
-    }
-
-    /// The typed buffer, if the dtype is `T`'s.
-    pub(crate) fn typed_mut<T: Element>(&mut self) -> Option<&mut CpuBuffer<T>> {
-        with_dev!(self, b => (b as &mut dyn Any).downcast_mut::<CpuBuffer<T>>())
-    }
-
-    /// The typed contents for the host to write (checked), if the dtype is
-    /// `T`'s.
-    pub(crate) fn host_slice_mut<T: Element>(
-        &mut self,
-        backend: &CpuBackend,
-    ) -> Result<Option<&mut [T]>> {
-        match self.typed_mut::<T>() {
-            Some(t) => {
-                let n = t.len();
-                Ok(Some(backend.host_slice_mut(t, 0..n)?))
-            }
-            None => Ok(None),
-        }
-    }
-
-    /// The bytes of elements `range`, for the host to read (checked).
-    pub(crate) fn host_bytes(&self, backend: &CpuBackend, range: Range<usize>) -> Result<&[u8]> {
-        Ok(with_dev!(self, b => bytemuck::cast_slice(backend.host_slice(b, range)?)))
-    }
-
-    /// The bytes of elements `range`, for the host to write (checked).
-    pub(crate) fn host_bytes_mut(
-        &mut self,
-        backend: &CpuBackend,
-        range: Range<usize>,
-    ) -> Result<&mut [u8]> {
-        Ok(with_dev!(self, b => bytemuck::cast_slice_mut(backend.host_slice_mut(b, range)?)))
-    }
-
-    /// Elements `range` converted to f32 and appended to `out` (a checked
-    /// host read).
-    pub(crate) fn extend_f32(
-        &self,
-        backend: &CpuBackend,
-        range: Range<usize>,
-        out: &mut Vec<f32>,
-    ) -> Result<()> {
-        with_dev!(self, b => out.extend(backend.host_slice(b, range)?.iter().map(|x| x.to_f32())));
-        Ok(())
-    }
-
-    /// Stores `src` (any dtype) at `self[at..]`, converting (a checked host
-    /// write).
-    pub(crate) fn store_slice<S: Element>(
-        &mut self,
-        backend: &CpuBackend,
-        at: usize,
-        src: &[S],
-    ) -> Result<()> {
-        self.host_mut(backend)?.store(at, src);
-        Ok(())
-    }
-
-    /// All of the buffer for the host to write (checked), whatever its
-    /// dtype.
-    pub(crate) fn host_mut(&mut self, backend: &CpuBackend) -> Result<HostSliceMut<'_>> {
-        let n = self.len();
-        Ok(map_dev!(self, HostSliceMut, b => backend.host_slice_mut(b, 0..n)?))
-    }
-
-    /// `self[at..at + len] = src[src_at..][..len]` on `stream`, converting
-    /// (a device copy).
-    pub(crate) fn copy_from(
-        &mut self,
-        backend: &CpuBackend,
-        stream: Stream,
-        at: usize,
-        src: &DevBuf,
-        src_at: usize,
-        len: usize,
-    ) -> Result<()> {
-        with_dev!(self, d => with_dev!(src, s => backend.cast(stream, s, src_at, d, at, len, false)?));
-        Ok(())
-    }
-
-    /// All-gather in place with `counts`, on the communication stream
-    /// after `after`.
-    pub(crate) fn all_gather<C: Communicator>(
-        self,
-        backend: &CpuBackend,
-        comm: &C,
-        counts: &[usize],
-        after: &CpuEvent,
-    ) -> DynWork {
-        map_dev!(self, DynWork, b => comm.device_all_gather(backend, b, counts, after))
     }
 }
 

@@ -232,9 +232,8 @@ impl OptimizerShard {
     /// AdamW on the units `units` from the host, writing each unit's
     /// updated parameters into the host slice `low(i)`: parameter offload,
     /// whose shards live in host memory or are staged there for the swap
-    /// file. The state and gradients are read through checked host views
-    /// (the homes were synced by the reducer, the state by the previous
-    /// step's sync).
+    /// file. The state and gradients are read through checked host views,
+    /// valid after the norm's sync of the compute stream.
     pub(crate) fn step_units_host<'p, G: Element, P: Element>(
         &mut self,
         backend: &CpuBackend,
