@@ -14,9 +14,10 @@ use serde_json::Value;
 use zero::comm::{Communicator, ThreadComm, ThreadGroup};
 use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::memory::{Category, Tier};
+use zero::core::partition::{TensorSpec, UnitSpec};
 use zero::core::{bf16, DType};
 use zero::offload::FaultPlan;
-use zero::Engine;
+use zero::{Engine, Init};
 use zero_testkit::mlp::{batch, Mlp};
 use zero_testkit::runs::*;
 
@@ -739,6 +740,32 @@ fn unsupported_offload_settings_name_the_key() {
         m.contains("zero_optimization.offload_param.buffer_size"),
         "{m}"
     );
+    // Swap files larger than the disk: refused before anything is
+    // allocated or written (a unit of 2^38 elements: 3 TiB of optimizer
+    // state), naming the path and both figures.
+    ThreadGroup::run(1, |comm| {
+        let mut c = offload_config(1, 2, 1, Precision::Bf16, OffloadDevice::Nvme, 256, 4, &dir);
+        c.zero.sub_group_size = 1 << 30;
+        let mut b = Engine::builder(c, comm);
+        b.register(
+            UnitSpec::new("huge", vec![TensorSpec::new("w", &[1 << 38])]),
+            vec![Init::Zeros],
+        )
+        .unwrap();
+        let m = b.build().map(|_| ()).unwrap_err().to_string();
+        let path = dir.display().to_string();
+        for part in [
+            path.as_str(),
+            "not enough free disk space",
+            "of optimizer swap files (",
+            "× 1 rank(s) here)",
+            "bytes are free",
+        ] {
+            assert!(m.contains(part), "{part}: {m}");
+        }
+        assert!(!dir.exists(), "nothing was created under {}", dir.display());
+    })
+    .unwrap();
     // A swap file that cannot be created (nvme_path is a file).
     let file = std::env::temp_dir().join(format!("zero-offload-test-{}-file", std::process::id()));
     std::fs::write(&file, b"x").unwrap();

@@ -128,6 +128,7 @@ use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier}
 use zero_core::optim::{clip_coefficient, AdamWStep, CpuAdamW, LossScaler};
 use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
 use zero_core::{bf16, f16, DType, Device, Element, HostBuffer};
+use zero_offload::{check_free_space, DiskNeed};
 
 use crate::agree::agree_on_setup;
 pub use crate::format::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
@@ -579,6 +580,12 @@ impl<C: Communicator> EngineBuilder<C> {
             Precision::Bf16 => DType::BF16,
             Precision::Fp16 => DType::F16,
         };
+        // Before any work: room for the swap files on every nvme_path.
+        agree_on_setup(
+            &comm,
+            check_disk_space(&cfg, &plan, rank, pdt, comm.ranks_on_host()),
+            "swap files (nvme_path",
+        )?;
         let offloading = cfg.zero.offload_optimizer.device != OffloadDevice::None;
         let param_offloading = stage == 3 && cfg.zero.offload_param.device != OffloadDevice::None;
         let threads = optimizer_threads.unwrap_or_else(|| {
@@ -821,6 +828,55 @@ impl<C: Communicator> EngineBuilder<C> {
         }
         Ok(engine)
     }
+}
+
+/// The swap files this rank's setup will create under each `nvme_path`
+/// (`offload_optimizer`, and `offload_param` at stage 3), times the ranks
+/// on this machine (each writes its own files there), against the free
+/// space of each filesystem: too little is an error naming the path and
+/// both figures, before anything is allocated or written.
+fn check_disk_space(
+    cfg: &ResolvedConfig,
+    plan: &PartitionPlan,
+    rank: usize,
+    pdt: DType,
+    ranks_here: usize,
+) -> Result<()> {
+    let z = &cfg.zero;
+    let ranks_here = ranks_here.max(1);
+    let mut needs = Vec::new();
+    let mut need = |dir: &Option<std::path::PathBuf>, per_rank: u64, what: &str| {
+        needs.push(DiskNeed {
+            path: dir.clone().unwrap_or_default(),
+            bytes: per_rank.saturating_mul(ranks_here as u64),
+            what: format!("{what} swap files ({per_rank} bytes × {ranks_here} rank(s) here)"),
+        });
+    };
+    if z.offload_optimizer.device == OffloadDevice::Nvme {
+        let total = plan
+            .units()
+            .iter()
+            .map(|l| {
+                if z.stage == 0 {
+                    l.padded_numel
+                } else {
+                    l.shard_len
+                }
+            })
+            .sum();
+        let len = offload::swap_file_len(cfg, rank, total)?;
+        need(&z.offload_optimizer.nvme_path, len, "optimizer");
+    }
+    if z.stage == 3 && z.offload_param.device == OffloadDevice::Nvme {
+        let bytes: Vec<usize> = plan
+            .units()
+            .iter()
+            .map(|l| l.shard_len * pdt.size_in_bytes())
+            .collect();
+        let len = param_offload::swap_file_len(cfg, rank, &bytes)?;
+        need(&z.offload_param.nvme_path, len, "parameter");
+    }
+    Ok(check_free_space(&needs)?)
 }
 
 /// Every rank must register the same units (names, tensors, shapes) with

@@ -204,6 +204,39 @@ pub(crate) struct Offload {
     _allocs: Vec<Allocation>,
 }
 
+/// The options of rank `rank`'s optimizer swap file.
+fn swap_options(cfg: &ResolvedConfig, rank: usize) -> SwapOptions {
+    let dir = cfg
+        .zero
+        .offload_optimizer
+        .nvme_path
+        .clone()
+        .unwrap_or_default();
+    let mut options = SwapOptions::from_aio(dir, rank, &cfg.zero.aio);
+    options.tag = "optimizer".into();
+    options
+}
+
+/// The swap file's regions: one per tile of `lens` elements, holding its
+/// `[master | m | v]`.
+fn tile_regions(lens: impl Iterator<Item = usize>) -> Vec<RegionSpec> {
+    lens.enumerate()
+        .map(|(t, len)| RegionSpec::new(format!("tile{t}"), (len * 12) as u64))
+        .collect()
+}
+
+/// With `offload_optimizer` nvme: the length of rank `rank`'s swap file
+/// for optimizer state of `total` elements (the sum of the units' state
+/// lengths), known before anything is allocated.
+pub(crate) fn swap_file_len(cfg: &ResolvedConfig, rank: usize, total: usize) -> Result<u64> {
+    let sg = cfg.zero.sub_group_size.max(1);
+    let lens = (0..total.div_ceil(sg)).map(|t| sg.min(total - t * sg));
+    Ok(SwapFile::planned_len(
+        &swap_options(cfg, rank),
+        &tile_regions(lens),
+    )?)
+}
+
 impl Offload {
     /// Lays out the tiles, allocates the pool (and the swap file), and
     /// stores the initial state: `master[i]` for unit `i`, `m = v = 0`.
@@ -279,15 +312,9 @@ impl Offload {
             debug_assert_eq!(out.len(), 3 * len);
         };
         let store = if nvme {
-            let dir = oo.nvme_path.clone().unwrap_or_default();
-            let mut options = SwapOptions::from_aio(dir, rank, &cfg.zero.aio);
-            options.tag = "optimizer".into();
+            let mut options = swap_options(cfg, rank);
             set_faults(&mut options, faults);
-            let specs: Vec<RegionSpec> = tiles
-                .iter()
-                .enumerate()
-                .map(|(t, tile)| RegionSpec::new(format!("tile{t}"), tile.bytes() as u64))
-                .collect();
+            let specs = tile_regions(tiles.iter().map(Tile::len));
             let swap = SwapFile::create(options, &specs)?;
             let mut regions = Vec::with_capacity(tiles.len());
             for (t, tile) in tiles.iter().enumerate() {

@@ -127,6 +127,32 @@ pub(crate) struct ParamOffload {
     _allocs: Vec<Allocation>,
 }
 
+/// The options of rank `rank`'s parameter swap file.
+fn swap_options(cfg: &ResolvedConfig, rank: usize) -> SwapOptions {
+    let dir = cfg.zero.offload_param.nvme_path.clone().unwrap_or_default();
+    let mut options = SwapOptions::from_aio(dir, rank, &cfg.zero.aio);
+    options.tag = "params".into();
+    options
+}
+
+/// The swap file's regions: one per unit shard of `bytes[i]` bytes.
+fn unit_regions(bytes: &[usize]) -> Vec<RegionSpec> {
+    bytes
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| RegionSpec::new(format!("unit{i}"), b.max(1) as u64))
+        .collect()
+}
+
+/// With `offload_param` nvme: the length of rank `rank`'s swap file for
+/// shards of `bytes[i]` bytes, known before anything is allocated.
+pub(crate) fn swap_file_len(cfg: &ResolvedConfig, rank: usize, bytes: &[usize]) -> Result<u64> {
+    Ok(SwapFile::planned_len(
+        &swap_options(cfg, rank),
+        &unit_regions(bytes),
+    )?)
+}
+
 impl ParamOffload {
     /// Builds the homes and stores the initial shards (`init[i]` is unit
     /// `i`'s shard, padding included, as bytes of `pdt`).
@@ -197,15 +223,9 @@ impl ParamOffload {
             }
         }
         let home = if nvme {
-            let dir = op.nvme_path.clone().unwrap_or_default();
-            let mut options = SwapOptions::from_aio(dir, rank, &cfg.zero.aio);
-            options.tag = "params".into();
+            let mut options = swap_options(cfg, rank);
             set_faults(&mut options, faults);
-            let specs: Vec<RegionSpec> = bytes
-                .iter()
-                .enumerate()
-                .map(|(i, &b)| RegionSpec::new(format!("unit{i}"), b.max(1) as u64))
-                .collect();
+            let specs = unit_regions(&bytes);
             let swap = SwapFile::create(options, &specs)?;
             let mut regions = Vec::with_capacity(bytes.len());
             for (i, src) in init.iter().enumerate() {

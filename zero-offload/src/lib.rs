@@ -29,9 +29,11 @@
 
 pub mod host;
 pub mod nvme;
+pub mod space;
 
 pub use host::{AlignedBuf, HostPool, HostPoolOptions, PooledBuffer};
 #[cfg(feature = "testing")]
 pub use nvme::FaultPlan;
 pub use nvme::{IoBuffer, IoError, IoTicket, RegionId, RegionSpec, SwapFile, SwapOptions};
+pub use space::{check_free_space, free_space, DiskNeed, FreeSpace};
 pub use zero_core::{Device, Error, Result};

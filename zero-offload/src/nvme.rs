@@ -973,6 +973,83 @@ fn fresh_run_id() -> u64 {
     z ^ (z >> 31)
 }
 
+/// A swap file's layout, before anything is written.
+struct Planned {
+    header: Header,
+    layout: Vec<Region>,
+    /// Blocks of all regions.
+    nblocks: usize,
+    /// The file's length: the header's blocks and every region's.
+    total_len: u64,
+}
+
+/// Lays out `regions` under `options` (block size) for run `run_id`:
+/// checks the names and lengths, places each region at a block boundary
+/// after the header.
+fn plan_layout(options: &SwapOptions, regions: &[RegionSpec], run_id: u64) -> Result<Planned> {
+    let bs = options.block_size as u64;
+    let dir = &options.dir;
+    // Layout.
+    let mut names = std::collections::HashSet::new();
+    let mut table = Vec::with_capacity(regions.len());
+    for r in regions {
+        if r.name.is_empty() || r.name.len() > 255 {
+            return Err(io_err(
+                dir,
+                format!("region name {:?} must be 1 to 255 bytes", r.name),
+            ));
+        }
+        if !names.insert(r.name.as_str()) {
+            return Err(io_err(
+                dir,
+                format!("region name `{}` appears twice", r.name),
+            ));
+        }
+        if r.len == 0 {
+            return Err(io_err(dir, format!("region `{}` has length 0", r.name)));
+        }
+        table.push((r.name.clone(), 0u64, r.len));
+    }
+    let mut header = Header {
+        run_id,
+        rank: options.rank as u64,
+        block_size: bs,
+        total_len: 0,
+        regions: table,
+    };
+    let encoded_len = header.encode().len() as u64;
+    let header_space = encoded_len.div_ceil(bs) * bs;
+    let mut offset = header_space;
+    let mut layout = Vec::with_capacity(regions.len());
+    let mut nblocks = 0usize;
+    for entry in &mut header.regions {
+        let blocks = entry.2.div_ceil(bs);
+        entry.1 = offset;
+        layout.push(Region {
+            name: entry.0.clone(),
+            offset,
+            len: entry.2,
+            first_block: nblocks,
+        });
+        nblocks = usize::try_from(blocks)
+            .ok()
+            .and_then(|b| nblocks.checked_add(b))
+            .ok_or_else(|| io_err(dir, "the regions are too large"))?;
+        offset = blocks
+            .checked_mul(bs)
+            .and_then(|b| offset.checked_add(b))
+            .ok_or_else(|| io_err(dir, "the regions are too large"))?;
+    }
+    header.total_len = offset;
+    let total_len = offset;
+    Ok(Planned {
+        header,
+        layout,
+        nblocks,
+        total_len,
+    })
+}
+
 fn io_err(path: &Path, msg: impl Into<String>) -> Error {
     Error::Io {
         path: path.to_path_buf(),
@@ -997,6 +1074,17 @@ fn is_einval(e: &std::io::Error) -> bool {
 }
 
 impl SwapFile {
+    /// The length in bytes the file for `regions` under `options` will
+    /// have (header and block padding included): what
+    /// [`SwapFile::create`] reserves, known before anything is written.
+    ///
+    /// # Errors
+    /// Invalid options, or a region whose name or length `create` refuses.
+    pub fn planned_len(options: &SwapOptions, regions: &[RegionSpec]) -> Result<u64> {
+        options.validate()?;
+        Ok(plan_layout(options, regions, 0)?.total_len)
+    }
+
     /// Creates the swap file of `options.rank` under `options.dir` with
     /// `regions` laid out in order, each starting on a block boundary;
     /// writes and re-reads the header, reserves the blocks (with
@@ -1007,63 +1095,14 @@ impl SwapFile {
     /// says so.
     pub fn create(options: SwapOptions, regions: &[RegionSpec]) -> Result<SwapFile> {
         options.validate()?;
-        let bs = options.block_size as u64;
         let run_id = options.run_id.unwrap_or_else(fresh_run_id);
         let dir = &options.dir;
-
-        // Layout.
-        let mut names = std::collections::HashSet::new();
-        let mut table = Vec::with_capacity(regions.len());
-        for r in regions {
-            if r.name.is_empty() || r.name.len() > 255 {
-                return Err(io_err(
-                    dir,
-                    format!("region name {:?} must be 1 to 255 bytes", r.name),
-                ));
-            }
-            if !names.insert(r.name.as_str()) {
-                return Err(io_err(
-                    dir,
-                    format!("region name `{}` appears twice", r.name),
-                ));
-            }
-            if r.len == 0 {
-                return Err(io_err(dir, format!("region `{}` has length 0", r.name)));
-            }
-            table.push((r.name.clone(), 0u64, r.len));
-        }
-        let mut header = Header {
-            run_id,
-            rank: options.rank as u64,
-            block_size: bs,
-            total_len: 0,
-            regions: table,
-        };
-        let encoded_len = header.encode().len() as u64;
-        let header_space = encoded_len.div_ceil(bs) * bs;
-        let mut offset = header_space;
-        let mut layout = Vec::with_capacity(regions.len());
-        let mut nblocks = 0usize;
-        for entry in &mut header.regions {
-            let blocks = entry.2.div_ceil(bs);
-            entry.1 = offset;
-            layout.push(Region {
-                name: entry.0.clone(),
-                offset,
-                len: entry.2,
-                first_block: nblocks,
-            });
-            nblocks = usize::try_from(blocks)
-                .ok()
-                .and_then(|b| nblocks.checked_add(b))
-                .ok_or_else(|| io_err(dir, "the regions are too large"))?;
-            offset = blocks
-                .checked_mul(bs)
-                .and_then(|b| offset.checked_add(b))
-                .ok_or_else(|| io_err(dir, "the regions are too large"))?;
-        }
-        header.total_len = offset;
-        let total_len = offset;
+        let Planned {
+            header,
+            layout,
+            nblocks,
+            total_len,
+        } = plan_layout(&options, regions, run_id)?;
         let mut header_bytes = header.encode();
         let header_io = round_up(header_bytes.len(), PAGE_SIZE)
             .ok_or_else(|| io_err(dir, "the region table is too large"))?;

@@ -95,7 +95,11 @@ fn many_regions_round_trip_random_data() {
         })
         .collect();
     specs.push(RegionSpec::new("odd", 4097));
+    let planned = SwapFile::planned_len(&options(dir.path()), &specs).unwrap();
     let swap = SwapFile::create(options(dir.path()), &specs).unwrap();
+    // The length planned before anything is written is the file's.
+    assert_eq!(planned, swap.file_len());
+    assert_eq!(std::fs::metadata(swap.path()).unwrap().len(), planned);
     // /tmp is ext4 on the project's machines; elsewhere a fallback must say so.
     assert_eq!(
         swap.direct_io(),
