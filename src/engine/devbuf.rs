@@ -162,11 +162,6 @@ impl DevBuf {
         }
     }
 
-    /// The bytes of elements `range`, for the host to read (checked).
-    pub(crate) fn host_bytes(&self, backend: &CpuBackend, range: Range<usize>) -> Result<&[u8]> {
-        Ok(with_dev!(self, b => bytemuck::cast_slice(backend.host_slice(b, range)?)))
-    }
-
     /// The bytes of elements `range`, for the host to write (checked).
     pub(crate) fn host_bytes_mut(
         &mut self,

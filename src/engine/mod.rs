@@ -116,6 +116,7 @@ mod reducer;
 mod stats;
 
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -605,71 +606,79 @@ impl<C: Communicator> EngineBuilder<C> {
             Some(b) => b,
             None => CpuBackend::with_adamw(CpuMode::Inline, CpuAdamW::new().with_threads(threads))?,
         };
-        let mut masters = Vec::new();
+        // The initial values, computed on demand: offloaded state and
+        // shards are written tile by tile and shard by shard straight to
+        // their tier, so the whole model is never in memory.
+        let initial = Initial {
+            specs: &specs,
+            layouts: plan.units(),
+            seed,
+        };
+        // Unit `i`'s first element of this rank's optimizer state, and of
+        // its parameters.
+        let state_base = |l: &UnitLayout| if stage == 0 { 0 } else { rank * l.shard_len };
+        let param_base = |l: &UnitLayout| if stage == 3 { rank * l.shard_len } else { 0 };
         let mut ranges = Vec::new();
         let mut moments = Vec::with_capacity(specs.len());
-
         let mut units = Vec::with_capacity(specs.len());
-        for ((spec, inits), layout) in specs.iter().zip(plan.units()) {
-            let key = fnv1a(spec.name.as_bytes());
+        for (u, ((spec, _), layout)) in specs.iter().zip(plan.units()).enumerate() {
             let full = layout.padded_numel;
             let shard = layout.shard_len;
             let mut allocs = Vec::new();
             let mut track = |tier: Tier, cat: Category, bytes: u64| {
                 allocs.push(tracker.allocate(tier, cat, bytes));
             };
-            // The element range this rank's optimizer state covers.
-            let (state_start, state_len) = if stage == 0 {
-                (0, full)
+            // The element ranges this rank's optimizer state and parameters
+            // cover.
+            let state_start = state_base(layout);
+            let state_len = if stage == 0 { full } else { shard };
+            let p_start = param_base(layout);
+            let p_len = if stage == 3 { shard } else { full };
+            let mlen = if offloading { 0 } else { state_len };
+            let mut master = HostBuffer::<f32>::zeros(mlen)?;
+            let mut params = if param_offloading {
+                None
             } else {
-                (rank * shard, shard)
+                let label = format!("params `{}`", spec.name);
+                Some(DevBuf::alloc(&backend, &comm, pdt, p_len, &label)?)
             };
-            let (p_start, p_len) = if stage == 3 {
-                (rank * shard, shard)
-            } else {
-                (0, full)
-            };
-            let mut master = HostBuffer::<f32>::zeros(state_len)?;
-            let mut params = DevBuf::alloc(
-                &backend,
-                &comm,
-                pdt,
-                p_len,
-                &format!("params `{}`", spec.name),
-            )?;
-            // Initialise only what this rank stores: the union of its
+            // Initialise only what this rank stores here: the union of its
             // master and parameter ranges (new buffers are zero already).
-            if inits.iter().any(|i| *i != Init::Zeros) {
-                let lo = state_start.min(p_start);
-                let hi = (state_start + state_len).max(p_start + p_len);
+            let mut stored = Vec::new();
+            if mlen > 0 {
+                stored.push(state_start..state_start + state_len);
+            }
+            if params.is_some() {
+                stored.push(p_start..p_start + p_len);
+            }
+            let lo = stored.iter().map(|r| r.start).min();
+            let hi = stored.iter().map(|r| r.end).max();
+            if let (Some(lo), Some(hi), true) = (lo, hi, initial.has_values(u)) {
                 let mut values = vec![0f32; hi - lo];
-                for (ti, t) in layout.tensors.iter().enumerate() {
-                    let r = t.offset.max(lo)..(t.offset + t.numel).min(hi);
-                    for i in r {
-                        values[i - lo] = inits[ti].value(seed, key, ti, i - t.offset);
-                    }
+                initial.fill(u, lo..hi, &mut values);
+                if mlen > 0 {
+                    master.copy_from_slice(&values[state_start - lo..][..state_len]);
                 }
-                master.copy_from_slice(&values[state_start - lo..state_start - lo + state_len]);
-                params.store_slice(&backend, 0, &values[p_start - lo..p_start - lo + p_len])?;
+                if let Some(p) = params.as_mut() {
+                    p.store_slice(&backend, 0, &values[p_start - lo..][..p_len])?;
+                }
             }
             // Large buffers are fresh mappings: fault every page in now so
             // that the step takes no page faults — except what a checkpoint
-            // load is about to fill completely (and what offload copies
-            // out and drops here).
-            if !for_load && !offloading {
+            // load is about to fill completely.
+            if !for_load {
                 master.prefault();
-            }
-            if !for_load && !param_offloading {
-                params.prefault(&backend)?;
+                if let Some(p) = params.as_mut() {
+                    p.prefault(&backend)?;
+                }
             }
             if !offloading {
                 track(Tier::Device, Category::Master, (state_len * 4) as u64);
                 track(Tier::Device, Category::Moments, (state_len * 8) as u64);
             }
-            if !param_offloading {
-                track(Tier::Device, Category::Params, params.bytes());
+            if let Some(p) = &params {
+                track(Tier::Device, Category::Params, p.bytes());
             }
-            let mlen = if offloading { 0 } else { state_len };
             let (mut m, mut v) = (HostBuffer::zeros(mlen)?, HostBuffer::zeros(mlen)?);
             if !for_load {
                 m.prefault();
@@ -688,8 +697,6 @@ impl<C: Communicator> EngineBuilder<C> {
                     params: if stage == 3 { real.clone() } else { abs },
                     real,
                 });
-                masters.push(master);
-                master = HostBuffer::zeros(0)?;
             }
             moments.push(Moments {
                 master: backend.wrap(master, &format!("master `{name}`"))?,
@@ -698,7 +705,10 @@ impl<C: Communicator> EngineBuilder<C> {
             });
             units.push(Unit {
                 layout: Arc::new(layout.clone()),
-                params: Params::Home(Arc::new(params)),
+                params: match params {
+                    Some(p) => Params::Home(Arc::new(p)),
+                    None => Params::Offloaded,
+                },
                 gathers: 0,
                 _allocs: allocs,
             });
@@ -712,10 +722,11 @@ impl<C: Communicator> EngineBuilder<C> {
             _ => Stream::Compute,
         };
         let offload = if offloading {
-            let views: Vec<&[f32]> = masters.iter().map(|m| &m[..]).collect();
-            let built = Offload::new(&cfg, rank, pdt, ranges, &views, &tracker, swap_faults);
-            drop(views);
-            drop(masters);
+            let master = |i: usize, r: Range<usize>, out: &mut [f32]| {
+                let base = state_base(&plan.units()[i]);
+                initial.fill(i, base + r.start..base + r.end, out);
+            };
+            let built = Offload::new(&cfg, rank, pdt, ranges, &master, &tracker, swap_faults);
             Some(
                 agree_on_setup(
                     &comm,
@@ -728,22 +739,18 @@ impl<C: Communicator> EngineBuilder<C> {
             None
         };
         let poff = if param_offloading {
-            let init: Vec<Arc<DevBuf>> = units
-                .iter_mut()
-                .map(
-                    |u| match std::mem::replace(&mut u.params, Params::Offloaded) {
-                        Params::Home(p) => p,
-                        _ => unreachable!("params are home at build"),
-                    },
-                )
-                .collect();
-            let views = init
-                .iter()
-                .map(|b| b.host_bytes(&backend, 0..b.len()))
-                .collect::<Result<Vec<&[u8]>>>()?;
-            let built = ParamOffload::new(&cfg, rank, pdt, &views, &tracker, param_swap_faults);
-            drop(views);
-            drop(init);
+            let size = pdt.size_in_bytes();
+            let bytes = plan.units().iter().map(|l| l.shard_len * size).collect();
+            let shard = |i: usize, out: &mut [u8]| {
+                let l = &plan.units()[i];
+                let mut values = vec![0f32; l.shard_len];
+                let base = param_base(l);
+                initial.fill(i, base..base + l.shard_len, &mut values);
+                store_as(pdt, &values, out);
+                Ok(())
+            };
+            let built =
+                ParamOffload::new(&cfg, rank, pdt, bytes, &shard, &tracker, param_swap_faults);
             Some(
                 agree_on_setup(
                     &comm,
@@ -827,6 +834,47 @@ impl<C: Communicator> EngineBuilder<C> {
             s3.gather_persistent(io)?;
         }
         Ok(engine)
+    }
+}
+
+/// The initial values of the registered units, computed for any element
+/// range on demand (each element from its tensor's [`Init`]).
+struct Initial<'a> {
+    specs: &'a [(UnitSpec, Vec<Init>)],
+    layouts: &'a [UnitLayout],
+    seed: u64,
+}
+
+impl Initial<'_> {
+    /// Whether unit `u` has any initialiser but zeros.
+    fn has_values(&self, u: usize) -> bool {
+        self.specs[u].1.iter().any(|i| *i != Init::Zeros)
+    }
+
+    /// Unit `u`'s elements `r` (of the padded unit) into `out`; padding is
+    /// zero.
+    fn fill(&self, u: usize, r: Range<usize>, out: &mut [f32]) {
+        out.fill(0.0);
+        if !self.has_values(u) {
+            return;
+        }
+        let (spec, inits) = &self.specs[u];
+        let key = fnv1a(spec.name.as_bytes());
+        for (ti, t) in self.layouts[u].tensors.iter().enumerate() {
+            for i in t.offset.max(r.start)..(t.offset + t.numel).min(r.end) {
+                out[i - r.start] = inits[ti].value(self.seed, key, ti, i - t.offset);
+            }
+        }
+    }
+}
+
+/// `values` converted to `dtype`, as bytes into `out` (of exactly their
+/// size, aligned for `dtype`).
+fn store_as(dtype: DType, values: &[f32], out: &mut [u8]) {
+    match dtype {
+        DType::F32 => out.copy_from_slice(bytemuck::cast_slice(values)),
+        DType::BF16 => zero_core::convert(values, bytemuck::cast_slice_mut::<u8, bf16>(out), false),
+        DType::F16 => zero_core::convert(values, bytemuck::cast_slice_mut::<u8, f16>(out), false),
     }
 }
 

@@ -204,6 +204,10 @@ pub(crate) struct Offload {
     _allocs: Vec<Allocation>,
 }
 
+/// Writes unit `i`'s initial master over its state elements `range` into
+/// `out`: `master(i, range, out)`.
+pub(crate) type InitialMaster<'a> = dyn Fn(usize, Range<usize>, &mut [f32]) + 'a;
+
 /// The options of rank `rank`'s optimizer swap file.
 fn swap_options(cfg: &ResolvedConfig, rank: usize) -> SwapOptions {
     let dir = cfg
@@ -239,13 +243,15 @@ pub(crate) fn swap_file_len(cfg: &ResolvedConfig, rank: usize, total: usize) -> 
 
 impl Offload {
     /// Lays out the tiles, allocates the pool (and the swap file), and
-    /// stores the initial state: `master[i]` for unit `i`, `m = v = 0`.
+    /// stores the initial state tile by tile: the master from
+    /// `master(i, range, out)` (unit `i`'s state elements `range` into
+    /// `out`), `m = v = 0`; so the whole master is never in memory.
     pub(crate) fn new(
         cfg: &ResolvedConfig,
         rank: usize,
         pdt: DType,
         units: Vec<UnitRanges>,
-        master: &[&[f32]],
+        master: &InitialMaster<'_>,
         tracker: &MemoryTracker,
         faults: Option<FaultPlan>,
     ) -> Result<Offload> {
@@ -305,8 +311,11 @@ impl Offload {
                 let lo = t.flat.start.max(off);
                 let hi = t.flat.end.min(off + units[i].state_len);
                 if lo < hi {
-                    out[lo - t.flat.start..hi - t.flat.start]
-                        .copy_from_slice(&master[i][lo - off..hi - off]);
+                    master(
+                        i,
+                        lo - off..hi - off,
+                        &mut out[lo - t.flat.start..hi - t.flat.start],
+                    );
                 }
             }
             debug_assert_eq!(out.len(), 3 * len);

@@ -154,19 +154,21 @@ pub(crate) fn swap_file_len(cfg: &ResolvedConfig, rank: usize, bytes: &[usize]) 
 }
 
 impl ParamOffload {
-    /// Builds the homes and stores the initial shards (`init[i]` is unit
-    /// `i`'s shard, padding included, as bytes of `pdt`).
+    /// Builds the homes and stores the initial shards, one at a time:
+    /// `init(i, out)` writes unit `i`'s shard (padding included, as bytes
+    /// of `pdt`) into `out`, of `bytes[i]` bytes; so the whole model is
+    /// never in memory.
     pub(crate) fn new(
         cfg: &ResolvedConfig,
         rank: usize,
         pdt: DType,
-        init: &[&[u8]],
+        bytes: Vec<usize>,
+        init: &dyn Fn(usize, &mut [u8]) -> Result<()>,
         tracker: &MemoryTracker,
         faults: Option<FaultPlan>,
     ) -> Result<ParamOffload> {
         let op = &cfg.zero.offload_param;
         let size = pdt.size_in_bytes();
-        let bytes: Vec<usize> = init.iter().map(|b| b.len()).collect();
         let total: u64 = bytes.iter().map(|&b| b as u64).sum();
         let nvme = op.device == OffloadDevice::Nvme;
         let buffer_count = op.buffer_count.max(1);
@@ -215,7 +217,7 @@ impl ParamOffload {
                 for i in cached {
                     let mut buf = cp.acquire(bytes[i].max(1))?;
                     buf.fill(0);
-                    buf[..bytes[i]].copy_from_slice(init[i]);
+                    init(i, &mut buf[..bytes[i]])?;
                     cache[i] = Some(buf);
                 }
                 allocs.push(cp.account(tracker, Category::Params));
@@ -228,11 +230,11 @@ impl ParamOffload {
             let specs = unit_regions(&bytes);
             let swap = SwapFile::create(options, &specs)?;
             let mut regions = Vec::with_capacity(bytes.len());
-            for (i, src) in init.iter().enumerate() {
-                let id = swap.region(&specs[i].name)?;
+            for (i, spec) in specs.iter().enumerate() {
+                let id = swap.region(&spec.name)?;
                 let mut buf = pool.acquire(bytes[i].max(1))?;
                 buf.fill(0);
-                buf[..bytes[i]].copy_from_slice(src);
+                init(i, &mut buf[..bytes[i]])?;
                 drop(swap.write(id, buf).wait().map_err(|e| e.error)?);
                 regions.push(id);
             }
@@ -253,7 +255,7 @@ impl ParamOffload {
             for i in order {
                 let mut buf = pool.acquire(bytes[i].max(1))?;
                 buf.fill(0);
-                buf[..bytes[i]].copy_from_slice(init[i]);
+                init(i, &mut buf[..bytes[i]])?;
                 bufs[i] = Some(buf);
             }
             allocs.push(tracker.allocate(Tier::Host, Category::Params, total));
