@@ -14,7 +14,8 @@
 #      `libnccl.so.2`: when only the latter exists, a `libnccl.so` link is
 #      made in a temporary directory put on LD_LIBRARY_PATH;
 #   3. zero-core's tests with --features cuda (GPU AdamW against the CPU
-#      reference, arena, streams, NVRTC), with ZERO_REQUIRE_NVRTC=1 when
+#      reference, arena, streams, NVRTC, the backend conformance suite on
+#      the CUDA backend), with ZERO_REQUIRE_NVRTC=1 when
 #      NVRTC was found;
 #   4. zero-comm's NCCL tests (--test nccl);
 #   5. the GPU benchmark, benches/cuda.rs ($OUT/cuda.json).
@@ -115,6 +116,7 @@ if [ "$mode" = build ]; then
     "cuda_arena|test:cuda_arena|test -p zero-core --features cuda --test cuda_arena --no-run"
     "cuda_streams|test:cuda_streams|test -p zero-core --features cuda --test cuda_streams --no-run"
     "nvrtc|test:nvrtc|test -p zero-core --features cuda --test nvrtc --no-run"
+    "backend_conformance|test:backend_conformance|test -p zero-core --features cuda --test backend_conformance --no-run"
     "nccl|test:nccl|test -p zero-comm --no-default-features --features cuda --test nccl --no-run"
     "llama_cuda|test:cuda_kernels|test -p zero-llama --features cuda --test cuda_kernels --no-run"
     "llama_cuda_nvrtc|test:nvrtc|test -p zero-llama --features cuda --test nvrtc --no-run"
@@ -123,7 +125,8 @@ if [ "$mode" = build ]; then
   # Where each one runs from (cargo runs tests in their package's folder).
   declare -A cwd=(
     [zero-core-lib]=zero-core [cuda_adamw]=zero-core [cuda_arena]=zero-core
-    [cuda_streams]=zero-core [nvrtc]=zero-core [nccl]=zero-comm [cuda-bench]=
+    [cuda_streams]=zero-core [nvrtc]=zero-core [backend_conformance]=zero-core
+    [nccl]=zero-comm [cuda-bench]=
     [llama_cuda]=examples/llama [llama_cuda_nvrtc]=examples/llama
   )
   for b in "${builds[@]}"; do
@@ -429,7 +432,7 @@ section "summary"
 {
   echo "mode: $mode; $(($(date +%s) - started)) s"
   printf '%s\n' "${summary[@]}"
-  for name in test-zero-core test-zero-core-lib test-cuda_adamw test-cuda_arena test-cuda_streams test-nvrtc test-nccl test-llama_cuda test-llama_cuda_nvrtc; do
+  for name in test-zero-core test-zero-core-lib test-cuda_adamw test-cuda_arena test-cuda_streams test-nvrtc test-backend_conformance test-nccl test-llama_cuda test-llama_cuda_nvrtc; do
     f="$OUT/$name.log"
     [ -f "$f" ] || continue
     n=$(grep -c -E "skipped|^SKIP" "$f" || true)

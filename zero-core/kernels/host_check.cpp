@@ -20,6 +20,12 @@
 //   host_check sumsq G
 //       in, repeated to EOF: u32 offset (elements), u64 n, x G[n]
 //       out, per record: u64 nchunks, f64 chunk_sums[nchunks], f64 total
+//   host_check pieces S D              (S, D: f32|bf16|f16)
+//       in, repeated to EOF: u32 threads, u32 accumulate, u64 npieces,
+//           npieces x (u64 src_at, u64 dst_at, u64 len) (elements, none
+//           empty, at most ZERO_PIECES_MAX), u64 src_len, src S[src_len],
+//           u64 dst_len, dst D[dst_len]
+//       out, per record: dst D[dst_len]
 //
 // The AdamW records run zero_adamw_thread for thread 0 .. threads-1 of an
 // emulated grid (each element belongs to one thread, so running them in
@@ -28,7 +34,8 @@
 // The sum of squares runs, per chunk and tile, zero_sumsq_stage for every
 // thread of a block and zero_sumsq_lane_tile for the 16 lanes, the
 // kernel's shuffle tree as zero_sumsq_tree16, and zero_sumsq_finish over
-// the chunk sums.
+// the chunk sums. The pieces records build a ZeroPieces launch over the two
+// arrays and run zero_pieces_thread for every thread of an emulated grid.
 
 #include <stdint.h>
 #include <stdio.h>
@@ -39,6 +46,7 @@
 #include <vector>
 
 #include "host_io.hpp"
+#include "zero_convert.cuh"
 #include "zero_math.cuh"
 
 namespace {
@@ -155,11 +163,46 @@ void run_sumsq(Reader& in) {
   }
 }
 
+template <class S, class D>
+void run_pieces(Reader& in) {
+  while (!in.done()) {
+    const uint32_t threads = in.get<uint32_t>();
+    const uint32_t accumulate = in.get<uint32_t>();
+    const uint64_t count = in.get<uint64_t>();
+    if (threads == 0) fail("0 threads");
+    if (count > ZERO_PIECES_MAX) fail("more than ZERO_PIECES_MAX pieces");
+    std::vector<uint64_t> desc = in.vec<uint64_t>(count * 3);
+    const uint64_t src_len = in.get<uint64_t>();
+    std::vector<typename S::T> src = in.vec<typename S::T>(src_len);
+    const uint64_t dst_len = in.get<uint64_t>();
+    std::vector<typename D::T> dst = in.vec<typename D::T>(dst_len);
+    ZeroPieces ps;
+    memset(&ps, 0, sizeof ps);
+    ps.count = count;
+    for (uint64_t p = 0; p < count; ++p) {
+      const uint64_t src_at = desc[3 * p], dst_at = desc[3 * p + 1], len = desc[3 * p + 2];
+      if (len == 0 || src_at > src_len || len > src_len - src_at || dst_at > dst_len ||
+          len > dst_len - dst_at) {
+        fail("piece out of range or empty");
+      }
+      ps.piece[p].src = reinterpret_cast<uintptr_t>(src.data() + src_at);
+      ps.piece[p].dst = reinterpret_cast<uintptr_t>(dst.data() + dst_at);
+      ps.piece[p].start = ps.total;
+      ps.piece[p].len = len;
+      ps.total += len;
+    }
+    for (uint64_t tid = 0; tid < threads; ++tid) {
+      zero_pieces_thread<S, D>(ps, accumulate != 0, tid, threads);
+    }
+    write_out(dst.data(), dst.size() * sizeof(typename D::T));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   static_assert(sizeof(ZeroAdamWConsts) == 9 * sizeof(float), "ZeroAdamWConsts has padding");
-  if (argc < 3) fail("usage: host_check decode|encode|adamw|sumsq TYPE...");
+  if (argc < 3) fail("usage: host_check decode|encode|adamw|sumsq|pieces TYPE...");
   const std::string mode = argv[1];
   Reader in = read_stdin();
   if (mode == "decode" || mode == "encode") {
@@ -188,6 +231,11 @@ int main(int argc, char** argv) {
           run_adamw<decltype(g), decltype(m), decltype(l)>(in, p != "none");
         });
       });
+    });
+  } else if (mode == "pieces") {
+    if (argc != 4) fail("usage: host_check pieces S D");
+    with_elem(argv[2], [&](auto src) {
+      with_elem(argv[3], [&](auto dst) { run_pieces<decltype(src), decltype(dst)>(in); });
     });
   } else if (mode == "sumsq") {
     with_elem(argv[2], [&](auto g) { run_sumsq<decltype(g)>(in); });

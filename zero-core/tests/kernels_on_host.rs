@@ -5,7 +5,10 @@
 //! the Rust reference: `adamw_reference` for every gradient / moment / copy
 //! type the kernels support, `half`'s conversions for every bf16/f16 bit
 //! pattern and a dense sample of f32 patterns, `sum_squares` and
-//! `sum_squares_chunk` with the GPU's thread layout emulated.
+//! `sum_squares_chunk` with the GPU's thread layout emulated; the
+//! conversion kernels' body (`zero_convert.cuh`: cast, accumulate, pack and
+//! unpack over many ranges) against [`zero_core::convert`] for every pair
+//! of element types.
 //!
 //! The driver runs each AdamW kernel as an emulated grid (several thread
 //! counts, arrays aligned and misaligned so that the vectorized and the
@@ -18,10 +21,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use zero_core::cuda::kernels::PIECES_MAX;
 use zero_core::optim::{
     adamw_reference, sum_squares, sum_squares_chunk, AdamWParams, AdamWStep, NORM_CHUNK,
 };
-use zero_core::{bf16, f16, DType, Element};
+use zero_core::{bf16, convert, f16, DType, Element};
 
 use kernel_checks::run_driver as run;
 use zero_testkit::kernel_checks;
@@ -560,4 +564,142 @@ fn sum_squares_matches_the_reference_order() {
         3,
         "a new dtype needs a sum-of-squares check"
     );
+}
+
+// ---------------------------------------------------------------------------
+// Conversion over many ranges (convert.cu)
+// ---------------------------------------------------------------------------
+
+/// An element of `T` from random bits: every pattern, NaNs with payloads
+/// (quiet and signalling) and subnormals included.
+fn random_bits<T: Element>(rng: &mut Rng) -> T {
+    let bits = rng.next_u64();
+    let bytes = bits.to_le_bytes();
+    bytemuck::pod_read_unaligned(&bytes[..std::mem::size_of::<T>()])
+}
+
+/// An element of `T`: mostly ordinary values, some special, some raw bits.
+fn element<T: Element>(rng: &mut Rng) -> T {
+    if rng.next_u64().is_multiple_of(4) {
+        random_bits(rng)
+    } else {
+        T::from_f32(value(rng, true))
+    }
+}
+
+/// One launch: `(src_at, dst_at, len)` pieces over `src` into `dst`.
+struct PiecesCase<S, D> {
+    threads: u32,
+    accumulate: bool,
+    pieces: Vec<(usize, usize, usize)>,
+    src: Vec<S>,
+    dst: Vec<D>,
+}
+
+/// `count` pieces of 1 to `max_len` elements with disjoint destination
+/// ranges in increasing order (random gaps), sources anywhere (they may
+/// overlap: reads only).
+fn pieces_case<S: Element, D: Element>(
+    rng: &mut Rng,
+    count: usize,
+    max_len: usize,
+    threads: u32,
+    accumulate: bool,
+) -> PiecesCase<S, D> {
+    let src_len = max_len * 3 + 5;
+    let src: Vec<S> = (0..src_len).map(|_| element(rng)).collect();
+    let mut pieces = Vec::with_capacity(count);
+    let mut at = (rng.next_u64() % 4) as usize;
+    for _ in 0..count {
+        let len = 1 + (rng.next_u64() as usize) % max_len;
+        let src_at = (rng.next_u64() as usize) % (src_len - len + 1);
+        pieces.push((src_at, at, len));
+        at += len + (rng.next_u64() % 3) as usize;
+    }
+    let dst: Vec<D> = (0..at + 2).map(|_| element(rng)).collect();
+    PiecesCase {
+        threads,
+        accumulate,
+        pieces,
+        src,
+        dst,
+    }
+}
+
+fn check_pieces<S: Element, D: Element>(exe: &Path) {
+    let mut rng = Rng(0xC0_4E27 ^ (S::DTYPE.code() as u64) << 8 ^ D::DTYPE.code() as u64);
+    let mut cases: Vec<PiecesCase<S, D>> = Vec::new();
+    for accumulate in [false, true] {
+        for (count, max_len) in [(1, 1), (1, 700), (3, 40), (17, 9), (PIECES_MAX, 64)] {
+            for threads in [1, 7, 256] {
+                cases.push(pieces_case(&mut rng, count, max_len, threads, accumulate));
+            }
+        }
+    }
+    let mut input = Vec::new();
+    for c in &cases {
+        input.extend(c.threads.to_le_bytes());
+        input.extend(u32::from(c.accumulate).to_le_bytes());
+        input.extend((c.pieces.len() as u64).to_le_bytes());
+        for &(s, d, n) in &c.pieces {
+            for x in [s, d, n] {
+                input.extend((x as u64).to_le_bytes());
+            }
+        }
+        input.extend((c.src.len() as u64).to_le_bytes());
+        input.extend_from_slice(bytemuck::cast_slice(&c.src));
+        input.extend((c.dst.len() as u64).to_le_bytes());
+        input.extend_from_slice(bytemuck::cast_slice(&c.dst));
+    }
+    let mut out = Output {
+        data: run(
+            exe,
+            &["pieces", S::DTYPE.as_str(), D::DTYPE.as_str()],
+            input,
+        ),
+        pos: 0,
+    };
+    // Without accumulation one type is a copy of the bits, NaN payloads
+    // included; through f32 or with an addition a NaN only has to be NaN.
+    let bit_copy = S::DTYPE == D::DTYPE;
+    for c in &cases {
+        let got: Vec<D> = out.elems(c.dst.len());
+        let mut want = c.dst.clone();
+        for &(s, d, n) in &c.pieces {
+            convert(&c.src[s..s + n], &mut want[d..d + n], c.accumulate);
+        }
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let ok = if bit_copy && !c.accumulate {
+                bytemuck::bytes_of(g) == bytemuck::bytes_of(w)
+            } else {
+                same(*g, *w)
+            };
+            assert!(
+                ok,
+                "{} -> {} accumulate={} pieces={} threads={}: element {i} is {g:?}, \
+                 convert gives {w:?}",
+                S::DTYPE,
+                D::DTYPE,
+                c.accumulate,
+                c.pieces.len(),
+                c.threads
+            );
+        }
+    }
+    out.finish();
+}
+
+#[test]
+fn conversions_over_many_ranges_match_convert() {
+    let Some(exe) = driver() else { return };
+    check_pieces::<f32, f32>(exe);
+    check_pieces::<f32, bf16>(exe);
+    check_pieces::<f32, f16>(exe);
+    check_pieces::<bf16, f32>(exe);
+    check_pieces::<bf16, bf16>(exe);
+    check_pieces::<bf16, f16>(exe);
+    check_pieces::<f16, f32>(exe);
+    check_pieces::<f16, bf16>(exe);
+    check_pieces::<f16, f16>(exe);
+    assert_eq!(DType::ALL.len(), 3, "a new dtype needs a conversion check");
 }

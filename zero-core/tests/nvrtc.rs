@@ -133,3 +133,32 @@ fn compile_errors_name_the_source_and_carry_the_log() {
         assert!(e.to_string().contains(SOURCES[0].name), "{e}");
     }
 }
+
+#[test]
+fn convert_kernels_read_their_pieces_in_place_and_add_with_ieee_rounding() {
+    if !nvrtc_or_skip("convert_kernels_read_their_pieces_in_place_and_add_with_ieee_rounding") {
+        return;
+    }
+    let src = SOURCES.iter().find(|s| s.name == "convert.cu").unwrap();
+    for arch in ARCHS {
+        let c = compile_clean(src, arch);
+        for entry in src.entry_points {
+            let start = c.ptx.find(&format!(".entry {entry}(")).unwrap();
+            let end = start + c.ptx[start..].find("\n}").unwrap();
+            let body = &c.ptx[start..end];
+            // `__grid_constant__`: the 3 KiB of pieces are read from
+            // parameter space, never copied to each thread's local memory.
+            assert!(
+                !body.contains(".local"),
+                "{entry} for {arch}: local memory\n{body}"
+            );
+            assert!(body.contains("ld.param"), "{entry} for {arch}\n{body}");
+            // The accumulation is one IEEE-rounded f32 addition.
+            assert_eq!(
+                body.matches("add.rn.f32").count(),
+                1,
+                "{entry} for {arch}\n{body}"
+            );
+        }
+    }
+}

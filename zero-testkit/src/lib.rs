@@ -2,6 +2,8 @@
 //! (never published) instead of being included into each test binary:
 //!
 //! - [`rng`]: a small deterministic generator, so tests need no `rand`;
+//! - [`backend`]: data in and out of any device backend through its own
+//!   primitives, for the tests that run on every backend;
 //! - [`kernel_checks`]: the tests of CUDA sources, for zero-core's kernels
 //!   and the Llama model's: host check drivers built with the C++ compiler,
 //!   NVRTC compilation with no warning, GPU 0 or a visible skip;
@@ -15,6 +17,7 @@
 //! this crate with no feature, the facade's tests with `engine`, the Llama
 //! crate's with `llama`.
 
+pub mod backend;
 pub mod kernel_checks;
 #[cfg(feature = "llama")]
 pub mod llama_kernel_cases;

@@ -67,9 +67,13 @@ use crate::optim::AdamWStep;
 use crate::{DType, Device, Element, Result};
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod hazard;
 
 pub use cpu::{CpuBackend, CpuBuffer, CpuEvent, CpuMode, CpuScalars, Loan, POISON};
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaBackend, CudaBackendEvent, CudaBuffer, CudaHostBuffer, CudaScalars};
 
 /// A stream of one rank's device: compute, communication, host-to-device
 /// and device-to-host copies (the same kinds as the CUDA streams of

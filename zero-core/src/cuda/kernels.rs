@@ -60,10 +60,16 @@ pub struct KernelSource {
 
 /// Every header the sources may include; all are passed to every NVRTC
 /// compilation.
-pub const HEADERS: &[KernelHeader] = &[KernelHeader {
-    name: "zero_math.cuh",
-    source: include_str!("../../kernels/zero_math.cuh"),
-}];
+pub const HEADERS: &[KernelHeader] = &[
+    KernelHeader {
+        name: "zero_math.cuh",
+        source: include_str!("../../kernels/zero_math.cuh"),
+    },
+    KernelHeader {
+        name: "zero_convert.cuh",
+        source: include_str!("../../kernels/zero_convert.cuh"),
+    },
+];
 
 /// The fused AdamW kernels, `adamw_g{grad}_m{moments}_p{copy}`, in the
 /// order of [`adamw_entry_point`]'s index: grad f32, bf16, f16; moments f32,
@@ -104,6 +110,21 @@ pub const NORM_ENTRY_POINTS: &[&str] = &[
     "sumsq_finish",
 ];
 
+/// The conversion kernels, `convert_{src}_{dst}`, in the order of
+/// [`convert_entry_point`]'s index: source f32, bf16, f16, each to f32,
+/// bf16, f16.
+pub const CONVERT_ENTRY_POINTS: &[&str] = &[
+    "convert_f32_f32",
+    "convert_f32_bf16",
+    "convert_f32_f16",
+    "convert_bf16_f32",
+    "convert_bf16_bf16",
+    "convert_bf16_f16",
+    "convert_f16_f32",
+    "convert_f16_bf16",
+    "convert_f16_f16",
+];
+
 /// Every CUDA source of the library.
 pub const SOURCES: &[KernelSource] = &[
     KernelSource {
@@ -117,6 +138,12 @@ pub const SOURCES: &[KernelSource] = &[
         source: include_str!("../../kernels/norm.cu"),
         headers: &[],
         entry_points: NORM_ENTRY_POINTS,
+    },
+    KernelSource {
+        name: "convert.cu",
+        source: include_str!("../../kernels/convert.cu"),
+        headers: &[],
+        entry_points: CONVERT_ENTRY_POINTS,
     },
 ];
 
@@ -141,6 +168,13 @@ pub const ADAMW_BLOCK: u32 = 256;
 /// one block per chunk of [`NORM_CHUNK`](crate::optim::NORM_CHUNK) at a
 /// time.
 pub const NORM_BLOCK: u32 = 256;
+
+/// Threads per block of the conversion kernels (`ZERO_CONVERT_BLOCK`).
+pub const CONVERT_BLOCK: u32 = 256;
+
+/// Element ranges one conversion launch takes (`ZERO_PIECES_MAX`): the
+/// ranges are a kernel parameter, which stays under 4 KiB.
+pub const PIECES_MAX: usize = 96;
 
 /// The source named `name` (e.g. `"adamw.cu"`).
 pub fn source(name: &str) -> Option<&'static KernelSource> {
@@ -174,6 +208,18 @@ pub fn adamw_entry_point(
     };
     let index = g * 8 + m * 4 + p;
     Some((index, ADAMW_ENTRY_POINTS[index]))
+}
+
+/// The conversion kernel from `src` to `dst` elements, as `(index into
+/// CONVERT_ENTRY_POINTS, name)`.
+pub fn convert_entry_point(src: DType, dst: DType) -> (usize, &'static str) {
+    let index = |d: DType| match d {
+        DType::F32 => 0,
+        DType::BF16 => 1,
+        DType::F16 => 2,
+    };
+    let i = index(src) * 3 + index(dst);
+    (i, CONVERT_ENTRY_POINTS[i])
 }
 
 /// The sum-of-squares kernel for elements of `dtype`.
@@ -942,6 +988,23 @@ mod tests {
             "#define ZERO_NORM_LANES {}ull\n",
             crate::optim::NORM_LANES
         )));
+    }
+
+    #[test]
+    fn convert_entry_points_follow_the_naming_scheme() {
+        let mut seen = Vec::new();
+        for s in DType::ALL {
+            for d in DType::ALL {
+                let (i, name) = convert_entry_point(s, d);
+                assert_eq!(name, format!("convert_{s}_{d}"));
+                seen.push(i);
+            }
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, (0..CONVERT_ENTRY_POINTS.len()).collect::<Vec<_>>());
+        let h = HEADERS[1].source;
+        assert!(h.contains(&format!("#define ZERO_CONVERT_BLOCK {CONVERT_BLOCK}\n")));
+        assert!(h.contains(&format!("#define ZERO_PIECES_MAX {PIECES_MAX}\n")));
     }
 
     #[test]

@@ -58,7 +58,7 @@ pub(crate) use last_use::LastUse;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
-pub(crate) use device::{cuda_error, UseGuard};
+pub(crate) use device::{cuda_error, pinned_zeros, UseGuard};
 #[cfg(feature = "cuda")]
 pub use device::{Fence, PinnedHostBuffer, Streams, Transfer};
 

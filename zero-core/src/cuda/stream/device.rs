@@ -514,6 +514,51 @@ impl Fence {
     }
 }
 
+/// Page-locked memory for `len` zeroed elements of `T` from the driver
+/// (`cuMemHostAlloc`, flags 0: cached, readable by the CPU at full speed),
+/// and its first element. The memory is freed when the slice is dropped.
+///
+/// Errors: [`Error::PinMemory`] when the driver refuses (not enough host
+/// memory, or the cgroup's memory limit), [`Error::OutOfHostMemory`] for a
+/// size that overflows.
+pub(crate) fn pinned_zeros<T: Element>(
+    ctx: &Arc<CudaContext>,
+    len: usize,
+) -> Result<(PinnedHostSlice<u8>, NonNull<T>)> {
+    let bytes = len
+        .checked_mul(std::mem::size_of::<T>())
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or(Error::OutOfHostMemory { bytes: usize::MAX })?;
+    // The driver refuses 0 bytes; one byte keeps a real allocation.
+    let alloc = bytes.max(1);
+    // SAFETY: the memory is unset; it is zeroed below before any reference
+    // to it is made.
+    let memory =
+        unsafe { ctx.alloc_pinned_with_flags::<u8>(alloc, 0) }.map_err(|e| Error::PinMemory {
+            needed: bytes as u64,
+            msg: format!(
+                "cuMemHostAlloc failed: {e}. Driver-pinned memory counts against host \
+                 RAM and the container's memory limit (not `ulimit -l`): free host \
+                 memory, raise the memory limit, or pin less (smaller buckets or tiles)"
+            ),
+        })?;
+    // The allocation's own event was never recorded: this does not block.
+    let raw = memory
+        .as_ptr()
+        .map_err(cuda_error("cuEventSynchronize (pinned)"))?
+        .cast_mut();
+    let ptr = NonNull::new(raw.cast::<T>())
+        .filter(|p| p.as_ptr().is_aligned())
+        .ok_or_else(|| Error::PinMemory {
+            needed: bytes as u64,
+            msg: "cuMemHostAlloc returned a null or misaligned pointer".into(),
+        })?;
+    // SAFETY: [raw, raw + alloc) is the allocation just made, owned by
+    // `memory` and referenced by nothing else.
+    unsafe { std::ptr::write_bytes(raw, 0, alloc) };
+    Ok((memory, ptr))
+}
+
 /// Page-locked host memory for `len` elements of `T`, the endpoint of
 /// asynchronous copies ([`Streams::copy_h2d`], [`Streams::copy_d2h`]).
 ///
@@ -549,44 +594,12 @@ impl<T: Element> PinnedHostBuffer<T> {
     /// host memory, or the cgroup's memory limit), [`Error::OutOfHostMemory`]
     /// for a size that overflows.
     pub fn zeros(device: &CudaDevice, len: usize) -> Result<Self> {
-        let bytes = len
-            .checked_mul(std::mem::size_of::<T>())
-            .filter(|&b| b <= isize::MAX as usize)
-            .ok_or(Error::OutOfHostMemory { bytes: usize::MAX })?;
-        let ctx = device.context();
-        // The driver refuses 0 bytes; one byte keeps a real allocation.
-        let alloc = bytes.max(1);
-        // SAFETY: the memory is unset; it is zeroed below before any
-        // reference to it is made.
-        let memory = unsafe { ctx.alloc_pinned_with_flags::<u8>(alloc, 0) }.map_err(|e| {
-            Error::PinMemory {
-                needed: bytes as u64,
-                msg: format!(
-                    "cuMemHostAlloc failed: {e}. Driver-pinned memory counts against host \
-                     RAM and the container's memory limit (not `ulimit -l`): free host \
-                     memory, raise the memory limit, or pin less (smaller buckets or tiles)"
-                ),
-            }
-        })?;
-        // The allocation's own event was never recorded: this does not block.
-        let raw = memory
-            .as_ptr()
-            .map_err(cuda_error("cuEventSynchronize (pinned)"))?
-            .cast_mut();
-        let ptr = NonNull::new(raw.cast::<T>())
-            .filter(|p| p.as_ptr().is_aligned())
-            .ok_or_else(|| Error::PinMemory {
-                needed: bytes as u64,
-                msg: "cuMemHostAlloc returned a null or misaligned pointer".into(),
-            })?;
-        // SAFETY: [raw, raw + alloc) is the allocation just made, owned by
-        // `memory` and referenced by nothing else.
-        unsafe { std::ptr::write_bytes(raw, 0, alloc) };
+        let (memory, ptr) = pinned_zeros::<T>(device.context(), len)?;
         Ok(Self {
             ptr,
             len,
             cap: len,
-            guard: UseGuard::new(ctx, true)?,
+            guard: UseGuard::new(device.context(), true)?,
             memory,
             _marker: PhantomData,
         })
