@@ -14,6 +14,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod agree;
+pub mod doctor;
 pub mod engine;
 mod error;
 pub mod estimate;

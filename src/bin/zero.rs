@@ -4,6 +4,10 @@
 //! (device, host and NVMe, split by the memory tracker's categories)
 //! before anything is allocated; see [`zero::estimate`] and `zero estimate
 //! --help`.
+//!
+//! `zero doctor` prints what a bug report needs about the build and the
+//! machine (libraries, driver, GPUs, CPU, memory limits); see
+//! [`zero::doctor`].
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -43,6 +47,33 @@ Training:
   --reduce-bucket-size N  zero_optimization.reduce_bucket_size (default 5e8)
   --config FILE         a DeepSpeed JSON config; the flags above override it
   -h, --help            this text";
+
+const DOCTOR_USAGE: &str = "usage: zero doctor
+
+Prints what a bug report needs: zero's version and features, OS and kernel,
+CPU and the CPU AdamW's SIMD paths, memory (locked-memory limit, huge
+pages), the NVIDIA driver and GPUs, the CUDA driver API, NVRTC, cuBLAS and
+NCCL (version and path, or why they cannot be used), MPI, and the
+environment variables that decide where libraries come from. Exits 0 also
+when something is missing: the report says what.";
+
+/// `zero doctor`: prints the report.
+fn doctor(mut args: impl Iterator<Item = String>) -> ExitCode {
+    match args.next().as_deref() {
+        None => {
+            print!("{}", zero::doctor::report());
+            ExitCode::SUCCESS
+        }
+        Some("-h" | "--help") => {
+            println!("{DOCTOR_USAGE}");
+            ExitCode::SUCCESS
+        }
+        Some(other) => {
+            eprintln!("zero doctor: unexpected argument `{other}`\n\n{DOCTOR_USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}
 
 /// Parsed `zero estimate` options.
 #[derive(Debug, Default)]
@@ -427,12 +458,16 @@ fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     match args.next().as_deref() {
         Some("estimate") => {}
+        Some("doctor") => return doctor(args),
         Some("-h" | "--help") | None => {
-            println!("{USAGE}");
+            println!("{USAGE}\n\n{DOCTOR_USAGE}");
             return ExitCode::SUCCESS;
         }
         Some(other) => {
-            eprintln!("zero: unknown command `{other}` (commands: estimate)\n\n{USAGE}");
+            eprintln!(
+                "zero: unknown command `{other}` (commands: estimate, doctor)\n\n{USAGE}\n\n\
+                 {DOCTOR_USAGE}"
+            );
             return ExitCode::from(2);
         }
     }

@@ -55,6 +55,8 @@ pub use counts::{even_counts, offsets};
 pub use device::{DeviceCollectives, DeviceWork};
 pub use error::{Error, Result};
 pub use launch::{launch, launched_by_mpi, Comm};
+#[cfg(feature = "mpi")]
+pub use mpi::library_version as mpi_library_version;
 pub use mpi::MpiComm;
 pub use nccl::{NcclComm, NcclGroup, NcclId};
 pub use options::CommOptions;

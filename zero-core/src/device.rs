@@ -65,15 +65,13 @@ mod imp {
     impl CudaDevice {
         /// Opens GPU `ordinal`; a clear error when no driver or GPU is found.
         pub fn new(ordinal: usize) -> Result<Self> {
-            // SAFETY: is_culib_present only tries to dlopen the driver library
-            // and reports whether that worked; it touches no other state.
-            if !unsafe { cudarc::driver::sys::is_culib_present() } {
-                return Err(Error::NoDevice {
+            crate::cuda::libs::require(crate::cuda::libs::Lib::Driver).map_err(|e| {
+                Error::NoDevice {
                     kind: "cuda",
                     ordinal,
-                    reason: "the CUDA driver library (libcuda.so) was not found".into(),
-                });
-            }
+                    reason: e.to_string(),
+                }
+            })?;
             let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| Error::NoDevice {
                 kind: "cuda",
                 ordinal,

@@ -89,5 +89,13 @@ mod dummy;
 
 #[cfg(feature = "mpi")]
 pub use comm::MpiComm;
+
+/// The MPI library's version string (`MPI_Get_library_version`, which may
+/// be called before `MPI_Init`), e.g. for `zero doctor`; empty when the
+/// library reports an error.
+#[cfg(feature = "mpi")]
+pub fn library_version() -> String {
+    raw::library_version()
+}
 #[cfg(not(feature = "mpi"))]
 pub use dummy::MpiComm;

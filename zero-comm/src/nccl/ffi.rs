@@ -68,17 +68,25 @@ pub fn version() -> crate::Result<i32> {
 }
 
 fn load() -> Result<i32, NcclFailure> {
-    // SAFETY: is_culib_present only tries to dlopen the candidate names
-    // and closes what it opened; it runs no NCCL code besides the
-    // library's initializers, as any load does.
-    if !unsafe { sys::is_culib_present() } {
-        let mut tried = cudarc::get_lib_name_candidates("nccl");
-        let mut seen = std::collections::HashSet::new();
-        tried.retain(|n| seen.insert(n.clone()));
-        return Err(NcclFailure::Missing { tried });
+    // cudarc's search, run first (the same names in the same order), so
+    // that culib() below finds a library instead of panicking; a copy in
+    // the usual places that cudarc does not open is named in the error.
+    use zero_core::cuda::libs::{require, Lib, LibError};
+    match require(Lib::Nccl) {
+        Ok(_) => {}
+        Err(LibError::Missing {
+            tried,
+            broken,
+            elsewhere,
+            ..
+        }) if broken.is_empty() && elsewhere.is_empty() => {
+            return Err(NcclFailure::Missing { tried })
+        }
+        Err(e) => return Err(NcclFailure::Unsupported { msg: e.to_string() }),
     }
-    // SAFETY: the library was just found under one of the names culib()
-    // tries, so it loads instead of panicking.
+    // SAFETY: require() just opened the library under the first of the
+    // names culib() tries that opens, so culib() loads it instead of
+    // panicking.
     let lib = unsafe { sys::culib() };
     let missing: Vec<&str> = SYMBOLS
         .iter()

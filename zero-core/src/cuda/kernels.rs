@@ -363,15 +363,13 @@ mod imp {
     use crate::optim::{check_adamw_lengths, AdamWStep, NORM_CHUNK};
     use crate::{CudaDevice, DType, Element, Error, Result};
 
-    /// Whether the NVRTC library can be loaded (checked once per process).
+    /// Whether the NVRTC library can be loaded and used (checked once per
+    /// process by [`libs::require`](crate::cuda::libs::require)).
     ///
     /// cudarc panics when an NVRTC function is called without the library,
     /// so every path to NVRTC checks this first.
     pub fn nvrtc_available() -> bool {
-        static PRESENT: OnceLock<bool> = OnceLock::new();
-        // SAFETY: is_culib_present only tries to dlopen the NVRTC library
-        // under its usual names and reports whether that worked.
-        *PRESENT.get_or_init(|| unsafe { nvrtc_sys::is_culib_present() })
+        crate::cuda::libs::require(crate::cuda::libs::Lib::Nvrtc).is_ok()
     }
 
     fn kernel_err(e: KernelError) -> Error {
@@ -420,13 +418,12 @@ mod imp {
     ///
     /// Returns the PTX and NVRTC's full log (also on success: warnings are
     /// in it). Errors ([`Error::Cuda`] carrying a [`KernelError`]):
-    /// `NvrtcNotFound` when the library cannot be loaded, `Compile` with
+    /// a [`LibError`](crate::cuda::libs::LibError) naming the version needed
+    /// when the library cannot be loaded or used, `Compile` with
     /// the source's name and the log when NVRTC fails, `InvalidInput` for a
     /// malformed architecture. Never panics.
     pub fn compile(source: &KernelSource, arch: &str) -> Result<CompiledSource> {
-        if !nvrtc_available() {
-            return Err(kernel_err(KernelError::NvrtcNotFound));
-        }
+        crate::cuda::libs::require(crate::cuda::libs::Lib::Nvrtc)?;
         let name = source.name;
         check_arch(name, arch).map_err(kernel_err)?;
         let src = c_string(name, "the source", source.source)?;
@@ -511,9 +508,7 @@ mod imp {
 
     /// The architectures this NVRTC can compile for, as `major * 10 + minor`.
     fn supported_archs() -> Result<Vec<i32>> {
-        if !nvrtc_available() {
-            return Err(kernel_err(KernelError::NvrtcNotFound));
-        }
+        crate::cuda::libs::require(crate::cuda::libs::Lib::Nvrtc)?;
         let mut count: c_int = 0;
         // SAFETY: the library is loaded; `count` is a valid out pointer.
         unsafe { nvrtc_sys::nvrtcGetNumSupportedArchs(&mut count) }

@@ -7,6 +7,9 @@
 //!   start-up and carved into the engine's buffers.
 //! - [`stream`]: the compute, communication and copy streams and the events
 //!   that hand buffers between them; pinned host buffers.
+//! - `libs` (with `cuda`): finding the driver, NVRTC, cuBLAS and NCCL
+//!   libraries (CUDA 12 and 13) and checking them before cudarc loads them,
+//!   so that a missing or too-old library is an error, never a panic.
 //!
 //! Everything that needs cudarc exists only with the `cuda` feature; the
 //! planning logic that does not (e.g. how an arena is carved) is in every
@@ -14,4 +17,6 @@
 
 pub mod arena;
 pub mod kernels;
+#[cfg(feature = "cuda")]
+pub mod libs;
 pub mod stream;

@@ -1,0 +1,1034 @@
+//! Finding the CUDA libraries (driver, NVRTC, cuBLAS, NCCL) without panics.
+//!
+//! cudarc (built with `dynamic-loading`) opens each library on first use
+//! by trying a fixed list of file names with `dlopen`, in order, and
+//! panics when none opens; it also panics on the first call of a symbol
+//! the library lacks. The names come from
+//! [`cudarc::get_lib_name_candidates`]: for this build (cudarc's
+//! `cuda-12080`) `libnvrtc.so`, `libnvrtc64*.so` variants,
+//! `libnvrtc.so.12`, `.11`, `.10`, `.9` and `.1`, looked up on the
+//! loader's path only (`LD_LIBRARY_PATH`, the `ld.so` cache, `/usr/lib`).
+//! Two consequences that users hit:
+//!
+//! - CUDA 13 libraries (`libnvrtc.so.13`, `libcublas.so.13`, as in
+//!   PyTorch's `nvidia/cu13/lib` wheels) load only through an unversioned
+//!   `libnvrtc.so` / `libcublas.so` link (a CUDA toolkit's `lib64` has one;
+//!   the wheels do not);
+//! - NCCL loads only as `libnccl.so` (its `-dev` package's link): the
+//!   library's own `libnccl.so.2`, the only name PyTorch's `nvidia/nccl/lib`
+//!   ships, is not among the names.
+//!
+//! [`require`] runs cudarc's search itself, first: it opens the same names
+//! in the same order, checks that the library it would get has the symbols
+//! zero calls and is new enough, and returns a [`LibError`] naming the
+//! library and the version needed otherwise. When cudarc's names find
+//! nothing, it looks for the library under the CUDA 12 and 13 names in the
+//! usual places ([`search_dirs`]: `LD_LIBRARY_PATH`, `$CUDA_HOME`,
+//! `/usr/local/cuda*`, PyTorch's `nvidia/*/lib` wheels, the system
+//! library directories) and says in the error where it is and how to make
+//! it loadable. Every path into cudarc checks [`require`] first.
+//!
+//! [`survey`] reports everything found, for `zero doctor`.
+
+use std::collections::HashSet;
+use std::ffi::{c_char, c_int, c_void, CStr, CString, OsStr};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+/// A CUDA library that zero loads at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Lib {
+    /// The CUDA driver API (`libcuda.so.1`, installed with the NVIDIA driver).
+    Driver,
+    /// The runtime compiler that builds zero's kernels (`libnvrtc`).
+    Nvrtc,
+    /// cuBLAS (`libcublas`), for GEMMs.
+    Cublas,
+    /// NCCL (`libnccl`), for collectives on device buffers.
+    Nccl,
+}
+
+/// A library version: `major.minor`, with a patch level where the library
+/// reports one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Version {
+    /// Major version.
+    pub major: u32,
+    /// Minor version.
+    pub minor: u32,
+    /// Patch level (NCCL and cuBLAS report one).
+    pub patch: Option<u32>,
+}
+
+impl Version {
+    /// `major.minor` without a patch level.
+    pub const fn new(major: u32, minor: u32) -> Self {
+        Self {
+            major,
+            minor,
+            patch: None,
+        }
+    }
+
+    /// The driver API's version code (`cuDriverGetVersion`: 12080 is 12.8).
+    pub const fn from_cuda_code(code: u32) -> Self {
+        Self::new(code / 1000, code % 1000 / 10)
+    }
+
+    /// NCCL's version code (`ncclGetVersion`: 22805 is 2.28.5; codes
+    /// before 2.9 are `major × 1000 + minor × 100 + patch`).
+    pub const fn from_nccl_code(code: u32) -> Self {
+        let (major, minor, patch) = if code < 20_900 {
+            (code / 1000, code % 1000 / 100, code % 100)
+        } else {
+            (code / 10_000, code % 10_000 / 100, code % 100)
+        };
+        Self {
+            major,
+            minor,
+            patch: Some(patch),
+        }
+    }
+
+    /// Whether this is at least `other` (patch levels ignored when either
+    /// lacks one).
+    pub fn at_least(&self, other: &Version) -> bool {
+        let a = (self.major, self.minor);
+        let b = (other.major, other.minor);
+        match (self.patch, other.patch) {
+            (Some(p), Some(q)) if a == b => p >= q,
+            _ => a >= b,
+        }
+    }
+}
+
+impl fmt::Display for Version {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)?;
+        if let Some(p) = self.patch {
+            write!(f, ".{p}")?;
+        }
+        Ok(())
+    }
+}
+
+impl Lib {
+    /// Every library, in the order a report lists them.
+    pub const ALL: [Lib; 4] = [Lib::Driver, Lib::Nvrtc, Lib::Cublas, Lib::Nccl];
+
+    /// The library's name in messages.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Lib::Driver => "CUDA driver",
+            Lib::Nvrtc => "NVRTC",
+            Lib::Cublas => "cuBLAS",
+            Lib::Nccl => "NCCL",
+        }
+    }
+
+    /// The stems cudarc builds file names from (`lib{stem}.so...`).
+    const fn stems(self) -> &'static [&'static str] {
+        match self {
+            Lib::Driver => &["cuda", "nvcuda"],
+            Lib::Nvrtc => &["nvrtc"],
+            Lib::Cublas => &["cublas"],
+            Lib::Nccl => &["nccl"],
+        }
+    }
+
+    /// The oldest version zero works with: cudarc's bindings are CUDA
+    /// 12.x's (the driver API and libraries of CUDA 12.0 or later); NCCL
+    /// 2.14 is the first with non-blocking communicators.
+    pub const fn min_version(self) -> Version {
+        match self {
+            Lib::Driver | Lib::Nvrtc | Lib::Cublas => Version::new(12, 0),
+            Lib::Nccl => Version {
+                major: 2,
+                minor: 14,
+                patch: Some(0),
+            },
+        }
+    }
+
+    /// The symbols checked before the library is handed to cudarc: the
+    /// version query and what zero calls first (cudarc panics on a missing
+    /// one). zero-comm's NCCL layer checks its own longer list.
+    pub const fn symbols(self) -> &'static [&'static str] {
+        match self {
+            Lib::Driver => &[
+                "cuDriverGetVersion",
+                "cuInit",
+                "cuDeviceGetCount",
+                "cuDeviceGet",
+                "cuDeviceGetName",
+                "cuDeviceTotalMem_v2",
+                "cuDeviceGetAttribute",
+                "cuDevicePrimaryCtxRetain",
+            ],
+            Lib::Nvrtc => &[
+                "nvrtcVersion",
+                "nvrtcCreateProgram",
+                "nvrtcCompileProgram",
+                "nvrtcGetPTXSize",
+                "nvrtcGetPTX",
+                "nvrtcGetProgramLogSize",
+                "nvrtcGetProgramLog",
+                "nvrtcDestroyProgram",
+            ],
+            Lib::Cublas => &["cublasGetProperty", "cublasCreate_v2", "cublasDestroy_v2"],
+            Lib::Nccl => &["ncclGetVersion"],
+        }
+    }
+
+    /// The file names cudarc tries, in its order (duplicates removed).
+    pub fn cudarc_names(self) -> Vec<String> {
+        let mut seen = HashSet::new();
+        self.stems()
+            .iter()
+            .flat_map(|stem| cudarc::get_lib_name_candidates(stem))
+            .filter(|n| seen.insert(n.clone()))
+            .collect()
+    }
+
+    /// The names the library is installed under by CUDA 12 and 13
+    /// toolkits, drivers and PyTorch's wheels (the driver's `libcuda.so.1`,
+    /// `libnvrtc.so.12` and `.13`, `libcublas.so.12` and `.13`, NCCL's
+    /// `libnccl.so.2`), then the unversioned development link.
+    pub fn installed_names(self) -> Vec<String> {
+        let versions: &[&str] = match self {
+            Lib::Driver => &["1"],
+            Lib::Nvrtc | Lib::Cublas => &["13", "12"],
+            Lib::Nccl => &["2"],
+        };
+        let stem = self.stems()[0];
+        versions
+            .iter()
+            .map(|v| format!("lib{stem}.so.{v}"))
+            .chain([format!("lib{stem}.so")])
+            .collect()
+    }
+
+    /// Every name [`search_dirs`] are searched for: the installed names,
+    /// then cudarc's others.
+    pub fn candidate_names(self) -> Vec<String> {
+        let mut seen = HashSet::new();
+        self.installed_names()
+            .into_iter()
+            .chain(self.cudarc_names())
+            .filter(|n| seen.insert(n.clone()))
+            .collect()
+    }
+
+    /// The link to create so that this build loads a copy it does not
+    /// find by itself: the first name cudarc tries.
+    pub fn link_name(self) -> String {
+        format!("lib{}.so", self.stems()[0])
+    }
+}
+
+impl fmt::Display for Lib {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A library that opened and answered its version query.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Found {
+    /// Which library.
+    pub lib: Lib,
+    /// The name or path it was opened by.
+    pub opened_as: String,
+    /// The file the loader mapped, where it can tell.
+    pub path: Option<PathBuf>,
+    /// Its version (for the driver: the CUDA version it supports).
+    pub version: Version,
+}
+
+impl fmt::Display for Found {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.lib, self.version)?;
+        match &self.path {
+            Some(p) => write!(f, " at {}", p.display()),
+            None => write!(f, " (opened as {})", self.opened_as),
+        }
+    }
+}
+
+/// A file that exists under a candidate name but did not load or lacks
+/// what zero needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unusable {
+    /// The name or path that was tried.
+    pub name: String,
+    /// The loader's message, or the missing symbols.
+    pub reason: String,
+}
+
+/// Why a CUDA library cannot be used. Every message names the library and
+/// the version zero needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LibError {
+    /// None of the names this build loads opened.
+    Missing {
+        /// The library.
+        lib: Lib,
+        /// The names tried (cudarc's list), in order.
+        tried: Vec<String>,
+        /// Names that exist on the loader path but failed to open.
+        broken: Vec<Unusable>,
+        /// Copies found in [`search_dirs`] under names or in directories
+        /// this build does not load from.
+        elsewhere: Vec<PathBuf>,
+    },
+    /// The first name that opened (the library cudarc would use) lacks
+    /// symbols zero calls, or its version query failed.
+    Unusable {
+        /// The library.
+        lib: Lib,
+        /// What opened and what is wrong with it.
+        what: Unusable,
+        /// The file, where the loader can tell.
+        path: Option<PathBuf>,
+    },
+    /// The library loaded but is older than zero needs.
+    TooOld(Found),
+}
+
+impl LibError {
+    /// The library concerned.
+    pub fn lib(&self) -> Lib {
+        match self {
+            LibError::Missing { lib, .. } | LibError::Unusable { lib, .. } => *lib,
+            LibError::TooOld(found) => found.lib,
+        }
+    }
+}
+
+impl fmt::Display for LibError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let lib = self.lib();
+        let needed = lib.min_version();
+        match self {
+            LibError::Missing {
+                tried,
+                broken,
+                elsewhere,
+                ..
+            } => {
+                write!(
+                    f,
+                    "{lib} ({needed} or later) could not be loaded: this build opens it only as \
+                     one of {} on the loader's path (LD_LIBRARY_PATH, the ld.so cache, /usr/lib)",
+                    summarize(tried)
+                )?;
+                for b in broken {
+                    write!(f, "; {} exists but does not load: {}", b.name, b.reason)?;
+                }
+                if elsewhere.is_empty() {
+                    write!(f, "; no copy found in the usual places either")?;
+                }
+                let names = lib.cudarc_names();
+                for p in elsewhere {
+                    let dir = p.parent().unwrap_or(Path::new("/")).display();
+                    if file_name(p).is_some_and(|n| names.contains(&n)) {
+                        write!(
+                            f,
+                            "; found {}, in a directory the loader does not search: add {dir} \
+                             to LD_LIBRARY_PATH",
+                            p.display()
+                        )?;
+                    } else {
+                        write!(
+                            f,
+                            "; found {}, under a name this build does not open: \
+                             `ln -s {} {dir}/{}` and add {dir} to LD_LIBRARY_PATH (the \
+                             library's companions, such as NVRTC's builtins, are found \
+                             there too; without write access there, put the link in \
+                             another directory on LD_LIBRARY_PATH and keep {dir} on it)",
+                            p.display(),
+                            p.display(),
+                            lib.link_name()
+                        )?;
+                    }
+                }
+                Ok(())
+            }
+            LibError::Unusable { what, path, .. } => {
+                write!(f, "{lib} ({needed} or later) is unusable: {}", what.name)?;
+                if let Some(p) = path {
+                    write!(f, " ({})", p.display())?;
+                }
+                write!(
+                    f,
+                    " is the first name this build opens, and {}; remove it from the \
+                     loader's path or put a working {lib} before it",
+                    what.reason
+                )
+            }
+            LibError::TooOld(found) => {
+                write!(f, "{found} is too old: zero needs {lib} {needed} or later")
+            }
+        }
+    }
+}
+
+impl std::error::Error for LibError {}
+
+/// cudarc's names for messages: the Linux names in full, the Windows-style
+/// `lib{stem}64*` variants counted.
+fn summarize(names: &[String]) -> String {
+    let (variants, plain): (Vec<&String>, Vec<&String>) =
+        names.iter().partition(|n| n.contains("64"));
+    let mut s = plain
+        .iter()
+        .map(|n| n.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
+    if !variants.is_empty() {
+        s.push_str(&format!(" (and {} `lib*64*.so` variants)", variants.len()));
+    }
+    s
+}
+
+impl From<LibError> for crate::Error {
+    fn from(e: LibError) -> Self {
+        crate::Error::Cuda(Box::new(e))
+    }
+}
+
+/// A library opened with `dlopen`; never closed (CUDA libraries do not
+/// unload cleanly, and cudarc opens the same one again by name).
+struct Handle(*mut c_void);
+
+/// Opens `name` (a bare name searched on the loader's path, or a path) as
+/// libloading does for cudarc (`RTLD_LAZY | RTLD_LOCAL`).
+fn open(name: &str) -> Result<Handle, String> {
+    let c = CString::new(name).map_err(|_| format!("{name}: the name contains a NUL byte"))?;
+    // SAFETY: dlopen takes a NUL-terminated name; running the library's
+    // initializers is what loading it means, as cudarc would.
+    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
+    if h.is_null() {
+        Err(dl_error())
+    } else {
+        Ok(Handle(h))
+    }
+}
+
+/// The loader's last error message (`dlerror`, per thread).
+fn dl_error() -> String {
+    // SAFETY: dlerror returns NULL or a NUL-terminated string valid until
+    // the next dl* call on this thread; it is copied at once.
+    let p = unsafe { libc::dlerror() };
+    if p.is_null() {
+        "unknown loader error".into()
+    } else {
+        // SAFETY: non-null and NUL-terminated (above).
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+}
+
+/// Whether a `dlopen` message means that no file of that name was found
+/// (as opposed to a file that exists and failed to load).
+fn is_absent(msg: &str) -> bool {
+    msg.contains("No such file or directory")
+}
+
+impl Handle {
+    fn symbol(&self, name: &str) -> Option<*mut c_void> {
+        let c = CString::new(name).ok()?;
+        // SAFETY: self.0 is a live handle from dlopen; dlsym only looks
+        // the name up.
+        let p = unsafe { libc::dlsym(self.0, c.as_ptr()) };
+        (!p.is_null()).then_some(p)
+    }
+
+    /// The file the loader mapped for this library (`dlinfo`'s link map).
+    #[cfg(target_env = "gnu")]
+    fn path(&self) -> Option<PathBuf> {
+        use std::os::unix::ffi::OsStrExt;
+        /// The leading fields of glibc's `struct link_map`.
+        #[repr(C)]
+        struct LinkMap {
+            _l_addr: usize,
+            l_name: *const c_char,
+        }
+        let mut map: *const LinkMap = std::ptr::null();
+        // SAFETY: self.0 is a live dlopen handle; RTLD_DI_LINKMAP stores a
+        // pointer to the loader's link_map for it into `map`.
+        let rc = unsafe {
+            libc::dlinfo(
+                self.0,
+                libc::RTLD_DI_LINKMAP,
+                (&raw mut map).cast::<c_void>(),
+            )
+        };
+        if rc != 0 || map.is_null() {
+            return None;
+        }
+        // SAFETY: `map` points to the loader's link_map, which starts with
+        // these two fields and lives as long as the (never closed) handle.
+        let name = unsafe { (*map).l_name };
+        if name.is_null() {
+            return None;
+        }
+        // SAFETY: l_name is a NUL-terminated string owned by the loader.
+        let bytes = unsafe { CStr::from_ptr(name) }.to_bytes();
+        if bytes.is_empty() {
+            return None;
+        }
+        let path = PathBuf::from(OsStr::from_bytes(bytes));
+        Some(std::fs::canonicalize(&path).unwrap_or(path))
+    }
+
+    /// The file the loader mapped: not asked outside glibc.
+    #[cfg(not(target_env = "gnu"))]
+    fn path(&self) -> Option<PathBuf> {
+        None
+    }
+
+    /// Checks the symbols `lib` needs and asks its version.
+    fn identify(&self, lib: Lib, opened_as: &str) -> Result<Found, Unusable> {
+        let missing: Vec<&str> = lib
+            .symbols()
+            .iter()
+            .copied()
+            .filter(|s| self.symbol(s).is_none())
+            .collect();
+        let unusable = |reason: String| Unusable {
+            name: opened_as.to_string(),
+            reason,
+        };
+        if !missing.is_empty() {
+            return Err(unusable(format!(
+                "it lacks {} (not {lib}, or older than {})",
+                missing.join(", "),
+                lib.min_version()
+            )));
+        }
+        let sym = lib.symbols()[0];
+        let f = self
+            .symbol(sym)
+            .ok_or_else(|| unusable(format!("it lacks {sym}")))?;
+        // The symbol is the library's version query; each is called through
+        // its C signature and writes plain integers through pointers to
+        // locals. None needs initialization (cuDriverGetVersion may be
+        // called before cuInit).
+        type IntOut = unsafe extern "C" fn(*mut c_int) -> c_int;
+        type TwoIntsOut = unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int;
+        type Property = unsafe extern "C" fn(c_int, *mut c_int) -> c_int;
+        let version = match lib {
+            Lib::Driver | Lib::Nccl => {
+                // SAFETY: cuDriverGetVersion and ncclGetVersion are
+                // `int f(int *)` (CUresult and ncclResult_t are C enums).
+                let f: IntOut = unsafe { std::mem::transmute::<*mut c_void, IntOut>(f) };
+                let mut v: c_int = 0;
+                // SAFETY: `v` is a valid out pointer for the call.
+                match unsafe { f(&mut v) } {
+                    0 if lib == Lib::Driver => Version::from_cuda_code(v.max(0) as u32),
+                    0 => Version::from_nccl_code(v.max(0) as u32),
+                    rc => return Err(unusable(format!("{sym} returned {rc}"))),
+                }
+            }
+            Lib::Nvrtc => {
+                // SAFETY: nvrtcVersion is `nvrtcResult f(int *major, int *minor)`.
+                let f: TwoIntsOut = unsafe { std::mem::transmute::<*mut c_void, TwoIntsOut>(f) };
+                let (mut major, mut minor): (c_int, c_int) = (0, 0);
+                // SAFETY: both are valid out pointers for the call.
+                match unsafe { f(&mut major, &mut minor) } {
+                    0 => Version::new(major.max(0) as u32, minor.max(0) as u32),
+                    rc => return Err(unusable(format!("{sym} returned {rc}"))),
+                }
+            }
+            Lib::Cublas => {
+                // SAFETY: cublasGetProperty is
+                // `cublasStatus_t f(libraryPropertyType, int *value)`.
+                let f: Property = unsafe { std::mem::transmute::<*mut c_void, Property>(f) };
+                // libraryPropertyType: MAJOR_VERSION, MINOR_VERSION, PATCH_LEVEL.
+                let mut parts = [0 as c_int; 3];
+                for (i, part) in parts.iter_mut().enumerate() {
+                    // SAFETY: a valid property and a valid out pointer.
+                    let rc = unsafe { f(i as c_int, part) };
+                    if rc != 0 {
+                        return Err(unusable(format!("{sym} returned {rc}")));
+                    }
+                }
+                Version {
+                    major: parts[0].max(0) as u32,
+                    minor: parts[1].max(0) as u32,
+                    patch: Some(parts[2].max(0) as u32),
+                }
+            }
+        };
+        Ok(Found {
+            lib,
+            opened_as: opened_as.to_string(),
+            path: self.path(),
+            version,
+        })
+    }
+}
+
+/// What cudarc's search finds: the first of its names that opens,
+/// identified, or the names that exist but failed to open.
+fn cudarc_search(lib: Lib) -> Result<Found, LibError> {
+    let tried = lib.cudarc_names();
+    let mut broken = Vec::new();
+    for name in &tried {
+        match open(name) {
+            Ok(h) => {
+                let found = h.identify(lib, name).map_err(|what| LibError::Unusable {
+                    lib,
+                    path: h.path(),
+                    what,
+                })?;
+                if !found.version.at_least(&lib.min_version()) {
+                    return Err(LibError::TooOld(found));
+                }
+                return Ok(found);
+            }
+            Err(msg) if is_absent(&msg) => {}
+            Err(reason) => broken.push(Unusable {
+                name: name.clone(),
+                reason,
+            }),
+        }
+    }
+    // Files under cudarc's names in directories the loader searches were
+    // tried above (and are in `broken` when they exist): not news.
+    let searched = loader_dirs(&|k| std::env::var_os(k));
+    let elsewhere = installed_copies(lib, &search_dirs())
+        .into_iter()
+        .filter(|p| {
+            let tried_here = file_name(p).is_some_and(|n| tried.contains(&n))
+                && p.parent()
+                    .is_some_and(|d| searched.iter().any(|s| same_dir(s, d)));
+            !tried_here
+        })
+        .collect();
+    Err(LibError::Missing {
+        lib,
+        tried,
+        broken,
+        elsewhere,
+    })
+}
+
+/// Checks, once per process, that cudarc will load `lib` without
+/// panicking: the library its search opens first has the symbols zero
+/// calls and is at least [`Lib::min_version`]. Call before the first
+/// cudarc call into the library.
+pub fn require(lib: Lib) -> Result<Found, LibError> {
+    static CACHE: [OnceLock<Result<Found, LibError>>; 4] = [
+        OnceLock::new(),
+        OnceLock::new(),
+        OnceLock::new(),
+        OnceLock::new(),
+    ];
+    let slot = match lib {
+        Lib::Driver => &CACHE[0],
+        Lib::Nvrtc => &CACHE[1],
+        Lib::Cublas => &CACHE[2],
+        Lib::Nccl => &CACHE[3],
+    };
+    slot.get_or_init(|| cudarc_search(lib)).clone()
+}
+
+/// A path's file name as a string.
+fn file_name(p: &Path) -> Option<String> {
+    p.file_name().map(|n| n.to_string_lossy().into_owned())
+}
+
+/// Whether two paths name the same directory.
+fn same_dir(a: &Path, b: &Path) -> bool {
+    a == b
+        || matches!(
+            (std::fs::canonicalize(a), std::fs::canonicalize(b)),
+            (Ok(x), Ok(y)) if x == y
+        )
+}
+
+/// The directories `dlopen` searches for a bare name besides the `ld.so`
+/// cache: `LD_LIBRARY_PATH`, then the defaults.
+fn loader_dirs(env: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> Vec<PathBuf> {
+    let arch = std::env::consts::ARCH;
+    let mut dirs: Vec<PathBuf> = env("LD_LIBRARY_PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    dirs.extend(
+        [
+            format!("/lib/{arch}-linux-gnu"),
+            format!("/usr/lib/{arch}-linux-gnu"),
+            "/lib64".into(),
+            "/usr/lib64".into(),
+            "/lib".into(),
+            "/usr/lib".into(),
+        ]
+        .map(PathBuf::from),
+    );
+    dirs
+}
+
+/// Directories where CUDA libraries are commonly installed, that exist on
+/// this machine, in search order: `LD_LIBRARY_PATH`, `$CUDA_HOME` (and
+/// `CUDA_PATH`, `CUDA_ROOT`), `/usr/local/cuda*`, the `nvidia/*/lib` and
+/// `torch/lib` folders of Python environments (the active virtualenv or
+/// conda environment, the user's, pyenv's and the system's), then the
+/// system library directories.
+pub fn search_dirs() -> Vec<PathBuf> {
+    search_dirs_in(&|k| std::env::var_os(k), Path::new("/"))
+}
+
+/// [`search_dirs`] with the environment from `env` and the file system
+/// under `root`, for tests.
+pub fn search_dirs_in(
+    env: &dyn Fn(&str) -> Option<std::ffi::OsString>,
+    root: &Path,
+) -> Vec<PathBuf> {
+    let at = |p: &str| root.join(p.trim_start_matches('/'));
+    let var = |k: &str| env(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let arch = std::env::consts::ARCH;
+    let target_dirs = |base: &Path| -> Vec<PathBuf> {
+        let mut v = vec![base.join("lib64"), base.join("lib")];
+        v.push(base.join(format!("targets/{arch}-linux/lib")));
+        if arch == "aarch64" {
+            v.push(base.join("targets/sbsa-linux/lib"));
+        }
+        v
+    };
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    if let Some(p) = env("LD_LIBRARY_PATH") {
+        dirs.extend(std::env::split_paths(&p).filter(|d| !d.as_os_str().is_empty()));
+    }
+    for k in ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"] {
+        if let Some(base) = var(k) {
+            dirs.extend(target_dirs(&base));
+        }
+    }
+    // /usr/local/cuda first (the link to the default toolkit), then the
+    // versioned toolkits, newest first.
+    dirs.extend(target_dirs(&at("/usr/local/cuda")));
+    let mut toolkits = children(&at("/usr/local"), "cuda-");
+    toolkits.reverse();
+    for t in toolkits {
+        dirs.extend(target_dirs(&t));
+    }
+    // Python environments: site-packages folders.
+    let mut prefixes: Vec<PathBuf> = Vec::new();
+    for k in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
+        if let Some(p) = var(k) {
+            prefixes.push(p);
+        }
+    }
+    if let Some(home) = var("HOME") {
+        prefixes.push(home.join(".local"));
+        let pyenv = var("PYENV_ROOT").unwrap_or_else(|| home.join(".pyenv"));
+        prefixes.extend(children(&pyenv.join("versions"), ""));
+    }
+    prefixes.extend([at("/opt/conda"), at("/usr/local"), at("/usr")]);
+    let mut site_packages: Vec<PathBuf> = Vec::new();
+    for prefix in &prefixes {
+        for py in children(&prefix.join("lib"), "python3") {
+            site_packages.push(py.join("site-packages"));
+            site_packages.push(py.join("dist-packages"));
+        }
+    }
+    site_packages.push(at("/usr/lib/python3/dist-packages"));
+    for sp in &site_packages {
+        dirs.extend(
+            children(&sp.join("nvidia"), "")
+                .into_iter()
+                .map(|d| d.join("lib")),
+        );
+        dirs.push(sp.join("torch/lib"));
+    }
+    if let Some(conda) = var("CONDA_PREFIX") {
+        dirs.push(conda.join("lib"));
+    }
+    for d in [
+        format!("/usr/lib/{arch}-linux-gnu"),
+        format!("/lib/{arch}-linux-gnu"),
+        "/usr/lib64".into(),
+        "/usr/lib".into(),
+        "/usr/lib/wsl/lib".into(),
+    ] {
+        dirs.push(at(&d));
+    }
+    let mut seen = HashSet::new();
+    dirs.into_iter()
+        .filter(|d| d.is_dir())
+        .filter(|d| seen.insert(std::fs::canonicalize(d).unwrap_or_else(|_| d.clone())))
+        .collect()
+}
+
+/// The subdirectories of `dir` whose names start with `prefix`, sorted by
+/// name (none when `dir` cannot be read).
+fn children(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut v: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    v.sort();
+    v
+}
+
+/// The files in `dirs` named like `lib` ([`Lib::candidate_names`]), one
+/// path per distinct file, in directory then name order.
+pub fn installed_copies(lib: Lib, dirs: &[PathBuf]) -> Vec<PathBuf> {
+    let names = lib.candidate_names();
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    for d in dirs {
+        for n in &names {
+            let p = d.join(n);
+            if p.exists() && seen.insert(std::fs::canonicalize(&p).unwrap_or_else(|_| p.clone())) {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// One file found by [`survey`]: what it is, or why it cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LibCopy {
+    /// The file.
+    pub path: PathBuf,
+    /// Its version, or why it did not load or identify.
+    pub found: Result<Version, String>,
+}
+
+/// Everything known about one library on this machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Survey {
+    /// What this build loads ([`require`]'s answer).
+    pub loads: Result<Found, LibError>,
+    /// Every copy in [`search_dirs`], opened by path. Opening loads
+    /// several versions into the process, which is fine for a report and
+    /// why [`require`] does not do it.
+    pub copies: Vec<LibCopy>,
+}
+
+/// Surveys `lib`: what this build loads, and every copy in the usual
+/// places with its version.
+pub fn survey(lib: Lib) -> Survey {
+    let loads = require(lib);
+    let copies = installed_copies(lib, &search_dirs())
+        .into_iter()
+        .map(|path| {
+            let shown = path.display().to_string();
+            let found = match open(&shown) {
+                Ok(h) => h
+                    .identify(lib, &shown)
+                    .map(|f| f.version)
+                    .map_err(|u| u.reason),
+                Err(msg) => Err(msg),
+            };
+            LibCopy { path, found }
+        })
+        .collect();
+    Survey { loads, copies }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsString;
+
+    #[test]
+    fn names_cover_cuda_12_and_13() {
+        let nvrtc = Lib::Nvrtc.candidate_names();
+        for n in ["libnvrtc.so.12", "libnvrtc.so.13", "libnvrtc.so"] {
+            assert!(nvrtc.contains(&n.to_string()), "{n}: {nvrtc:?}");
+        }
+        let cublas = Lib::Cublas.candidate_names();
+        for n in ["libcublas.so.12", "libcublas.so.13", "libcublas.so"] {
+            assert!(cublas.contains(&n.to_string()), "{n}: {cublas:?}");
+        }
+        assert!(Lib::Nccl.candidate_names().contains(&"libnccl.so.2".into()));
+        assert!(Lib::Driver
+            .candidate_names()
+            .contains(&"libcuda.so.1".into()));
+        // The installed names come first, the newest CUDA first.
+        assert_eq!(Lib::Nvrtc.candidate_names()[0], "libnvrtc.so.13");
+        for lib in Lib::ALL {
+            let names = lib.candidate_names();
+            let distinct: HashSet<&String> = names.iter().collect();
+            assert_eq!(distinct.len(), names.len(), "{lib}: {names:?}");
+        }
+    }
+
+    #[test]
+    fn cudarc_names_are_cudarcs_in_its_order() {
+        let names = Lib::Nvrtc.cudarc_names();
+        assert_eq!(names[0], "libnvrtc.so");
+        assert!(names.contains(&"libnvrtc.so.12".into()), "{names:?}");
+        // This build's cudarc (cuda-12080) does not open CUDA 13's or
+        // NCCL's own soname: that is what the errors' link advice is for.
+        assert!(!names.contains(&"libnvrtc.so.13".into()), "{names:?}");
+        assert!(!Lib::Nccl.cudarc_names().contains(&"libnccl.so.2".into()));
+        let driver = Lib::Driver.cudarc_names();
+        assert!(driver.contains(&"libcuda.so.1".into()));
+        assert!(driver.contains(&"libnvcuda.so".into()));
+        assert_eq!(Lib::Cublas.link_name(), "libcublas.so");
+    }
+
+    #[test]
+    fn versions() {
+        assert_eq!(Version::from_cuda_code(12080).to_string(), "12.8");
+        assert_eq!(Version::from_cuda_code(13000).to_string(), "13.0");
+        assert_eq!(Version::from_nccl_code(22805).to_string(), "2.28.5");
+        assert_eq!(Version::from_nccl_code(21400).to_string(), "2.14.0");
+        assert_eq!(Version::from_nccl_code(2804).to_string(), "2.8.4");
+        assert!(Version::from_nccl_code(22805).at_least(&Lib::Nccl.min_version()));
+        assert!(!Version::from_nccl_code(21305).at_least(&Lib::Nccl.min_version()));
+        assert!(Version::new(13, 0).at_least(&Lib::Nvrtc.min_version()));
+        assert!(!Version::new(11, 8).at_least(&Lib::Nvrtc.min_version()));
+    }
+
+    fn touch(p: &Path) {
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, b"").unwrap();
+    }
+
+    #[test]
+    fn search_dirs_cover_the_usual_places() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        let ld = r.join("ld");
+        let home = r.join("home");
+        let venv = r.join("venv");
+        let files = [
+            ld.join("libnvrtc.so.12"),
+            r.join("usr/local/cuda-12.8/lib64/libnvrtc.so.12"),
+            r.join("usr/local/cuda-13.0/targets").join(format!(
+                "{}-linux/lib/libnvrtc.so.13",
+                std::env::consts::ARCH
+            )),
+            venv.join("lib/python3.12/site-packages/nvidia/cu13/lib/libcublas.so.13"),
+            venv.join("lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2"),
+            home.join(".local/lib/python3.11/site-packages/nvidia/cublas/lib/libcublas.so.12"),
+        ];
+        for f in &files {
+            touch(f);
+        }
+        let env = |k: &str| -> Option<OsString> {
+            match k {
+                "LD_LIBRARY_PATH" => Some(format!("{}::/nonexistent", ld.display()).into()),
+                "HOME" => Some(home.clone().into()),
+                "VIRTUAL_ENV" => Some(venv.clone().into()),
+                _ => None,
+            }
+        };
+        let dirs = search_dirs_in(&env, r);
+        let pos = |f: &Path| {
+            dirs.iter()
+                .position(|d| d == f.parent().unwrap())
+                .unwrap_or_else(|| panic!("{} not in {dirs:?}", f.display()))
+        };
+        let order: Vec<usize> = files.iter().map(|f| pos(f)).collect();
+        // LD_LIBRARY_PATH first, the newest toolkit before the older one,
+        // the virtualenv before the user's site-packages.
+        assert_eq!(order[0], 0);
+        assert!(order[2] < order[1], "{dirs:?}");
+        assert!(order[3] < order[5] && order[4] < order[5], "{dirs:?}");
+        assert!(dirs.iter().all(|d| d.is_dir()));
+
+        let nvrtc = installed_copies(Lib::Nvrtc, &dirs);
+        assert_eq!(
+            nvrtc,
+            vec![files[0].clone(), files[2].clone(), files[1].clone()]
+        );
+        let cublas = installed_copies(Lib::Cublas, &dirs);
+        assert_eq!(cublas, vec![files[3].clone(), files[5].clone()]);
+        assert_eq!(installed_copies(Lib::Nccl, &dirs), vec![files[4].clone()]);
+    }
+
+    #[test]
+    fn errors_name_the_library_and_the_version_needed() {
+        let missing = LibError::Missing {
+            lib: Lib::Nvrtc,
+            tried: vec!["libnvrtc.so".into(), "libnvrtc.so.12".into()],
+            broken: vec![Unusable {
+                name: "libnvrtc.so.12".into(),
+                reason: "file too short".into(),
+            }],
+            elsewhere: vec!["/x/nvidia/cu13/lib/libnvrtc.so.13".into()],
+        };
+        let msg = missing.to_string();
+        assert!(
+            msg.starts_with("NVRTC (12.0 or later) could not be loaded"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("one of libnvrtc.so, libnvrtc.so.12 on"),
+            "{msg}"
+        );
+        assert_eq!(
+            summarize(&Lib::Nvrtc.cudarc_names()),
+            "libnvrtc.so, libnvrtc.so.12, libnvrtc.so.11, libnvrtc.so.10, libnvrtc.so.9, \
+             libnvrtc.so.1 (and 9 `lib*64*.so` variants)"
+        );
+        assert!(
+            msg.contains("libnvrtc.so.12 exists but does not load: file too short"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains(
+                "found /x/nvidia/cu13/lib/libnvrtc.so.13, under a name this build does not \
+                 open: `ln -s /x/nvidia/cu13/lib/libnvrtc.so.13 /x/nvidia/cu13/lib/libnvrtc.so` \
+                 and add /x/nvidia/cu13/lib to LD_LIBRARY_PATH"
+            ),
+            "{msg}"
+        );
+        let in_toolkit = LibError::Missing {
+            lib: Lib::Nvrtc,
+            tried: Lib::Nvrtc.cudarc_names(),
+            broken: vec![],
+            elsewhere: vec!["/usr/local/cuda-12.8/lib64/libnvrtc.so.12".into()],
+        }
+        .to_string();
+        assert!(
+            in_toolkit.ends_with(
+                "found /usr/local/cuda-12.8/lib64/libnvrtc.so.12, in a directory the loader \
+                 does not search: add /usr/local/cuda-12.8/lib64 to LD_LIBRARY_PATH"
+            ),
+            "{in_toolkit}"
+        );
+        let old = LibError::TooOld(Found {
+            lib: Lib::Nccl,
+            opened_as: "libnccl.so".into(),
+            path: Some("/usr/lib/libnccl.so.2".into()),
+            version: Version::from_nccl_code(21305),
+        });
+        assert_eq!(
+            old.to_string(),
+            "NCCL 2.13.5 at /usr/lib/libnccl.so.2 is too old: zero needs NCCL 2.14.0 or later"
+        );
+        let err: crate::Error = old.into();
+        assert!(err.to_string().contains("NCCL 2.14.0 or later"), "{err}");
+    }
+
+    #[test]
+    fn a_garbage_file_is_an_error_not_a_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("libcublas.so.13");
+        std::fs::write(&p, b"not an ELF file").unwrap();
+        let msg = match open(&p.display().to_string()) {
+            Ok(_) => panic!("garbage opened"),
+            Err(m) => m,
+        };
+        assert!(!is_absent(&msg), "{msg}");
+        assert!(is_absent(
+            &open("libzero-no-such-library.so.7").err().unwrap()
+        ));
+        let copies = installed_copies(Lib::Cublas, &[dir.path().to_path_buf()]);
+        assert_eq!(copies, vec![p]);
+    }
+}
