@@ -23,7 +23,8 @@ pub(crate) mod schedule;
 pub mod trace;
 
 pub use engine::{
-    Engine, EngineBuilder, EngineStats, GradBuffer, Init, StepOutcome, UnitGuard, UnitId, UnitState,
+    is_bias_norm_or_embedding, Engine, EngineBuilder, EngineStats, GradBuffer, GroupPredicate,
+    Init, ParamGroup, StepOutcome, UnitGuard, UnitId, UnitState,
 };
 pub use error::{Error, Result};
 pub use trace::Tracer;

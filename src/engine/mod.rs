@@ -106,6 +106,7 @@ mod dynbuf;
 mod export;
 mod faults;
 mod gatherer;
+mod groups;
 mod health;
 mod init;
 mod lease;
@@ -141,6 +142,8 @@ use dynbuf::ring_bytes;
 use dynbuf::DynBuf;
 pub use export::export_checkpoint;
 use gatherer::{GatherIo, HomeShards, ParamGatherer, Shards};
+use groups::{group_of, GroupMap};
+pub use groups::{is_bias_norm_or_embedding, GroupPredicate, ParamGroup};
 use health::Health;
 pub use init::Init;
 use init::{fnv1a, mix};
@@ -224,6 +227,8 @@ pub struct EngineBuilder<C: Communicator> {
     backend: Option<CpuBackend>,
     /// Test-only: a wait of the gradient path left out.
     skip_wait: Option<SkipWait>,
+    /// Parameter groups, in the order added, with their predicates.
+    groups: Vec<(ParamGroup, GroupPredicate)>,
     /// Set by [`Engine::load_checkpoint`]: the load fills the master, m, v
     /// and parameters completely, so the build leaves their pages to be
     /// faulted in by the load instead of pre-faulting them.
@@ -398,6 +403,7 @@ impl<C: Communicator> Engine<C> {
             keep_last: 0,
             backend: None,
             skip_wait: None,
+            groups: Vec::new(),
             for_load: false,
         }
     }
@@ -493,6 +499,32 @@ impl<C: Communicator> EngineBuilder<C> {
         self
     }
 
+    /// Adds a parameter group: the tensors for which `member(unit, tensor)`
+    /// holds (and no group added before holds) are updated with the
+    /// scheduled learning rate times `group.lr_scale` and `group`'s
+    /// weight decay (PyTorch's optimizer `param_groups`). The others keep
+    /// the config's. Every rank must add the same groups (`build`
+    /// checks). AdamW is elementwise: a tensor's update is the same as in
+    /// a run whose config had its group's values.
+    pub fn param_group(
+        mut self,
+        group: ParamGroup,
+        member: impl Fn(&str, &str) -> bool + Send + 'static,
+    ) -> Self {
+        self.groups.push((group, Box::new(member)));
+        self
+    }
+
+    /// No weight decay on biases, norms and embeddings (a group named
+    /// `no_decay`, by the names of units and tensors:
+    /// [`is_bias_norm_or_embedding`]), as Hugging Face trainers do.
+    pub fn no_decay_on_biases_norms_and_embeddings(self) -> Self {
+        self.param_group(
+            ParamGroup::with_weight_decay("no_decay", 0.0),
+            is_bias_norm_or_embedding,
+        )
+    }
+
     /// Registers a unit with one initialiser per tensor. Every rank must
     /// register the same units in the same order ([`EngineBuilder::build`]
     /// checks).
@@ -551,6 +583,7 @@ impl<C: Communicator> EngineBuilder<C> {
             keep_last,
             backend,
             skip_wait,
+            groups,
             for_load,
         } = self;
         let rank = comm.rank();
@@ -569,7 +602,7 @@ impl<C: Communicator> EngineBuilder<C> {
                 ),
             });
         }
-        check_agreement(&comm, &cfg, seed, &specs)?;
+        check_agreement(&comm, &cfg, seed, &specs, &groups)?;
 
         let unit_specs: Vec<UnitSpec> = specs.iter().map(|(s, _)| s.clone()).collect();
         let plan = PartitionPlan::new(&unit_specs, world)?;
@@ -773,8 +806,7 @@ impl<C: Communicator> EngineBuilder<C> {
             plan.units(),
             moments,
             |i| reducer.has_acc(i),
-            adam,
-            offload,
+            (adam, offload, GroupMap::new(plan.units(), &groups)),
         );
         let mut engine = Engine {
             id,
@@ -935,6 +967,7 @@ fn check_agreement<C: Communicator>(
     cfg: &ResolvedConfig,
     seed: u64,
     specs: &[(UnitSpec, Vec<Init>)],
+    groups: &[(ParamGroup, GroupPredicate)],
 ) -> Result<()> {
     let rank = comm.rank();
     let world = comm.world_size();
@@ -945,6 +978,13 @@ fn check_agreement<C: Communicator>(
             let mut text = s.name.clone();
             for t in &s.tensors {
                 text.push_str(&format!("|{}:{:?}", t.name, t.shape));
+                if let Some(i) = group_of(groups, &s.name, &t.name).checked_sub(1) {
+                    let g = &groups[i].0;
+                    text.push_str(&format!(
+                        "@{}:{:?}:{:?}",
+                        g.name, g.lr_scale, g.weight_decay
+                    ));
+                }
             }
             fnv1a(text.as_bytes())
         })
@@ -973,7 +1013,7 @@ fn check_agreement<C: Communicator>(
                 .get(i)
                 .map_or("nothing".to_string(), |(s, _)| format!("`{}`", s.name));
             let there = if (i as u64) < counts[r] {
-                "a different unit (name, tensors or shapes)"
+                "a different unit (name, tensors, shapes or parameter groups)"
             } else {
                 "nothing"
             };
@@ -1666,7 +1706,7 @@ impl<C: Communicator> Engine<C> {
 
     /// AdamW on this rank's part of every unit, in one parallel region,
     /// writing the updated parameters in the parameter dtype.
-    fn adamw_update(&mut self, k: &AdamWStep) -> Result<()> {
+    fn adamw_update(&mut self, k: &[AdamWStep]) -> Result<()> {
         let Some(gdt) = self.reducer.home_dtype() else {
             return Ok(());
         };
@@ -1677,7 +1717,7 @@ impl<C: Communicator> Engine<C> {
         }
     }
 
-    fn adamw_for_grad<G: Element>(&mut self, k: &AdamWStep) -> Result<()> {
+    fn adamw_for_grad<G: Element>(&mut self, k: &[AdamWStep]) -> Result<()> {
         match self.pdt {
             DType::F32 => self.adamw_typed::<G, f32>(k),
             DType::BF16 => self.adamw_typed::<G, bf16>(k),
@@ -1685,7 +1725,7 @@ impl<C: Communicator> Engine<C> {
         }
     }
 
-    fn adamw_typed<G: Element, P: Element>(&mut self, k: &AdamWStep) -> Result<()> {
+    fn adamw_typed<G: Element, P: Element>(&mut self, k: &[AdamWStep]) -> Result<()> {
         if self.opt.offload().is_some() {
             return self.offload_typed::<G, P>(k);
         }
@@ -1735,7 +1775,7 @@ impl<C: Communicator> Engine<C> {
     /// with `nvme` unit by unit into a staging buffer that is then written
     /// to the unit's swap region (AdamW is elementwise, so the bits are
     /// the same).
-    fn adamw_param_offload<G: Element, P: Element>(&mut self, k: &AdamWStep) -> Result<()> {
+    fn adamw_param_offload<G: Element, P: Element>(&mut self, k: &[AdamWStep]) -> Result<()> {
         let Engine {
             poff,
             opt,
@@ -1850,7 +1890,7 @@ impl<C: Communicator> Engine<C> {
     /// in host memory ([`Offload::rescued`]), every rank commits the step
     /// (its parameters match the state kept) and `step()` returns the
     /// error once the step is finished; the state stays readable.
-    fn offload_typed<G: Element, P: Element>(&mut self, k: &AdamWStep) -> Result<()> {
+    fn offload_typed<G: Element, P: Element>(&mut self, k: &[AdamWStep]) -> Result<()> {
         // With parameter offload the shards are not here: the updated
         // parameters stay in the staging buffer and are written back to
         // their home below.
@@ -1975,8 +2015,10 @@ impl<C: Communicator> Engine<C> {
         if !skipped {
             let clip = clip_coefficient(norm, self.cfg.gradient_clipping);
             let grad_scale = (base * clip) as f32;
-            let k = AdamWStep::new(&self.cfg.optimizer, lr, self.steps + 1, grad_scale);
-            self.adamw_update(&k)?;
+            let ks = self
+                .opt
+                .steps(&self.cfg.optimizer, lr, self.steps + 1, grad_scale);
+            self.adamw_update(&ks)?;
             self.steps += 1;
         }
         Ok(StepOutcome {

@@ -88,7 +88,7 @@ use std::ops::Range;
 
 use zero_core::config::{OffloadDevice, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
-use zero_core::optim::{AdamWSlices, AdamWStep, CpuAdamW};
+use zero_core::optim::{AdamWSlices, CpuAdamW};
 use zero_core::{DType, Element};
 use zero_offload::{
     HostPool, HostPoolOptions, IoError, IoTicket, PooledBuffer, RegionId, RegionSpec, SwapFile,
@@ -96,6 +96,7 @@ use zero_offload::{
 };
 
 use super::faults::{set_faults, FaultPlan};
+use super::groups::{carve, GroupedStep};
 use crate::trace::{RankTracer, Tracer};
 use crate::{Error, Result};
 
@@ -429,7 +430,7 @@ impl Offload {
     pub(crate) fn step<G: Element, P: Element>(
         &mut self,
         adam: &CpuAdamW,
-        k: &AdamWStep,
+        k: &GroupedStep<'_>,
         grads: &[&[G]],
         params: &mut [&mut [P]],
     ) -> Result<()> {
@@ -679,7 +680,7 @@ impl Offload {
 /// the flat staging buffer (the tile's part receives the parameters).
 fn update_tile<G: Element, P: Element>(
     adam: &CpuAdamW,
-    k: &AdamWStep,
+    k: &GroupedStep<'_>,
     tile: &Tile,
     state: &mut [f32],
     grads: &[&[G]],
@@ -691,33 +692,30 @@ fn update_tile<G: Element, P: Element>(
     let (mut master, mut m, mut v) = (master, m, v);
     let mut low = &mut staging[tile.flat.clone()];
     let mut cur = 0;
-    let mut parts = Vec::with_capacity(tile.pieces.len());
+    // The pieces split at group boundaries; one parallel region per group
+    // (one in all without groups).
+    let mut parts: Vec<Vec<AdamWSlices<'_, G, f32, P>>> = k.ks.iter().map(|_| Vec::new()).collect();
     for p in &tile.pieces {
-        let skip = p.at - cur;
-        let n = p.local.len();
-        let pm = carve(&mut master, skip, n);
-        let pmm = carve(&mut m, skip, n);
-        let pv = carve(&mut v, skip, n);
-        let pl = carve(&mut low, skip, n);
-        parts.push(AdamWSlices {
-            master: pm,
-            grad: &grads[p.unit][p.local.clone()],
-            m: pmm,
-            v: pv,
-            low: Some(pl),
-        });
-        cur = p.at + n;
+        for (g, off, n) in k.split(p.unit, p.local.clone()) {
+            let start = p.at + off;
+            let skip = start - cur;
+            let from = p.local.start + off;
+            parts[g].push(AdamWSlices {
+                master: carve(&mut master, skip, n),
+                grad: &grads[p.unit][from..from + n],
+                m: carve(&mut m, skip, n),
+                v: carve(&mut v, skip, n),
+                low: Some(carve(&mut low, skip, n)),
+            });
+            cur = start + n;
+        }
     }
-    adam.step_many(k, parts)?;
+    for (k, parts) in k.ks.iter().zip(parts) {
+        if !parts.is_empty() {
+            adam.step_many(k, parts)?;
+        }
+    }
     Ok(())
-}
-
-/// Skips `skip` elements of `s`, returns the next `n` and leaves `s` at
-/// the rest.
-fn carve<'a, T>(s: &mut &'a mut [T], skip: usize, n: usize) -> &'a mut [T] {
-    let (head, tail) = std::mem::take(s)[skip..].split_at_mut(n);
-    *s = tail;
-    head
 }
 
 /// Copies a tile's updated parameters from `staging` to the units'
@@ -764,7 +762,7 @@ impl Pipeline<'_> {
     fn run<G: Element, P: Element>(
         &mut self,
         adam: &CpuAdamW,
-        k: &AdamWStep,
+        k: &GroupedStep<'_>,
         grads: &[&[G]],
         staging: &mut [P],
     ) -> Result<()> {

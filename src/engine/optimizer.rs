@@ -37,6 +37,7 @@ use zero_core::partition::UnitLayout;
 use zero_core::Element;
 
 use super::devbuf::DevBuf;
+use super::groups::{carve, GroupMap, GroupedStep};
 use super::offload::Offload;
 use super::reducer::GradReducer;
 use crate::{Error, Result};
@@ -95,6 +96,10 @@ pub(crate) struct StepRanges {
 pub(crate) struct OptimizerShard {
     state: Vec<Moments>,
     ranges: Vec<StepRanges>,
+    /// The parameter groups, and per unit its first element of the
+    /// state (unit coordinates).
+    groups: GroupMap,
+    bases: Vec<usize>,
     adam: CpuAdamW,
     offload: Option<Offload>,
 }
@@ -119,9 +124,12 @@ impl OptimizerShard {
         layouts: &[UnitLayout],
         state: Vec<Moments>,
         has_acc: impl Fn(usize) -> bool,
-        adam: CpuAdamW,
-        offload: Option<Offload>,
+        (adam, offload, groups): (CpuAdamW, Option<Offload>, GroupMap),
     ) -> Self {
+        let bases = layouts
+            .iter()
+            .map(|l| if stage == 0 { 0 } else { rank * l.shard_len })
+            .collect();
         let ranges = layouts
             .iter()
             .enumerate()
@@ -146,6 +154,8 @@ impl OptimizerShard {
         OptimizerShard {
             state,
             ranges,
+            groups,
+            bases,
             adam,
             offload,
         }
@@ -198,35 +208,84 @@ impl OptimizerShard {
     pub(crate) fn step_units<'p, G: Element, P: Element>(
         &mut self,
         backend: &CpuBackend,
-        k: &AdamWStep,
+        ks: &[AdamWStep],
         grads: &GradReducer,
         units: impl Iterator<Item = (usize, &'p mut DevBuf)>,
     ) -> Result<()> {
-        let mut parts = Vec::new();
-        let mut state: Vec<Option<&mut Moments>> = self.state.iter_mut().map(Some).collect();
-        for (i, low) in units {
-            let r = &self.ranges[i];
-            let s = state[i].take().expect("each unit once");
-            let dtype = low.dtype();
-            let low = low.typed_mut::<P>().ok_or_else(|| {
-                Error::from(zero_core::Error::DTypeMismatch {
-                    op: "OptimizerShard::step_units",
-                    expected: dtype,
-                    got: P::DTYPE,
-                })
-            })?;
-            parts.push(AdamWPart::<CpuBackend, G, P> {
-                master: &mut s.master,
-                m: &mut s.m,
-                v: &mut s.v,
-                state: r.state.clone(),
-                grad: grads.home_buf::<G>(i)?,
-                grad_at: r.grad.start,
-                low: Some((low, r.params.start)),
-            });
+        let mut units: Vec<(usize, &mut DevBuf)> = units.collect();
+        let runs = self.runs(ks, units.iter().map(|(i, _)| *i));
+        // One fused call per group and round: the j-th run of the group in
+        // every unit (a unit's buffers in one call at most once). Without
+        // groups: one call over every unit.
+        for (g, k) in ks.iter().enumerate() {
+            for j in 0.. {
+                let mut parts = Vec::new();
+                let mut state: Vec<Option<&mut Moments>> =
+                    self.state.iter_mut().map(Some).collect();
+                for ((i, low), runs) in units.iter_mut().zip(&runs) {
+                    let Some(&(_, off, n)) = runs.iter().filter(|r| r.0 == g).nth(j) else {
+                        continue;
+                    };
+                    let r = &self.ranges[*i];
+                    let s = state[*i].take().expect("each unit once");
+                    let dtype = low.dtype();
+                    let low = low.typed_mut::<P>().ok_or_else(|| {
+                        Error::from(zero_core::Error::DTypeMismatch {
+                            op: "OptimizerShard::step_units",
+                            expected: dtype,
+                            got: P::DTYPE,
+                        })
+                    })?;
+                    parts.push(AdamWPart::<CpuBackend, G, P> {
+                        master: &mut s.master,
+                        m: &mut s.m,
+                        v: &mut s.v,
+                        state: r.state.start + off..r.state.start + off + n,
+                        grad: grads.home_buf::<G>(*i)?,
+                        grad_at: r.grad.start + off,
+                        low: Some((low, r.params.start + off)),
+                    });
+                }
+                if parts.is_empty() {
+                    break;
+                }
+                backend.adamw(Stream::Compute, k, parts)?;
+            }
         }
-        backend.adamw(Stream::Compute, k, parts)?;
         Ok(())
+    }
+
+    /// Per unit of `units`, the runs of its state elements by group.
+    fn runs(
+        &self,
+        ks: &[AdamWStep],
+        units: impl Iterator<Item = usize>,
+    ) -> Vec<Vec<(usize, usize, usize)>> {
+        let gs = self.grouped(ks);
+        units
+            .map(|i| gs.split(i, self.ranges[i].state.clone()))
+            .collect()
+    }
+
+    /// The step of every group with constants `ks`.
+    fn grouped<'a>(&'a self, ks: &'a [AdamWStep]) -> GroupedStep<'a> {
+        GroupedStep {
+            ks,
+            map: &self.groups,
+            bases: &self.bases,
+        }
+    }
+
+    /// The constants of update `step` for every group (see
+    /// [`GroupMap::steps`]).
+    pub(crate) fn steps(
+        &self,
+        opt: &zero_core::optim::AdamWParams,
+        lr: f64,
+        step: u64,
+        grad_scale: f32,
+    ) -> Vec<AdamWStep> {
+        self.groups.steps(opt, lr, step, grad_scale)
     }
 
     /// AdamW on the units `units` from the host, writing each unit's
@@ -237,25 +296,45 @@ impl OptimizerShard {
     pub(crate) fn step_units_host<'p, G: Element, P: Element>(
         &mut self,
         backend: &CpuBackend,
-        k: &AdamWStep,
+        ks: &[AdamWStep],
         grads: &GradReducer,
         units: impl Iterator<Item = (usize, &'p mut [P])>,
     ) -> Result<()> {
-        let mut parts = Vec::new();
+        let units: Vec<(usize, &mut [P])> = units.collect();
+        let runs = self.runs(ks, units.iter().map(|(i, _)| *i));
+        // Every run's slices are disjoint: one parallel region per group.
+        let mut parts: Vec<Vec<AdamWSlices<'_, G, f32, P>>> =
+            ks.iter().map(|_| Vec::new()).collect();
         let mut state: Vec<Option<&mut Moments>> = self.state.iter_mut().map(Some).collect();
-        for (i, low) in units {
+        for ((i, low), runs) in units.into_iter().zip(&runs) {
             let r = &self.ranges[i];
             let s = state[i].take().expect("each unit once");
             let (master, m, v) = s.host_mut(backend)?;
-            parts.push(AdamWSlices {
-                master: &mut master[r.state.clone()],
-                grad: &grads.home_slice::<G>(i)?[r.grad.clone()],
-                m: &mut m[r.state.clone()],
-                v: &mut v[r.state.clone()],
-                low: Some(&mut low[r.params.clone()]),
-            });
+            let grad = &grads.home_slice::<G>(i)?[r.grad.clone()];
+            let (mut master, mut m, mut v) = (
+                &mut master[r.state.clone()],
+                &mut m[r.state.clone()],
+                &mut v[r.state.clone()],
+            );
+            let mut low = &mut low[r.params.clone()];
+            let mut at = 0;
+            for &(g, off, n) in runs {
+                let skip = off - at;
+                parts[g].push(AdamWSlices {
+                    master: carve(&mut master, skip, n),
+                    grad: &grad[off..off + n],
+                    m: carve(&mut m, skip, n),
+                    v: carve(&mut v, skip, n),
+                    low: Some(carve(&mut low, skip, n)),
+                });
+                at = off + n;
+            }
         }
-        self.adam.step_many(k, parts)?;
+        for (k, parts) in ks.iter().zip(parts) {
+            if !parts.is_empty() {
+                self.adam.step_many(k, parts)?;
+            }
+        }
         Ok(())
     }
 
@@ -265,14 +344,19 @@ impl OptimizerShard {
     /// parameters stay staged).
     pub(crate) fn step_offloaded<G: Element, P: Element>(
         &mut self,
-        k: &AdamWStep,
+        ks: &[AdamWStep],
         grads: &GradReducer,
         params: &mut [&mut [P]],
     ) -> Result<()> {
         let homes = (0..self.ranges.len())
             .map(|i| grads.home_slice::<G>(i))
             .collect::<Result<Vec<&[G]>>>()?;
+        let gs = GroupedStep {
+            ks,
+            map: &self.groups,
+            bases: &self.bases,
+        };
         let off = self.offload.as_mut().expect("optimizer offload");
-        off.step(&self.adam, k, &homes, params)
+        off.step(&self.adam, &gs, &homes, params)
     }
 }

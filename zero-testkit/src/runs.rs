@@ -6,7 +6,7 @@ use zero::core::backend::{CpuBackend, CpuMode};
 use zero::core::config::{Precision, ResolvedConfig};
 use zero::core::optim::LossScaleConfig;
 use zero::core::{bf16, f16, Element};
-use zero::{Engine, StepOutcome, UnitState};
+use zero::{Engine, EngineBuilder, StepOutcome, UnitState};
 
 use crate::mlp::{batch, Mlp};
 
@@ -120,10 +120,23 @@ pub fn train_on<T: Element, C: Communicator>(
     steps: usize,
     mb: usize,
 ) -> zero::Result<Trained> {
+    train_setup::<T, C>(device, comm, cfg, steps, mb, |b| b)
+}
+
+/// [`train_on`] with `setup` applied to the builder before the model is
+/// registered (parameter groups, ...).
+pub fn train_setup<T: Element, C: Communicator>(
+    device: TestDevice,
+    comm: C,
+    cfg: &ResolvedConfig,
+    steps: usize,
+    mb: usize,
+    setup: impl FnOnce(EngineBuilder<C>) -> EngineBuilder<C>,
+) -> zero::Result<Trained> {
     let world = comm.world_size();
     let rank = comm.rank();
     let ga = cfg.gradient_accumulation_steps;
-    let mut b = device.builder(cfg.clone(), comm)?.seed(5);
+    let mut b = setup(device.builder(cfg.clone(), comm)?.seed(5));
     let model = Mlp::register(&mut b, DIMS)?;
     let mut e = b.build()?;
     let mut outcomes = Vec::new();
