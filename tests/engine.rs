@@ -881,3 +881,23 @@ fn a_removed_wait_of_the_gradient_path_is_a_hazard_on_every_run() {
         }
     }
 }
+
+/// The optimizer runs on the backend's kernels: threads for the default
+/// backend and a backend of one's own together are refused, not one of
+/// them dropped.
+#[test]
+fn optimizer_threads_with_a_backend_is_refused() {
+    let e = ThreadGroup::run(1, |comm| {
+        let mut b = Engine::builder(config(1, 0, 1, Precision::Fp32), comm)
+            .optimizer_threads(1)
+            .backend(CpuBackend::new(CpuMode::Inline).unwrap());
+        Mlp::register(&mut b, DIMS).unwrap();
+        b.build().map(|_| ()).unwrap_err().to_string()
+    })
+    .unwrap()
+    .remove(0);
+    assert!(
+        e.contains("optimizer_threads") && e.contains("CpuBackend::with_adamw"),
+        "{e}"
+    );
+}

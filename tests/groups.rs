@@ -116,18 +116,15 @@ fn a_group_at_learning_rate_zero_is_left_as_it_was() {
             |_, tensor| tensor == "bias",
         )
     };
-    let before = run(world, &cfg, |b| {
-        b.param_group(ParamGroup::with_weight_decay("x", 0.0), |_, _| false)
-    });
-    let mut c0 = cfg.clone();
-    c0.scheduler = LrSchedule::Constant { lr: 0.0 };
+    // The initial state (no step), and a run without groups.
     let start = {
         let mut all = ThreadGroup::run(world, |comm| {
-            train_setup::<f32, _>(TestDevice::default(), comm, &c0, 0, MB, |b| b)
+            train_setup::<f32, _>(TestDevice::default(), comm, &cfg, 0, MB, |b| b)
         })
         .expect("ranks ran");
         all.swap_remove(0).expect("built")
     };
+    let before = run(world, &cfg, |b| b);
     let after = run(world, &cfg, frozen_biases);
     for (u, (s0, s1)) in start.states.iter().zip(&after.states).enumerate() {
         // Each layer is `weight` then `bias` (DIMS[u + 1] outputs).

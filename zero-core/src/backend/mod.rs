@@ -66,6 +66,7 @@ use std::ops::Range;
 use crate::optim::AdamWStep;
 use crate::{DType, Device, Element, Result};
 
+mod checks;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

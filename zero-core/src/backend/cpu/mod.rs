@@ -42,6 +42,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::checks::{self, disjoint, item_error, range_len};
 use super::hazard::{Checker, Clock, Decl};
 use super::{
     AccessKind, AdamWPart, Backend, BufferHandle, BufferId, PackPiece, Stream, UnpackPiece,
@@ -265,28 +266,7 @@ impl<T: Element> Drop for CpuBuffer<T> {
 }
 
 fn bounds<T: Element>(op: &'static str, b: &CpuBuffer<T>, at: usize, len: usize) -> Result<()> {
-    match at.checked_add(len) {
-        Some(end) if end <= b.mem.len() => Ok(()),
-        _ => Err(Error::InvalidSize {
-            op,
-            msg: format!(
-                "elements [{at}..{at}+{len}) outside buffer {:?} ({}) of {} elements",
-                b.label,
-                b.id,
-                b.mem.len()
-            ),
-        }),
-    }
-}
-
-fn range_len(op: &'static str, r: &Range<usize>) -> Result<usize> {
-    if r.start > r.end {
-        return Err(Error::InvalidSize {
-            op,
-            msg: format!("range [{}..{}) ends before it starts", r.start, r.end),
-        });
-    }
-    Ok(r.end - r.start)
+    checks::bounds(op, &b.label, b.id, b.mem.len(), at, len)
 }
 
 /// A point in one stream's work (see [`Backend::record`]). In `Inline`
@@ -889,19 +869,7 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         const OP: &str = "copy_within";
         let len = range_len(OP, &src)?;
-        if src.start < dst_at.saturating_add(len) && dst_at < src.end {
-            return Err(Error::InvalidSize {
-                op: OP,
-                msg: format!(
-                    "source [{}..{}) and destination [{dst_at}..{}) overlap in buffer {:?} ({})",
-                    src.start,
-                    src.end,
-                    dst_at.saturating_add(len),
-                    buf.label,
-                    buf.id
-                ),
-            });
-        }
+        disjoint(OP, &buf.label, buf.id, &src, dst_at, len)?;
         let s = buf.raw(OP, src.start, len)?;
         let d = buf.raw_mut(OP, dst_at, len)?;
         let decls = || {
@@ -1031,7 +999,7 @@ impl Backend for CpuBackend {
         let mut raws = Vec::with_capacity(parts.len());
         let mut decls = Vec::new();
         for (i, mut p) in parts.into_iter().enumerate() {
-            let n = range_len(OP, &p.state).map_err(|e| part_error(e, i))?;
+            let n = range_len(OP, &p.state).map_err(|e| item_error(e, "part", i))?;
             let at = p.state.start;
             let checked = self.inner.checked;
             let part = (|| -> Result<RawPart<G, P>> {
@@ -1058,7 +1026,7 @@ impl Backend for CpuBackend {
                     low,
                 })
             })()
-            .map_err(|e| part_error(e, i))?;
+            .map_err(|e| item_error(e, "part", i))?;
             if checked {
                 decls.push(p.master.decl(at, n, AccessKind::Write));
                 decls.push(p.m.decl(at, n, AccessKind::Write));
@@ -1226,21 +1194,6 @@ impl CpuBackend {
             unsafe { store(s.slice(), d.slice_mut(), accumulate) };
             Ok(())
         })
-    }
-}
-
-/// Prefixes an argument error of AdamW with the part it concerns.
-fn part_error(e: Error, i: usize) -> Error {
-    match e {
-        Error::InvalidSize { op, msg } => Error::InvalidSize {
-            op,
-            msg: format!("part {i}: {msg}"),
-        },
-        Error::Backend { op, msg } => Error::Backend {
-            op,
-            msg: format!("part {i}: {msg}"),
-        },
-        other => other,
     }
 }
 

@@ -60,6 +60,7 @@ use cudarc::driver::{
     PushKernelArg, SyncOnDrop,
 };
 
+use super::checks::{bounds, disjoint, item_error, range_len};
 use super::{AdamWPart, Backend, BufferHandle, BufferId, PackPiece, Stream, UnpackPiece};
 use crate::cuda::kernels::{
     convert_entry_point, load_module, norm_scratch_len, source, target_arch, GpuAdamW,
@@ -380,51 +381,6 @@ impl fmt::Debug for CudaScalars {
 impl Drop for CudaScalars {
     fn drop(&mut self) {
         self.owner.free(self.ptr);
-    }
-}
-
-/// `Ok` if elements `at..at + len` lie in a buffer of `buf_len` elements.
-fn bounds(
-    op: &'static str,
-    label: &str,
-    id: BufferId,
-    buf_len: usize,
-    at: usize,
-    len: usize,
-) -> Result<()> {
-    match at.checked_add(len) {
-        Some(end) if end <= buf_len => Ok(()),
-        _ => Err(Error::InvalidSize {
-            op,
-            msg: format!(
-                "elements [{at}..{at}+{len}) outside buffer {label:?} ({id}) of {buf_len} elements"
-            ),
-        }),
-    }
-}
-
-fn range_len(op: &'static str, r: &Range<usize>) -> Result<usize> {
-    if r.start > r.end {
-        return Err(Error::InvalidSize {
-            op,
-            msg: format!("range [{}..{}) ends before it starts", r.start, r.end),
-        });
-    }
-    Ok(r.end - r.start)
-}
-
-/// Prefixes an argument error with the part or piece it concerns.
-fn item_error(e: Error, what: &str, i: usize) -> Error {
-    match e {
-        Error::InvalidSize { op, msg } => Error::InvalidSize {
-            op,
-            msg: format!("{what} {i}: {msg}"),
-        },
-        Error::Backend { op, msg } => Error::Backend {
-            op,
-            msg: format!("{what} {i}: {msg}"),
-        },
-        other => other,
     }
 }
 
@@ -950,19 +906,7 @@ impl Backend for CudaBackend {
         const OP: &str = "copy_within";
         self.own(buf, OP)?;
         let len = range_len(OP, &src)?;
-        if src.start < dst_at.saturating_add(len) && dst_at < src.end {
-            return Err(Error::InvalidSize {
-                op: OP,
-                msg: format!(
-                    "source [{}..{}) and destination [{dst_at}..{}) overlap in buffer {:?} ({})",
-                    src.start,
-                    src.end,
-                    dst_at.saturating_add(len),
-                    buf.label,
-                    buf.id
-                ),
-            });
-        }
+        disjoint(OP, &buf.label, buf.id, &src, dst_at, len)?;
         bounds(OP, &buf.label, buf.id, buf.len, src.start, len)?;
         bounds(OP, &buf.label, buf.id, buf.len, dst_at, len)?;
         self.inner.begin()?;
