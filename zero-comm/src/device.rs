@@ -77,6 +77,15 @@ impl<B: Backend, T: Element> DeviceWork<B, T> {
         }
     }
 
+    /// A collective whose host part runs as `work`, which gives back the
+    /// buffer and its completion event (or why not) when waited on.
+    pub(crate) fn host(op: &'static str, work: Work<Result<Done<B, T>>>) -> Self {
+        DeviceWork {
+            op,
+            state: State::Host(work),
+        }
+    }
+
     /// The collective's name, e.g. `"all_reduce"`.
     pub fn op(&self) -> &'static str {
         self.op
@@ -336,16 +345,13 @@ fn on_host<C: Communicator, T: Element>(
     }
     let backend = backend.clone();
     let work = start(host).map(move |host| Ok(backend.give_back(loan, host)?));
-    DeviceWork {
-        op,
-        state: State::Host(work),
-    }
+    DeviceWork::host(op, work)
 }
 
 /// A collective refused before it started: the error for this rank, and an
 /// error in the communicator's sequence for the peers (which would
 /// otherwise wait for this rank until their timeout).
-fn refuse<C: Communicator, B: Backend, T: Element>(
+pub(crate) fn refuse<C: Communicator, B: Backend, T: Element>(
     comm: &C,
     op: &'static str,
     e: Error,

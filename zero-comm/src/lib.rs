@@ -19,7 +19,8 @@
 //!
 //! [`DeviceCollectives`] runs the same collectives on a device backend's
 //! buffers, ordered by its events (see [`device`]): over the CPU backend
-//! through any host communicator.
+//! through any host communicator, and over any backend (several ranks on
+//! one GPU) through pinned host staging buffers ([`HostStaged`]).
 //!
 //! How a collective runs within a node (both backends): [`shm`] describes
 //! the two-phase protocol, and each algorithm has its own file with a
@@ -46,6 +47,7 @@ mod op;
 mod options;
 mod reduce;
 pub mod shm;
+pub mod staged;
 mod threads;
 mod work;
 
@@ -61,5 +63,6 @@ pub use mpi::MpiComm;
 pub use nccl::{NcclComm, NcclGroup, NcclId};
 pub use options::CommOptions;
 pub use reduce::{reference_reduce, ReduceOp};
+pub use staged::HostStaged;
 pub use threads::{ThreadComm, ThreadGroup};
 pub use work::{OpTiming, Work};

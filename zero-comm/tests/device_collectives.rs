@@ -5,9 +5,14 @@
 //! keeps its id; a use on another stream without waiting for the
 //! collective's completion event, or a collective started before its data
 //! was ready, is `Error::Hazard` (and the peers fail instead of waiting).
+//!
+//! Every test runs twice: on the direct path (the buffer's memory lent to
+//! the host collective) and through [`HostStaged`] (copies into pinned
+//! staging buffers and back, as several ranks on one GPU run), whose
+//! device steps the same hazard checker sees.
 
 use zero_comm::{
-    offsets, Communicator, DeviceCollectives, Error, ReduceOp, ThreadComm, ThreadGroup,
+    offsets, Communicator, DeviceCollectives, Error, HostStaged, ReduceOp, ThreadComm, ThreadGroup,
 };
 use zero_core::backend::{Backend, BufferHandle, CpuBackend, CpuMode, Stream};
 use zero_core::{bf16, Element, HostBuffer};
@@ -37,11 +42,48 @@ fn bits<T: Element>(x: &[T]) -> Vec<u32> {
     x.iter().map(|v| v.to_f32().to_bits()).collect()
 }
 
+/// The two ways of running device collectives on the CPU backend.
+#[derive(Clone, Copy, Debug)]
+enum Path {
+    /// The buffer's memory lent to the host collective.
+    Direct,
+    /// Through staging buffers ([`HostStaged`]).
+    Staged,
+}
+
+const PATHS: [Path; 2] = [Path::Direct, Path::Staged];
+
+/// Runs `body` on `world` thread ranks with the device collectives of
+/// `path`: `body(comm, device_collectives)`.
+macro_rules! on_ranks {
+    ($world:expr, $path:expr, |$comm:ident, $dc:ident| $body:expr) => {
+        ThreadGroup::run($world, |comm| match $path {
+            Path::Direct => {
+                let $comm = &comm;
+                let $dc = &comm;
+                $body
+            }
+            Path::Staged => {
+                let staged = HostStaged::new(comm);
+                let $comm = staged.comm();
+                let $dc = &staged;
+                $body
+            }
+        })
+        .unwrap()
+    };
+}
+
 /// One rank: every collective on a device buffer and, for comparison, on a
 /// host buffer through the communicator itself. The device buffer is
 /// longer than the collectives (a bucket filled to part of its capacity);
 /// its tail must be left alone.
-fn rank_body<T: Element>(comm: &ThreadComm, mode: CpuMode) -> Result<(), String> {
+fn rank_body<T: Element, D: DeviceCollectives<CpuBackend>>(
+    comm: &ThreadComm,
+    dc: &D,
+    dev: &CpuBackend,
+) -> Result<(), String> {
+    let mode = dev.mode();
     let ctx = |what: &str| {
         format!(
             "{mode:?} rank {} of {}: {what}",
@@ -49,15 +91,14 @@ fn rank_body<T: Element>(comm: &ThreadComm, mode: CpuMode) -> Result<(), String>
             comm.world_size()
         )
     };
-    let dev = CpuBackend::new(mode).map_err(|e| e.to_string())?;
     let world = comm.world_size();
     let counts: Vec<usize> = [3usize, 5, 0, 4][..world].to_vec();
     let total: usize = counts.iter().sum();
     let cap = total + 6;
     let data = input::<T>(comm.rank(), cap);
 
-    let mut buf = comm
-        .device_alloc::<T>(&dev, cap, "bucket 0")
+    let mut buf = dc
+        .device_alloc::<T>(dev, cap, "bucket 0")
         .map_err(|e| e.to_string())?;
     let id = buf.id();
     dev.host_slice_mut(&mut buf, 0..cap)
@@ -66,8 +107,8 @@ fn rank_body<T: Element>(comm: &ThreadComm, mode: CpuMode) -> Result<(), String>
     let ready = dev.record(Compute).map_err(|e| e.to_string())?;
 
     // all_reduce of the first `total` elements.
-    let (buf, done) = comm
-        .device_all_reduce(&dev, buf, total, ReduceOp::Sum, &ready)
+    let (buf, done) = dc
+        .device_all_reduce(dev, buf, total, ReduceOp::Sum, &ready)
         .wait()
         .map_err(|e| ctx(&e.to_string()))?;
     assert_eq!(buf.id(), id, "{}", ctx("id kept"));
@@ -91,8 +132,8 @@ fn rank_body<T: Element>(comm: &ThreadComm, mode: CpuMode) -> Result<(), String>
 
     // reduce_scatter in place, after an event on another stream.
     let ev = dev.record(Comm).map_err(|e| e.to_string())?;
-    let (buf, done) = comm
-        .device_reduce_scatter(&dev, buf, &counts, ReduceOp::Sum, &ev)
+    let (buf, done) = dc
+        .device_reduce_scatter(dev, buf, &counts, ReduceOp::Sum, &ev)
         .wait()
         .map_err(|e| ctx(&e.to_string()))?;
     dev.sync(&done).map_err(|e| e.to_string())?;
@@ -120,8 +161,8 @@ fn rank_body<T: Element>(comm: &ThreadComm, mode: CpuMode) -> Result<(), String>
     let scattered = got.to_vec();
 
     // all_gather in place.
-    let (buf, done) = comm
-        .device_all_gather(&dev, buf, &counts, &done)
+    let (buf, done) = dc
+        .device_all_gather(dev, buf, &counts, &done)
         .wait()
         .map_err(|e| ctx(&e.to_string()))?;
     dev.sync(&done).map_err(|e| e.to_string())?;
@@ -154,79 +195,120 @@ fn rank_body<T: Element>(comm: &ThreadComm, mode: CpuMode) -> Result<(), String>
 
 #[test]
 fn device_collectives_give_what_the_communicator_gives() {
-    for world in 1..=4 {
-        for mode in modes() {
-            for r in ThreadGroup::run(world, |comm| rank_body::<f32>(&comm, mode)).unwrap() {
-                r.unwrap();
+    for path in PATHS {
+        for world in 1..=4 {
+            for mode in modes() {
+                let results = on_ranks!(world, path, |comm, dc| {
+                    let dev = CpuBackend::new(mode).map_err(|e| e.to_string())?;
+                    rank_body::<f32, _>(comm, dc, &dev)?;
+                    rank_body::<bf16, _>(comm, dc, &dev)
+                });
+                for r in results {
+                    r.unwrap_or_else(|e| panic!("{path:?}: {e}"));
+                }
             }
-            for r in ThreadGroup::run(world, |comm| rank_body::<bf16>(&comm, mode)).unwrap() {
-                r.unwrap();
-            }
+        }
+    }
+}
+
+/// Staging buffers are allocated by the first collectives and reused by
+/// every later one on the same backend: the second round allocates
+/// nothing. Another backend's collectives never get them (its operations
+/// would refuse them): they allocate their own.
+#[test]
+fn staged_collectives_reuse_their_staging_buffers() {
+    for world in 1..=3 {
+        let results = ThreadGroup::run(world, |comm| {
+            let staged = HostStaged::new(comm);
+            let dev = CpuBackend::new(CpuMode::Checked).unwrap();
+            rank_body::<f32, _>(staged.comm(), &staged, &dev).unwrap();
+            let first = staged.staging_bytes();
+            rank_body::<f32, _>(staged.comm(), &staged, &dev).unwrap();
+            let second = staged.staging_bytes();
+            let other = CpuBackend::new(CpuMode::Chaos { seed: 3 }).unwrap();
+            rank_body::<f32, _>(staged.comm(), &staged, &other).unwrap();
+            (first, second, staged.staging_bytes())
+        })
+        .unwrap();
+        // One collective in flight at a time: one buffer of the largest
+        // collective (the sum of the counts, f32) per backend.
+        let total: usize = [3usize, 5, 0, 4][..world].iter().sum();
+        for r in results {
+            assert_eq!(r, (total * 4, total * 4, 2 * total * 4), "world {world}");
         }
     }
 }
 
 #[test]
 fn using_the_result_without_waiting_for_its_event_is_a_hazard() {
-    for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 4 }] {
-        let results = ThreadGroup::run(2, |comm| {
-            let dev = CpuBackend::new(mode).unwrap();
-            let mut buf = comm.device_alloc::<f32>(&dev, 8, "bucket 1").unwrap();
-            dev.fill(Compute, &mut buf, 0..8, comm.rank() as f32 + 1.0)
-                .unwrap();
-            let filled = dev.record(Compute).unwrap();
-            let (mut buf, done) = comm
-                .device_all_reduce(&dev, buf, 8, ReduceOp::Sum, &filled)
-                .wait()
-                .unwrap();
-            // The host collective has finished, but compute has not waited
-            // for its event: on a GPU the reduction may still be running.
-            let e = dev.fill(Compute, &mut buf, 0..1, 0.0).unwrap_err();
-            let msg = e.to_string();
-            assert!(
-                msg.contains("\"bucket 1\"")
-                    && msg.contains("[0..1): fill on compute writes while all_reduce on comm (not waited for) writes [0..8)"),
-                "{msg}"
-            );
-            // So is the host reading it without a sync.
-            assert!(matches!(dev.host_slice(&buf, 0..8), Err(zero_core::Error::Hazard(_))));
-            dev.wait(Compute, &done).unwrap();
-            dev.fill(Compute, &mut buf, 0..1, 0.0).unwrap();
-            let end = dev.record(Compute).unwrap();
-            dev.sync(&end).unwrap();
-            dev.host_slice(&buf, 0..8).unwrap().to_vec()
-        })
-        .unwrap();
-        for r in results {
-            assert_eq!(r, [0.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0]);
+    for (path, writer) in PATHS.into_iter().zip(["all_reduce", "copy_h2d"]) {
+        for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 4 }] {
+            let results = on_ranks!(2, path, |comm, dc| {
+                let dev = CpuBackend::new(mode).unwrap();
+                let mut buf = dc.device_alloc::<f32>(&dev, 8, "bucket 1").unwrap();
+                dev.fill(Compute, &mut buf, 0..8, comm.rank() as f32 + 1.0)
+                    .unwrap();
+                let filled = dev.record(Compute).unwrap();
+                let (mut buf, done) = dc
+                    .device_all_reduce(&dev, buf, 8, ReduceOp::Sum, &filled)
+                    .wait()
+                    .unwrap();
+                // The host collective has finished, but compute has not
+                // waited for its event: on a GPU the result may still be
+                // on its way.
+                let e = dev.fill(Compute, &mut buf, 0..1, 0.0).unwrap_err();
+                let msg = e.to_string();
+                let want = format!(
+                    "[0..1): fill on compute writes while {writer} on comm (not waited for) writes [0..8)"
+                );
+                assert!(
+                    msg.contains("\"bucket 1\"") && msg.contains(&want),
+                    "{path:?}: {msg}"
+                );
+                // So is the host reading it without a sync.
+                assert!(matches!(
+                    dev.host_slice(&buf, 0..8),
+                    Err(zero_core::Error::Hazard(_))
+                ));
+                dev.wait(Compute, &done).unwrap();
+                dev.fill(Compute, &mut buf, 0..1, 0.0).unwrap();
+                let end = dev.record(Compute).unwrap();
+                dev.sync(&end).unwrap();
+                dev.host_slice(&buf, 0..8).unwrap().to_vec()
+            });
+            for r in results {
+                assert_eq!(r, [0.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0], "{path:?}");
+            }
         }
     }
 }
 
 #[test]
 fn a_collective_started_before_its_data_is_ready_fails_on_every_rank() {
-    for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 6 }] {
-        let results = ThreadGroup::run(2, |comm| {
-            let dev = CpuBackend::new(mode).unwrap();
-            let mut buf = comm.device_alloc::<f32>(&dev, 8, "bucket 2").unwrap();
-            let before = dev.record(Compute).unwrap();
-            dev.fill(Compute, &mut buf, 0..8, 1.0).unwrap();
-            // `before` does not cover the fill.
-            let r = comm
-                .device_all_reduce(&dev, buf, 8, ReduceOp::Sum, &before)
-                .wait();
-            (comm.rank(), r.map(|_| ()).unwrap_err())
-        })
-        .unwrap();
-        for (rank, e) in results {
-            match &e {
-                Error::Core(zero_core::Error::Hazard(h)) => {
-                    assert_eq!(
-                        (h.buffer.as_str(), h.op, h.other_op),
-                        ("bucket 2", "all_reduce", "fill")
-                    );
+    for (path, reader) in PATHS.into_iter().zip(["all_reduce", "copy_d2h"]) {
+        for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 6 }] {
+            let results = on_ranks!(2, path, |comm, dc| {
+                let dev = CpuBackend::new(mode).unwrap();
+                let mut buf = dc.device_alloc::<f32>(&dev, 8, "bucket 2").unwrap();
+                let before = dev.record(Compute).unwrap();
+                dev.fill(Compute, &mut buf, 0..8, 1.0).unwrap();
+                // `before` does not cover the fill.
+                let r = dc
+                    .device_all_reduce(&dev, buf, 8, ReduceOp::Sum, &before)
+                    .wait();
+                (comm.rank(), r.map(|_| ()).unwrap_err())
+            });
+            for (rank, e) in results {
+                match &e {
+                    Error::Core(zero_core::Error::Hazard(h)) => {
+                        assert_eq!(
+                            (h.buffer.as_str(), h.op, h.other_op),
+                            ("bucket 2", reader, "fill"),
+                            "{path:?}"
+                        );
+                    }
+                    other => panic!("{path:?} rank {rank}: expected a hazard, got {other}"),
                 }
-                other => panic!("rank {rank}: expected a hazard, got {other}"),
             }
         }
     }
@@ -234,44 +316,47 @@ fn a_collective_started_before_its_data_is_ready_fails_on_every_rank() {
 
 #[test]
 fn a_refused_rank_fails_its_peers_instead_of_hanging() {
-    // Rank 1 asks for more elements than its buffer holds; rank 0 is fine.
-    let results = ThreadGroup::run(2, |comm| {
-        let dev = CpuBackend::new(CpuMode::Checked).unwrap();
-        let buf = comm.device_alloc::<f32>(&dev, 8, "bucket").unwrap();
-        let ev = dev.record(Compute).unwrap();
-        let len = if comm.rank() == 1 { 9 } else { 8 };
-        let r = comm
-            .device_all_reduce(&dev, buf, len, ReduceOp::Sum, &ev)
-            .wait();
-        r.map(|_| ()).unwrap_err().to_string()
-    })
-    .unwrap();
-    assert!(
-        results[1].contains("buffer \"bucket\"")
-            && results[1].contains("has 8 elements, the collective needs 9"),
-        "{}",
-        results[1]
-    );
-    assert!(results[0].contains("rank 1"), "{}", results[0]);
+    for path in PATHS {
+        // Rank 1 asks for more elements than its buffer holds; rank 0 is fine.
+        let results = on_ranks!(2, path, |comm, dc| {
+            let dev = CpuBackend::new(CpuMode::Checked).unwrap();
+            let buf = dc.device_alloc::<f32>(&dev, 8, "bucket").unwrap();
+            let ev = dev.record(Compute).unwrap();
+            let len = if comm.rank() == 1 { 9 } else { 8 };
+            let r = dc
+                .device_all_reduce(&dev, buf, len, ReduceOp::Sum, &ev)
+                .wait();
+            r.map(|_| ()).unwrap_err().to_string()
+        });
+        assert!(
+            results[1].contains("buffer \"bucket\"")
+                && results[1].contains("has 8 elements, the collective needs 9"),
+            "{path:?}: {}",
+            results[1]
+        );
+        assert!(results[0].contains("rank 1"), "{path:?}: {}", results[0]);
+    }
 }
 
 #[test]
 fn dropping_a_device_work_keeps_the_communicator_in_step() {
-    let results = ThreadGroup::run(3, |comm| {
-        let dev = CpuBackend::new(CpuMode::Chaos { seed: 2 }).unwrap();
-        let buf = comm.device_alloc::<f32>(&dev, 4, "dropped").unwrap();
-        let ev = dev.record(Compute).unwrap();
-        drop(comm.device_all_reduce(&dev, buf, 4, ReduceOp::Sum, &ev));
-        let mut b = comm.device_alloc::<f32>(&dev, 4, "next").unwrap();
-        dev.fill(Compute, &mut b, 0..4, 2.0).unwrap();
-        let ev = dev.record(Compute).unwrap();
-        let (b, done) = comm
-            .device_all_reduce(&dev, b, 4, ReduceOp::Sum, &ev)
-            .wait()
-            .unwrap();
-        dev.sync(&done).unwrap();
-        dev.host_slice(&b, 0..4).unwrap().to_vec()
-    })
-    .unwrap();
-    assert!(results.iter().all(|r| r == &[6.0; 4]));
+    for path in PATHS {
+        let results = on_ranks!(3, path, |comm, dc| {
+            let dev = CpuBackend::new(CpuMode::Chaos { seed: 2 }).unwrap();
+            let buf = dc.device_alloc::<f32>(&dev, 4, "dropped").unwrap();
+            let ev = dev.record(Compute).unwrap();
+            drop(dc.device_all_reduce(&dev, buf, 4, ReduceOp::Sum, &ev));
+            let mut b = dc.device_alloc::<f32>(&dev, 4, "next").unwrap();
+            dev.fill(Compute, &mut b, 0..4, 2.0).unwrap();
+            let ev = dev.record(Compute).unwrap();
+            let (b, done) = dc
+                .device_all_reduce(&dev, b, 4, ReduceOp::Sum, &ev)
+                .wait()
+                .unwrap();
+            dev.sync(&done).unwrap();
+            let _ = comm;
+            dev.host_slice(&b, 0..4).unwrap().to_vec()
+        });
+        assert!(results.iter().all(|r| r == &[6.0; 4]), "{path:?}");
+    }
 }

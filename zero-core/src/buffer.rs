@@ -241,6 +241,20 @@ impl<T: Element> HostBuffer<T> {
         }
     }
 
+    /// Gives back the external owner of the memory (see
+    /// [`from_external`](Self::from_external)) without dropping it, or the
+    /// buffer itself if its memory is not external.
+    pub fn into_external_owner(mut self) -> std::result::Result<Box<dyn Any + Send + Sync>, Self> {
+        // A zero-sized heap layout: dropping `self` then frees nothing.
+        match std::mem::replace(&mut self.storage, Storage::Heap(Layout::new::<()>())) {
+            Storage::External(owner) => Ok(owner),
+            own => {
+                self.storage = own;
+                Err(self)
+            }
+        }
+    }
+
     /// Copies the contents into a `Vec`.
     pub fn to_vec(&self) -> Vec<T> {
         self.as_ref().to_vec()

@@ -291,7 +291,10 @@ pub trait Backend: Send + Sync + 'static {
     /// An owned handle; moving it never moves the data.
     type Buffer<T: Element>: BufferHandle<T> + fmt::Debug;
     /// Host memory that asynchronous copies read and write (pinned on
-    /// CUDA; the same type as `Buffer` on the CPU).
+    /// CUDA; the same type as `Buffer` on the CPU). An owned handle; moving
+    /// it never moves the data, so a slice of it from
+    /// [`write_host`](Backend::write_host) stays where it is while the
+    /// handle lives.
     type HostBuffer<T: Element>: BufferHandle<T> + fmt::Debug;
     /// A point in one stream's work. Cheap to clone.
     type Event: Clone + Send + Sync + fmt::Debug;
@@ -307,6 +310,10 @@ pub trait Backend: Send + Sync + 'static {
 
     /// A zeroed host buffer of `len` elements for asynchronous copies.
     fn alloc_host<T: Element>(&self, len: usize, label: &str) -> Result<Self::HostBuffer<T>>;
+
+    /// Whether `buf` was allocated by this backend (another backend's
+    /// buffer, even of the same type, is refused by every operation).
+    fn owns_host<T: Element>(&self, buf: &Self::HostBuffer<T>) -> bool;
 
     /// An event at the current end of `stream`'s work.
     fn record(&self, stream: Stream) -> Result<Self::Event>;

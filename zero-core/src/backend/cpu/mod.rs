@@ -751,6 +751,10 @@ impl Backend for CpuBackend {
         self.wrap(HostBuffer::zeros(len)?, label)
     }
 
+    fn owns_host<T: Element>(&self, buf: &CpuBuffer<T>) -> bool {
+        Arc::ptr_eq(&buf.owner, &self.inner)
+    }
+
     fn alloc_host<T: Element>(&self, len: usize, label: &str) -> Result<CpuBuffer<T>> {
         self.alloc(len, label)
     }

@@ -765,6 +765,10 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn owns_host<T: Element>(&self, buf: &CudaHostBuffer<T>) -> bool {
+        Arc::ptr_eq(&buf.owner, &self.inner)
+    }
+
     fn alloc_host<T: Element>(&self, len: usize, label: &str) -> Result<CudaHostBuffer<T>> {
         self.inner.begin()?;
         let (memory, ptr) = pinned_zeros::<T>(self.inner.ctx(), len).map_err(|e| match e {
