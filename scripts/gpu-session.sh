@@ -17,7 +17,8 @@
 #      reference, arena, streams, NVRTC, the backend conformance suite on
 #      the CUDA backend), with ZERO_REQUIRE_NVRTC=1 when
 #      NVRTC was found;
-#   4. zero-comm's NCCL tests (--test nccl);
+#   4. zero-comm's NCCL tests (--test nccl) and its device collectives on
+#      the CUDA backend, NCCL and host-staged (--test nccl_device);
 #   5. the GPU benchmark, benches/cuda.rs ($OUT/cuda.json).
 #
 # Usage:
@@ -118,6 +119,7 @@ if [ "$mode" = build ]; then
     "nvrtc|test:nvrtc|test -p zero-core --features cuda --test nvrtc --no-run"
     "backend_conformance|test:backend_conformance|test -p zero-core --features cuda --test backend_conformance --no-run"
     "nccl|test:nccl|test -p zero-comm --no-default-features --features cuda --test nccl --no-run"
+    "nccl_device|test:nccl_device|test -p zero-comm --no-default-features --features cuda --test nccl_device --no-run"
     "llama_cuda|test:cuda_kernels|test -p zero-llama --features cuda --test cuda_kernels --no-run"
     "llama_cuda_nvrtc|test:nvrtc|test -p zero-llama --features cuda --test nvrtc --no-run"
     "cuda-bench|bench:cuda|test -p zero --no-default-features --features cuda --bench cuda --no-run"
@@ -126,7 +128,7 @@ if [ "$mode" = build ]; then
   declare -A cwd=(
     [zero-core-lib]=zero-core [cuda_adamw]=zero-core [cuda_arena]=zero-core
     [cuda_streams]=zero-core [nvrtc]=zero-core [backend_conformance]=zero-core
-    [nccl]=zero-comm [cuda-bench]=
+    [nccl]=zero-comm [nccl_device]=zero-comm [cuda-bench]=
     [llama_cuda]=examples/llama [llama_cuda_nvrtc]=examples/llama
   )
   for b in "${builds[@]}"; do
@@ -400,7 +402,7 @@ if [ "$mode" = cargo ]; then
   export CARGO_NET_OFFLINE=true
   note "cargo: $CARGO ($("$CARGO" -V)); offline"
   step test-zero-core "$CARGO" test -p zero-core --features cuda
-  step test-nccl "$CARGO" test -p zero-comm --no-default-features --features cuda --test nccl
+  step test-nccl "$CARGO" test -p zero-comm --no-default-features --features cuda --test nccl --test nccl_device
   step test-llama_cuda "$CARGO" test -p zero-llama --features cuda --test cuda_kernels --test nvrtc
   step bench-cuda "$CARGO" bench -p zero --no-default-features --features cuda --bench cuda -- "${bench_args[@]}"
 else

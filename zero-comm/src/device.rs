@@ -86,6 +86,16 @@ impl<B: Backend, T: Element> DeviceWork<B, T> {
         }
     }
 
+    /// A collective refused before it started whose peers learn of it
+    /// otherwise (a device communicator that failed itself).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn refused(op: &'static str, e: Error) -> Self {
+        DeviceWork {
+            op,
+            state: State::Failed(e, None),
+        }
+    }
+
     /// The collective's name, e.g. `"all_reduce"`.
     pub fn op(&self) -> &'static str {
         self.op
@@ -198,6 +208,17 @@ pub trait DeviceCollectives<B: Backend> {
         counts: &[usize],
         after: &B::Event,
     ) -> DeviceWork<B, T>;
+
+    /// Blocks the host until `event` completed, where the work before it
+    /// may include this communicator's collectives: bounded by the
+    /// communicator's timeout where collectives complete on the device (a
+    /// peer that never joins fails this wait, and the communicator, instead
+    /// of hanging it), the backend's own [`sync`](Backend::sync) otherwise
+    /// (host collectives completed before their handles gave the buffers
+    /// back).
+    fn device_sync(&self, backend: &B, event: &B::Event) -> Result<()> {
+        Ok(backend.sync(event)?)
+    }
 }
 
 impl<C: Communicator> DeviceCollectives<CpuBackend> for C {

@@ -33,6 +33,13 @@
 //!   them, so no stream needs to be synchronized by hand.
 //! - `NcclComm::group` batches several bucket collectives into one
 //!   `ncclGroupStart`/`ncclGroupEnd` (one launch, one event).
+//! - On the CUDA backend's buffers, as the engine uses it: `NcclComm`
+//!   implements [`DeviceCollectives`](crate::DeviceCollectives) over
+//!   [`CudaBackend`](zero_core::backend::CudaBackend) on the backend's own
+//!   communication stream (`NcclComm::for_backend`), ordered by its events
+//!   with no cudarc tracking, in place, equal parts per rank; the host
+//!   waits, bounded, with `NcclComm::sync_event` (`device.rs`). Several
+//!   ranks on one GPU use [`HostStaged`](crate::HostStaged) instead.
 //!
 //! # One GPU per rank
 //!
@@ -117,6 +124,8 @@ mod collectives;
 mod comm;
 #[cfg(feature = "cuda")]
 mod describe;
+#[cfg(feature = "cuda")]
+mod device;
 #[cfg(feature = "cuda")]
 mod enqueue;
 #[cfg(feature = "cuda")]

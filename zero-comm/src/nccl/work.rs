@@ -98,6 +98,15 @@ impl<'a> NcclWork<'a> {
         }
     }
 
+    /// Lets the collectives run on without a handle: the buffers' borrow
+    /// ends, and nothing here waits or looks for errors any more. For
+    /// device collectives whose order and completion the caller tracks
+    /// through the stream's events, with a bounded wait
+    /// ([`NcclComm::wait_event`]) where the host must see the end.
+    pub(crate) fn detach(mut self) {
+        self.event = None;
+    }
+
     /// Waits until the GPU has finished the collectives.
     ///
     /// Bounded by the communicator's timeout: when they do not finish in

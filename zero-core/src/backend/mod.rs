@@ -74,7 +74,9 @@ mod hazard;
 
 pub use cpu::{CpuBackend, CpuBuffer, CpuEvent, CpuMode, CpuScalars, Loan, POISON};
 #[cfg(feature = "cuda")]
-pub use cuda::{CudaBackend, CudaBackendEvent, CudaBuffer, CudaHostBuffer, CudaScalars};
+pub use cuda::{
+    CudaBackend, CudaBackendEvent, CudaBuffer, CudaHostBuffer, CudaScalars, View as CudaView,
+};
 
 /// A stream of one rank's device: compute, communication, host-to-device
 /// and device-to-host copies (the same kinds as the CUDA streams of

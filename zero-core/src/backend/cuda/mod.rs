@@ -185,8 +185,10 @@ struct KernelPieces {
 unsafe impl DeviceRepr for KernelPieces {}
 
 /// A range of device memory as cudarc's kernel-argument traits want it,
-/// without any event: the caller's stream order is the only order.
-struct View<'a, T> {
+/// without any event: the caller's stream order is the only order. Made by
+/// [`CudaBackend::raw_view`] for libraries that take cudarc's traits
+/// (NCCL in `zero-comm`).
+pub struct View<'a, T> {
     ptr: sys::CUdeviceptr,
     len: usize,
     stream: &'a Arc<CudaStream>,
@@ -352,6 +354,12 @@ impl CudaBackendEvent {
     pub fn stream(&self) -> Stream {
         self.stream
     }
+
+    /// The driver event, for waits that poll it (e.g. NCCL's bounded wait,
+    /// which aborts the communicator instead of blocking forever).
+    pub fn cuda_event(&self) -> &CudaEvent {
+        &self.event
+    }
 }
 
 impl fmt::Debug for CudaBackendEvent {
@@ -463,6 +471,31 @@ impl CudaBackend {
     /// The architecture the kernels were compiled for (`sm_90`, ...).
     pub fn arch(&self) -> &str {
         self.inner.adam.arch()
+    }
+
+    /// `buf[range]` as a cudarc device slice on `stream`, with no event
+    /// of its own: whatever the caller enqueues through it is ordered only
+    /// by `stream`'s place in the backend's order (waits and records), as
+    /// every operation of this backend is. For a library call that takes
+    /// cudarc's traits, enqueued on `stream` (NCCL's collectives on the
+    /// communication stream). Errors: another backend's buffer, a range
+    /// outside it.
+    pub fn raw_view<'a, T: Element>(
+        &'a self,
+        stream: Stream,
+        buf: &'a mut CudaBuffer<T>,
+        range: Range<usize>,
+    ) -> Result<View<'a, T>> {
+        const OP: &str = "raw_view";
+        self.own(buf, OP)?;
+        let len = range_len(OP, &range)?;
+        bounds(OP, &buf.label, buf.id, buf.len, range.start, len)?;
+        Ok(buf.view(range.start, len, self.inner.stream(stream)))
+    }
+
+    /// The CUDA stream behind `stream`.
+    pub fn cuda_stream(&self, stream: Stream) -> &Arc<CudaStream> {
+        self.inner.stream(stream)
     }
 
     fn own<T: Element>(&self, buf: &CudaBuffer<T>, op: &'static str) -> Result<()> {
