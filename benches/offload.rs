@@ -21,9 +21,10 @@
 //! Raw I/O is requests to a preallocated `O_DIRECT` file, written once
 //! (untimed) before the timed overwrites and reads, as the swap file is,
 //! by 1, 2 and 4 threads (fio's `numjobs` with `psync`: that many requests
-//! in flight) of the swap's block size, 4 MiB and 16 MiB; the fastest pair
-//! of each direction is the baseline (the disk's best), and every pair is
-//! printed. Target: swap ≥
+//! in flight) of the swap's block size, 4 MiB and 16 MiB, each to and from
+//! a scratch buffer per thread (as fio) and to and from memory of the
+//! state's size (as the swap path); the fastest pass of each direction is
+//! the baseline (the disk's best), and every pass is printed. Target: swap ≥
 //! 80% of raw in each direction (issue 21). Runs alternate swap and raw, `--reps` times (medians): the
 //! disk's speed drifts.
 //!
@@ -294,6 +295,17 @@ const RAW_JOBS: [usize; 3] = [1, 2, 4];
 /// ones at any depth).
 const RAW_BLOCKS: [usize; 2] = [4 << 20, 16 << 20];
 
+/// One raw pass: `jobs` threads of `block`-byte requests, to and from one
+/// scratch buffer per thread (`whole` false, as fio does) or the blocks of
+/// one buffer of the file's size (`whole`, as the state's own memory is).
+/// On these VMs either may be the faster: both are tried.
+#[derive(Clone, Copy, Debug)]
+struct RawPass {
+    jobs: usize,
+    block: usize,
+    whole: bool,
+}
+
 /// The raw baseline's file: preallocated, `O_DIRECT`, written once in
 /// full (untimed) when created, as the swap file is, and then overwritten
 /// and read by every timed pass (no unwritten-extent conversion, the same
@@ -307,6 +319,8 @@ struct RawFile {
     state: usize,
     /// Request sizes tried (the swap's block size first).
     blocks: Vec<usize>,
+    /// Memory of the file's size, for the passes to and from it.
+    mem: std::sync::Mutex<AlignedBuf>,
 }
 
 impl RawFile {
@@ -334,14 +348,26 @@ impl RawFile {
                 path.display()
             ));
         }
+        let mut mem = AlignedBuf::new(bytes).unwrap_or_else(|e| fail(&e.to_string()));
+        mem.iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = (i % 251) as u8);
         let raw = RawFile {
             file,
             path,
             bytes,
             state,
             blocks,
+            mem: std::sync::Mutex::new(mem),
         };
-        raw.pass(true, 1, largest);
+        raw.pass(
+            true,
+            RawPass {
+                jobs: 1,
+                block: largest,
+                whole: true,
+            },
+        );
         raw
     }
 
@@ -349,20 +375,33 @@ impl RawFile {
     /// threads, block `i` by thread `i % jobs` (the disk sees the file in
     /// order with `jobs` requests in flight); the time scaled to the
     /// state's bytes.
-    fn pass(&self, write: bool, jobs: usize, block: usize) -> Duration {
+    fn pass(&self, write: bool, p: RawPass) -> Duration {
+        let RawPass { jobs, block, whole } = p;
         let blocks = self.bytes / block;
+        let mut mem = self.mem.lock().unwrap_or_else(|e| e.into_inner());
+        let mut parts: Vec<Vec<&mut [u8]>> = (0..jobs).map(|_| Vec::new()).collect();
+        for (i, c) in mem.chunks_mut(block).take(blocks).enumerate() {
+            parts[i % jobs].push(c);
+        }
         let t = Instant::now();
         std::thread::scope(|sc| {
-            for j in 0..jobs {
+            for (j, mine) in parts.into_iter().enumerate() {
                 sc.spawn(move || {
-                    let mut buf = AlignedBuf::new(block).unwrap_or_else(|e| fail(&e.to_string()));
-                    buf.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
-                    for i in (j..blocks).step_by(jobs) {
-                        let at = (i * block) as u64;
+                    let mut scratch = (!whole).then(|| {
+                        let mut b = AlignedBuf::new(block).unwrap_or_else(|e| fail(&e.to_string()));
+                        b.iter_mut().enumerate().for_each(|(i, x)| *x = i as u8);
+                        b
+                    });
+                    for (k, part) in mine.into_iter().enumerate() {
+                        let at = ((j + k * jobs) * block) as u64;
+                        let data: &mut [u8] = match scratch.as_mut() {
+                            Some(b) => b,
+                            None => part,
+                        };
                         let r = if write {
-                            self.file.write_all_at(&buf, at)
+                            self.file.write_all_at(data, at)
                         } else {
-                            self.file.read_exact_at(&mut buf, at)
+                            self.file.read_exact_at(data, at)
                         };
                         r.unwrap_or_else(|e| fail(&format!("raw I/O at {at}: {e}")));
                     }
@@ -372,14 +411,17 @@ impl RawFile {
         t.elapsed().mul_f64(self.state as f64 / self.bytes as f64)
     }
 
-    /// The (jobs, block) pairs tried, in the order of [`best`](Self::best)'s
-    /// times.
-    fn grid(&self) -> Vec<(usize, usize)> {
-        let jobs = RAW_JOBS.iter();
-        self.blocks
-            .iter()
-            .flat_map(|&b| jobs.clone().map(move |&j| (j, b)))
-            .collect()
+    /// The passes tried, in the order of [`best`](Self::best)'s times.
+    fn grid(&self) -> Vec<RawPass> {
+        let mut grid = Vec::new();
+        for whole in [false, true] {
+            for &block in &self.blocks {
+                for &jobs in &RAW_JOBS {
+                    grid.push(RawPass { jobs, block, whole });
+                }
+            }
+        }
+        grid
     }
 
     /// The fastest write and read over [`grid`](Self::grid), each direction
@@ -389,7 +431,7 @@ impl RawFile {
         let all: Vec<_> = self
             .grid()
             .into_iter()
-            .map(|(j, b)| (self.pass(true, j, b), self.pass(false, j, b)))
+            .map(|p| (self.pass(true, p), self.pass(false, p)))
             .collect();
         let w = all.iter().map(|t| t.0).min().unwrap_or_default();
         let r = all.iter().map(|t| t.1).min().unwrap_or_default();
@@ -447,17 +489,19 @@ fn main() {
         ));
     }
     let gb = |d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
-    println!("raw O_DIRECT baseline by depth and request size (medians; the best of each direction is the baseline):");
+    println!("raw O_DIRECT baseline by depth, request size and memory (medians; the best of each direction is the baseline):");
     println!(
-        "{:<6} {:>9} {:>10} {:>10}",
-        "jobs", "block KiB", "write GB/s", "read GB/s"
+        "{:<6} {:>9} {:>8} {:>10} {:>10}",
+        "jobs", "block KiB", "memory", "write GB/s", "read GB/s"
     );
-    for ((jobs, block), d) in raw.grid().into_iter().zip(&depths) {
+    for (p, d) in raw.grid().into_iter().zip(&depths) {
         let w = median(d.iter().map(|t| t.0).collect());
         let r = median(d.iter().map(|t| t.1).collect());
+        let memory = if p.whole { "state" } else { "scratch" };
         println!(
-            "{jobs:<6} {:>9} {:>10.2} {:>10.2}",
-            block >> 10,
+            "{:<6} {:>9} {memory:>8} {:>10.2} {:>10.2}",
+            p.jobs,
+            p.block >> 10,
             gb(w),
             gb(r)
         );
