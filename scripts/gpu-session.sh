@@ -19,6 +19,7 @@
 #      NVRTC was found;
 #   4. zero-comm's NCCL tests (--test nccl) and its device collectives on
 #      the CUDA backend, NCCL and host-staged (--test nccl_device);
+#      zero-offload's pinned pool registered with the driver (--test cuda_pin);
 #   5. the GPU benchmark, benches/cuda.rs ($OUT/cuda.json).
 #
 # Usage:
@@ -119,6 +120,7 @@ if [ "$mode" = build ]; then
     "nvrtc|test:nvrtc|test -p zero-core --features cuda --test nvrtc --no-run"
     "backend_conformance|test:backend_conformance|test -p zero-core --features cuda --test backend_conformance --no-run"
     "nccl|test:nccl|test -p zero-comm --no-default-features --features cuda --test nccl --no-run"
+    "cuda_pin|test:cuda_pin|test -p zero-offload --features cuda --test cuda_pin --no-run"
     "nccl_device|test:nccl_device|test -p zero-comm --no-default-features --features cuda --test nccl_device --no-run"
     "llama_cuda|test:cuda_kernels|test -p zero-llama --features cuda --test cuda_kernels --no-run"
     "llama_cuda_nvrtc|test:nvrtc|test -p zero-llama --features cuda --test nvrtc --no-run"
@@ -128,7 +130,7 @@ if [ "$mode" = build ]; then
   declare -A cwd=(
     [zero-core-lib]=zero-core [cuda_adamw]=zero-core [cuda_arena]=zero-core
     [cuda_streams]=zero-core [nvrtc]=zero-core [backend_conformance]=zero-core
-    [nccl]=zero-comm [nccl_device]=zero-comm [cuda-bench]=
+    [nccl]=zero-comm [nccl_device]=zero-comm [cuda_pin]=zero-offload [cuda-bench]=
     [llama_cuda]=examples/llama [llama_cuda_nvrtc]=examples/llama
   )
   for b in "${builds[@]}"; do
@@ -403,6 +405,7 @@ if [ "$mode" = cargo ]; then
   note "cargo: $CARGO ($("$CARGO" -V)); offline"
   step test-zero-core "$CARGO" test -p zero-core --features cuda
   step test-nccl "$CARGO" test -p zero-comm --no-default-features --features cuda --test nccl --test nccl_device
+  step test-cuda_pin "$CARGO" test -p zero-offload --features cuda --test cuda_pin
   step test-llama_cuda "$CARGO" test -p zero-llama --features cuda --test cuda_kernels --test nvrtc
   step bench-cuda "$CARGO" bench -p zero --no-default-features --features cuda --bench cuda -- "${bench_args[@]}"
 else

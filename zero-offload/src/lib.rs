@@ -27,6 +27,8 @@
 //! [`HostPool::account`] and [`SwapFile::account`].
 #![deny(unsafe_op_in_unsafe_fn)]
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod host;
 pub mod nvme;
 pub mod space;
