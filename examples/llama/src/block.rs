@@ -28,13 +28,25 @@ pub struct BlockParams<'a> {
     pub attn_norm: &'a [f32],
     /// `post_attention_layernorm`.
     pub mlp_norm: &'a [f32],
+    /// `self_attn.q_proj.bias` (Qwen2), `[n_heads*hd]`.
+    pub bq: Option<&'a [f32]>,
+    /// `self_attn.k_proj.bias`, `[n_kv_heads*hd]`.
+    pub bk: Option<&'a [f32]>,
+    /// `self_attn.v_proj.bias`, `[n_kv_heads*hd]`.
+    pub bv: Option<&'a [f32]>,
 }
 
 impl<'a> BlockParams<'a> {
     /// From slices in [`super::block_tensors`] order (q, k, v, o, gate, up,
-    /// down, input_layernorm, post_attention_layernorm).
+    /// down, input_layernorm, post_attention_layernorm, then the q, k and v
+    /// biases when there are 12).
     pub fn from_slices(p: &[&'a [f32]]) -> Self {
-        assert_eq!(p.len(), 9, "a block has 9 tensors");
+        assert!(
+            p.len() == 9 || p.len() == 12,
+            "a block has 9 tensors, or 12 with q/k/v biases, not {}",
+            p.len()
+        );
+        let bias = |i: usize| p.get(i).copied();
         BlockParams {
             wq: p[0],
             wk: p[1],
@@ -45,6 +57,9 @@ impl<'a> BlockParams<'a> {
             down: p[6],
             attn_norm: p[7],
             mlp_norm: p[8],
+            bq: bias(9),
+            bk: bias(10),
+            bv: bias(11),
         }
     }
 }
@@ -69,12 +84,14 @@ pub struct BlockGrads {
     pub attn_norm: Vec<f32>,
     /// Gradient of `post_attention_layernorm`.
     pub mlp_norm: Vec<f32>,
+    /// Gradients of the q, k and v biases, when the block has them.
+    pub qkv_bias: Option<[Vec<f32>; 3]>,
 }
 
 impl BlockGrads {
     /// In [`super::block_tensors`] order.
     pub fn into_vec(self) -> Vec<Vec<f32>> {
-        vec![
+        let mut v = vec![
             self.wq,
             self.wk,
             self.wv,
@@ -84,7 +101,9 @@ impl BlockGrads {
             self.down,
             self.attn_norm,
             self.mlp_norm,
-        ]
+        ];
+        v.extend(self.qkv_bias.into_iter().flatten());
+        v
     }
 }
 
@@ -158,7 +177,12 @@ impl Block {
         let (xn1, inv1) = rmsnorm_forward(x, p.attn_norm, c.norm_eps);
         let mut q = linear_forward(&xn1, p.wq, rows, dim, qd, th);
         let mut k = linear_forward(&xn1, p.wk, rows, dim, kd, th);
-        let v = linear_forward(&xn1, p.wv, rows, dim, kd, th);
+        let mut v = linear_forward(&xn1, p.wv, rows, dim, kd, th);
+        for (y, b) in [(&mut q, p.bq), (&mut k, p.bk), (&mut v, p.bv)] {
+            if let Some(b) = b {
+                add_bias(y, b);
+            }
+        }
         self.rope.forward(&mut q, seq, c.n_heads);
         self.rope.forward(&mut k, seq, c.n_kv_heads);
         let (attn, probs) = attention_forward(&q, &k, &v, self.shape(batch, seq), th);
@@ -249,6 +273,15 @@ impl Block {
         );
         self.rope.backward(&mut dq, cache.seq, c.n_heads);
         self.rope.backward(&mut dk, cache.seq, c.n_kv_heads);
+        // The biases' gradients: column sums of the projections' output
+        // gradients (before RoPE, where the bias is added).
+        let qkv_bias = p.bq.map(|_| {
+            let mut g = [vec![0.0; qd], vec![0.0; kd], vec![0.0; kd]];
+            for (gb, d) in g.iter_mut().zip([&dq, &dk, &dv]) {
+                bias_backward(d, gb);
+            }
+            g
+        });
         let mut dxn1 = vec![0.0; rows * dim];
         let mut wq = vec![0.0; p.wq.len()];
         let mut wk = vec![0.0; p.wk.len()];
@@ -299,6 +332,7 @@ impl Block {
             down: sg.w2,
             attn_norm,
             mlp_norm,
+            qkv_bias,
         };
         (dx, grads)
     }

@@ -37,8 +37,14 @@ pub struct Config {
     pub max_seq: usize,
     /// RMSNorm epsilon.
     pub norm_eps: f32,
-    /// RoPE base frequency.
+    /// RoPE base frequency (`rope_theta`).
     pub rope_theta: f64,
+    /// Biases on the q, k and v projections (Qwen2; Llama's `attention_bias`).
+    pub qkv_bias: bool,
+    /// The LM head is the embedding table (`tie_word_embeddings`): the
+    /// model has no `lm_head.weight`, and the embedding's gradient sums both
+    /// uses.
+    pub tie_embeddings: bool,
 }
 
 impl Config {
@@ -54,6 +60,8 @@ impl Config {
             max_seq: 128,
             norm_eps: 1e-5,
             rope_theta: 10000.0,
+            qkv_bias: false,
+            tie_embeddings: false,
         }
     }
 
@@ -69,12 +77,49 @@ impl Config {
             max_seq: 1024,
             norm_eps: 1e-5,
             rope_theta: 10000.0,
+            qkv_bias: false,
+            tie_embeddings: false,
         }
     }
 
     /// Width of one attention head: `dim / n_heads`.
     pub fn head_dim(&self) -> usize {
         self.dim / self.n_heads
+    }
+
+    /// Tensors per transformer block: 9, or 12 with q/k/v biases.
+    pub fn block_len(&self) -> usize {
+        if self.qkv_bias {
+            12
+        } else {
+            9
+        }
+    }
+
+    /// The positions of layer `l`'s tensors in [`tensors`].
+    pub fn layer_range(&self, l: usize) -> std::ops::Range<usize> {
+        let n = self.block_len();
+        1 + n * l..1 + n * (l + 1)
+    }
+
+    /// The position of `model.norm.weight` in [`tensors`].
+    pub fn norm_index(&self) -> usize {
+        1 + self.block_len() * self.n_layers
+    }
+
+    /// The position of the LM head's weight in [`tensors`]: the embedding
+    /// (0) when tied, else `lm_head.weight`, the last tensor.
+    pub fn head_index(&self) -> usize {
+        if self.tie_embeddings {
+            0
+        } else {
+            self.norm_index() + 1
+        }
+    }
+
+    /// Number of tensors of the model.
+    pub fn tensor_count(&self) -> usize {
+        self.norm_index() + 1 + usize::from(!self.tie_embeddings)
     }
 
     /// Panics on inconsistent sizes.
@@ -103,6 +148,8 @@ pub enum Kind {
     Linear,
     /// An RMSNorm weight: ones.
     Norm,
+    /// A projection bias: zeros.
+    Bias,
 }
 
 /// One named parameter tensor.
@@ -123,7 +170,8 @@ impl TensorInfo {
     }
 }
 
-/// The 9 tensors of layer `i`, in [`BlockParams::from_slices`] order.
+/// The tensors of layer `i`, in [`BlockParams::from_slices`] order: the 9
+/// weights, then the q, k and v biases when `cfg.qkv_bias`.
 pub fn block_tensors(cfg: &Config, i: usize) -> Vec<TensorInfo> {
     let hd = cfg.head_dim();
     let (d, qd, kd, h) = (cfg.dim, cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.hidden);
@@ -132,7 +180,7 @@ pub fn block_tensors(cfg: &Config, i: usize) -> Vec<TensorInfo> {
         shape,
         kind,
     };
-    vec![
+    let mut v = vec![
         t("self_attn.q_proj.weight", vec![qd, d], Kind::Linear),
         t("self_attn.k_proj.weight", vec![kd, d], Kind::Linear),
         t("self_attn.v_proj.weight", vec![kd, d], Kind::Linear),
@@ -142,11 +190,20 @@ pub fn block_tensors(cfg: &Config, i: usize) -> Vec<TensorInfo> {
         t("mlp.down_proj.weight", vec![d, h], Kind::Linear),
         t("input_layernorm.weight", vec![d], Kind::Norm),
         t("post_attention_layernorm.weight", vec![d], Kind::Norm),
-    ]
+    ];
+    if cfg.qkv_bias {
+        v.extend([
+            t("self_attn.q_proj.bias", vec![qd], Kind::Bias),
+            t("self_attn.k_proj.bias", vec![kd], Kind::Bias),
+            t("self_attn.v_proj.bias", vec![kd], Kind::Bias),
+        ]);
+    }
+    v
 }
 
 /// Every tensor of the model: `model.embed_tokens.weight`, the layers in
-/// order, `model.norm.weight`, `lm_head.weight` (untied).
+/// order, `model.norm.weight`, and `lm_head.weight` unless the embeddings
+/// are tied.
 pub fn tensors(cfg: &Config) -> Vec<TensorInfo> {
     let mut v = vec![TensorInfo {
         name: "model.embed_tokens.weight".into(),
@@ -161,11 +218,13 @@ pub fn tensors(cfg: &Config) -> Vec<TensorInfo> {
         shape: vec![cfg.dim],
         kind: Kind::Norm,
     });
-    v.push(TensorInfo {
-        name: "lm_head.weight".into(),
-        shape: vec![cfg.vocab, cfg.dim],
-        kind: Kind::Linear,
-    });
+    if !cfg.tie_embeddings {
+        v.push(TensorInfo {
+            name: "lm_head.weight".into(),
+            shape: vec![cfg.vocab, cfg.dim],
+            kind: Kind::Linear,
+        });
+    }
     v
 }
 
@@ -206,13 +265,15 @@ impl XorShift {
     }
 }
 
-/// Initial values for every tensor: normal(0, 0.02) matrices, unit norms.
+/// Initial values for every tensor: normal(0, 0.02) matrices, unit norms,
+/// zero biases.
 pub fn init_params(cfg: &Config, seed: u64) -> Vec<Vec<f32>> {
     let mut rng = XorShift::new(seed);
     tensors(cfg)
         .iter()
         .map(|t| match t.kind {
             Kind::Norm => vec![1.0; t.numel()],
+            Kind::Bias => vec![0.0; t.numel()],
             _ => (0..t.numel()).map(|_| 0.02 * rng.normal()).collect(),
         })
         .collect()
@@ -270,21 +331,20 @@ impl Model {
         seq: usize,
     ) -> (f32, ModelCache) {
         let c = &self.cfg;
-        assert_eq!(params.len(), 3 + 9 * c.n_layers);
+        assert_eq!(params.len(), c.tensor_count());
         assert_eq!(tokens.len(), batch * seq);
         let mut x = ops::embedding_forward(params[0], tokens, c.dim);
         let mut blocks = Vec::with_capacity(c.n_layers);
         for l in 0..c.n_layers {
-            let p = BlockParams::from_slices(&params[1 + 9 * l..10 + 9 * l]);
+            let p = BlockParams::from_slices(&params[c.layer_range(l)]);
             let cache = self.block.forward(&p, &x, batch, seq);
             x = cache.y.clone();
             blocks.push(cache);
         }
-        let n = params.len();
-        let (xn, inv) = ops::rmsnorm_forward(&x, params[n - 2], c.norm_eps);
+        let (xn, inv) = ops::rmsnorm_forward(&x, params[c.norm_index()], c.norm_eps);
         let logits = ops::linear_forward(
             &xn,
-            params[n - 1],
+            params[c.head_index()],
             batch * seq,
             c.dim,
             c.vocab,
@@ -305,17 +365,20 @@ impl Model {
     }
 
     /// Gradients of the mean loss for every tensor, in [`tensors`] order.
+    /// With tied embeddings the embedding's gradient is the sum of its
+    /// lookup's and the LM head's.
     pub fn backward(&self, params: &[&[f32]], cache: &ModelCache) -> Vec<Vec<f32>> {
         let c = &self.cfg;
         let n = params.len();
+        let (norm, head) = (c.norm_index(), c.head_index());
         let rows = cache.batch * cache.seq;
         let mut grads: Vec<Vec<f32>> = vec![Vec::new(); n];
-        let mut dhead = vec![0.0; params[n - 1].len()];
+        let mut dhead = vec![0.0; params[head].len()];
         let mut dxn = vec![0.0; rows * c.dim];
         ops::linear_backward(
             &cache.dlogits,
             &cache.xn,
-            params[n - 1],
+            params[head],
             &mut dhead,
             &mut dxn,
             (rows, c.dim, c.vocab),
@@ -326,22 +389,27 @@ impl Model {
         ops::rmsnorm_backward(
             &dxn,
             &cache.hf,
-            params[n - 2],
+            params[norm],
             &cache.inv,
             &mut dx,
             &mut dnorm,
         );
-        grads[n - 1] = dhead;
-        grads[n - 2] = dnorm;
+        grads[norm] = dnorm;
         for l in (0..c.n_layers).rev() {
-            let p = BlockParams::from_slices(&params[1 + 9 * l..10 + 9 * l]);
+            let range = c.layer_range(l);
+            let p = BlockParams::from_slices(&params[range.clone()]);
             let (d, g) = self.block.backward(&p, &cache.blocks[l], &dx);
             dx = d;
-            for (i, t) in g.into_vec().into_iter().enumerate() {
-                grads[1 + 9 * l + i] = t;
+            for (slot, t) in grads[range].iter_mut().zip(g.into_vec()) {
+                *slot = t;
             }
         }
-        let mut demb = vec![0.0; params[0].len()];
+        let mut demb = if c.tie_embeddings {
+            dhead
+        } else {
+            grads[head] = dhead;
+            vec![0.0; params[0].len()]
+        };
         ops::embedding_backward(&dx, &cache.tokens, c.dim, &mut demb);
         grads[0] = demb;
         grads

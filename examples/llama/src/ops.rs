@@ -233,6 +233,37 @@ pub fn linear_backward(
     matmul(dx, dy, w, Mm::new(rows, d_in, d_out).acc().threads(threads));
 }
 
+/// Adds the bias `b` `[out]` to every row of `y` `[rows, out]`.
+pub fn add_bias(y: &mut [f32], b: &[f32]) {
+    assert!(
+        !b.is_empty() && y.len().is_multiple_of(b.len()),
+        "add_bias: {} values are not rows of {}",
+        y.len(),
+        b.len()
+    );
+    for row in y.chunks_exact_mut(b.len()) {
+        for (v, bi) in row.iter_mut().zip(b) {
+            *v += bi;
+        }
+    }
+}
+
+/// Backward of [`add_bias`]: accumulates the column sums of `dy`
+/// `[rows, out]` into `db` `[out]`, rows in order.
+pub fn bias_backward(dy: &[f32], db: &mut [f32]) {
+    assert!(
+        !db.is_empty() && dy.len().is_multiple_of(db.len()),
+        "bias_backward: {} values are not rows of {}",
+        dy.len(),
+        db.len()
+    );
+    for row in dy.chunks_exact(db.len()) {
+        for (g, d) in db.iter_mut().zip(row) {
+            *g += d;
+        }
+    }
+}
+
 // ---------------------------------------------------------------- embedding
 
 /// Gathers rows of `table` `[vocab, dim]` for `tokens`.

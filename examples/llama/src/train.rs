@@ -9,7 +9,11 @@
 //! |---|---|
 //! | `model.embed_tokens` | `model.embed_tokens.weight` |
 //! | `model.layers.{i}` | the 9 tensors of [`super::block_tensors`] |
-//! | `lm_head` | `model.norm.weight`, `lm_head.weight` |
+//! | `lm_head` | `model.norm.weight`, `lm_head.weight` (only the norm when tied) |
+//!
+//! With tied embeddings (`Config::tie_embeddings`) the LM head reads the
+//! embedding unit, gathered a second time for the head, and the embedding's
+//! gradient is the head's plus the lookup's, handed to the engine once.
 //!
 //! Compute is f32 whatever the parameter dtype `T` (bf16 parameters, fp32
 //! accumulation): a unit's parameters are converted once per gather, its
@@ -73,8 +77,11 @@ fn inits(infos: &[TensorInfo], values: &mut dyn Iterator<Item = Option<Vec<f32>>
         .iter()
         .map(|t| match values.next().flatten() {
             Some(v) => Init::Values(Arc::from(v)),
-            None if t.kind == Kind::Norm => Init::Ones,
-            None => Init::normal(0.02),
+            None => match t.kind {
+                Kind::Norm => Init::Ones,
+                Kind::Bias => Init::Zeros,
+                Kind::Embedding | Kind::Linear => Init::normal(0.02),
+            },
         })
         .collect()
 }
@@ -150,7 +157,7 @@ impl SftModel {
                 inits(&infos, &mut values),
             )?);
         }
-        let head_info = &all[all.len() - 2..];
+        let head_info = &all[cfg.norm_index()..];
         let head = b.register(
             unit_spec("lm_head".into(), head_info),
             inits(head_info, &mut values),
@@ -246,7 +253,16 @@ impl SftModel {
         let bwd = tracer.span(rank, "backward", "compute");
         let picked: Vec<usize> = (0..rows).filter(|&r| targets[r] >= 0).collect();
         let (head, hp) = Self::fetch::<T, C>(e, self.head)?;
-        let (norm_w, head_w) = hp.split_at(c.dim);
+        // Tied: the LM head is the embedding table, gathered again.
+        let tied = if c.tie_embeddings {
+            Some(Self::fetch::<T, C>(e, self.embed)?)
+        } else {
+            None
+        };
+        let (norm_w, head_w) = match &tied {
+            Some((_, table)) => (&hp[..], &table[..]),
+            None => hp.split_at(c.dim),
+        };
         let mut hx = Vec::with_capacity(picked.len() * c.dim);
         for &r in &picked {
             hx.extend_from_slice(&x[r * c.dim..(r + 1) * c.dim]);
@@ -275,8 +291,16 @@ impl SftModel {
         let mut dnorm = vec![0.0; c.dim];
         let mut dhx = vec![0.0; hx.len()];
         ops::rmsnorm_backward(&dxn, &hx, norm_w, &inv, &mut dhx, &mut dnorm);
+        drop(tied);
         drop(head);
-        for (o, v) in g.iter_mut().zip(dnorm.iter().chain(&dhead)) {
+        // Tied: the head's share of the embedding's gradient waits for the
+        // lookup's (at the end of backward), in f32.
+        let (head_grad, mut demb) = if c.tie_embeddings {
+            (Vec::new(), dhead)
+        } else {
+            (dhead, vec![0.0; c.vocab * c.dim])
+        };
+        for (o, v) in g.iter_mut().zip(dnorm.iter().chain(&head_grad)) {
             *o = T::from_f32(*v);
         }
         e.grad_ready(self.head, g)?;
@@ -318,7 +342,6 @@ impl SftModel {
 
         // Embedding: its backward needs no parameters, so no gather.
         let mut g = e.grad_buffer::<T>(self.embed)?;
-        let mut demb = vec![0.0; c.vocab * c.dim];
         ops::embedding_backward(&dx, tokens, c.dim, &mut demb);
         for (o, v) in g.iter_mut().zip(&demb) {
             *o = T::from_f32(*v);
@@ -392,20 +415,20 @@ pub fn generate(
     stop: u32,
     threads: usize,
 ) -> Vec<Vec<u32>> {
-    let n = params.len();
+    let (norm, head) = (cfg.norm_index(), cfg.head_index());
     let (dim, hd) = (cfg.dim, cfg.head_dim());
     let (qd, kd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
     let group = cfg.n_heads / cfg.n_kv_heads;
     let layer = |l: usize| -> Vec<&[f32]> {
-        params[1 + 9 * l..10 + 9 * l]
+        params[cfg.layer_range(l)]
             .iter()
             .map(Vec::as_slice)
             .collect()
     };
     // The next token of each row of `x` `[b, dim]` (final norm, head, argmax).
     let next_tokens = |x: &[f32], b: usize| -> Vec<u32> {
-        let (xn, _) = ops::rmsnorm_forward(x, &params[n - 2], cfg.norm_eps);
-        let logits = ops::linear_forward(&xn, &params[n - 1], b, dim, cfg.vocab, threads);
+        let (xn, _) = ops::rmsnorm_forward(x, &params[norm], cfg.norm_eps);
+        let logits = ops::linear_forward(&xn, &params[head], b, dim, cfg.vocab, threads);
         logits
             .chunks_exact(cfg.vocab)
             .map(|row| {
@@ -473,7 +496,12 @@ pub fn generate(
                 let (xn, _) = ops::rmsnorm_forward(&x, p.attn_norm, cfg.norm_eps);
                 let mut q = ops::linear_forward(&xn, p.wq, b, dim, qd, threads);
                 let mut k = ops::linear_forward(&xn, p.wk, b, dim, kd, threads);
-                let v = ops::linear_forward(&xn, p.wv, b, dim, kd, threads);
+                let mut v = ops::linear_forward(&xn, p.wv, b, dim, kd, threads);
+                for (y, bias) in [(&mut q, p.bq), (&mut k, p.bk), (&mut v, p.bv)] {
+                    if let Some(bias) = bias {
+                        ops::add_bias(y, bias);
+                    }
+                }
                 rope_at(&block.rope, &mut q, pos, cfg.n_heads);
                 rope_at(&block.rope, &mut k, pos, cfg.n_kv_heads);
                 let mut attn = vec![0.0; b * qd];

@@ -1,4 +1,5 @@
-//! Loading HF-Llama weights from safetensors (`--init-from`), and saving them.
+//! Loading HF-Llama / Qwen2 weights from safetensors (`--init-from`, and
+//! the files of a Hugging Face directory, [`super::hf`]), and saving them.
 //!
 //! # Mapping
 //!
@@ -15,8 +16,10 @@
 //! `convert_llama_weights_to_hf.py` permutes them into this layout), and
 //! [`ops::Rope`](super::ops::Rope) uses the same convention.
 //!
-//! Not supported: tied embeddings (a file without `lm_head.weight`), biases,
-//! sharded checkpoints (`model-0000x-of-0000y.safetensors` plus an index).
+//! The config decides the list: q/k/v biases (`Config::qkv_bias`) and no
+//! `lm_head.weight` when the embeddings are tied. Sharded checkpoints
+//! (`model-0000x-of-0000y.safetensors` plus an index) are read and written
+//! by [`super::hf`] through [`SafetensorsFile`] and [`save_sharded`].
 //!
 //! # Reading
 //!
@@ -25,15 +28,18 @@
 //! `safetensors` crate's [`Metadata`]), then each needed tensor's byte range
 //! is read with seek + `read_exact` and converted to f32 (F32, BF16 and F16
 //! are accepted). `SafeTensors::read_metadata` is not used because it insists
-//! on a buffer holding the whole file. Tensors the model does not use (e.g.
-//! `model.layers.0.self_attn.rotary_emb.inv_freq` in older exports) are
-//! skipped and reported by [`load_with_report`].
+//! on a buffer holding the whole file. A tensor the model does not use is
+//! an error of [`load`] that names it, except derived buffers
+//! (`model.layers.0.self_attn.rotary_emb.inv_freq` in older exports);
+//! [`load_with_report`] returns such tensors instead.
 //!
 //! # Writing
 //!
 //! [`save`] writes the same names with `__metadata__ = {"format": "pt"}`
-//! (what `transformers` expects), as F32 or BF16, atomically: into
-//! `PATH.tmp`, fsync, rename.
+//! (what `transformers` expects), as F32, BF16 or F16, atomically: into
+//! `PATH.tmp`, fsync, rename. [`save_sharded`] splits the tensors over
+//! `model-0000k-of-0000n.safetensors` files with
+//! `model.safetensors.index.json`, as `transformers` does.
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
@@ -57,90 +63,182 @@ pub enum Dtype {
     F32,
     /// bfloat16, rounded to nearest even: half the size, what HF ships.
     Bf16,
+    /// IEEE half precision, rounded to nearest even.
+    F16,
 }
 
 impl Dtype {
-    fn st(self) -> safetensors::Dtype {
+    /// The safetensors dtype.
+    pub fn st(self) -> safetensors::Dtype {
         match self {
             Dtype::F32 => safetensors::Dtype::F32,
             Dtype::Bf16 => safetensors::Dtype::BF16,
+            Dtype::F16 => safetensors::Dtype::F16,
+        }
+    }
+
+    /// The dtype of a safetensors tensor, if it is one of ours.
+    pub fn from_st(d: safetensors::Dtype) -> Option<Self> {
+        match d {
+            safetensors::Dtype::F32 => Some(Dtype::F32),
+            safetensors::Dtype::BF16 => Some(Dtype::Bf16),
+            safetensors::Dtype::F16 => Some(Dtype::F16),
+            _ => None,
+        }
+    }
+
+    /// The name `transformers` gives it in `config.json` (`torch_dtype`).
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "float32",
+            Dtype::Bf16 => "bfloat16",
+            Dtype::F16 => "float16",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 | Dtype::F16 => 2,
         }
     }
 }
 
-/// [`load_with_report`] without the list of ignored tensors.
+/// [`load_with_report`], with a tensor the model does not use an error
+/// (naming it), except for derived buffers such as
+/// `rotary_emb.inv_freq` ([`is_derived_buffer`]).
 pub fn load(path: &Path, cfg: &Config) -> Result<Vec<Vec<f32>>, String> {
-    load_with_report(path, cfg).map(|(params, _)| params)
+    let (params, ignored) = load_with_report(path, cfg)?;
+    let unused: Vec<&String> = ignored.iter().filter(|n| !is_derived_buffer(n)).collect();
+    if let Some(first) = unused.first() {
+        return Err(format!(
+            "{}: tensor `{first}` is not used by the model{}{}",
+            path.display(),
+            more(unused.len()),
+            unused_hint(first, cfg)
+        ));
+    }
+    Ok(params)
 }
 
-/// Reads every tensor of [`tensors`]`(cfg)`, in that order, as
-/// f32 from the safetensors file at `path`. Also returns the names of the
-/// tensors in the file that the model does not use, sorted.
-///
-/// Errors name the file and what is wrong with it: unreadable, not a
-/// safetensors file, a tensor missing, a shape that does not match `cfg`, an
-/// unsupported dtype, or data cut short.
-pub fn load_with_report(path: &Path, cfg: &Config) -> Result<(Vec<Vec<f32>>, Vec<String>), String> {
-    let fail = |msg: String| format!("{}: {msg}", path.display());
-    let mut file = File::open(path).map_err(|e| fail(format!("cannot open: {e}")))?;
-    let file_len = file
-        .metadata()
-        .map_err(|e| fail(format!("cannot stat: {e}")))?
-        .len();
-    let (data_start, meta) = read_header(&mut file, file_len).map_err(|e| {
-        fail(format!(
-            "not a safetensors file ({e}; {file_len} bytes on disk)"
-        ))
-    })?;
-    let data_len = meta.data_len() as u64;
-    if data_start + data_len > file_len {
-        return Err(fail(format!(
-            "truncated: the header declares {data_len} bytes of tensor data, \
-             but only {} follow it",
-            file_len - data_start
-        )));
-    }
-    if data_start + data_len < file_len {
-        return Err(fail(format!(
-            "corrupt: {} bytes after the end of the tensor data",
-            file_len - data_start - data_len
-        )));
-    }
+/// Whether `name` is a buffer that the model computes itself and a
+/// checkpoint may carry anyway (older exports hold RoPE's `inv_freq`).
+pub fn is_derived_buffer(name: &str) -> bool {
+    name.ends_with(".rotary_emb.inv_freq")
+}
 
-    let wanted = tensors(cfg);
-    let missing: Vec<&str> = wanted
-        .iter()
-        .filter(|t| meta.info(&t.name).is_none())
-        .map(|t| t.name.as_str())
-        .collect();
-    if let Some(first) = missing.first() {
-        let more = match missing.len() {
-            1 => String::new(),
-            n => format!(" (and {} more)", n - 1),
-        };
-        return Err(fail(format!(
-            "tensor `{first}` not found{more}{}",
-            missing_hint(first, &meta, cfg)
-        )));
+/// ` (and N more)` for a list of `n` problems, or nothing for one.
+pub(crate) fn more(n: usize) -> String {
+    match n {
+        0 | 1 => String::new(),
+        n => format!(" (and {} more)", n - 1),
     }
+}
 
-    let mut params = Vec::with_capacity(wanted.len());
-    for t in &wanted {
-        let info = meta.info(&t.name).expect("checked above");
-        if info.shape != t.shape {
+/// Why an unused tensor might be there, as a suffix for the error.
+pub(crate) fn unused_hint(name: &str, cfg: &Config) -> String {
+    if name == "lm_head.weight" && cfg.tie_embeddings {
+        "; the config ties the LM head to the embeddings (tie_word_embeddings = true)".into()
+    } else if name.ends_with("_proj.bias") {
+        "; the config has no such bias (attention_bias / mlp_bias, or a Qwen2 model as llama?)"
+            .into()
+    } else if name.starts_with("model.layers.") {
+        format!("; the config has {} layers", cfg.n_layers)
+    } else {
+        String::new()
+    }
+}
+
+/// One safetensors file open for reading: its header parsed and checked
+/// against the file's length, tensors read one at a time.
+pub struct SafetensorsFile {
+    path: PathBuf,
+    file: File,
+    data_start: u64,
+    meta: Metadata,
+}
+
+impl SafetensorsFile {
+    /// Opens `path` and reads its header. Errors name the file: unreadable,
+    /// not a safetensors file, truncated, or with bytes after the data.
+    pub fn open(path: &Path) -> Result<Self, String> {
+        let fail = |msg: String| format!("{}: {msg}", path.display());
+        let mut file = File::open(path).map_err(|e| fail(format!("cannot open: {e}")))?;
+        let file_len = file
+            .metadata()
+            .map_err(|e| fail(format!("cannot stat: {e}")))?
+            .len();
+        let (data_start, meta) = read_header(&mut file, file_len).map_err(|e| {
+            fail(format!(
+                "not a safetensors file ({e}; {file_len} bytes on disk)"
+            ))
+        })?;
+        let data_len = meta.data_len() as u64;
+        if data_start + data_len > file_len {
             return Err(fail(format!(
-                "tensor `{}` has shape {:?}, but the config expects {:?}{}",
-                t.name,
-                info.shape,
-                t.shape,
-                shape_hint(&t.name, &info.shape, &t.shape)
+                "truncated: the header declares {data_len} bytes of tensor data, \
+                 but only {} follow it",
+                file_len - data_start
             )));
         }
+        if data_start + data_len < file_len {
+            return Err(fail(format!(
+                "corrupt: {} bytes after the end of the tensor data",
+                file_len - data_start - data_len
+            )));
+        }
+        Ok(SafetensorsFile {
+            path: path.to_path_buf(),
+            file,
+            data_start,
+            meta,
+        })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The parsed header.
+    pub fn metadata(&self) -> &Metadata {
+        &self.meta
+    }
+
+    /// The names of the file's tensors, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut v = self.meta.offset_keys();
+        v.sort();
+        v
+    }
+
+    /// The dtype of tensor `name`, if the file has it.
+    pub fn dtype(&self, name: &str) -> Option<safetensors::Dtype> {
+        self.meta.info(name).map(|i| i.dtype)
+    }
+
+    /// Reads tensor `name`, which must have shape `shape`, converted to f32
+    /// (F32, BF16 or F16). Errors name the file and the tensor.
+    pub fn read(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, String> {
+        let path = self.path.display();
+        let info = self
+            .meta
+            .info(name)
+            .ok_or_else(|| format!("{path}: tensor `{name}` not found"))?;
+        if info.shape != shape {
+            return Err(format!(
+                "{path}: tensor `{name}` has shape {:?}, but the config expects {shape:?}{}",
+                info.shape,
+                shape_hint(name, &info.shape, shape)
+            ));
+        }
         let (start, end) = info.data_offsets;
-        file.seek(SeekFrom::Start(data_start + start as u64))
-            .map_err(|e| fail(format!("cannot seek to tensor `{}`: {e}", t.name)))?;
-        let read_err = |e: std::io::Error| fail(format!("cannot read tensor `{}`: {e}", t.name));
-        let n = t.numel();
+        let n: usize = shape.iter().product();
+        let file = &mut self.file;
+        file.seek(SeekFrom::Start(self.data_start + start as u64))
+            .map_err(|e| format!("{path}: cannot seek to tensor `{name}`: {e}"))?;
+        let read_err = |e: std::io::Error| format!("{path}: cannot read tensor `{name}`: {e}");
         let values = match info.dtype {
             safetensors::Dtype::F32 => {
                 let mut v = vec![0f32; n];
@@ -162,24 +260,64 @@ pub fn load_with_report(path: &Path, cfg: &Config) -> Result<(Vec<Vec<f32>>, Vec
                     bits.map(|b| half::f16::from_bits(b).to_f32()).collect()
                 }
             }
-            other => {
-                return Err(fail(format!(
-                    "tensor `{}` has dtype {other:?}; only F32, BF16 and F16 are supported",
-                    t.name
-                )))
-            }
+            other => return Err(format!(
+                "{path}: tensor `{name}` has dtype {other:?}; only F32, BF16 and F16 are supported"
+            )),
         };
         debug_assert_eq!(end - start, n * info.dtype.bitsize() / 8);
-        params.push(values);
+        Ok(values)
     }
 
+    /// The raw little-endian bytes of tensor `name` as stored.
+    pub fn raw_bytes(&mut self, name: &str) -> Result<Vec<u8>, String> {
+        let path = self.path.display();
+        let info = self
+            .meta
+            .info(name)
+            .ok_or_else(|| format!("{path}: tensor `{name}` not found"))?;
+        let (start, end) = info.data_offsets;
+        let mut v = vec![0u8; end - start];
+        self.file
+            .seek(SeekFrom::Start(self.data_start + start as u64))
+            .and_then(|_| self.file.read_exact(&mut v))
+            .map_err(|e| format!("{path}: cannot read tensor `{name}`: {e}"))?;
+        Ok(v)
+    }
+}
+
+/// Reads every tensor of [`tensors`]`(cfg)`, in that order, as
+/// f32 from the safetensors file at `path`. Also returns the names of the
+/// tensors in the file that the model does not use, sorted.
+///
+/// Errors name the file and what is wrong with it: unreadable, not a
+/// safetensors file, a tensor missing, a shape that does not match `cfg`, an
+/// unsupported dtype, or data cut short.
+pub fn load_with_report(path: &Path, cfg: &Config) -> Result<(Vec<Vec<f32>>, Vec<String>), String> {
+    let mut f = SafetensorsFile::open(path)?;
+    let wanted = tensors(cfg);
+    let missing: Vec<&str> = wanted
+        .iter()
+        .filter(|t| f.meta.info(&t.name).is_none())
+        .map(|t| t.name.as_str())
+        .collect();
+    if let Some(first) = missing.first() {
+        return Err(format!(
+            "{}: tensor `{first}` not found{}{}",
+            path.display(),
+            more(missing.len()),
+            missing_hint(first, &f.meta, cfg)
+        ));
+    }
+    let params = wanted
+        .iter()
+        .map(|t| f.read(&t.name, &t.shape))
+        .collect::<Result<Vec<_>, _>>()?;
     let used: HashSet<&str> = wanted.iter().map(|t| t.name.as_str()).collect();
-    let mut ignored: Vec<String> = meta
-        .offset_keys()
+    let ignored: Vec<String> = f
+        .names()
         .into_iter()
         .filter(|k| !used.contains(k.as_str()))
         .collect();
-    ignored.sort();
     Ok((params, ignored))
 }
 
@@ -210,8 +348,11 @@ fn read_header(file: &mut File, file_len: u64) -> Result<(u64, Metadata), String
 fn missing_hint(name: &str, meta: &Metadata, cfg: &Config) -> String {
     if name == "lm_head.weight" && meta.info("model.embed_tokens.weight").is_some() {
         return "; the model probably ties lm_head to the embeddings \
-                (tie_word_embeddings = true), which is not supported"
+                (tie_word_embeddings = true in its config.json)"
             .into();
+    }
+    if name.ends_with("_proj.bias") {
+        return "; the config has q/k/v biases (Qwen2), the file does not".into();
     }
     if name.starts_with("model.layers.") {
         let layers = meta
@@ -242,6 +383,8 @@ fn shape_hint(name: &str, file: &[usize], want: &[usize]) -> String {
     let leaf = name.rsplit('.').nth(1).unwrap_or(name);
     let dims: &[&str] = match leaf {
         "embed_tokens" | "lm_head" => &["vocab", "dim"],
+        "q_proj" if name.ends_with(".bias") => &["n_heads * head_dim"],
+        "k_proj" | "v_proj" if name.ends_with(".bias") => &["n_kv_heads * head_dim"],
         "q_proj" => &["n_heads * head_dim", "dim"],
         "k_proj" | "v_proj" => &["n_kv_heads * head_dim", "dim"],
         "o_proj" => &["dim", "n_heads * head_dim"],
@@ -288,6 +431,12 @@ impl View for Out<'_> {
                     .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
                     .collect(),
             ),
+            Dtype::F16 => Cow::Owned(
+                self.data
+                    .iter()
+                    .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                    .collect(),
+            ),
         }
     }
     fn data_len(&self) -> usize {
@@ -305,6 +454,76 @@ pub fn save<P: AsRef<[f32]>>(
     params: &[P],
     dtype: Dtype,
 ) -> Result<(), String> {
+    let infos = checked_infos(path, cfg, params)?;
+    let all: Vec<usize> = (0..infos.len()).collect();
+    write_file(path, &infos, params, &all, dtype)
+}
+
+/// The file names and the index of [`save_sharded`].
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Writes `params` (in [`tensors`]`(cfg)` order) into directory `dir` as
+/// `transformers` does: one `model.safetensors` when the tensors take at
+/// most `max_shard_bytes` as `dtype`, else `model-0000k-of-0000n.safetensors`
+/// files of at most that size each (a bigger tensor gets a file of its
+/// own), in tensor order, and `model.safetensors.index.json` with
+/// `metadata.total_size` and the `weight_map`. Each file is atomic
+/// ([`save`]); returns the names of the files written.
+pub fn save_sharded<P: AsRef<[f32]>>(
+    dir: &Path,
+    cfg: &Config,
+    params: &[P],
+    dtype: Dtype,
+    max_shard_bytes: u64,
+) -> Result<Vec<String>, String> {
+    let infos = checked_infos(dir, cfg, params)?;
+    let bytes = |i: usize| (infos[i].numel() * dtype.size()) as u64;
+    let total: u64 = (0..infos.len()).map(bytes).sum();
+    if total <= max_shard_bytes {
+        let name = "model.safetensors".to_string();
+        let all: Vec<usize> = (0..infos.len()).collect();
+        write_file(&dir.join(&name), &infos, params, &all, dtype)?;
+        return Ok(vec![name]);
+    }
+    let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut size = 0u64;
+    for i in 0..infos.len() {
+        let last = shards.last_mut().expect("one shard at least");
+        if !last.is_empty() && size + bytes(i) > max_shard_bytes {
+            shards.push(vec![i]);
+            size = bytes(i);
+        } else {
+            last.push(i);
+            size += bytes(i);
+        }
+    }
+    let n = shards.len();
+    let mut names = Vec::with_capacity(n + 1);
+    let mut weight_map = serde_json::Map::new();
+    for (k, shard) in shards.iter().enumerate() {
+        let name = format!("model-{:05}-of-{n:05}.safetensors", k + 1);
+        write_file(&dir.join(&name), &infos, params, shard, dtype)?;
+        for &i in shard {
+            weight_map.insert(infos[i].name.clone(), name.clone().into());
+        }
+        names.push(name);
+    }
+    let index = serde_json::json!({
+        "metadata": { "total_size": total },
+        "weight_map": weight_map,
+    });
+    let text = serde_json::to_string_pretty(&index).expect("JSON of strings and numbers");
+    write_atomic(&dir.join(INDEX_FILE), text.as_bytes())?;
+    names.push(INDEX_FILE.to_string());
+    Ok(names)
+}
+
+/// The tensor list of `cfg` after checking that `params` fits it.
+fn checked_infos<P: AsRef<[f32]>>(
+    path: &Path,
+    cfg: &Config,
+    params: &[P],
+) -> Result<Vec<super::TensorInfo>, String> {
     let fail = |msg: String| format!("{}: {msg}", path.display());
     let infos = tensors(cfg);
     if params.len() != infos.len() {
@@ -325,19 +544,28 @@ pub fn save<P: AsRef<[f32]>>(
             )));
         }
     }
-    let views = infos.iter().zip(params).map(|(t, p)| {
+    Ok(infos)
+}
+
+/// Writes tensors `which` of `infos`/`params` to `path`, atomically.
+fn write_file<P: AsRef<[f32]>>(
+    path: &Path,
+    infos: &[super::TensorInfo],
+    params: &[P],
+    which: &[usize],
+    dtype: Dtype,
+) -> Result<(), String> {
+    let fail = |msg: String| format!("{}: {msg}", path.display());
+    let views = which.iter().map(|&i| {
         let out = Out {
-            data: p.as_ref(),
-            shape: &t.shape,
+            data: params[i].as_ref(),
+            shape: &infos[i].shape,
             dtype,
         };
-        (t.name.as_str(), out)
+        (infos[i].name.as_str(), out)
     });
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
+    let tmp = tmp_path(path);
     let written = safetensors::serialize_to_file(views, Some(meta), &tmp)
         .map_err(|e| e.to_string())
         .and_then(|()| {
@@ -351,9 +579,39 @@ pub fn save<P: AsRef<[f32]>>(
         let _ = std::fs::remove_file(&tmp);
         return Err(fail(format!("cannot write {}: {e}", tmp.display())));
     }
-    std::fs::rename(&tmp, path).map_err(|e| {
+    rename_into_place(&tmp, path)
+}
+
+/// `PATH.tmp`.
+fn tmp_path(path: &Path) -> PathBuf {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    PathBuf::from(tmp)
+}
+
+/// Writes `bytes` to `path` atomically: `PATH.tmp`, fsync, rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    let tmp = tmp_path(path);
+    let written = File::create(&tmp).and_then(|mut f| {
+        std::io::Write::write_all(&mut f, bytes)?;
+        f.sync_all()
+    });
+    if let Err(e) = written {
         let _ = std::fs::remove_file(&tmp);
-        fail(format!("cannot rename {} into place: {e}", tmp.display()))
+        return Err(format!("{}: cannot write: {e}", tmp.display()));
+    }
+    rename_into_place(&tmp, path)
+}
+
+/// Renames `tmp` over `path` and syncs the directory (best effort).
+fn rename_into_place(tmp: &Path, path: &Path) -> Result<(), String> {
+    std::fs::rename(tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(tmp);
+        format!(
+            "{}: cannot rename {} into place: {e}",
+            path.display(),
+            tmp.display()
+        )
     })?;
     // Make the rename itself durable (best effort: not every platform lets a
     // directory be opened).

@@ -396,11 +396,27 @@ fn block_cfg() -> Config {
 
 #[test]
 fn block_grad() {
-    let cfg = block_cfg();
+    check_block_grad(block_cfg());
+}
+
+/// Qwen2's block: q/k/v biases (12 tensors), their gradients the column
+/// sums of the projections' output gradients before RoPE.
+#[test]
+fn block_grad_with_qkv_bias() {
+    check_block_grad(Config {
+        qkv_bias: true,
+        ..block_cfg()
+    });
+}
+
+/// The block's input and parameter gradients of `cfg` against finite
+/// differences (biases, when present, random and nonzero).
+fn check_block_grad(cfg: Config) {
     let block = Block::new(cfg, 1);
     let (batch, seq) = (2, 5);
     let mut rng = XorShift::new(8);
     let infos = llama::block_tensors(&cfg, 0);
+    assert_eq!(infos.len(), cfg.block_len());
     let params: Vec<Vec<f32>> = infos
         .iter()
         .map(|t| match t.kind {
@@ -474,6 +490,79 @@ fn model_grad_embedding_and_head() {
             },
         );
     }
+}
+
+/// Tied embeddings and q/k/v biases: the embedding's gradient (lookup and
+/// LM head summed), a layer's biases, the last layer's q weight and the
+/// final norm against finite differences.
+#[test]
+fn model_grad_tied_embeddings_and_biases() {
+    let cfg = Config {
+        qkv_bias: true,
+        tie_embeddings: true,
+        ..block_cfg()
+    };
+    let model = Model::new(cfg, 1);
+    let (batch, seq) = (2, 4);
+    let mut rng = XorShift::new(21);
+    let params: Vec<Vec<f32>> = llama::tensors(&cfg)
+        .iter()
+        .map(|t| match t.kind {
+            llama::Kind::Norm => (0..t.numel()).map(|_| 5.0 + rng.normal()).collect(),
+            _ => randv(&mut rng, t.numel(), 0.1),
+        })
+        .collect();
+    assert_eq!(params.len(), cfg.tensor_count());
+    assert_eq!(cfg.head_index(), 0);
+    let tokens = [1u32, 5, 5, 12, 0, 3, 7, 1];
+    let targets = [5, 5, 12, IGNORE_INDEX, 3, 7, 1, 2];
+    let loss = |ps: &[Vec<f32>]| {
+        let sl: Vec<&[f32]> = ps.iter().map(Vec::as_slice).collect();
+        model.forward(&sl, &tokens, &targets, batch, seq).0 as f64
+    };
+    let sl: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
+    let (_, cache) = model.forward(&sl, &tokens, &targets, batch, seq);
+    let grads = model.backward(&sl, &cache);
+    let l1 = cfg.layer_range(1);
+    let checked = [0, 10, 11, 12, l1.start, l1.end - 3, cfg.norm_index()];
+    for t in checked {
+        check(
+            &format!("tied model[{t}]"),
+            &grads[t],
+            40,
+            500 + t as u64,
+            |i, d| {
+                let mut ps = params.clone();
+                ps[t][i] += d;
+                loss(&ps)
+            },
+        );
+    }
+}
+
+#[test]
+fn tensor_list_with_biases_and_tied_embeddings() {
+    let cfg = Config {
+        qkv_bias: true,
+        tie_embeddings: true,
+        ..Config::tiny()
+    };
+    let t = llama::tensors(&cfg);
+    assert_eq!(t.len(), 2 + 12 * cfg.n_layers);
+    assert_eq!(t.len(), cfg.tensor_count());
+    assert_eq!(t[10].name, "model.layers.0.self_attn.q_proj.bias");
+    assert_eq!(t[10].shape, vec![64]);
+    assert_eq!(t[11].shape, vec![32]); // k_proj.bias: 2 kv heads × 16
+    assert_eq!(t[12].name, "model.layers.0.self_attn.v_proj.bias");
+    assert_eq!(t[13].name, "model.layers.1.self_attn.q_proj.weight");
+    assert_eq!(t[t.len() - 1].name, "model.norm.weight");
+    assert_eq!(cfg.norm_index(), t.len() - 1);
+    assert!(t.iter().all(|x| x.name != "lm_head.weight"));
+    let untied = Config::tiny();
+    assert_eq!(
+        llama::param_count(&cfg),
+        llama::param_count(&untied) - 256 * 64 + 2 * (64 + 32 + 32)
+    );
 }
 
 #[test]

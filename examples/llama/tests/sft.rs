@@ -103,10 +103,9 @@ fn micro_batch(
 /// forward pass of every block over the whole prefix.
 fn last_logits(cfg: &Config, block: &Block, params: &[Vec<f32>], tokens: &[u32]) -> Vec<f32> {
     let len = tokens.len();
-    let n = params.len();
     let mut x = llama::ops::embedding_forward(&params[0], tokens, cfg.dim);
     for l in 0..cfg.n_layers {
-        let refs: Vec<&[f32]> = params[1 + 9 * l..10 + 9 * l]
+        let refs: Vec<&[f32]> = params[cfg.layer_range(l)]
             .iter()
             .map(Vec::as_slice)
             .collect();
@@ -115,8 +114,15 @@ fn last_logits(cfg: &Config, block: &Block, params: &[Vec<f32>], tokens: &[u32])
             .y;
     }
     let last = &x[(len - 1) * cfg.dim..];
-    let (xn, _) = llama::ops::rmsnorm_forward(last, &params[n - 2], cfg.norm_eps);
-    llama::ops::linear_forward(&xn, &params[n - 1], 1, cfg.dim, cfg.vocab, THREADS)
+    let (xn, _) = llama::ops::rmsnorm_forward(last, &params[cfg.norm_index()], cfg.norm_eps);
+    llama::ops::linear_forward(
+        &xn,
+        &params[cfg.head_index()],
+        1,
+        cfg.dim,
+        cfg.vocab,
+        THREADS,
+    )
 }
 
 /// The index of the first largest value.
@@ -156,10 +162,20 @@ fn naive_generate(
 
 /// The KV-cache decode gives the tokens of the naive decode, for prompts of
 /// several lengths (two of equal length decode as one batch), one whose
-/// budget is cut by `max_seq`, and with a stop token that occurs.
+/// budget is cut by `max_seq`, and with a stop token that occurs; also
+/// with q/k/v biases and tied embeddings.
 #[test]
 fn generate_matches_naive_decode() {
-    let cfg = tiny(20);
+    let plain = tiny(20);
+    check_generate(plain);
+    check_generate(Config {
+        qkv_bias: true,
+        tie_embeddings: true,
+        ..plain
+    });
+}
+
+fn check_generate(cfg: Config) {
     let block = Block::new(cfg, THREADS);
     let max_new = 10;
     let prompts = vec![
@@ -511,14 +527,28 @@ fn assert_close_per_tensor(cfg: &Config, got: &[f32], want: &[f32], rtol: f32, w
 /// loss of [`Model::forward`] on the same parameters and batch, and the
 /// gradient the engine applies is [`Model::backward`]'s (the mean over
 /// ranks with 2); `register` with initial values and `snapshot` keep
-/// [`tensors`] order.
+/// [`tensors`] order. Also with Qwen2's q/k/v biases and tied embeddings
+/// (the embedding unit gathered twice, its gradient summed over both uses).
 #[test]
 fn loss_and_gradients_match_the_model_core() {
     let train = train_set();
-    let cfg = tiny(seq_len(&train));
-    let init = random_params(&cfg, 11, 0.1);
-    for (world, stage) in [(1usize, 0u8), (2, 3)] {
-        let what = format!("world {world} stage {stage}");
+    let plain = tiny(seq_len(&train));
+    let qwen = Config {
+        qkv_bias: true,
+        tie_embeddings: true,
+        ..plain
+    };
+    for (cfg, world, stage) in [
+        (plain, 1usize, 0u8),
+        (plain, 2, 3),
+        (qwen, 1, 0),
+        (qwen, 2, 3),
+    ] {
+        let init = random_params(&cfg, 11, 0.1);
+        let what = format!(
+            "world {world} stage {stage} (biases {}, tied {})",
+            cfg.qkv_bias, cfg.tie_embeddings
+        );
         let refs = ThreadGroup::run(world, |comm| reference_rank(comm, stage, cfg, &init))
             .expect("ranks ran")
             .into_iter()
@@ -627,6 +657,44 @@ fn stages_and_offload_are_bit_identical() {
     let left = files_left(&dir);
     assert!(left.is_empty(), "swap files left behind: {left:?}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Qwen2's shape (q/k/v biases, tied embeddings: the embedding unit is
+/// gathered twice per forward): bf16 on 2 ranks, 3 steps, stages 1–3 and
+/// stage 3 with parameter offload give stage 0's run bit for bit; stage 3
+/// keeps its gather order.
+#[test]
+fn tied_embeddings_and_biases_are_bit_identical_across_stages() {
+    let model_cfg = Config {
+        qkv_bias: true,
+        tie_embeddings: true,
+        ..model_config()
+    };
+    let world = 2;
+    let opts = Opts::steps(3);
+    let base = run(
+        world,
+        &engine_config(world, 0, 1, Precision::Bf16),
+        model_cfg,
+        opts,
+    );
+    assert_ranks_agree(&base, "stage 0");
+    for (stage, param) in [
+        (1u8, OffloadDevice::None),
+        (2, OffloadDevice::None),
+        (3, OffloadDevice::None),
+        (3, OffloadDevice::Cpu),
+    ] {
+        let mut c = engine_config(world, stage, 1, Precision::Bf16);
+        c.zero.offload_param.device = param;
+        let what = format!("tied: stage {stage} offload_param {param:?} vs stage 0");
+        let t = run(world, &c, model_cfg, opts);
+        assert_ranks_agree(&t, &what);
+        assert_same_run(&base, &t, &what);
+        if stage == 3 {
+            assert_steady_gathers(&t, &what);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------

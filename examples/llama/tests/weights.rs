@@ -320,3 +320,94 @@ fn save_rejects_wrong_lengths() {
     let e = weights::save(&p.0, &c, &params, Dtype::F32).unwrap_err();
     assert!(e.contains("parameter tensors"), "{e}");
 }
+
+/// A tensor the model does not use (a bias of a Qwen2 file read as plain
+/// Llama) is an error of `load` that names it and hints at the config; a
+/// derived buffer (`rotary_emb.inv_freq`) is not.
+#[test]
+fn unused_tensor_is_an_error_naming_it() {
+    let c = cfg();
+    let mut entries = f32_entries(&c, &init_params(&c, 3));
+    let kd = c.n_kv_heads * c.head_dim();
+    let inv_freq = "model.layers.0.self_attn.rotary_emb.inv_freq".to_string();
+    entries.push((
+        inv_freq,
+        safetensors::Dtype::F32,
+        vec![c.head_dim() / 2],
+        vec![0u8; 4 * c.head_dim() / 2],
+    ));
+    let p = TempPath::new("inv-freq");
+    write_raw(&p.0, &entries);
+    assert_eq!(weights::load(&p.0, &c).unwrap().len(), tensors(&c).len());
+
+    let bias = "model.layers.1.self_attn.k_proj.bias".to_string();
+    entries.push((bias, safetensors::Dtype::F32, vec![kd], vec![0u8; 4 * kd]));
+    let p = TempPath::new("unused");
+    write_raw(&p.0, &entries);
+    let e = load_err(&p.0, &c);
+    assert!(
+        e.contains("`model.layers.1.self_attn.k_proj.bias` is not used") && e.contains("bias"),
+        "{e}"
+    );
+}
+
+/// Qwen2's tensor list (q/k/v biases, no `lm_head.weight`) round-trips
+/// bit for bit; a file without the biases names the first missing one.
+#[test]
+fn biases_and_tied_embeddings_round_trip() {
+    let c = Config {
+        qkv_bias: true,
+        tie_embeddings: true,
+        ..cfg()
+    };
+    let params = init_params(&c, 4);
+    let p = TempPath::new("qwen");
+    weights::save(&p.0, &c, &params, Dtype::F32).unwrap();
+    assert_eq!(weights::load(&p.0, &c).unwrap(), params);
+
+    let plain = Config {
+        tie_embeddings: true,
+        ..cfg()
+    };
+    let p = TempPath::new("no-bias");
+    weights::save(&p.0, &plain, &init_params(&plain, 4), Dtype::F32).unwrap();
+    let e = load_err(&p.0, &c);
+    assert!(
+        e.contains("`model.layers.0.self_attn.q_proj.bias` not found (and 5 more)"),
+        "{e}"
+    );
+}
+
+/// `save_sharded` splits at the size limit in tensor order and writes the
+/// index `transformers` reads; under the limit it writes one file.
+#[test]
+fn sharded_save_writes_an_index() {
+    let c = cfg();
+    let params = init_params(&c, 6);
+    let dir = std::env::temp_dir().join(format!("zero-llama-shards-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let one = weights::save_sharded(&dir, &c, &params, Dtype::Bf16, u64::MAX).unwrap();
+    assert_eq!(one, vec!["model.safetensors".to_string()]);
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+
+    let names = weights::save_sharded(&dir, &c, &params, Dtype::F32, 4096).unwrap();
+    assert!(names.len() > 3, "{names:?}");
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join(weights::INDEX_FILE)).unwrap())
+            .unwrap();
+    let total: usize = tensors(&c).iter().map(|t| 4 * t.numel()).sum();
+    assert_eq!(index["metadata"]["total_size"], total);
+    let n = names.len() - 1;
+    for t in tensors(&c) {
+        let file = index["weight_map"][&t.name].as_str().unwrap();
+        assert!(file.ends_with(&format!("-of-{n:05}.safetensors")), "{file}");
+        let mut f = weights::SafetensorsFile::open(&dir.join(file)).unwrap();
+        assert!(
+            std::fs::metadata(dir.join(file)).unwrap().len() < 4096 + 1024 || f.names().len() == 1,
+            "{file} is over the limit with several tensors"
+        );
+        let i = tensors(&c).iter().position(|x| x.name == t.name).unwrap();
+        assert_eq!(f.read(&t.name, &t.shape).unwrap(), params[i]);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
