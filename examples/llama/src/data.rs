@@ -192,11 +192,14 @@ pub fn addition_task(seed: u64) -> Task {
 }
 
 /// One record of the JSON format; unknown fields are ignored.
-#[derive(Debug, Deserialize)]
-struct Record {
-    instruction: String,
-    input: String,
-    output: String,
+#[derive(Clone, Debug, Deserialize)]
+pub struct Record {
+    /// The prompt (`"1807="`).
+    pub instruction: String,
+    /// Appended to the instruction (often empty).
+    pub input: String,
+    /// The answer.
+    pub output: String,
 }
 
 /// Reads a JSON list of `{"instruction", "input", "output"}` records (all
@@ -246,8 +249,9 @@ pub fn eval_numbers_from_json(path: &Path) -> Result<Vec<u64>, String> {
         .collect()
 }
 
-/// The records of a JSON file, with errors that name it.
-fn read_records(path: &Path) -> Result<Vec<Record>, String> {
+/// The records of a JSON file in [`load_json`]'s format, with errors that
+/// name it (for a tokenizer other than the byte one).
+pub fn read_records(path: &Path) -> Result<Vec<Record>, String> {
     let file = path.display();
     let text = std::fs::read_to_string(path).map_err(|e| format!("{file}: cannot read: {e}"))?;
     let value: serde_json::Value =
@@ -289,6 +293,15 @@ pub fn max_len<'a>(samples: impl IntoIterator<Item = &'a Sample>) -> usize {
 ///
 /// A sample longer than `seq` is an error naming its prompt and lengths.
 pub fn make_batch(samples: &[&Sample], seq: usize) -> Result<(Vec<u32>, Vec<i32>), String> {
+    make_batch_with_pad(samples, seq, PAD)
+}
+
+/// [`make_batch`] with padding token `pad` (a Hugging Face tokenizer's).
+pub fn make_batch_with_pad(
+    samples: &[&Sample],
+    seq: usize,
+    pad: u32,
+) -> Result<(Vec<u32>, Vec<i32>), String> {
     let mut tokens = Vec::with_capacity(samples.len() * seq);
     let mut targets = Vec::with_capacity(samples.len() * seq);
     for sample in samples {
@@ -303,7 +316,7 @@ pub fn make_batch(samples: &[&Sample], seq: usize) -> Result<(Vec<u32>, Vec<i32>
         let row = tokens.len();
         tokens.extend_from_slice(&sample.prompt);
         tokens.extend_from_slice(&sample.answer);
-        tokens.resize(row + seq, PAD);
+        tokens.resize(row + seq, pad);
         targets.extend((0..seq).map(|t| {
             if (p..len).contains(&(t + 1)) {
                 tokens[row + t + 1] as i32

@@ -4,13 +4,16 @@
 //! Parameters are plain `&[f32]` slices, one per tensor, in the order of
 //! [`tensors`] (HF-Llama names and shapes). All GEMMs go through
 //! [`ops::matmul`] (the `gemm` crate). [`data`] is the addition task,
-//! [`train`] the engine glue, [`lora`] PEFT-style adapters, [`weights`] Hugging Face safetensors in and
-//! out, [`cuda`] the GPU kernels of the non-GEMM ops (launchers with the
+//! [`train`] the engine glue, [`lora`] PEFT-style adapters, [`weights`]
+//! Hugging Face safetensors in and out, [`hf`] Hugging Face model
+//! directories (config, sharded weights, tokenizer and chat template) in
+//! and out, [`cuda`] the GPU kernels of the non-GEMM ops (launchers with the
 //! `cuda` feature).
 
 pub mod block;
 pub mod cuda;
 pub mod data;
+pub mod hf;
 pub mod lora;
 pub mod ops;
 pub mod train;

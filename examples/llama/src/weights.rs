@@ -260,9 +260,11 @@ impl SafetensorsFile {
                     bits.map(|b| half::f16::from_bits(b).to_f32()).collect()
                 }
             }
-            other => return Err(format!(
+            other => {
+                return Err(format!(
                 "{path}: tensor `{name}` has dtype {other:?}; only F32, BF16 and F16 are supported"
-            )),
+            ))
+            }
         };
         debug_assert_eq!(end - start, n * info.dtype.bitsize() / 8);
         Ok(values)

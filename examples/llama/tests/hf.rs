@@ -1,0 +1,620 @@
+//! Hugging Face directories against `transformers` (the fixtures and their
+//! golden numbers come from `tests/fixtures/make_golden.py`; no PyTorch is
+//! needed here): forward logits, the shifted causal-LM loss and every
+//! parameter gradient of a Qwen2 (q/k/v biases, tied embeddings, BF16,
+//! sharded) and a Llama (untied, vocabulary 263, GQA with one KV head,
+//! rope_theta 5e5, rms_norm_eps 1e-5, F32); the tokenizer and chat template
+//! against `apply_chat_template`; an export that gives back the input
+//! tensors bit for bit; and every bad input named before training.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use llama::hf::{self, ExportSource, HfModel, HfTokenizer};
+use llama::weights::{self, SafetensorsFile};
+use llama::{ops, tensors, Config, Model};
+use serde_json::Value;
+use zero_llama as llama;
+
+/// A fixture directory.
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+/// A fresh directory under the temp dir, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let p =
+            std::env::temp_dir().join(format!("zero-llama-hf-{}-{n}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+
+    /// A copy of fixture `name` (its model and tokenizer files).
+    fn copy_of(name: &str) -> Self {
+        let t = TempDir::new(name);
+        for e in std::fs::read_dir(fixture(name)).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), t.0.join(e.file_name())).unwrap();
+        }
+        t
+    }
+
+    /// Edits `config.json` with `f`.
+    fn edit_config(&self, f: impl FnOnce(&mut serde_json::Map<String, Value>)) {
+        let p = self.0.join("config.json");
+        let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        f(v.as_object_mut().unwrap());
+        std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// What `make_golden.py` computed for a fixture.
+struct Golden {
+    ids: Vec<Vec<u32>>,
+    labels: Vec<Vec<i64>>,
+    loss: f64,
+    chat: Value,
+    /// `logits` and `grad.<name>`, F32.
+    tensors: HashMap<String, Vec<f32>>,
+}
+
+fn golden(name: &str) -> Golden {
+    let dir = fixture(name);
+    let j: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let rows = |k: &str| -> Vec<Vec<i64>> {
+        j[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                r.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_i64().unwrap())
+                    .collect()
+            })
+            .collect()
+    };
+    let mut f = SafetensorsFile::open(&dir.join("golden.safetensors")).unwrap();
+    let mut tensors = HashMap::new();
+    for n in f.names() {
+        let shape = f.metadata().info(&n).unwrap().shape.clone();
+        tensors.insert(n.clone(), f.read(&n, &shape).unwrap());
+    }
+    Golden {
+        ids: rows("input_ids")
+            .into_iter()
+            .map(|r| r.into_iter().map(|x| x as u32).collect())
+            .collect(),
+        labels: rows("labels"),
+        loss: j["loss"].as_f64().unwrap(),
+        chat: j["chat"].clone(),
+        tensors,
+    }
+}
+
+/// `max |a - b|` and the index where it is.
+fn max_err(a: &[f32], b: &[f32]) -> (f32, usize) {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .enumerate()
+        .fold((0f32, 0), |m, (i, e)| if e > m.0 { (e, i) } else { m })
+}
+
+fn max_abs(a: &[f32]) -> f32 {
+    a.iter().fold(0f32, |m, x| m.max(x.abs()))
+}
+
+/// Our forward and backward on the fixture's tokens against transformers':
+/// logits within 1e-5 of the largest logit, the loss within 1e-6
+/// relative, every gradient within 1e-4 of its tensor's largest element
+/// (fp32 arithmetic in a different order; the errors seen are printed).
+fn matches_transformers(name: &str, expect: impl Fn(&Config)) {
+    let m = HfModel::open(&fixture(name)).unwrap_or_else(|e| panic!("{e}"));
+    let cfg = m.hf.config;
+    expect(&cfg);
+    let g = golden(name);
+    let (batch, seq) = (g.ids.len(), g.ids[0].len());
+    let tokens: Vec<u32> = g.ids.concat();
+    // transformers shifts: position t predicts label t + 1.
+    let targets: Vec<i32> = g
+        .labels
+        .iter()
+        .flat_map(|row| (0..seq).map(move |t| if t + 1 < seq { row[t + 1] as i32 } else { -100 }))
+        .collect();
+    let model = Model::new(cfg, 1);
+    let refs: Vec<&[f32]> = m.params.iter().map(Vec::as_slice).collect();
+    let (loss, cache) = model.forward(&refs, &tokens, &targets, batch, seq);
+    let logits = ops::linear_forward(
+        &cache.xn,
+        refs[cfg.head_index()],
+        batch * seq,
+        cfg.dim,
+        cfg.vocab,
+        1,
+    );
+    let want = &g.tensors["logits"];
+    let (err, at) = max_err(&logits, want);
+    let scale = max_abs(want);
+    eprintln!("{name}: logits max |err| {err:.3e} (max |logit| {scale:.3}), at {at}");
+    assert!(
+        err <= 1e-5 * scale,
+        "{name}: logit {at}: {} vs {}",
+        logits[at],
+        want[at]
+    );
+    let rel = ((f64::from(loss) - g.loss) / g.loss).abs();
+    eprintln!(
+        "{name}: loss {loss} vs transformers {} (rel err {rel:.2e})",
+        g.loss
+    );
+    assert!(rel < 1e-6, "{name}: loss {loss} vs {}", g.loss);
+
+    let grads = model.backward(&refs, &cache);
+    let mut worst = (0f32, String::new());
+    let infos = tensors(&cfg);
+    assert_eq!(
+        infos.len(),
+        g.tensors.len() - 1,
+        "{name}: one golden gradient per tensor"
+    );
+    for (t, gr) in infos.iter().zip(&grads) {
+        let want = g
+            .tensors
+            .get(&format!("grad.{}", t.name))
+            .unwrap_or_else(|| panic!("{name}: no golden gradient for {}", t.name));
+        let (err, at) = max_err(gr, want);
+        let scale = max_abs(want);
+        assert!(scale > 0.0, "{name}: {}: zero gradient", t.name);
+        let rel = err / scale;
+        assert!(
+            rel <= 1e-4,
+            "{name}: gradient of {} element {at}: {} vs {} (max |g| {scale})",
+            t.name,
+            gr[at],
+            want[at]
+        );
+        if rel > worst.0 {
+            worst = (rel, t.name.clone());
+        }
+    }
+    eprintln!(
+        "{name}: gradients: worst max |err| / max |g| {:.3e} ({})",
+        worst.0, worst.1
+    );
+}
+
+#[test]
+fn qwen2_matches_transformers() {
+    matches_transformers("qwen2", |c| {
+        assert!(c.qkv_bias && c.tie_embeddings);
+        assert_eq!((c.vocab, c.n_kv_heads, c.rope_theta), (300, 2, 1e6));
+        assert_eq!(c.norm_eps, 1e-6);
+    });
+}
+
+#[test]
+fn llama_matches_transformers() {
+    matches_transformers("llama", |c| {
+        assert!(!c.qkv_bias && !c.tie_embeddings);
+        assert_eq!((c.vocab, c.n_kv_heads, c.rope_theta), (263, 1, 5e5));
+        assert_eq!(c.norm_eps, 1e-5);
+    });
+}
+
+/// The tokenizer and chat template give `apply_chat_template`'s ids: the
+/// prompt with the generation prompt, and prompt ++ answer the whole
+/// conversation (answer ending in EOS); decoding the answer gives the text.
+#[test]
+fn chat_template_matches_transformers() {
+    for name in ["qwen2", "llama"] {
+        let m = HfModel::open(&fixture(name)).unwrap();
+        let t = HfTokenizer::load(&fixture(name), m.hf.eos_token_ids.first().copied())
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(t.has_chat_template());
+        let chat = golden(name).chat;
+        let ids = |k: &str| -> Vec<u32> {
+            chat[k]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        };
+        let (user, answer) = (
+            chat["user"].as_str().unwrap(),
+            chat["assistant"].as_str().unwrap(),
+        );
+        assert_eq!(
+            t.eos_id() as u64,
+            chat["eos_token_id"].as_u64().unwrap(),
+            "{name}"
+        );
+        let s = t.sample(user, "", answer).unwrap();
+        assert_eq!(s.prompt, ids("prompt_ids"), "{name}: prompt");
+        assert_eq!(t.prompt(user, "").unwrap(), s.prompt, "{name}");
+        let full: Vec<u32> = s.prompt.iter().chain(&s.answer).copied().collect();
+        assert_eq!(full, ids("full_ids"), "{name}: conversation");
+        assert!(s.answer.contains(&t.eos_id()), "{name}");
+        assert_eq!(t.decode(&s.answer), answer, "{name}");
+        assert_eq!(s.number, Some(1807));
+        assert!(t.max_id() < m.hf.config.vocab as u32, "{name}");
+    }
+}
+
+/// Tensor name -> raw bytes of every tensor of a directory's weights.
+fn raw_tensors(dir: &Path) -> HashMap<String, (safetensors::Dtype, Vec<u8>)> {
+    let mut files = Vec::new();
+    let index = dir.join(weights::INDEX_FILE);
+    if index.is_file() {
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(&index).unwrap()).unwrap();
+        let mut names: Vec<&str> = v["weight_map"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|f| f.as_str().unwrap())
+            .collect();
+        names.sort();
+        names.dedup();
+        files.extend(names.into_iter().map(|n| dir.join(n)));
+    } else {
+        files.push(dir.join(hf::WEIGHTS_FILE));
+    }
+    let mut out = HashMap::new();
+    for p in files {
+        let mut f = SafetensorsFile::open(&p).unwrap();
+        for n in f.names() {
+            let dt = f.dtype(&n).unwrap();
+            out.insert(n.clone(), (dt, f.raw_bytes(&n).unwrap()));
+        }
+    }
+    out
+}
+
+/// A loaded directory exported in its own dtype gives back every tensor
+/// bit for bit (sharded again for the Qwen2), its config (dtype included)
+/// and its tokenizer files; the export loads as the same model.
+#[test]
+fn export_gives_back_the_input_bit_for_bit() {
+    for (name, shard) in [("qwen2", 20_000u64), ("llama", hf::DEFAULT_SHARD_BYTES)] {
+        let src = fixture(name);
+        let m = HfModel::open(&src).unwrap();
+        let out = TempDir::new("export");
+        let files = hf::export(
+            &out.0,
+            &m.hf.config,
+            &m.params,
+            m.dtype,
+            Some(ExportSource {
+                dir: &src,
+                hf: &m.hf,
+            }),
+            (None, None),
+            shard,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        for f in [
+            "config.json",
+            "generation_config.json",
+            "tokenizer.json",
+            "chat_template.jinja",
+        ] {
+            assert!(files.iter().any(|x| x == f), "{name}: {f} not in {files:?}");
+        }
+        assert_eq!(
+            out.0.join(weights::INDEX_FILE).is_file(),
+            name == "qwen2",
+            "{name}: sharded only above the size"
+        );
+        let (a, b) = (raw_tensors(&src), raw_tensors(&out.0));
+        assert_eq!(a.len(), b.len(), "{name}: tensor count");
+        for (n, (dt, bytes)) in &a {
+            let (dt2, bytes2) = &b[n];
+            assert_eq!(dt, dt2, "{name}: {n} dtype");
+            assert!(bytes == bytes2, "{name}: {n} differs");
+        }
+        for f in [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "generation_config.json",
+        ] {
+            assert_eq!(
+                std::fs::read(src.join(f)).unwrap(),
+                std::fs::read(out.0.join(f)).unwrap(),
+                "{name}: {f}"
+            );
+        }
+        let back = HfModel::open(&out.0).unwrap();
+        assert_eq!(back.hf.config, m.hf.config);
+        assert_eq!(back.dtype, m.dtype);
+        assert_eq!(back.params, m.params);
+        assert_eq!(back.hf.raw, m.hf.raw, "{name}: config.json kept as it was");
+    }
+}
+
+/// A model made here (no source directory) exports a config that reads
+/// back as the same `Config`, with BOS/EOS in both JSON files.
+#[test]
+fn export_without_a_source_writes_a_config() {
+    let cfg = Config {
+        vocab: 261,
+        max_seq: 48,
+        qkv_bias: true,
+        tie_embeddings: true,
+        norm_eps: 1e-5,
+        ..Config::tiny()
+    };
+    let params = llama::init_params(&cfg, 3);
+    let out = TempDir::new("made");
+    hf::export(
+        &out.0,
+        &cfg,
+        &params,
+        weights::Dtype::Bf16,
+        None,
+        (Some(256), Some(257)),
+        hf::DEFAULT_SHARD_BYTES,
+    )
+    .unwrap();
+    let back = HfModel::open(&out.0).unwrap();
+    assert_eq!(back.hf.config, cfg);
+    assert_eq!(back.hf.model_type, hf::ModelType::Qwen2);
+    assert_eq!(back.dtype, weights::Dtype::Bf16);
+    assert_eq!(
+        (back.hf.bos_token_id, back.hf.eos_token_ids.clone()),
+        (Some(256), vec![257])
+    );
+    let gen: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.0.join("generation_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (gen["bos_token_id"].as_u64(), gen["eos_token_id"].as_u64()),
+        (Some(256), Some(257))
+    );
+}
+
+fn open_err(dir: &Path) -> String {
+    match HfModel::open(dir) {
+        Ok(_) => panic!("{} should not load", dir.display()),
+        Err(e) => e,
+    }
+}
+
+/// Every config key that the model cannot honour is an error naming the
+/// file and the key.
+#[test]
+fn bad_configs_are_named() {
+    type Edit = fn(&mut serde_json::Map<String, Value>);
+    let cases: &[(&str, Edit, &str)] = &[
+        (
+            "model_type",
+            |c| {
+                c.insert("model_type".into(), "mistral".into());
+            },
+            "`mistral` is not supported",
+        ),
+        (
+            "model_type",
+            |c| {
+                c.remove("model_type");
+            },
+            "missing",
+        ),
+        (
+            "rope_scaling",
+            |c| {
+                c.insert(
+                    "rope_scaling".into(),
+                    serde_json::json!({"rope_type": "linear", "factor": 2.0}),
+                );
+            },
+            "not supported",
+        ),
+        (
+            "rope_parameters",
+            |c| {
+                c.insert(
+                    "rope_parameters".into(),
+                    serde_json::json!({"rope_type": "yarn", "rope_theta": 1e4}),
+                );
+            },
+            "\"default\"",
+        ),
+        (
+            "head_dim",
+            |c| {
+                c.insert("head_dim".into(), 16.into());
+            },
+            "differs from hidden_size / num_attention_heads = 8",
+        ),
+        (
+            "num_key_value_heads",
+            |c| {
+                c.insert("num_key_value_heads".into(), 3.into());
+            },
+            "does not divide",
+        ),
+        (
+            "hidden_size",
+            |c| {
+                c.remove("hidden_size");
+            },
+            "missing",
+        ),
+        (
+            "vocab_size",
+            |c| {
+                c.insert("vocab_size".into(), (-3).into());
+            },
+            "not a whole number",
+        ),
+        (
+            "attention_bias",
+            |c| {
+                c.insert("attention_bias".into(), true.into());
+            },
+            "o_proj",
+        ),
+        (
+            "hidden_act",
+            |c| {
+                c.insert("hidden_act".into(), "gelu".into());
+            },
+            "silu only",
+        ),
+        (
+            "layer_types",
+            |c| {
+                c.insert(
+                    "layer_types".into(),
+                    serde_json::json!(["full_attention", "sliding_attention"]),
+                );
+            },
+            "full_attention",
+        ),
+    ];
+    for (key, edit, says) in cases {
+        let d = TempDir::copy_of("llama");
+        d.edit_config(|c| edit(c));
+        let e = open_err(&d.0);
+        assert!(
+            e.contains("config.json") && e.contains(&format!("`{key}`")) && e.contains(says),
+            "{key}: {e}"
+        );
+    }
+    let d = TempDir::copy_of("qwen2");
+    d.edit_config(|c| {
+        c.insert("use_sliding_window".into(), true.into());
+    });
+    assert!(open_err(&d.0).contains("`use_sliding_window`"));
+}
+
+/// Weights that do not fit the config, and broken shards: each error names
+/// the file and the tensor (or the missing file).
+#[test]
+fn bad_weights_are_named() {
+    // A missing tensor: the config asks for a layer more.
+    let d = TempDir::copy_of("llama");
+    d.edit_config(|c| {
+        c.insert("num_hidden_layers".into(), 3.into());
+    });
+    let e = open_err(&d.0);
+    assert!(
+        e.contains("model.safetensors")
+            && e.contains("`model.layers.2.self_attn.q_proj.weight` not found"),
+        "{e}"
+    );
+    // A wrong shape.
+    let d = TempDir::copy_of("llama");
+    d.edit_config(|c| {
+        c.insert("intermediate_size".into(), 50.into());
+    });
+    let e = open_err(&d.0);
+    assert!(
+        e.contains("`model.layers.0.mlp.gate_proj.weight` has shape [48, 32], but the config expects [50, 32]"),
+        "{e}"
+    );
+    // An unused tensor: lm_head.weight of an untied model read as tied.
+    let d = TempDir::copy_of("llama");
+    d.edit_config(|c| {
+        c.insert("tie_word_embeddings".into(), true.into());
+    });
+    let e = open_err(&d.0);
+    assert!(
+        e.contains("`lm_head.weight` is not used") && e.contains("tie_word_embeddings"),
+        "{e}"
+    );
+    // Qwen2 weights read as Llama: the biases are unused.
+    let d = TempDir::copy_of("qwen2");
+    d.edit_config(|c| {
+        c.insert("model_type".into(), "llama".into());
+    });
+    let e = open_err(&d.0);
+    assert!(
+        e.contains("_proj.bias` is not used") && e.contains("(and 5 more)"),
+        "{e}"
+    );
+    // A tied model whose file lacks biases? A Llama read as Qwen2.
+    let d = TempDir::copy_of("llama");
+    d.edit_config(|c| {
+        c.insert("model_type".into(), "qwen2".into());
+    });
+    let e = open_err(&d.0);
+    assert!(
+        e.contains("`model.layers.0.self_attn.q_proj.bias` not found"),
+        "{e}"
+    );
+    // The index names a file that is not there.
+    let d = TempDir::copy_of("qwen2");
+    std::fs::remove_file(d.0.join("model-00002-of-00003.safetensors")).unwrap();
+    let e = open_err(&d.0);
+    assert!(
+        e.contains(weights::INDEX_FILE)
+            && e.contains("names model-00002-of-00003.safetensors")
+            && e.contains("missing"),
+        "{e}"
+    );
+    // No weights at all.
+    let d = TempDir::copy_of("llama");
+    std::fs::remove_file(d.0.join("model.safetensors")).unwrap();
+    assert!(open_err(&d.0).contains("no model.safetensors"));
+    // Not a directory.
+    assert!(open_err(&fixture("nope")).contains("not a directory"));
+}
+
+/// A missing or unreadable tokenizer, and a special token it lacks, are
+/// errors naming the file.
+#[test]
+fn bad_tokenizers_are_named() {
+    let err = |d: &Path| match HfTokenizer::load(d, None) {
+        Ok(_) => panic!("{} should not load", d.display()),
+        Err(e) => e,
+    };
+    let d = TempDir::copy_of("llama");
+    std::fs::remove_file(d.0.join("tokenizer.json")).unwrap();
+    let e = err(&d.0);
+    assert!(e.contains("tokenizer.json: missing"), "{e}");
+    std::fs::write(d.0.join("tokenizer.json"), "{ not json").unwrap();
+    let e = err(&d.0);
+    assert!(
+        e.contains("tokenizer.json: cannot load the tokenizer"),
+        "{e}"
+    );
+    let d = TempDir::copy_of("llama");
+    let tc = d.0.join("tokenizer_config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+    v["eos_token"] = "<|no such token|>".into();
+    std::fs::write(&tc, v.to_string()).unwrap();
+    let e = err(&d.0);
+    assert!(
+        e.contains("`eos_token` \"<|no such token|>\" is not a token"),
+        "{e}"
+    );
+    let d = TempDir::copy_of("llama");
+    std::fs::write(
+        d.0.join("chat_template.jinja"),
+        "{{ raise_exception('no chat') }}",
+    )
+    .unwrap();
+    let e = err(&d.0);
+    assert!(e.contains("chat template") && e.contains("no chat"), "{e}");
+}
