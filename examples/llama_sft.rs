@@ -7,8 +7,13 @@
 //! cargo run --example llama_sft -- --stage 3 --offload cpu          # 2 ranks as threads
 //! cargo run --example llama_sft -- --stage 2 --offload nvme --nvme-path /mnt/nvme
 //! cargo run --example llama_sft -- --config ds_config.json --metrics m.jsonl --trace t.json
+//! cargo run --example llama_sft -- --model-dir Qwen2.5-0.5B-Instruct --data math.json --export out/
 //! cargo run --example llama_sft -- --help
 //! ```
+//!
+//! With `--model-dir` the model, its weights, tokenizer and chat template
+//! come from a Hugging Face directory (`zero_llama::hf`); `--export DIR`
+//! writes one back.
 //!
 //! The model, the data and the engine glue are the `zero-llama` crate in
 //! `examples/llama/` (`src/lib.rs`, `data.rs`, `train.rs`); `--help`
@@ -32,6 +37,7 @@ use zero::Engine;
 use zero_llama as llama;
 
 use llama::data::{self, Sample, Task};
+use llama::hf::{ExportSource, HfModel, HfTokenizer};
 use llama::train::{forward_flops, generate, measure_gemm_peak, SftModel};
 use llama::Config;
 
@@ -115,6 +121,12 @@ struct Args {
     /// Model preset; --dim, --layers, --heads, --kv-heads and --hidden override its dims.
     #[arg(long, value_enum, default_value = "task")]
     model: Preset,
+    /// A Hugging Face model directory (LlamaForCausalLM or Qwen2ForCausalLM: config.json,
+    /// model.safetensors or sharded files with their index, tokenizer.json,
+    /// tokenizer_config.json): its weights are the initial values, its tokenizer and chat
+    /// template make the samples. Instead of --model and the dims, --init-from.
+    #[arg(long, conflicts_with_all = ["init_from", "dim", "layers", "heads", "kv_heads", "hidden"])]
+    model_dir: Option<PathBuf>,
     /// Model width.
     #[arg(long)]
     dim: Option<usize>,
@@ -130,8 +142,9 @@ struct Args {
     /// SwiGLU inner width.
     #[arg(long)]
     hidden: Option<usize>,
-    /// Optimizer steps. Default: --epochs over the training set.
-    #[arg(long, value_parser = positive)]
+    /// Optimizer steps (0: evaluate and export the initial weights). Default: --epochs over
+    /// the training set.
+    #[arg(long)]
     steps: Option<usize>,
     /// Passes over the training set (ignored with --steps).
     #[arg(long, default_value_t = 12.0, value_parser = positive_f64)]
@@ -181,8 +194,11 @@ struct Args {
     /// The machine's peak TFLOP/s for MFU. Default: measured (an fp32 GEMM on every rank at once).
     #[arg(long)]
     peak_tflops: Option<f64>,
-    /// Write the trained weights to this safetensors file (HF-Llama names; the training dtype,
-    /// bf16 or f32), loadable with --init-from.
+    /// Write the trained model: a path ending in `.safetensors` gets the weights alone
+    /// (HF-Llama names, the training dtype: bf16 or f32; loadable with --init-from); any other
+    /// path is a Hugging Face directory that transformers loads as it is (config.json,
+    /// generation_config.json, safetensors sharded above 5 GB; with --model-dir its dtype
+    /// and tokenizer files).
     #[arg(long)]
     export: Option<PathBuf>,
     /// Checkpoint root: sharded checkpoints `step########/` (each rank writes its shard) and a
@@ -406,6 +422,46 @@ struct Setup {
     seq: usize,
     max_new: usize,
     init: Option<Vec<Vec<f32>>>,
+    tok: Tok,
+    /// The Hugging Face directory of --model-dir, read.
+    hf: Option<HfModel>,
+}
+
+/// The tokenizer: the byte one of the built-in presets, or a model's.
+enum Tok {
+    Bytes,
+    Hf(HfTokenizer),
+}
+
+impl Tok {
+    /// The prompt asking for a split of `n`.
+    fn prompt_for(&self, n: u64) -> Result<Vec<u32>, String> {
+        match self {
+            Tok::Bytes => Ok(data::prompt_for(n)),
+            Tok::Hf(t) => t.prompt(&format!("{n}="), ""),
+        }
+    }
+    /// Where generation stops.
+    fn eos(&self) -> u32 {
+        match self {
+            Tok::Bytes => data::EOS,
+            Tok::Hf(t) => t.eos_id(),
+        }
+    }
+    /// Padding of a batch row.
+    fn pad(&self) -> u32 {
+        match self {
+            Tok::Bytes => data::PAD,
+            Tok::Hf(t) => t.pad_id(),
+        }
+    }
+    /// The text of generated tokens up to EOS.
+    fn decode(&self, ids: &[u32]) -> String {
+        match self {
+            Tok::Bytes => data::decode(ids),
+            Tok::Hf(t) => t.decode(ids),
+        }
+    }
 }
 
 /// One rank's results for the report.
@@ -442,17 +498,21 @@ fn evaluate<C: Communicator>(
         .skip(rank)
         .step_by(world)
         .collect();
-    let prompts: Vec<Vec<u32>> = mine.iter().map(|&n| data::prompt_for(n)).collect();
+    let prompts: Vec<Vec<u32>> = mine
+        .iter()
+        .map(|&n| s.tok.prompt_for(n))
+        .collect::<Result<_, _>>()
+        .map_err(|what| zero::Error::Usage { rank, what })?;
     let outs = generate(
         &m.cfg,
         &m.block,
         &params,
         &prompts,
         s.max_new,
-        data::EOS,
+        s.tok.eos(),
         threads,
     );
-    let texts: Vec<String> = outs.iter().map(|o| data::decode(o)).collect();
+    let texts: Vec<String> = outs.iter().map(|o| s.tok.decode(o)).collect();
     let correct = mine
         .iter()
         .zip(&texts)
@@ -539,6 +599,23 @@ fn run<T: Element, C: Communicator>(
             s.seq,
             if a.activation_checkpointing { ", activation checkpointing" } else { "" }
         );
+        if let Some(m) = &s.hf {
+            let c = &s.model;
+            println!(
+                "from {}: {} ({}), rope_theta {}, rms_norm_eps {}, q/k/v biases {}, tied embeddings {}, {}",
+                m.dir.display(),
+                m.hf.model_type.architecture(),
+                m.dtype.torch_name(),
+                c.rope_theta,
+                c.norm_eps,
+                c.qkv_bias,
+                c.tie_embeddings,
+                match &s.tok {
+                    Tok::Hf(t) if t.has_chat_template() => "tokenizer.json with its chat template",
+                    _ => "tokenizer.json without a chat template (prompt, then answer and EOS)",
+                }
+            );
+        }
         println!(
             "data: {} training samples, {} held-out numbers; {steps} steps of {per_step} samples \
              ({micro} per rank x {ga} accumulation x {world} ranks), {threads} GEMM thread(s) per rank",
@@ -631,8 +708,8 @@ fn run<T: Element, C: Communicator>(
                 .map(|&i| &s.task.train[i])
                 .collect();
             cursor += micro * world;
-            let (tokens, targets) =
-                data::make_batch(&mine, s.seq).map_err(|what| zero::Error::Usage { rank, what })?;
+            let (tokens, targets) = data::make_batch_with_pad(&mine, s.seq, s.tok.pad())
+                .map_err(|what| zero::Error::Usage { rank, what })?;
             let st = model
                 .train_micro_batch::<T, C>(&mut e, &tokens, &targets, micro, s.seq, &tracer)?;
             loss_sum += st.loss * st.target_tokens as f32;
@@ -717,14 +794,8 @@ fn run<T: Element, C: Communicator>(
         // A collective read of every unit; rank 0 writes the file.
         let params = model.snapshot(&mut e)?;
         if lead {
-            let dtype = if T::DTYPE == zero::core::DType::F32 {
-                llama::weights::Dtype::F32
-            } else {
-                llama::weights::Dtype::Bf16
-            };
-            llama::weights::save(path, &s.model, &params, dtype)
+            export(path, s, &params, T::DTYPE == zero::core::DType::F32)
                 .map_err(|what| zero::Error::Usage { rank, what })?;
-            println!("exported the weights to {}", path.display());
         }
     }
 
@@ -820,17 +891,108 @@ fn run<T: Element, C: Communicator>(
     })
 }
 
-fn setup(args: Args) -> Result<Setup, String> {
-    let mut task = match &args.data {
-        Some(p) => Task {
+/// Writes `params` to `path` as --export says: a `.safetensors` file, or
+/// a Hugging Face directory.
+fn export(path: &std::path::Path, s: &Setup, params: &[Vec<f32>], f32: bool) -> Result<(), String> {
+    use llama::weights::Dtype;
+    let fail = |e: String| format!("--export {e}");
+    let trained = if f32 { Dtype::F32 } else { Dtype::Bf16 };
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        llama::weights::save(path, &s.model, params, trained).map_err(fail)?;
+        println!("exported the weights to {}", path.display());
+        return Ok(());
+    }
+    // The model's own positions, not the training run's.
+    let mut cfg = s.model;
+    let (dtype, source) = match &s.hf {
+        Some(m) => {
+            cfg.max_seq = m.hf.config.max_seq;
+            (
+                m.dtype,
+                Some(ExportSource {
+                    dir: &m.dir,
+                    hf: &m.hf,
+                }),
+            )
+        }
+        None => (trained, None),
+    };
+    let files = llama::hf::export(
+        path,
+        &cfg,
+        params,
+        dtype,
+        source,
+        (Some(data::BOS), Some(data::EOS)),
+        llama::hf::DEFAULT_SHARD_BYTES,
+    )
+    .map_err(fail)?;
+    println!(
+        "exported a Hugging Face directory ({}) to {}: {}",
+        dtype.torch_name(),
+        path.display(),
+        files.join(", ")
+    );
+    Ok(())
+}
+
+/// The addition task's records (generated, or --data) and evaluation
+/// numbers, through the byte tokenizer or the model's.
+fn load_task(args: &Args, tok: &Tok) -> Result<Task, String> {
+    let generated = data::addition_task(args.seed);
+    let mut task = match (tok, &args.data) {
+        (Tok::Bytes, Some(p)) => Task {
             train: data::load_json(p).map_err(|e| format!("--data {e}"))?,
-            eval: data::addition_task(args.seed).eval,
+            eval: generated.eval,
         },
-        None => data::addition_task(args.seed),
+        (Tok::Bytes, None) => generated,
+        (Tok::Hf(t), data) => {
+            let records: Vec<(String, String, String)> = match data {
+                Some(p) => data::read_records(p)
+                    .map_err(|e| format!("--data {e}"))?
+                    .into_iter()
+                    .map(|r| (r.instruction, r.input, r.output))
+                    .collect(),
+                None => generated
+                    .train
+                    .iter()
+                    .filter_map(|s| s.number)
+                    .map(|n| (format!("{n}="), String::new(), data::answer_for(n)))
+                    .collect(),
+            };
+            let train = records
+                .iter()
+                .enumerate()
+                .map(|(i, (ins, inp, out))| {
+                    t.sample(ins, inp, out)
+                        .map_err(|e| format!("training record {i}: {e}"))
+                })
+                .collect::<Result<_, _>>()?;
+            Task {
+                train,
+                eval: generated.eval,
+            }
+        }
     };
     if let Some(p) = &args.eval_data {
         task.eval = data::eval_numbers_from_json(p).map_err(|e| format!("--eval-data {e}"))?;
     }
+    Ok(task)
+}
+
+fn setup(args: Args) -> Result<Setup, String> {
+    let hf = match &args.model_dir {
+        Some(d) => Some(HfModel::open(d).map_err(|e| format!("--model-dir {e}"))?),
+        None => None,
+    };
+    let tok = match &hf {
+        Some(m) => Tok::Hf(
+            HfTokenizer::load(&m.dir, m.hf.eos_token_ids.first().copied())
+                .map_err(|e| format!("--model-dir {e}"))?,
+        ),
+        None => Tok::Bytes,
+    };
+    let task = load_task(&args, &tok)?;
     let longest = data::max_len(&task.train);
     let seq = args.seq_len.unwrap_or(longest);
     if seq < longest {
@@ -838,18 +1000,48 @@ fn setup(args: Args) -> Result<Setup, String> {
             "--seq-len {seq}: the longest training sample has {longest} tokens"
         ));
     }
-    let max_prompt = task
-        .eval
-        .iter()
-        .map(|&n| data::prompt_for(n).len())
-        .max()
-        .unwrap_or(0);
+    let mut max_prompt = 0;
+    for &n in &task.eval {
+        max_prompt = max_prompt.max(tok.prompt_for(n)?.len());
+    }
     let max_answer = task.train.iter().map(|s| s.answer.len()).max().unwrap_or(0);
     let max_new = max_answer + 4;
-    let model = args.model_config(seq.max(max_prompt + max_new))?;
-    let init = match &args.init_from {
-        Some(p) => Some(llama::weights::load(p, &model).map_err(|e| format!("--init-from {e}"))?),
-        None => None,
+    let positions = seq.max(max_prompt + max_new);
+    let (model, init) = match &hf {
+        Some(m) => {
+            let mut c = m.hf.config;
+            let dir = m.dir.display();
+            if positions > c.max_seq {
+                return Err(format!(
+                    "--model-dir {dir}: the data needs {positions} positions, \
+                     the model's max_position_embeddings is {}",
+                    c.max_seq
+                ));
+            }
+            // RoPE tables for the positions this run uses.
+            c.max_seq = positions;
+            if let Tok::Hf(t) = &tok {
+                if t.max_id() as usize >= c.vocab {
+                    return Err(format!(
+                        "--model-dir {dir}: the tokenizer has token id {}, the model's \
+                         vocab_size is {}",
+                        t.max_id(),
+                        c.vocab
+                    ));
+                }
+            }
+            (c, Some(m.params.clone()))
+        }
+        None => {
+            let model = args.model_config(positions)?;
+            let init = match &args.init_from {
+                Some(p) => {
+                    Some(llama::weights::load(p, &model).map_err(|e| format!("--init-from {e}"))?)
+                }
+                None => None,
+            };
+            (model, init)
+        }
     };
     Ok(Setup {
         args,
@@ -858,6 +1050,8 @@ fn setup(args: Args) -> Result<Setup, String> {
         seq,
         max_new,
         init,
+        tok,
+        hf,
     })
 }
 

@@ -28,3 +28,9 @@ bash scripts/test-cuda.sh
 cargo build --example llama_sft
 bash scripts/mpirun.sh -n 2 cargo run -q --example llama_sft -- --stage 3 --offload cpu --min-accuracy 95
 cargo run -q --example llama_sft -- --stage 2 --offload nvme --activation-checkpointing --min-accuracy 95
+# A Hugging Face directory in and out: the Qwen2 fixture (q/k/v biases, tied
+# embeddings, sharded BF16, its tokenizer and chat template), trained briefly
+# under stage 3 with optimizer offload and exported.
+hf_out=$(mktemp -d)
+cargo run -q --example llama_sft -- --model-dir examples/llama/tests/fixtures/qwen2 --stage 3 --offload cpu --steps 20 --lr 1e-2 --export "$hf_out/qwen2"
+rm -rf "$hf_out"

@@ -618,3 +618,89 @@ fn bad_tokenizers_are_named() {
     let e = err(&d.0);
     assert!(e.contains("chat template") && e.contains("no chat"), "{e}");
 }
+
+/// The Llama fixture (F32) under the engine, as `llama_sft --model-dir`
+/// drives it: samples from its tokenizer and chat template, stage 3 on 2
+/// thread ranks, fp32; the loss falls, and the trained weights exported
+/// and read back are the engine's snapshot bit for bit, in the source's
+/// layout and dtype.
+#[test]
+fn fixture_trains_under_the_engine_and_exports() {
+    use zero::comm::{Communicator, ThreadGroup};
+    use zero::core::config::{Precision, ResolvedConfig};
+    use zero::core::optim::LrSchedule;
+    use zero::{Engine, Tracer};
+
+    let src = fixture("llama");
+    let m = HfModel::open(&src).unwrap();
+    let tok = HfTokenizer::load(&src, None).unwrap();
+    let samples: Vec<llama::data::Sample> = (0..8u64)
+        .map(|n| {
+            tok.sample(
+                &format!("{}=", 100 + n),
+                "",
+                &llama::data::answer_for(100 + n),
+            )
+            .unwrap()
+        })
+        .collect();
+    let seq = llama::data::max_len(&samples);
+    let mut cfg = m.hf.config;
+    cfg.max_seq = seq;
+    let out = TempDir::new("trained");
+    let runs = ThreadGroup::run(2, |comm| -> zero::Result<(Vec<f32>, Vec<Vec<f32>>)> {
+        let rank = comm.rank();
+        let mut c = ResolvedConfig::simple(3, 2, 4);
+        c.precision = Precision::Fp32;
+        c.optimizer.lr = 1e-2;
+        c.optimizer.weight_decay = 0.0;
+        c.scheduler = LrSchedule::Constant { lr: 1e-2 };
+        let mut b = Engine::builder(c, comm).seed(1);
+        let model =
+            llama::train::SftModel::register(&mut b, cfg, Some(m.params.clone()), 1, false)?;
+        let mut e = b.build()?;
+        let mine: Vec<&llama::data::Sample> = samples[4 * rank..4 * rank + 4].iter().collect();
+        let (tokens, targets) = llama::data::make_batch_with_pad(&mine, seq, tok.pad_id()).unwrap();
+        let mut losses = Vec::new();
+        for _ in 0..6 {
+            let st = model.train_micro_batch::<f32, _>(
+                &mut e,
+                &tokens,
+                &targets,
+                4,
+                seq,
+                &Tracer::disabled(),
+            )?;
+            losses.push(st.loss);
+            e.step()?;
+        }
+        Ok((losses, model.snapshot(&mut e)?))
+    })
+    .unwrap()
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect::<Vec<_>>();
+    let (losses, snapshot) = &runs[0];
+    assert!(
+        losses[5] < 0.7 * losses[0],
+        "the loss does not fall: {losses:?}"
+    );
+    assert_eq!(snapshot, &runs[1].1, "ranks agree");
+    assert_ne!(snapshot, &m.params, "training changed the weights");
+    hf::export(
+        &out.0,
+        &m.hf.config,
+        snapshot,
+        m.dtype,
+        Some(ExportSource {
+            dir: &src,
+            hf: &m.hf,
+        }),
+        (None, None),
+        hf::DEFAULT_SHARD_BYTES,
+    )
+    .unwrap();
+    let back = HfModel::open(&out.0).unwrap();
+    assert_eq!(&back.params, snapshot);
+    assert_eq!(back.hf.config, m.hf.config, "max_position_embeddings kept");
+}
