@@ -430,7 +430,7 @@ struct Setup {
 /// The tokenizer: the byte one of the built-in presets, or a model's.
 enum Tok {
     Bytes,
-    Hf(HfTokenizer),
+    Hf(Box<HfTokenizer>),
 }
 
 impl Tok {
@@ -986,10 +986,10 @@ fn setup(args: Args) -> Result<Setup, String> {
         None => None,
     };
     let tok = match &hf {
-        Some(m) => Tok::Hf(
+        Some(m) => Tok::Hf(Box::new(
             HfTokenizer::load(&m.dir, m.hf.eos_token_ids.first().copied())
                 .map_err(|e| format!("--model-dir {e}"))?,
-        ),
+        )),
         None => Tok::Bytes,
     };
     let task = load_task(&args, &tok)?;

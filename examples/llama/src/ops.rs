@@ -233,14 +233,17 @@ pub fn linear_backward(
     matmul(dx, dy, w, Mm::new(rows, d_in, d_out).acc().threads(threads));
 }
 
+/// Panics unless `len` values are whole rows of `width` (`width > 0`).
+fn assert_rows(op: &str, len: usize, width: usize) {
+    assert!(
+        width > 0 && len.is_multiple_of(width),
+        "{op}: {len} values are not rows of {width}"
+    );
+}
+
 /// Adds the bias `b` `[out]` to every row of `y` `[rows, out]`.
 pub fn add_bias(y: &mut [f32], b: &[f32]) {
-    assert!(
-        !b.is_empty() && y.len().is_multiple_of(b.len()),
-        "add_bias: {} values are not rows of {}",
-        y.len(),
-        b.len()
-    );
+    assert_rows("add_bias", y.len(), b.len());
     for row in y.chunks_exact_mut(b.len()) {
         for (v, bi) in row.iter_mut().zip(b) {
             *v += bi;
@@ -251,12 +254,7 @@ pub fn add_bias(y: &mut [f32], b: &[f32]) {
 /// Backward of [`add_bias`]: accumulates the column sums of `dy`
 /// `[rows, out]` into `db` `[out]`, rows in order.
 pub fn bias_backward(dy: &[f32], db: &mut [f32]) {
-    assert!(
-        !db.is_empty() && dy.len().is_multiple_of(db.len()),
-        "bias_backward: {} values are not rows of {}",
-        dy.len(),
-        db.len()
-    );
+    assert_rows("bias_backward", dy.len(), db.len());
     for row in dy.chunks_exact(db.len()) {
         for (g, d) in db.iter_mut().zip(row) {
             *g += d;

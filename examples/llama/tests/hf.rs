@@ -494,7 +494,7 @@ fn bad_configs_are_named() {
     ];
     for (key, edit, says) in cases {
         let d = TempDir::copy_of("llama");
-        d.edit_config(|c| edit(c));
+        d.edit_config(edit);
         let e = open_err(&d.0);
         assert!(
             e.contains("config.json") && e.contains(&format!("`{key}`")) && e.contains(says),

@@ -462,11 +462,18 @@ fn model_grad_embedding_and_head() {
     // every checked gradient stands well above the f32 noise of the loss.
     let cfg = block_cfg();
     let model = Model::new(cfg, 1);
-    let (batch, seq) = (2, 4);
     let params: Vec<Vec<f32>> = llama::init_params(&cfg, 9)
         .into_iter()
         .map(|v| v.into_iter().map(|x| x * 5.0).collect())
         .collect();
+    let n = params.len();
+    check_model_grad(&model, &params, &[0, 1, 9, n - 2, n - 1], 300);
+}
+
+/// [`Model::backward`] for tensors `checked` of `params` against finite
+/// differences of the whole-model loss on a fixed batch of 2 × 4 tokens.
+fn check_model_grad(model: &Model, params: &[Vec<f32>], checked: &[usize], seed: u64) {
+    let (batch, seq) = (2, 4);
     let tokens = [1u32, 5, 5, 12, 0, 3, 7, 1];
     let targets = [5, 5, 12, IGNORE_INDEX, 3, 7, 1, 2];
     let loss = |ps: &[Vec<f32>]| {
@@ -476,15 +483,14 @@ fn model_grad_embedding_and_head() {
     let sl: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
     let (_, cache) = model.forward(&sl, &tokens, &targets, batch, seq);
     let grads = model.backward(&sl, &cache);
-    let n = params.len();
-    for t in [0, 1, 9, n - 2, n - 1] {
+    for &t in checked {
         check(
             &format!("model[{t}]"),
             &grads[t],
             40,
-            300 + t as u64,
+            seed + t as u64,
             |i, d| {
-                let mut ps = params.clone();
+                let mut ps = params.to_vec();
                 ps[t][i] += d;
                 loss(&ps)
             },
@@ -503,7 +509,6 @@ fn model_grad_tied_embeddings_and_biases() {
         ..block_cfg()
     };
     let model = Model::new(cfg, 1);
-    let (batch, seq) = (2, 4);
     let mut rng = XorShift::new(21);
     let params: Vec<Vec<f32>> = llama::tensors(&cfg)
         .iter()
@@ -514,30 +519,9 @@ fn model_grad_tied_embeddings_and_biases() {
         .collect();
     assert_eq!(params.len(), cfg.tensor_count());
     assert_eq!(cfg.head_index(), 0);
-    let tokens = [1u32, 5, 5, 12, 0, 3, 7, 1];
-    let targets = [5, 5, 12, IGNORE_INDEX, 3, 7, 1, 2];
-    let loss = |ps: &[Vec<f32>]| {
-        let sl: Vec<&[f32]> = ps.iter().map(Vec::as_slice).collect();
-        model.forward(&sl, &tokens, &targets, batch, seq).0 as f64
-    };
-    let sl: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
-    let (_, cache) = model.forward(&sl, &tokens, &targets, batch, seq);
-    let grads = model.backward(&sl, &cache);
     let l1 = cfg.layer_range(1);
     let checked = [0, 10, 11, 12, l1.start, l1.end - 3, cfg.norm_index()];
-    for t in checked {
-        check(
-            &format!("tied model[{t}]"),
-            &grads[t],
-            40,
-            500 + t as u64,
-            |i, d| {
-                let mut ps = params.clone();
-                ps[t][i] += d;
-                loss(&ps)
-            },
-        );
-    }
+    check_model_grad(&model, &params, &checked, 500);
 }
 
 #[test]
