@@ -125,7 +125,7 @@ struct Args {
     /// model.safetensors or sharded files with their index, tokenizer.json,
     /// tokenizer_config.json): its weights are the initial values, its tokenizer and chat
     /// template make the samples. Instead of --model and the dims, --init-from.
-    #[arg(long, conflicts_with_all = ["init_from", "dim", "layers", "heads", "kv_heads", "hidden"])]
+    #[arg(long, conflicts_with_all = ["model", "init_from", "dim", "layers", "heads", "kv_heads", "hidden"])]
     model_dir: Option<PathBuf>,
     /// Model width.
     #[arg(long)]

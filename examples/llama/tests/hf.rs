@@ -704,3 +704,41 @@ fn fixture_trains_under_the_engine_and_exports() {
     assert_eq!(&back.params, snapshot);
     assert_eq!(back.hf.config, m.hf.config, "max_position_embeddings kept");
 }
+
+/// `strftime_now` (Llama 3.2's templates call it) formats UTC dates; an
+/// unsupported directive is an error naming it, also from a template.
+#[test]
+fn strftime_now_formats_dates() {
+    use llama::hf::tokenizer::strftime_utc;
+    // 2024-07-26 13:05:09 UTC, a Friday, day 208 of a leap year.
+    let t = 1_721_999_109;
+    assert_eq!(strftime_utc("%d %b %Y", t).unwrap(), "26 Jul 2024");
+    assert_eq!(
+        strftime_utc("%A %B %e %y %m %H:%M:%S %j %%", t).unwrap(),
+        "Friday July 26 24 07 13:05:09 208 %"
+    );
+    assert_eq!(strftime_utc("%d %b %Y", 0).unwrap(), "01 Jan 1970");
+    assert_eq!(
+        strftime_utc("%Y-%m-%d %a", 951_782_400).unwrap(),
+        "2000-02-29 Tue"
+    );
+    assert!(strftime_utc("%Q", t).unwrap_err().contains("`%Q`"));
+
+    let d = TempDir::copy_of("llama");
+    std::fs::write(
+        d.0.join("chat_template.jinja"),
+        "{{ bos_token }}Today {{ strftime_now('%Y') }}: {{ messages[0].content | trim }}",
+    )
+    .unwrap();
+    let t = HfTokenizer::load(&d.0, None).unwrap();
+    let text = t.render(" 5= ", None).unwrap();
+    let year: u32 = text["<|begin_of_text|>Today ".len()..][..4]
+        .parse()
+        .unwrap();
+    assert!(year >= 2024 && text.ends_with(": 5="), "{text}");
+    std::fs::write(d.0.join("chat_template.jinja"), "{{ strftime_now('%Q') }}").unwrap();
+    assert!(HfTokenizer::load(&d.0, None)
+        .err()
+        .unwrap()
+        .contains("`%Q` is not supported"));
+}

@@ -2,7 +2,8 @@
 //! crate) with the model's chat template (`tokenizer_config.json`'s
 //! `chat_template`, or `chat_template.jinja`), rendered by `minijinja` as
 //! `transformers`' `apply_chat_template` does (Jinja with `trim_blocks`
-//! and `lstrip_blocks`, `raise_exception`, Python string methods).
+//! and `lstrip_blocks`, `raise_exception`, `strftime_now` (UTC), Python
+//! string methods).
 //!
 //! # Samples
 //!
@@ -238,6 +239,15 @@ impl HfTokenizer {
                 Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
             },
         );
+        env.add_function(
+            "strftime_now",
+            |fmt: String| -> Result<String, JinjaError> {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs());
+                strftime_utc(&fmt, now).map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, e))
+            },
+        );
         let fail = |e: JinjaError| {
             format!(
                 "{}: chat template: {e:#}",
@@ -305,4 +315,78 @@ impl HfTokenizer {
             number: parse_prompt(instruction),
         })
     }
+}
+
+/// `strftime` of `secs` since the Unix epoch, UTC, for the directives chat
+/// templates use (`strftime_now("%d %b %Y")` in Llama 3.2's): `%d %e %m
+/// %y %Y %b %B %a %A %H %M %S %j %%`; any other is an error naming it.
+pub fn strftime_utc(fmt: &str, secs: u64) -> Result<String, String> {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+    ];
+    let days = secs / 86_400;
+    let tod = secs % 86_400;
+    // Days to a civil date (Howard Hinnant's algorithm), days >= 0.
+    let z = days as i64 + 719_468;
+    let era = z / 146_097;
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy_mar = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy_mar + 2) / 153;
+    let day = doy_mar - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let before: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = before[(month - 1) as usize] + day + i64::from(leap && month > 2);
+    let weekday = DAYS[(days % 7) as usize];
+    let month_name = MONTHS[(month - 1) as usize];
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let d = chars.next().ok_or("strftime_now: a lone `%` at the end")?;
+        let piece = match d {
+            'd' => format!("{day:02}"),
+            'e' => format!("{day:>2}"),
+            'm' => format!("{month:02}"),
+            'y' => format!("{:02}", year % 100),
+            'Y' => year.to_string(),
+            'b' => month_name[..3].to_string(),
+            'B' => month_name.to_string(),
+            'a' => weekday[..3].to_string(),
+            'A' => weekday.to_string(),
+            'H' => format!("{:02}", tod / 3600),
+            'M' => format!("{:02}", tod / 60 % 60),
+            'S' => format!("{:02}", tod % 60),
+            'j' => format!("{yday:03}"),
+            '%' => "%".to_string(),
+            other => return Err(format!("strftime_now: `%{other}` is not supported")),
+        };
+        out.push_str(&piece);
+    }
+    Ok(out)
 }
