@@ -742,3 +742,75 @@ fn strftime_now_formats_dates() {
         .unwrap()
         .contains("`%Q` is not supported"));
 }
+
+/// transformers 4's layout of the same model: `rope_theta` at the top,
+/// `rope_scaling: null`, `torch_dtype`, and the chat template inside
+/// `tokenizer_config.json` (no `chat_template.jinja`): the same model and
+/// the same chat ids.
+#[test]
+fn transformers_4_layout_reads_the_same() {
+    let d = TempDir::copy_of("llama");
+    d.edit_config(|c| {
+        let theta = c.remove("rope_parameters").unwrap()["rope_theta"].clone();
+        c.insert("rope_theta".into(), theta);
+        c.insert("rope_scaling".into(), Value::Null);
+        let dtype = c.remove("dtype").unwrap();
+        c.insert("torch_dtype".into(), dtype);
+    });
+    let template = std::fs::read_to_string(d.0.join("chat_template.jinja")).unwrap();
+    std::fs::remove_file(d.0.join("chat_template.jinja")).unwrap();
+    let tc = d.0.join("tokenizer_config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+    v["chat_template"] = template.into();
+    std::fs::write(&tc, v.to_string()).unwrap();
+
+    let (a, b) = (
+        HfModel::open(&fixture("llama")).unwrap(),
+        HfModel::open(&d.0).unwrap(),
+    );
+    assert_eq!(a.hf.config, b.hf.config);
+    assert_eq!(a.hf.dtype, b.hf.dtype);
+    let t = HfTokenizer::load(&d.0, None).unwrap();
+    let s = t
+        .sample("1807=", "", "王大丫丫的回答是--->1800 + 7")
+        .unwrap();
+    let full: Vec<u32> = s.prompt.iter().chain(&s.answer).copied().collect();
+    let want: Vec<u32> = golden("llama").chat["full_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(full, want);
+}
+
+/// Without a chat template the prompt is the text with the tokenizer's
+/// special tokens (the Llama fixture's BOS) and the answer the output and
+/// EOS; without any EOS (no `eos_token`, no `eos_token_id`) the tokenizer
+/// is refused, since generation would not stop.
+#[test]
+fn no_chat_template_and_no_eos() {
+    let d = TempDir::copy_of("llama");
+    std::fs::remove_file(d.0.join("chat_template.jinja")).unwrap();
+    let t = HfTokenizer::load(&d.0, None).unwrap();
+    assert!(!t.has_chat_template());
+    let s = t.sample("17=", "", "王大丫丫的回答是--->10 + 7").unwrap();
+    let bos = t.encode("", true).unwrap();
+    assert_eq!(bos.len(), 1, "the fixture's post-processor adds one BOS");
+    assert_eq!(s.prompt[0], bos[0]);
+    assert_eq!(t.decode(&s.prompt), "17=");
+    assert_eq!(s.answer.last(), Some(&t.eos_id()));
+    assert_eq!(t.decode(&s.answer), "王大丫丫的回答是--->10 + 7");
+
+    let tc = d.0.join("tokenizer_config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+    v.as_object_mut().unwrap().remove("eos_token");
+    std::fs::write(&tc, v.to_string()).unwrap();
+    let e = HfTokenizer::load(&d.0, None).err().unwrap();
+    assert!(
+        e.contains("no `eos_token`") && e.contains("eos_token_id"),
+        "{e}"
+    );
+    // The model config's eos_token_id stands in.
+    assert_eq!(HfTokenizer::load(&d.0, Some(1)).unwrap().eos_id(), 1);
+}
