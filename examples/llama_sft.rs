@@ -948,7 +948,7 @@ fn load_task(args: &Args, tok: &Tok) -> Result<Task, String> {
         (Tok::Bytes, None) => generated,
         (Tok::Hf(t), data) => {
             let records: Vec<(String, String, String)> = match data {
-                Some(p) => data::read_records(p)
+                Some(p) => data::load_records(p)
                     .map_err(|e| format!("--data {e}"))?
                     .into_iter()
                     .map(|r| (r.instruction, r.input, r.output))
@@ -981,7 +981,7 @@ fn load_task(args: &Args, tok: &Tok) -> Result<Task, String> {
 }
 
 fn setup(args: Args) -> Result<Setup, String> {
-    let hf = match &args.model_dir {
+    let mut hf = match &args.model_dir {
         Some(d) => Some(HfModel::open(d).map_err(|e| format!("--model-dir {e}"))?),
         None => None,
     };
@@ -1007,7 +1007,7 @@ fn setup(args: Args) -> Result<Setup, String> {
     let max_answer = task.train.iter().map(|s| s.answer.len()).max().unwrap_or(0);
     let max_new = max_answer + 4;
     let positions = seq.max(max_prompt + max_new);
-    let (model, init) = match &hf {
+    let (model, init) = match &mut hf {
         Some(m) => {
             let mut c = m.hf.config;
             let dir = m.dir.display();
@@ -1030,7 +1030,9 @@ fn setup(args: Args) -> Result<Setup, String> {
                     ));
                 }
             }
-            (c, Some(m.params.clone()))
+            // The weights move to the engine's initialisation; an export
+            // needs only the directory, its config and dtype.
+            (c, Some(std::mem::take(&mut m.params)))
         }
         None => {
             let model = args.model_config(positions)?;

@@ -209,20 +209,25 @@ pub struct Record {
 /// output must be non-empty, and the list must not be empty. Errors name the
 /// file and, for a bad record, its index and what is wrong.
 pub fn load_json(path: &Path) -> Result<Vec<Sample>, String> {
-    let records = read_records(path)?;
-    records
+    Ok(load_records(path)?
         .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            if r.instruction.is_empty() {
-                Err(format!("{}: record {i}: empty instruction", path.display()))
-            } else if r.output.is_empty() {
-                Err(format!("{}: record {i}: empty output", path.display()))
-            } else {
-                Ok(Sample::new(&r.instruction, &r.input, &r.output))
-            }
-        })
-        .collect()
+        .map(|r| Sample::new(&r.instruction, &r.input, &r.output))
+        .collect())
+}
+
+/// The records of [`load_json`], checked as it checks them (non-empty
+/// instruction and output), for a tokenizer other than the byte one.
+pub fn load_records(path: &Path) -> Result<Vec<Record>, String> {
+    let records = read_records(path)?;
+    for (i, r) in records.iter().enumerate() {
+        if r.instruction.is_empty() {
+            return Err(format!("{}: record {i}: empty instruction", path.display()));
+        }
+        if r.output.is_empty() {
+            return Err(format!("{}: record {i}: empty output", path.display()));
+        }
+    }
+    Ok(records)
 }
 
 /// The numbers of the instructions of a file in [`load_json`]'s format, as
@@ -249,9 +254,8 @@ pub fn eval_numbers_from_json(path: &Path) -> Result<Vec<u64>, String> {
         .collect()
 }
 
-/// The records of a JSON file in [`load_json`]'s format, with errors that
-/// name it (for a tokenizer other than the byte one).
-pub fn read_records(path: &Path) -> Result<Vec<Record>, String> {
+/// The records of a JSON file, with errors that name it.
+fn read_records(path: &Path) -> Result<Vec<Record>, String> {
     let file = path.display();
     let text = std::fs::read_to_string(path).map_err(|e| format!("{file}: cannot read: {e}"))?;
     let value: serde_json::Value =
