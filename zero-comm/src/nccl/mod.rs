@@ -35,7 +35,7 @@
 //!   `ncclGroupStart`/`ncclGroupEnd` (one launch, one event).
 //! - On the CUDA backend's buffers, as the engine uses it: `NcclComm`
 //!   implements [`DeviceCollectives`](crate::DeviceCollectives) over
-//!   [`CudaBackend`](zero_core::backend::CudaBackend) on the backend's own
+//!   zero-core's `CudaBackend` on the backend's own
 //!   communication stream (`NcclComm::for_backend`), ordered by its events
 //!   with no cudarc tracking, in place, equal parts per rank; the host
 //!   waits, bounded, with `NcclComm::sync_event` (`device.rs`). Several
