@@ -11,7 +11,7 @@
 //!     cuMemHostUnregister ─ munlock ─ munmap   (when the pool is gone)
 //! ```
 //!
-//! The registrar is made from an open [`CudaDevice`](zero_core::CudaDevice),
+//! The registrar is made from an open [`CudaDevice`],
 //! so the driver library is loaded and checked before any call here (no
 //! cudarc panic on a missing library). Registration is `PORTABLE`: every
 //! context in the process sees the memory as pinned.
