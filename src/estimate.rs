@@ -209,6 +209,81 @@ impl LlamaDims {
     }
 }
 
+/// The projections of a Llama/Qwen2 block that LoRA can target, with
+/// PEFT's module names.
+pub const LORA_TARGETS: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+
+/// LoRA adapters on a Llama model (PEFT's `LoraConfig`: `r` and
+/// `target_modules`): each targeted projection `W: in → out` of every
+/// block gets a trainable `A` (`r × in`) and `B` (`out × r`); every base
+/// weight (embedding, blocks, head) is frozen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lora {
+    /// The adapters' rank `r`.
+    pub rank: usize,
+    /// The targeted modules, by PEFT's names ([`LORA_TARGETS`]).
+    pub targets: Vec<String>,
+}
+
+impl Lora {
+    /// Checks the rank and the target names; the error names the key
+    /// (`lora.rank`, `lora.targets`) and the unknown module.
+    pub fn validate(&self) -> Result<()> {
+        if self.rank == 0 {
+            return Err(config("lora.rank".into(), "must be positive".into()));
+        }
+        if self.targets.is_empty() {
+            return Err(config(
+                "lora.targets".into(),
+                "no target module given".into(),
+            ));
+        }
+        if let Some(t) = self
+            .targets
+            .iter()
+            .find(|t| !LORA_TARGETS.contains(&t.as_str()))
+        {
+            return Err(config(
+                "lora.targets".into(),
+                format!(
+                    "`{t}` is not a projection of a Llama/Qwen2 block (one of {})",
+                    LORA_TARGETS.join(", ")
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The adapter elements of one block of `dims`: `r × (in + out)` per
+    /// targeted projection.
+    pub fn block_numel(&self, dims: &LlamaDims) -> usize {
+        let (d, h) = (dims.hidden, dims.intermediate);
+        let qd = dims.heads * dims.head_dim();
+        let kd = dims.kv_heads * dims.head_dim();
+        self.targets
+            .iter()
+            .map(|t| {
+                let (i, o) = match t.as_str() {
+                    "q_proj" => (d, qd),
+                    "k_proj" | "v_proj" => (d, kd),
+                    "o_proj" => (qd, d),
+                    "gate_proj" | "up_proj" => (d, h),
+                    _ => (h, d), // down_proj (validated)
+                };
+                self.rank * (i + o)
+            })
+            .sum()
+    }
+}
+
 /// The order in which a trainer uses the units in one micro-batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Script {
@@ -298,6 +373,39 @@ impl Model {
         })
     }
 
+    /// The Llama model of [`Model::llama`] with LoRA adapters: each block
+    /// unit holds its base weights frozen (one tensor) and its adapters
+    /// trainable (one tensor of [`Lora::block_numel`] elements); the
+    /// embedding and the head are frozen units. A unit's frozen tensors
+    /// have parameters only (no gradient, master or moments).
+    ///
+    /// # Errors
+    /// Inconsistent dims or an invalid [`Lora`] (the error names the key).
+    pub fn llama_lora(dims: LlamaDims, lora: &Lora) -> Result<Model> {
+        lora.validate()?;
+        let mut m = Model::llama(dims)?;
+        let adapters = lora.block_numel(&dims);
+        for u in &mut m.units {
+            for t in &mut u.tensors {
+                t.trainable = false;
+            }
+            if u.name.starts_with("model.layers.") {
+                u.tensors.push(TensorSpec::new("lora", &[adapters]));
+            }
+        }
+        Ok(m)
+    }
+
+    /// The number of trainable parameters.
+    pub fn trainable_numel(&self) -> usize {
+        self.units
+            .iter()
+            .flat_map(|u| &u.tensors)
+            .filter(|t| t.trainable)
+            .map(TensorSpec::numel)
+            .sum()
+    }
+
     /// The units, in registration order (one flat tensor each: only sizes
     /// matter to the plan).
     pub fn units(&self) -> &[UnitSpec] {
@@ -347,9 +455,11 @@ pub struct Estimate {
     pub offload_optimizer: OffloadDevice,
     /// `offload_param.device`.
     pub offload_param: OffloadDevice,
-    /// Parameters (Ψ).
+    /// Parameters (Ψ), trainable and frozen.
     pub numel: usize,
-    /// Parameters including the padding of the partition plan.
+    /// Trainable parameters (all of Ψ without frozen tensors).
+    pub trainable_numel: usize,
+    /// Trainable parameters including the padding of the partition plan.
     pub padded_numel: usize,
     /// Model states per tier once the engine is built, in [`Tier::ALL`]
     /// order: ZeRO's figure (16Ψ, 4Ψ+12Ψ/N, …, plus padding and the
@@ -438,6 +548,7 @@ pub fn estimate(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Result<
         offload_optimizer: cfg.zero.offload_optimizer.device,
         offload_param: cfg.zero.offload_param.device,
         numel: sim.plan.numel(),
+        trainable_numel: sim.plan.trainable_numel(),
         padded_numel: sim.plan.padded_numel(),
         built_states,
         report: sim.tracker.report(),
@@ -561,8 +672,21 @@ impl Sim {
         for u in plan.units() {
             let (full, shard) = (u.padded_numel as u64, u.shard_len as u64);
             let state_len = if stage == 0 { full } else { shard };
-            let p_len = if stage == 3 { shard } else { full };
+            // Stages 0–2 hold both segments; stage 3 its trainable shard
+            // and, resident on every rank, the frozen segment.
+            let p_len = if stage == 3 {
+                shard
+            } else {
+                u.param_len() as u64
+            };
             state_lens.push(state_len as usize);
+            if stage == 3 && u.frozen_padded > 0 {
+                track(
+                    Tier::Device,
+                    Category::Params,
+                    u.frozen_padded as u64 * psize,
+                );
+            }
             if !offloading {
                 track(Tier::Device, Category::Master, state_len * 4);
                 track(Tier::Device, Category::Moments, state_len * 8);
@@ -617,8 +741,14 @@ impl Sim {
         sim
     }
 
+    /// Unit `i`'s gradient buffer length (its trainable segment).
     fn padded(&self, i: usize) -> usize {
         self.plan.units()[i].padded_numel
+    }
+
+    /// Unit `i`'s gathered buffer length (both segments).
+    fn gathered(&self, i: usize) -> usize {
+        self.plan.units()[i].param_len()
     }
 
     /// One micro-batch of `events`, then `Engine::step` (which runs the
@@ -640,6 +770,8 @@ impl Sim {
                         self.stage3(|s, out| s.release(i, out));
                     }
                 }
+                // A unit with only frozen tensors has no gradient.
+                Event::TakeGrad(i) | Event::GiveGrad(i) if self.padded(i) == 0 => {}
                 Event::TakeGrad(i) => {
                     if self.stage >= 2 {
                         let len = self.padded(i);
@@ -692,7 +824,7 @@ impl Sim {
         for &action in &actions.list {
             match action {
                 Action::Launch(i) => {
-                    let padded = self.padded(i);
+                    let padded = self.gathered(i);
                     match self.gathered_pool.get_mut(&padded).filter(|c| **c > 0) {
                         Some(c) => *c -= 1,
                         None => {
@@ -706,7 +838,7 @@ impl Sim {
                         }
                     }
                 }
-                Action::Free(i) => *self.gathered_pool.entry(self.padded(i)).or_default() += 1,
+                Action::Free(i) => *self.gathered_pool.entry(self.gathered(i)).or_default() += 1,
                 Action::Refresh(_) | Action::Wait(_) | Action::ReadAhead(_) => {}
             }
         }

@@ -188,8 +188,8 @@ impl Stage3Schedule {
             .iter()
             .map(|l| Unit {
                 name: l.name.clone(),
-                padded: l.padded_numel,
-                persistent: l.numel < knobs.param_persistence_threshold,
+                padded: l.param_len(),
+                persistent: l.total_numel() < knobs.param_persistence_threshold,
                 state: Residency::Sharded,
                 in_use: 0,
                 released_at: 0,

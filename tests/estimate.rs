@@ -504,3 +504,141 @@ fn matches_the_tracker_with_prefetch_small_buckets_and_accumulation() {
         c.zero.offload_optimizer.buffer_count = 3;
     });
 }
+
+// ---------------------------------------------------------------------------
+// LoRA: frozen base weights
+
+/// The experiment's model: Qwen2.5-14B (its shapes without the q/k/v
+/// biases).
+fn qwen14b() -> LlamaDims {
+    LlamaDims {
+        vocab: 152_064,
+        hidden: 5120,
+        intermediate: 13_824,
+        layers: 48,
+        heads: 40,
+        kv_heads: 8,
+    }
+}
+
+/// One of the experiment's DeepSpeed configs (tests/fixtures) for 2 ranks.
+fn experiment_config(json: &str) -> ResolvedConfig {
+    use zero::core::config::{AutoValues, DeepSpeedConfig};
+    let (doc, _) = DeepSpeedConfig::from_json_str(json).unwrap();
+    let auto = AutoValues {
+        world_size: 2,
+        micro_batch_size: Some(1),
+        gradient_accumulation_steps: Some(1),
+        gradient_clipping: Some(1.0),
+        fp16: Some(false),
+        bf16: Some(true),
+        lr: Some(1e-4),
+        betas: Some((0.9, 0.999)),
+        eps: Some(1e-8),
+        weight_decay: Some(0.0),
+        warmup_min_lr: Some(0.0),
+        warmup_max_lr: Some(1e-4),
+        warmup_num_steps: Some(10),
+        hidden_size: Some(5120),
+        ..AutoValues::default()
+    };
+    doc.resolve(&auto).unwrap()
+}
+
+#[test]
+fn lora_on_qwen14b_counts_only_the_adapters_as_trainable() {
+    use zero::core::partition::PartitionPlan;
+    use zero::estimate::{Lora, LORA_TARGETS};
+    let d = qwen14b();
+    let lora = Lora {
+        rank: 8,
+        targets: LORA_TARGETS.iter().map(|t| t.to_string()).collect(),
+    };
+    let m = Model::llama_lora(d, &lora).unwrap();
+    // PEFT's count: r × (in + out) per targeted projection and layer.
+    let (h, i, kv) = (5120, 13_824, 8 * 128);
+    let per_layer = 8 * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h));
+    assert_eq!(m.trainable_numel(), 48 * per_layer);
+    assert_eq!(m.trainable_numel(), 34_406_400);
+    assert_eq!(m.numel(), Model::llama(d).unwrap().numel() + 34_406_400);
+    let plan = PartitionPlan::new(m.units(), 2).unwrap();
+    let trainable_padded = plan.padded_numel() as u64;
+    let param_len = plan.param_numel() as u64;
+    let frozen_padded = param_len - trainable_padded;
+    for (name, json) in [
+        ("ds_stage0", include_str!("fixtures/ds_stage0.json")),
+        ("ds_stage1", include_str!("fixtures/ds_stage1.json")),
+        (
+            "ds_stage2_offload",
+            include_str!("fixtures/ds_stage2_offload.json"),
+        ),
+        (
+            "ds_stage3_offload",
+            include_str!("fixtures/ds_stage3_offload.json"),
+        ),
+    ] {
+        let cfg = experiment_config(json);
+        let e = estimate(&m, &cfg, &Workload::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(e.trainable_numel, 34_406_400, "{name}");
+        let stage = cfg.zero.stage;
+        let p = cfg.precision.param_dtype().size_in_bytes() as u64;
+        // The fp32 master and the moments cover the adapters only: full at
+        // stage 0, half of them per rank beyond.
+        let state = if stage == 0 {
+            trainable_padded
+        } else {
+            trainable_padded / 2
+        };
+        let tier = if cfg.zero.offload_optimizer.device == OffloadDevice::None {
+            Tier::Device
+        } else {
+            Tier::Host
+        };
+        assert_eq!(e.peak(tier, Category::Master), 4 * state, "{name}: master");
+        assert_eq!(
+            e.peak(tier, Category::Moments),
+            8 * state,
+            "{name}: moments"
+        );
+        // Parameters: every weight at stages 0–2; at stage 3 the adapter
+        // shard (offloaded with offload_param) and the frozen base,
+        // resident on the device.
+        let params = e.peak(Tier::Device, Category::Params);
+        if stage < 3 {
+            assert_eq!(params, p * param_len, "{name}: params");
+        } else {
+            assert_eq!(cfg.zero.offload_param.device, OffloadDevice::Cpu);
+            assert_eq!(params, p * frozen_padded, "{name}: params");
+            assert_eq!(
+                e.peak(Tier::Host, Category::Params),
+                p * trainable_padded / 2,
+                "{name}"
+            );
+        }
+        // Gradients: the adapters' only (at most a full buffer in the
+        // parameter dtype and one in the accumulation dtype).
+        let grads = e.peak(Tier::Device, Category::Grads) + e.peak(Tier::Host, Category::Grads);
+        assert!(grads <= (2 + 4) * trainable_padded, "{name}: grads {grads}");
+        assert!(grads > 0, "{name}");
+        // Plausible: the base weights dominate (~29.6 GB of bf16 or ~59 GB
+        // of fp32 per rank); stage 3 adds the gathered units, which copy
+        // the frozen segment next to the trainable one (at most
+        // stage3_max_live_parameters of them).
+        let device = e.tier_peak(Tier::Device) as f64;
+        let base = (p * frozen_padded) as f64;
+        let live = (e.peak(Tier::Device, Category::GatheredParams)) as f64;
+        assert!(
+            live <= (p as f64) * 1.1e9 + (p * 4 * 5120 * 152_064) as f64,
+            "{name}"
+        );
+        assert!(
+            device >= base && device <= 1.05 * base + live,
+            "{name}: device {device:.3e} for a base of {base:.3e}"
+        );
+        println!(
+            "{name}: stage {stage}, {:?} params, device peak {:.2} GB per rank",
+            cfg.precision,
+            device / GB
+        );
+    }
+}

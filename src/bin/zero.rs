@@ -14,7 +14,9 @@ use std::process::ExitCode;
 
 use zero::core::config::{AutoValues, DeepSpeedConfig, OffloadDevice, Precision, ResolvedConfig};
 use zero::core::DType;
-use zero::estimate::{estimate, estimate_table, format_bytes, LlamaDims, Model, Workload};
+use zero::estimate::{
+    estimate, estimate_table, format_bytes, LlamaDims, Lora, Model, Workload, LORA_TARGETS,
+};
 
 const USAGE: &str = "usage: zero estimate [OPTIONS]
 
@@ -31,6 +33,11 @@ Model (one of):
   --hidden H --layers L --heads A --vocab V [--intermediate I] [--kv-heads K]
                         a Llama model as examples/llama (intermediate default:
                         8H/3 rounded up to 256; kv heads default: A)
+  --lora-rank R         LoRA of rank R on the Llama dims: base weights frozen
+                        (parameters only), adapters A (R x in) and B (out x R)
+                        trainable
+  --lora-targets LIST   PEFT module names, comma-separated (default: all of
+                        q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)
 
 Training:
   --world N             data-parallel ranks (default 1)
@@ -98,6 +105,8 @@ struct Opts {
     checkpointing: bool,
     reduce_bucket_size: Option<usize>,
     config: Option<PathBuf>,
+    lora_rank: Option<usize>,
+    lora_targets: Option<Vec<String>>,
 }
 
 /// A count such as `7e9`, `7B`, `350M`, `1.5k` or `4096`.
@@ -181,6 +190,8 @@ fn parse(args: impl IntoIterator<Item = String>) -> Result<Option<Opts>, String>
             "--seq-len",
             "--reduce-bucket-size",
             "--config",
+            "--lora-rank",
+            "--lora-targets",
         ];
         if !known.contains(&flag.as_str()) {
             return Err(format!("unknown option `{flag}`"));
@@ -192,6 +203,10 @@ fn parse(args: impl IntoIterator<Item = String>) -> Result<Option<Opts>, String>
         let f = flag.as_str();
         match f {
             "--params" => o.params = Some(count(f, &v)?),
+            "--lora-rank" => o.lora_rank = Some(count(f, &v)?),
+            "--lora-targets" => {
+                o.lora_targets = Some(v.split(',').map(|t| t.trim().to_string()).collect())
+            }
             "--units" => o.units = Some(count(f, &v)?),
             "--hidden" => o.hidden = Some(count(f, &v)?),
             "--intermediate" => o.intermediate = Some(count(f, &v)?),
@@ -234,6 +249,9 @@ fn model(o: &Opts) -> Result<Model, String> {
              --vocab), not both"
                 .into(),
         ),
+        (Some(_), false) if o.lora_rank.is_some() => {
+            Err("--lora-rank: needs the Llama dims (--hidden, --layers, --heads, --vocab)".into())
+        }
         (Some(p), false) => {
             Model::from_param_count(p, o.units.unwrap_or(32)).map_err(|e| format!("--units: {e}"))
         }
@@ -257,7 +275,28 @@ fn model(o: &Opts) -> Result<Model, String> {
                 heads,
                 kv_heads: o.kv_heads.unwrap_or(heads),
             };
-            Model::llama(d).map_err(|e| {
+            let built = match (o.lora_rank, &o.lora_targets) {
+                (None, Some(_)) => return Err("--lora-targets: needs --lora-rank".into()),
+                (None, None) => Model::llama(d),
+                (Some(rank), targets) => {
+                    let lora = Lora {
+                        rank,
+                        targets: targets.clone().unwrap_or_else(|| {
+                            LORA_TARGETS.iter().map(|t| t.to_string()).collect()
+                        }),
+                    };
+                    if let Err(e) = lora.validate() {
+                        let flag = if e.to_string().contains("lora.rank") {
+                            "--lora-rank"
+                        } else {
+                            "--lora-targets"
+                        };
+                        return Err(format!("{flag}: {e}"));
+                    }
+                    Model::llama_lora(d, &lora)
+                }
+            };
+            built.map_err(|e| {
                 let text = e.to_string();
                 let flag = [
                     "kv_heads",
@@ -380,7 +419,7 @@ fn run(o: &Opts) -> Result<String, String> {
         );
     }
     let mut out = String::new();
-    let what = match m.llama_dims() {
+    let mut what = match m.llama_dims() {
         Some(d) => format!(
             "Llama: vocab {}, hidden {}, intermediate {}, {} layers, {} heads, {} kv heads; \
              micro-batch {} x {} tokens{}",
@@ -405,6 +444,14 @@ fn run(o: &Opts) -> Result<String, String> {
         DType::BF16 => "bf16",
         DType::F16 => "fp16",
     };
+    let frozen = m.numel() - m.trainable_numel();
+    if frozen > 0 {
+        what.push_str(&format!(
+            "; {} trainable (LoRA), {} frozen: parameters only",
+            m.trainable_numel(),
+            frozen
+        ));
+    }
     out.push_str(&format!(
         "zero estimate: {:.3e} parameters ({what})\n{} rank(s), {} parameters and gradients, \
          {} gradient accumulation, {} reductions, reduce_bucket_size {}, \

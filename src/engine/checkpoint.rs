@@ -296,11 +296,17 @@ impl<C: Communicator> Engine<C> {
             "checkpoint (its manifest.json and rank files",
         )?;
         // The load overwrites every real element of the master and the
-        // parameters (padding is zero either way) and m, v start at zero:
-        // the build need not compute the registered initial values.
+        // trainable parameters (padding is zero either way) and m, v start
+        // at zero: the build need not compute their registered initial
+        // values. Frozen tensors are not in the checkpoint: they keep the
+        // values the trainer registered.
         let mut builder = builder;
-        for (_, inits) in &mut builder.specs {
-            inits.fill(Init::Zeros);
+        for (spec, inits) in &mut builder.specs {
+            for (t, init) in spec.tensors.iter().zip(inits.iter_mut()) {
+                if t.trainable {
+                    *init = Init::Zeros;
+                }
+            }
         }
         builder.for_load = true;
         let (tracer, rank) = (builder.tracer.clone(), builder.comm.rank());

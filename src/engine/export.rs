@@ -56,6 +56,21 @@ pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: ExportDtype) -> R
         ));
     }
     let (dir, manifest, plan) = open_saved(checkpoint)?;
+    if let Some((u, t)) = plan
+        .units()
+        .iter()
+        .find_map(|u| u.tensors.iter().find(|t| !t.trainable).map(|t| (u, t)))
+    {
+        return Err(err(
+            checkpoint,
+            format!(
+                "tensor `{}` of unit `{}` is frozen: the checkpoint holds the trainable state \
+                 only; export from the engine (Engine::export_safetensors), which has the \
+                 frozen weights",
+                t.name, u.name
+            ),
+        ));
+    }
     let mut writer = SafetensorsWriter::create(out, plan.units(), dtype)?;
     let mut reader = Reader::new(&dir, &manifest, &plan);
     let mut chunk = vec![0f32; CHUNK];
@@ -120,6 +135,12 @@ impl<C: Communicator> Engine<C> {
             let master = self.master_of(i)?;
             if let (Some(w), None) = (writer.as_mut(), &failed) {
                 failed = w.write(&master[..self.units[i].layout.numel]).err();
+            }
+            // Frozen tensors have no master: their parameters.
+            let mut frozen = Vec::new();
+            self.extend_frozen(i, &mut frozen)?;
+            if let (Some(w), None, false) = (writer.as_mut(), &failed, frozen.is_empty()) {
+                failed = w.write(&frozen).err();
             }
         }
         let done = match (writer, failed) {

@@ -77,9 +77,14 @@ pub(crate) struct GatherIo<'a, C: Communicator> {
 /// The stage-3 parameter gatherer of one rank (see the module docs).
 pub(crate) struct ParamGatherer {
     schedule: Stage3Schedule,
-    /// Per unit: the gathered buffer's length and the shard's.
+    /// Per unit: the gathered buffer's length (both segments) and the
+    /// trainable shard's.
     padded: Vec<usize>,
     shard_len: Vec<usize>,
+    /// Per unit: its frozen segment, resident on this rank (copied into
+    /// the gathered buffer after the trainable segment, never
+    /// all-gathered).
+    frozen: Vec<Option<DevBuf>>,
     /// Per unit: the label of its gathered buffers.
     labels: Vec<String>,
     /// Gathered units (full, padded), shared with the trainer's guards.
@@ -97,13 +102,18 @@ pub(crate) struct ParamGatherer {
 impl ParamGatherer {
     /// The gatherer of `plan`'s units under `cfg`'s stage-3 knobs, nothing
     /// gathered yet.
-    pub(crate) fn new(cfg: &ResolvedConfig, plan: &PartitionPlan) -> ParamGatherer {
+    pub(crate) fn new(
+        cfg: &ResolvedConfig,
+        plan: &PartitionPlan,
+        frozen: Vec<Option<DevBuf>>,
+    ) -> ParamGatherer {
         let units = plan.units();
         let n = units.len();
         ParamGatherer {
             schedule: Stage3Schedule::new(Stage3Knobs::from_config(cfg), units),
-            padded: units.iter().map(|u| u.padded_numel).collect(),
+            padded: units.iter().map(|u| u.param_len()).collect(),
             shard_len: units.iter().map(|u| u.shard_len).collect(),
+            frozen,
             labels: units
                 .iter()
                 .map(|u| format!("gathered `{}`", u.name))
@@ -115,6 +125,11 @@ impl ParamGatherer {
             actions: Actions::default(),
             warning: None,
         }
+    }
+
+    /// Unit `i`'s resident frozen segment, if it has frozen tensors.
+    pub(crate) fn frozen(&self, i: usize) -> Option<&DevBuf> {
+        self.frozen.get(i).and_then(Option::as_ref)
     }
 
     /// Elements gathered or being gathered.
@@ -310,8 +325,19 @@ impl ParamGatherer {
                 shard,
             )?,
         }
-        stats.gather_bytes += ring_bytes(padded, world, pdt);
+        if let Some(f) = &self.frozen[i] {
+            // The frozen segment: a local copy, no communication.
+            buf.copy_from(backend, Stream::Compute, shard * world, f, 0, f.len())?;
+        }
+        if shard == 0 {
+            // Only frozen tensors: nothing to all-gather.
+            backend.sync(&backend.record(Stream::Compute)?)?;
+            self.full[i] = Some(Arc::new(buf));
+            return Ok(());
+        }
+        stats.gather_bytes += ring_bytes(shard * world, world, pdt);
         let filled = backend.record(after)?;
+        // The trainable segment: the prefix of the buffer.
         self.inflight[i] = Some(buf.all_gather(backend, comm, &vec![shard; world], &filled));
         Ok(())
     }

@@ -158,8 +158,11 @@ impl UnitGuard {
         &self.layout
     }
 
-    /// The unit's full parameters (real elements, no padding), in the
-    /// training dtype `T`.
+    /// The unit's full parameters in the training dtype `T`: the real
+    /// elements of the trainable segment; with frozen tensors, followed
+    /// by that segment's padding and the frozen segment's real elements
+    /// (find a tensor through [`UnitGuard::layout`] or use
+    /// [`UnitGuard::param`]).
     pub fn params<T: Element>(&self) -> Result<&[T]> {
         let s =
             self.params
@@ -169,7 +172,13 @@ impl UnitGuard {
                     expected: self.params.dtype(),
                     got: T::DTYPE,
                 })?;
-        Ok(&s[..self.layout.numel])
+        let l = &self.layout;
+        let end = if l.frozen_numel > 0 {
+            l.frozen_offset() + l.frozen_numel
+        } else {
+            l.numel
+        };
+        Ok(&s[..end])
     }
 
     /// One tensor of the unit.

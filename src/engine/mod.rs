@@ -199,9 +199,11 @@ pub struct StepOutcome {
 /// tests; real elements only (no padding).
 #[derive(Debug, Clone, PartialEq)]
 pub struct UnitState {
-    /// The parameters in their training dtype, as f32.
+    /// The parameters in their training dtype, as f32: the trainable
+    /// segment's real elements (`layout.numel`), then the frozen
+    /// segment's (`layout.frozen_numel`).
     pub params: Vec<f32>,
-    /// fp32 master weights.
+    /// fp32 master weights (trainable tensors only, as the moments).
     pub master: Vec<f32>,
     /// AdamW first moment.
     pub m: Vec<f32>,
@@ -298,6 +300,10 @@ impl Unit {
     /// Stages 1–2, after the step: queues the all-gather of the updated
     /// parameters (no-op if it is queued or in flight already).
     fn queue_gather(&mut self) -> bool {
+        if !self.layout.is_trainable() {
+            // Only frozen tensors: the step never changes them.
+            return false;
+        }
         match std::mem::replace(&mut self.params, Params::Gathering) {
             Params::Home(p) => {
                 self.params = Params::Queued(p);
@@ -654,6 +660,10 @@ impl<C: Communicator> EngineBuilder<C> {
         let mut ranges = Vec::new();
         let mut moments = Vec::with_capacity(specs.len());
         let mut units = Vec::with_capacity(specs.len());
+        // Stage 3: each unit's frozen segment, resident on every rank
+        // (never all-gathered; the gatherer copies it into the gathered
+        // unit).
+        let mut frozen = Vec::with_capacity(specs.len());
         for (u, ((spec, _), layout)) in specs.iter().zip(plan.units()).enumerate() {
             let full = layout.padded_numel;
             let shard = layout.shard_len;
@@ -666,6 +676,8 @@ impl<C: Communicator> EngineBuilder<C> {
             let state_start = state_base(layout);
             let state_len = if stage == 0 { full } else { shard };
             let p_start = param_base(layout);
+            // Of the trainable segment; stages 0–2 hold the frozen segment
+            // after it in the same buffer.
             let p_len = if stage == 3 { shard } else { full };
             let mlen = if offloading { 0 } else { state_len };
             let mut master = HostBuffer::<f32>::zeros(mlen)?;
@@ -673,8 +685,42 @@ impl<C: Communicator> EngineBuilder<C> {
                 None
             } else {
                 let label = format!("params `{}`", spec.name);
-                Some(DevBuf::alloc(&backend, &comm, pdt, p_len, &label)?)
+                let len = if stage == 3 {
+                    p_len
+                } else {
+                    layout.param_len()
+                };
+                Some(DevBuf::alloc(&backend, &comm, pdt, len, &label)?)
             };
+            let frozen_seg = layout.frozen_range();
+            let mut frozen_home = if stage == 3 && !frozen_seg.is_empty() {
+                let label = format!("frozen params `{}`", spec.name);
+                Some(DevBuf::alloc(
+                    &backend,
+                    &comm,
+                    pdt,
+                    frozen_seg.len(),
+                    &label,
+                )?)
+            } else {
+                None
+            };
+            if !frozen_seg.is_empty() && initial.has_values(u) {
+                let mut values = vec![0f32; frozen_seg.len()];
+                initial.fill(u, frozen_seg.clone(), &mut values);
+                match (frozen_home.as_mut(), params.as_mut()) {
+                    (Some(f), _) => f.store_slice(&backend, 0, &values)?,
+                    (None, Some(p)) => p.store_slice(&backend, frozen_seg.start, &values)?,
+                    (None, None) => {}
+                }
+            }
+            if let Some(f) = frozen_home.as_mut() {
+                if !for_load {
+                    f.prefault(&backend)?;
+                }
+                track(Tier::Device, Category::Params, f.bytes());
+            }
+            frozen.push(frozen_home);
             // Initialise only what this rank stores here: the union of its
             // master and parameter ranges (new buffers are zero already).
             let mut stored = Vec::new();
@@ -798,7 +844,7 @@ impl<C: Communicator> EngineBuilder<C> {
         let scaler = cfg.loss_scale.map(LossScaler::new);
         let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
         let lr = cfg.scheduler.lr_at(0);
-        let s3 = ParamGatherer::new(&cfg, &plan);
+        let s3 = ParamGatherer::new(&cfg, &plan, frozen);
         let adam = backend.adamw_kernels().clone();
         let opt = OptimizerShard::new(
             stage,
@@ -892,7 +938,12 @@ impl Initial<'_> {
         }
         let (spec, inits) = &self.specs[u];
         let key = fnv1a(spec.name.as_bytes());
-        for (ti, t) in self.layouts[u].tensors.iter().enumerate() {
+        for t in &self.layouts[u].tensors {
+            // The initialiser and its stream are the registered tensor's
+            // (the layout puts frozen tensors after the trainable ones).
+            let Some(ti) = spec.tensors.iter().position(|s| s.name == t.name) else {
+                continue;
+            };
             for i in t.offset.max(r.start)..(t.offset + t.numel).min(r.end) {
                 out[i - r.start] = inits[ti].value(self.seed, key, ti, i - t.offset);
             }
@@ -978,6 +1029,9 @@ fn check_agreement<C: Communicator>(
             let mut text = s.name.clone();
             for t in &s.tensors {
                 text.push_str(&format!("|{}:{:?}", t.name, t.shape));
+                if !t.trainable {
+                    text.push_str(":frozen");
+                }
                 if let Some(i) = group_of(groups, &s.name, &t.name).checked_sub(1) {
                     let g = &groups[i].0;
                     text.push_str(&format!(
@@ -1013,7 +1067,7 @@ fn check_agreement<C: Communicator>(
                 .get(i)
                 .map_or("nothing".to_string(), |(s, _)| format!("`{}`", s.name));
             let there = if (i as u64) < counts[r] {
-                "a different unit (name, tensors, shapes or parameter groups)"
+                "a different unit (name, tensors, shapes, frozen tensors or parameter groups)"
             } else {
                 "nothing"
             };
@@ -1249,6 +1303,15 @@ impl<C: Communicator> Engine<C> {
         Ok(unit.index)
     }
 
+    /// The error of a gradient call on a unit with only frozen tensors.
+    fn frozen_unit(&self, i: usize, call: &str) -> Error {
+        self.usage(format!(
+            "{call}(`{}`): the unit has only frozen tensors (TensorSpec::frozen), so it has no \
+             gradient; leave it out of the backward pass",
+            self.name(i)
+        ))
+    }
+
     fn name(&self, i: usize) -> &str {
         &self.units[i].layout.name
     }
@@ -1417,7 +1480,7 @@ impl<C: Communicator> Engine<C> {
         let numel = self.units[i].layout.numel;
         let shard = self.units[i].layout.shard_len;
         let gather_f32 = |this: &Self, local: &[f32]| -> Result<Vec<f32>> {
-            if this.stage == 0 {
+            if this.stage == 0 || shard == 0 {
                 return Ok(local[..numel].to_vec());
             }
             let send = HostBuffer::from_slice(local)?;
@@ -1455,7 +1518,8 @@ impl<C: Communicator> Engine<C> {
             if po.is_nvme() {
                 self.swap_verdict(local.as_ref().err(), "parameter")?;
             }
-            let params = gather_f32(self, &local?)?;
+            let mut params = gather_f32(self, &local?)?;
+            self.extend_frozen(i, &mut params)?;
             return Ok(UnitState {
                 params,
                 master,
@@ -1474,6 +1538,7 @@ impl<C: Communicator> Engine<C> {
         } else {
             p.extend_f32(&self.backend, 0..numel, &mut params)?;
         }
+        self.extend_frozen(i, &mut params)?;
         Ok(UnitState {
             params,
             master,
@@ -1482,11 +1547,32 @@ impl<C: Communicator> Engine<C> {
         })
     }
 
+    /// Appends unit `i`'s frozen real elements (as f32) to `out`.
+    pub(crate) fn extend_frozen(&self, i: usize, out: &mut Vec<f32>) -> Result<()> {
+        let l = &self.units[i].layout;
+        if l.frozen_numel == 0 {
+            return Ok(());
+        }
+        let start = l.frozen_offset();
+        match self.s3.frozen(i) {
+            Some(f) => f.extend_f32(&self.backend, 0..l.frozen_numel, out),
+            None => {
+                let p = self.units[i]
+                    .home()
+                    .expect("params are home outside collectives");
+                p.extend_f32(&self.backend, start..start + l.frozen_numel, out)
+            }
+        }
+    }
+
     // ------------------------------------------------------------------
     // Gradients
 
-    /// The buffer for a unit's gradient in this micro-batch: the full unit
-    /// (real elements and padding), zeroed, in the training dtype. The
+    /// The buffer for a unit's gradient in this micro-batch: the unit's
+    /// trainable segment (`layout.padded_numel` elements, each trainable
+    /// tensor at its [`UnitLayout`] offset, padding included; frozen
+    /// tensors have no gradient), zeroed, in the training dtype. A unit
+    /// with only frozen tensors has none (an error naming it). The
     /// trainer writes (or accumulates) the gradient of its micro-batch loss
     /// — multiplied by [`Engine::loss_scale`] — and hands it back with
     /// [`Engine::grad_ready`].
@@ -1519,6 +1605,7 @@ impl<C: Communicator> Engine<C> {
                     self.name(i)
                 )))
             }
+            GradState::Frozen => return Err(self.frozen_unit(i, "grad_buffer")),
             GradState::Empty => {}
         }
         let buf = self
@@ -1567,6 +1654,7 @@ impl<C: Communicator> Engine<C> {
                     u.layout.name
                 )))
             }
+            GradState::Frozen => return Err(self.frozen_unit(i, "grad_ready")),
             GradState::Lent => {}
         }
         if grad.len() != u.layout.padded_numel || T::DTYPE != self.pdt {

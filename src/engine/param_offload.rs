@@ -458,6 +458,11 @@ impl ParamOffload {
             Home::Host(bufs) => {
                 let mut out = Vec::with_capacity(bufs.len());
                 for (b, &n) in bufs.iter_mut().zip(bytes) {
+                    if n == 0 {
+                        // A unit with only frozen tensors: no shard here.
+                        out.push(&mut [][..]);
+                        continue;
+                    }
                     let s = b.as_mut_slice_of::<P>()?;
                     out.push(&mut s[..n / std::mem::size_of::<P>()]);
                 }
@@ -478,6 +483,9 @@ impl ParamOffload {
     ) -> Result<()> {
         let _span = self.trace.span("param write back", "offload");
         let n = self.bytes[i];
+        if n == 0 {
+            return fill(&mut []);
+        }
         match &mut self.home {
             Home::Host(bufs) => {
                 let s = bufs[i].as_mut_slice_of::<P>()?;
@@ -529,6 +537,9 @@ impl ParamOffload {
     /// (outside the step; allocates).
     pub(crate) fn shard_f32(&self, i: usize, pdt: DType) -> Result<Vec<f32>> {
         let n = self.bytes[i];
+        if n == 0 {
+            return Ok(Vec::new());
+        }
         let mut raw = AlignedBuf::new(n.max(1))?;
         match &self.home {
             Home::Host(bufs) => raw[..n].copy_from_slice(&bufs[i][..n]),

@@ -103,6 +103,8 @@ pub(crate) enum GradState {
     Lent,
     /// Handed back: in a bucket, in flight, or reduced.
     Ready,
+    /// The unit has only frozen tensors: it never has a gradient.
+    Frozen,
 }
 
 /// `len` elements of `src[src_at..]` into `dst[dst_at..]`, converting, on
@@ -346,7 +348,17 @@ impl GradReducer {
             grads,
             acc,
             loans: (0..n).map(|_| None).collect(),
-            state: vec![GradState::Empty; n],
+            state: plan
+                .units()
+                .iter()
+                .map(|u| {
+                    if u.is_trainable() {
+                        GradState::Empty
+                    } else {
+                        GradState::Frozen
+                    }
+                })
+                .collect(),
             allocs,
         })
     }
@@ -751,7 +763,7 @@ impl GradReducer {
         while !self.inflight.is_empty() {
             self.complete_oldest(tracer, add)?;
         }
-        for s in &mut self.state {
+        for s in self.state.iter_mut().filter(|s| **s != GradState::Frozen) {
             *s = GradState::Empty;
         }
         // The optimizer's kernels (norm, AdamW) read the homes on the
@@ -804,7 +816,7 @@ impl GradReducer {
     /// every pack (the gradient buffers are read by packs), then zeroes the
     /// homes.
     pub(crate) fn zero(&mut self) -> Result<()> {
-        for s in &mut self.state {
+        for s in self.state.iter_mut().filter(|s| **s != GradState::Frozen) {
             *s = GradState::Empty;
         }
         self.sync_homes()?;

@@ -46,6 +46,28 @@
 //! [`UnitLayout::real_range`] is empty). Shards are still equal, so
 //! collectives over a unit always move `world_size` equal pieces.
 //!
+//! # Frozen tensors
+//!
+//! A tensor registered with [`TensorSpec::frozen`] (`requires_grad =
+//! false`) has parameters but no gradient, fp32 master or moments. A unit
+//! is laid out as its *trainable segment* (the trainable tensors in
+//! registration order, padded as above) followed by its *frozen segment*
+//! (the frozen tensors in registration order, padded the same way), and
+//! each segment is split evenly across the ranks, so gradient and optimizer
+//! shards stay balanced whatever the mix:
+//!
+//! ```text
+//!  params   | trainable a, b | pad | frozen w, c | pad |
+//!           0                padded_numel           param_len()
+//!  grads    | trainable a, b | pad |
+//! ```
+//!
+//! A trainable tensor's offset is the same in the parameter buffer and in
+//! the gradient buffer (whose length is `padded_numel`); a frozen tensor's
+//! offset is in the parameter buffer only. Trainers should find every
+//! tensor through [`UnitLayout::tensor`] rather than assume registration
+//! order. A unit may hold only frozen tensors (`padded_numel == 0`).
+//!
 //! # Example
 //!
 //! ```
@@ -85,14 +107,33 @@ pub struct TensorSpec {
     pub name: String,
     /// The tensor's shape; an empty shape is a scalar (one element).
     pub shape: Vec<usize>,
+    /// Whether the tensor trains (`requires_grad`; true from
+    /// [`TensorSpec::new`]). A frozen tensor has parameters only: no
+    /// gradient, no fp32 master, no moments (see the module docs).
+    #[serde(default = "yes")]
+    pub trainable: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl TensorSpec {
-    /// A tensor spec named `name` of shape `shape`.
+    /// A trainable tensor spec named `name` of shape `shape`.
     pub fn new(name: impl Into<String>, shape: &[usize]) -> Self {
         Self {
             name: name.into(),
             shape: shape.to_vec(),
+            trainable: true,
+        }
+    }
+
+    /// A frozen tensor spec (`requires_grad = false`) named `name` of shape
+    /// `shape`.
+    pub fn frozen(name: impl Into<String>, shape: &[usize]) -> Self {
+        Self {
+            trainable: false,
+            ..Self::new(name, shape)
         }
     }
 
@@ -147,6 +188,11 @@ pub struct TensorLayout {
     pub offset: usize,
     /// The number of elements (the product of `shape`).
     pub numel: usize,
+    /// Whether the tensor trains: it lies in the trainable segment
+    /// (`offset + numel <= UnitLayout::padded_numel`), else in the frozen
+    /// one (`offset >= UnitLayout::frozen_offset()`).
+    #[serde(default = "yes")]
+    pub trainable: bool,
 }
 
 impl TensorLayout {
@@ -158,28 +204,88 @@ impl TensorLayout {
 }
 
 /// The layout of one unit: its tensors, its padding and its shards.
+///
+/// `numel`, `padded_numel`, `shard_len`, [`shard_range`](Self::shard_range)
+/// and [`real_range`](Self::real_range) describe the *trainable segment*
+/// (what gradients, the fp32 master and the moments cover); for a unit
+/// without frozen tensors that is the whole unit. Frozen tensors follow in
+/// the frozen segment, `frozen_offset()..param_len()`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UnitLayout {
     /// The unit's name.
     pub name: String,
-    /// The unit's tensors, packed contiguously from offset 0.
+    /// The unit's tensors: the trainable ones packed contiguously from
+    /// offset 0 in registration order, then the frozen ones from
+    /// [`frozen_offset`](Self::frozen_offset) in registration order.
     pub tensors: Vec<TensorLayout>,
-    /// The number of real elements (the sum of the tensors').
+    /// The number of real elements of the trainable segment (the sum of
+    /// the trainable tensors').
     pub numel: usize,
-    /// The length of the flat buffer including padding: the smallest
-    /// multiple of `world_size * SHARD_ALIGN` that is at least `numel`.
+    /// The length of the trainable segment including padding: the
+    /// smallest multiple of `world_size * SHARD_ALIGN` that is at least
+    /// `numel` (0 for a unit with only frozen tensors). Gradient buffers
+    /// have this length.
     pub padded_numel: usize,
-    /// The length of each rank's shard: `padded_numel / world_size`, a
-    /// multiple of [`SHARD_ALIGN`].
+    /// The length of each rank's shard of the trainable segment:
+    /// `padded_numel / world_size`, a multiple of [`SHARD_ALIGN`].
     pub shard_len: usize,
+    /// The number of real elements of the frozen segment (0 without
+    /// frozen tensors).
+    #[serde(default)]
+    pub frozen_numel: usize,
+    /// The length of the frozen segment including padding (a multiple of
+    /// `world_size * SHARD_ALIGN`, as the trainable one).
+    #[serde(default)]
+    pub frozen_padded: usize,
+    /// The number of ranks the segments are split into.
+    #[serde(default)]
+    pub ranks: usize,
 }
 
 impl UnitLayout {
     /// The number of shards (ranks) the unit is split into.
     pub fn world_size(&self) -> usize {
-        // A layout built by `PartitionPlan::new` has `shard_len > 0`; a
-        // hand-made one with 0 has no shards.
+        if self.ranks > 0 {
+            return self.ranks;
+        }
+        // A hand-made layout without `ranks`: from the trainable segment.
         self.padded_numel.checked_div(self.shard_len).unwrap_or(0)
+    }
+
+    /// The length of the unit's parameter buffer (what [`gather`] returns):
+    /// the trainable segment, then the frozen segment, both padded.
+    ///
+    /// [`gather`]: https://docs.rs/zero (`Engine::gather`)
+    pub fn param_len(&self) -> usize {
+        self.padded_numel + self.frozen_padded
+    }
+
+    /// Where the frozen segment starts in the parameter buffer: right after
+    /// the padded trainable segment.
+    pub fn frozen_offset(&self) -> usize {
+        self.padded_numel
+    }
+
+    /// The frozen segment in the parameter buffer, padding included.
+    pub fn frozen_range(&self) -> Range<usize> {
+        self.padded_numel..self.param_len()
+    }
+
+    /// The length of each rank's shard of the frozen segment.
+    pub fn frozen_shard_len(&self) -> usize {
+        self.frozen_padded
+            .checked_div(self.world_size())
+            .unwrap_or(0)
+    }
+
+    /// Whether the unit has trainable elements (else it has no gradient).
+    pub fn is_trainable(&self) -> bool {
+        self.numel > 0
+    }
+
+    /// The real elements of the unit, trainable and frozen.
+    pub fn total_numel(&self) -> usize {
+        self.numel + self.frozen_numel
     }
 
     /// The elements that rank `rank` owns, in padded coordinates:
@@ -253,13 +359,21 @@ impl TryFrom<PlanData> for PartitionPlan {
                     u.name.clone(),
                     u.tensors
                         .iter()
-                        .map(|t| TensorSpec::new(t.name.clone(), &t.shape))
+                        .map(|t| TensorSpec {
+                            trainable: t.trainable,
+                            ..TensorSpec::new(t.name.clone(), &t.shape)
+                        })
                         .collect(),
                 )
             })
             .collect();
         let plan = PartitionPlan::new(&specs, data.world_size)?;
-        if let Some((want, got)) = plan.units.iter().zip(&data.units).find(|(a, b)| a != b) {
+        // Layouts stored before `ranks` existed read it as 0.
+        let mut stored = data.units;
+        for u in stored.iter_mut().filter(|u| u.ranks == 0) {
+            u.ranks = data.world_size;
+        }
+        if let Some((want, got)) = plan.units.iter().zip(&stored).find(|(a, b)| a != b) {
             return Err(Error::Plan(format!(
                 "stored layout of unit `{}` is inconsistent: expected {} elements padded to {} \
                  in shards of {} for world size {}, found {} padded to {} in shards of {} \
@@ -319,7 +433,7 @@ impl PartitionPlan {
                 ))
             })?;
             total_padded = total_padded
-                .checked_add(layout.padded_numel)
+                .checked_add(layout.param_len())
                 .ok_or_else(|| {
                     Error::Plan(format!(
                         "total padded number of elements overflows at unit `{}`",
@@ -354,18 +468,37 @@ impl PartitionPlan {
         self.units.iter().position(|u| u.name == name)
     }
 
-    /// The number of real elements of all units (Ψ).
+    /// The number of real elements of all units (Ψ), trainable and
+    /// frozen.
     pub fn numel(&self) -> usize {
+        self.units.iter().map(UnitLayout::total_numel).sum()
+    }
+
+    /// The number of trainable real elements of all units.
+    pub fn trainable_numel(&self) -> usize {
         self.units.iter().map(|u| u.numel).sum()
     }
 
-    /// The number of elements of all units including padding.
+    /// The number of frozen real elements of all units.
+    pub fn frozen_numel(&self) -> usize {
+        self.units.iter().map(|u| u.frozen_numel).sum()
+    }
+
+    /// The number of trainable elements of all units including padding
+    /// (what gradients and optimizer state cover).
     pub fn padded_numel(&self) -> usize {
         self.units.iter().map(|u| u.padded_numel).sum()
     }
 
-    /// The number of elements each rank owns: the sum of the units' shard
-    /// lengths (`padded_numel() / world_size()`), padding included.
+    /// The length of all units' parameter buffers (trainable and frozen
+    /// segments, padding included).
+    pub fn param_numel(&self) -> usize {
+        self.units.iter().map(UnitLayout::param_len).sum()
+    }
+
+    /// The number of trainable elements each rank owns: the sum of the
+    /// units' shard lengths (`padded_numel() / world_size()`), padding
+    /// included.
     pub fn shard_numel(&self) -> usize {
         self.units.iter().map(|u| u.shard_len).sum()
     }
@@ -423,7 +556,33 @@ fn layout_unit(unit: &UnitSpec, align: usize, world_size: usize) -> Result<UnitL
     let mut tensor_names = HashSet::with_capacity(unit.tensors.len());
     let mut tensors = Vec::with_capacity(unit.tensors.len());
     let mut offset = 0usize;
-    for (index, tensor) in unit.tensors.iter().enumerate() {
+    let pad = |numel: usize, what: &str| {
+        numel.div_ceil(align).checked_mul(align).ok_or_else(|| {
+            Error::Plan(format!(
+                "unit `{}` of {numel} {what}elements overflows when padded to a multiple of {align}",
+                unit.name
+            ))
+        })
+    };
+    let mut trainable_numel = None;
+    // Trainable tensors first, then the frozen ones from the padded end of
+    // the trainable segment.
+    let order = unit
+        .tensors
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.trainable)
+        .chain(
+            unit.tensors
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| !t.trainable),
+        );
+    for (index, tensor) in order {
+        if !tensor.trainable && trainable_numel.is_none() {
+            trainable_numel = Some(offset);
+            offset = pad(offset, "trainable ")?;
+        }
         if tensor.name.is_empty() {
             return Err(Error::Plan(format!(
                 "tensor {index} of unit `{}` has an empty name",
@@ -449,20 +608,28 @@ fn layout_unit(unit: &UnitSpec, align: usize, world_size: usize) -> Result<UnitL
             shape: tensor.shape.clone(),
             offset,
             numel,
+            trainable: tensor.trainable,
         });
         offset = next;
     }
-    let numel = offset;
-    if numel == 0 {
+    let (numel, padded_numel, frozen_numel) = match trainable_numel {
+        None => (offset, pad(offset, "")?, 0),
+        Some(t) => {
+            let padded = pad(t, "trainable ")?;
+            (t, padded, offset - padded)
+        }
+    };
+    if numel + frozen_numel == 0 {
         return Err(Error::Plan(format!(
             "unit `{}` has no elements ({} tensors)",
             unit.name,
             unit.tensors.len()
         )));
     }
-    let padded_numel = numel.div_ceil(align).checked_mul(align).ok_or_else(|| {
+    let frozen_padded = pad(frozen_numel, "frozen ")?;
+    padded_numel.checked_add(frozen_padded).ok_or_else(|| {
         Error::Plan(format!(
-            "unit `{}` of {numel} elements overflows when padded to a multiple of {align}",
+            "unit `{}`: its padded segments overflow",
             unit.name
         ))
     })?;
@@ -472,6 +639,9 @@ fn layout_unit(unit: &UnitSpec, align: usize, world_size: usize) -> Result<UnitL
         numel,
         padded_numel,
         shard_len: padded_numel / world_size,
+        frozen_numel,
+        frozen_padded,
+        ranks: world_size,
     })
 }
 
@@ -521,6 +691,51 @@ mod tests {
         assert_eq!(shards, [0..96, 96..192, 192..288, 288..384]);
         let real: Vec<_> = (0..4).map(|r| l.real_range(r)).collect();
         assert_eq!(real, [0..96, 96..192, 192..288, 288..300]);
+    }
+
+    #[test]
+    fn frozen_tensors_follow_the_padded_trainable_segment() {
+        let u = UnitSpec::new(
+            "u",
+            vec![
+                TensorSpec::frozen("w", &[10, 10]),
+                TensorSpec::new("a", &[40]),
+                TensorSpec::frozen("c", &[5]),
+                TensorSpec::new("b", &[30]),
+            ],
+        );
+        let plan = PartitionPlan::new(&[u], 2).unwrap();
+        let l = &plan.units()[0];
+        assert_eq!((l.numel, l.padded_numel, l.shard_len), (70, 128, 64));
+        assert_eq!(
+            (l.frozen_numel, l.frozen_padded, l.frozen_shard_len()),
+            (105, 128, 64)
+        );
+        assert_eq!(
+            (l.frozen_offset(), l.param_len(), l.world_size()),
+            (128, 256, 2)
+        );
+        assert_eq!(l.tensor("a").unwrap().range(), 0..40);
+        assert_eq!(l.tensor("b").unwrap().range(), 40..70);
+        assert_eq!(l.tensor("w").unwrap().range(), 128..228);
+        assert_eq!(l.tensor("c").unwrap().range(), 228..233);
+        assert!(!l.tensor("w").unwrap().trainable && l.tensor("a").unwrap().trainable);
+        assert_eq!(l.real_range(1), 64..70);
+        assert_eq!(
+            (plan.numel(), plan.trainable_numel(), plan.frozen_numel()),
+            (175, 70, 105)
+        );
+        // The layout survives serialization with its flags.
+        let json = serde_json::to_string(&plan).unwrap();
+        assert_eq!(serde_json::from_str::<PartitionPlan>(&json).unwrap(), plan);
+
+        let only = UnitSpec::new("f", vec![TensorSpec::frozen("w", &[3])]);
+        let plan = PartitionPlan::new(&[only], 4).unwrap();
+        let l = &plan.units()[0];
+        assert!(!l.is_trainable());
+        assert_eq!((l.padded_numel, l.shard_len, l.frozen_padded), (0, 0, 128));
+        assert_eq!((l.world_size(), l.tensor("w").unwrap().offset), (4, 0));
+        assert!(l.real_range(3).is_empty());
     }
 
     #[test]

@@ -22,6 +22,10 @@ use crate::Result;
 pub(crate) struct TensorEntry {
     pub(crate) name: String,
     pub(crate) shape: Vec<usize>,
+    /// A frozen tensor (no master or moments in the rank files); absent:
+    /// trainable.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) frozen: bool,
 }
 
 /// A saved unit: its tensors in packing order, its real elements and its
@@ -44,6 +48,7 @@ impl UnitEntry {
                 .map(|t| TensorEntry {
                     name: t.name.clone(),
                     shape: t.shape.clone(),
+                    frozen: !t.trainable,
                 })
                 .collect(),
             numel: l.numel,
@@ -256,8 +261,45 @@ pub(crate) fn check_units(
                     .iter()
                     .map(|t| (t.name.as_str(), &t.shape[..]))
                     .collect();
-                let model: Vec<(&str, &[usize])> = r
+                let frozen_model: Vec<&TensorSpec> =
+                    r.tensors.iter().filter(|t| !t.trainable).collect();
+                let frozen_saved: Vec<&TensorEntry> =
+                    s.tensors.iter().filter(|t| t.frozen).collect();
+                let named = |t: &str| r.tensors.iter().any(|x| x.name == t);
+                if let Some(t) = frozen_model.iter().find(|t| {
+                    s.tensors.iter().any(|x| x.name == t.name)
+                        && !frozen_saved.iter().any(|x| x.name == t.name)
+                }) {
+                    return Err(ck(
+                        mpath,
+                        format!(
+                            "unit `{}`: tensor `{}` is frozen in the model but trainable in the \
+                             checkpoint",
+                            s.name, t.name
+                        ),
+                    ));
+                }
+                if let Some(t) = frozen_saved
+                    .iter()
+                    .find(|t| named(&t.name) && !frozen_model.iter().any(|x| x.name == t.name))
+                {
+                    return Err(ck(
+                        mpath,
+                        format!(
+                            "unit `{}`: tensor `{}` is trainable in the model but frozen in the \
+                             checkpoint",
+                            s.name, t.name
+                        ),
+                    ));
+                }
+                // The model's tensors in packing order: trainable first.
+                let packed: Vec<&TensorSpec> = r
                     .tensors
+                    .iter()
+                    .filter(|t| t.trainable)
+                    .chain(r.tensors.iter().filter(|t| !t.trainable))
+                    .collect();
+                let model: Vec<(&str, &[usize])> = packed
                     .iter()
                     .map(|t| (t.name.as_str(), &t.shape[..]))
                     .collect();
@@ -278,14 +320,18 @@ pub(crate) fn check_units(
                         ),
                     ));
                 }
-                if s.numel != r.numel() {
+                let trainable: usize = r
+                    .tensors
+                    .iter()
+                    .filter(|t| t.trainable)
+                    .map(TensorSpec::numel)
+                    .sum();
+                if s.numel != trainable {
                     return Err(ck(
                         mpath,
                         format!(
-                            "unit `{}`: {} elements in the checkpoint, {} in the model",
-                            s.name,
-                            s.numel,
-                            r.numel()
+                            "unit `{}`: {} trainable elements in the checkpoint, {} in the model",
+                            s.name, s.numel, trainable
                         ),
                     ));
                 }
@@ -307,7 +353,13 @@ pub(crate) fn saved_plan(mpath: &Path, m: &Manifest) -> Result<PartitionPlan> {
                 u.name.clone(),
                 u.tensors
                     .iter()
-                    .map(|t| TensorSpec::new(t.name.clone(), &t.shape))
+                    .map(|t| {
+                        if t.frozen {
+                            TensorSpec::frozen(t.name.clone(), &t.shape)
+                        } else {
+                            TensorSpec::new(t.name.clone(), &t.shape)
+                        }
+                    })
                     .collect(),
             )
         })

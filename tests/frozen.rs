@@ -1,0 +1,643 @@
+//! Frozen tensors (`TensorSpec::frozen`, `requires_grad = false`).
+//!
+//! The model: a frozen-only unit `base` (`w`), a unit `mix` that mixes
+//! frozen (`f1`, `f2`) and trainable (`a`, `b`) tensors in the order
+//! `f1, a, f2, b`, and a trainable unit `head` (`h`). For an input x of 8
+//! features, `z_k = x_k w_k f1_k` and the prediction is
+//! `Σ_k (a_k + h_k) z_k + b + f2_0 + f2_1 x_0 + f2_2 x_1`, with a squared
+//! loss. The frozen values are exact in bf16, so every precision starts
+//! from the same frozen weights.
+//!
+//! - frozen tensors are bit-identical after the steps, at every stage,
+//!   offload mode (none, cpu, nvme; `offload_param` at stage 3) and world
+//!   size, and every stage and offload mode gives the stage-0 bits;
+//! - the trainable tensors train bit for bit as in the same model with the
+//!   frozen tensors in a unit of their own, and as in a model without them
+//!   (the trainer holding the frozen values as constants);
+//! - the gradient norm covers the trainable gradients only;
+//! - the memory report holds no gradient, master or moment bytes for the
+//!   frozen tensors (exact byte counts);
+//! - stage 3 all-gathers only the trainable segments;
+//! - a unit with only frozen tensors has no gradient buffer, and ranks
+//!   that disagree on what is frozen fail together.
+
+use zero::comm::{Communicator, ThreadComm, ThreadGroup};
+use zero::core::bf16;
+use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
+use zero::core::memory::{Category, Tier};
+use zero::core::partition::{TensorSpec, UnitSpec};
+use zero::core::Element;
+use zero::{Engine, EngineStats, Error, Init, StepOutcome, UnitId, UnitState};
+use zero_testkit::runs::{assert_bits_eq, bits, config, MB};
+
+const STEPS: usize = 4;
+const K: usize = 8;
+
+/// Where the frozen tensors live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// `f1, a, f2, b` in one unit, `w` in a frozen-only unit.
+    Mixed,
+    /// `a, b` in `mix`, `f1, f2` in `mixf`, `w` in `base`.
+    Separate,
+    /// No frozen tensor in the engine: the trainer holds them.
+    Absent,
+}
+
+fn w() -> Vec<f32> {
+    (0..K).map(|k| 1.0 - k as f32 / 32.0).collect()
+}
+fn f1() -> Vec<f32> {
+    (0..K).map(|k| 0.5 + k as f32 / 16.0).collect()
+}
+fn f2() -> Vec<f32> {
+    vec![0.25, -0.5, 1.0]
+}
+
+/// `a` and `h`: explicit values, the same wherever the tensor is.
+fn start(n: usize, s: f32) -> Vec<f32> {
+    (0..n).map(|k| s * ((k as f32 + 1.0) * 1.3).sin()).collect()
+}
+
+fn values(v: Vec<f32>) -> Init {
+    Init::Values(v.into())
+}
+
+struct Ids {
+    base: Option<UnitId>,
+    mix: UnitId,
+    mixf: Option<UnitId>,
+    head: UnitId,
+}
+
+fn register<C: Communicator>(
+    b: &mut zero::EngineBuilder<C>,
+    shape: Shape,
+    frozen_b: bool,
+) -> zero::Result<Ids> {
+    let base = match shape {
+        Shape::Absent => None,
+        _ => Some(b.register(
+            UnitSpec::new("base", vec![TensorSpec::frozen("w", &[K])]),
+            vec![values(w())],
+        )?),
+    };
+    let b_spec = if frozen_b {
+        TensorSpec::frozen("b", &[1])
+    } else {
+        TensorSpec::new("b", &[1])
+    };
+    let (mix, mixf) = match shape {
+        Shape::Mixed => (
+            b.register(
+                UnitSpec::new(
+                    "mix",
+                    vec![
+                        TensorSpec::frozen("f1", &[K]),
+                        TensorSpec::new("a", &[K]),
+                        TensorSpec::frozen("f2", &[3]),
+                        b_spec,
+                    ],
+                ),
+                vec![
+                    values(f1()),
+                    values(start(K, 0.3)),
+                    values(f2()),
+                    Init::Zeros,
+                ],
+            )?,
+            None,
+        ),
+        _ => {
+            let mix = b.register(
+                UnitSpec::new("mix", vec![TensorSpec::new("a", &[K]), b_spec]),
+                vec![values(start(K, 0.3)), Init::Zeros],
+            )?;
+            let mixf = match shape {
+                Shape::Separate => Some(b.register(
+                    UnitSpec::new(
+                        "mixf",
+                        vec![
+                            TensorSpec::frozen("f1", &[K]),
+                            TensorSpec::frozen("f2", &[3]),
+                        ],
+                    ),
+                    vec![values(f1()), values(f2())],
+                )?),
+                _ => None,
+            };
+            (mix, mixf)
+        }
+    };
+    let head = b.register(
+        UnitSpec::new("head", vec![TensorSpec::new("h", &[K])]),
+        vec![values(start(K, 0.2))],
+    )?;
+    Ok(Ids {
+        base,
+        mix,
+        mixf,
+        head,
+    })
+}
+
+/// Tensor `t` of a gathered unit, as f32.
+fn tensor<T: Element>(g: &zero::UnitGuard, t: &str) -> zero::Result<Vec<f32>> {
+    let l = g.layout().tensor(t).expect("tensor registered").clone();
+    Ok(g.params::<T>()?[l.range()]
+        .iter()
+        .map(|x| x.to_f32())
+        .collect())
+}
+
+/// One rank's view of a run.
+struct Run {
+    /// Every unit's final state by name.
+    states: Vec<(String, UnitState)>,
+    outcomes: Vec<StepOutcome>,
+    losses: Vec<f32>,
+    stats: EngineStats,
+    /// Device bytes of grads, master, moments and params after build.
+    bytes: [u64; 4],
+    /// The squared gradients the trainer wrote in the first micro-batch
+    /// (this rank, unscaled).
+    first_grads: Vec<f32>,
+}
+
+fn train<T: Element>(
+    comm: ThreadComm,
+    cfg: &ResolvedConfig,
+    shape: Shape,
+    steps: usize,
+) -> zero::Result<Run> {
+    let mut b = Engine::builder(cfg.clone(), comm).seed(3);
+    let ids = register(&mut b, shape, false)?;
+    let mut e = b.build()?;
+    let t = e.tracker();
+    let bytes = [
+        t.current(Tier::Device, Category::Grads) + t.current(Tier::Host, Category::Grads),
+        t.current(Tier::Device, Category::Master),
+        t.current(Tier::Device, Category::Moments),
+        t.current(Tier::Device, Category::Params),
+    ];
+    let mut r = steps_of::<T>(&mut e, &ids, shape, 0..steps)?;
+    r.bytes = bytes;
+    Ok(r)
+}
+
+/// Steps `steps` of the run on `e` (the samples depend on the step
+/// index only); then every unit's state.
+fn steps_of<T: Element>(
+    e: &mut Engine<ThreadComm>,
+    ids: &Ids,
+    shape: Shape,
+    steps: std::ops::Range<usize>,
+) -> zero::Result<Run> {
+    let (world, rank) = (e.world_size(), e.rank());
+    let ga = e.config().gradient_accumulation_steps;
+    let (mut outcomes, mut losses, mut first_grads) = (Vec::new(), Vec::new(), Vec::new());
+    for s in steps {
+        for m in 0..ga {
+            let first = ((s * ga + m) * world + rank) * MB;
+            let gm = e.gather(ids.mix)?;
+            let gh = e.gather(ids.head)?;
+            let (wv, f1v, f2v) = match shape {
+                Shape::Absent => (w(), f1(), f2()),
+                Shape::Mixed => {
+                    let gb = e.gather(ids.base.expect("base"))?;
+                    (
+                        tensor::<T>(&gb, "w")?,
+                        tensor::<T>(&gm, "f1")?,
+                        tensor::<T>(&gm, "f2")?,
+                    )
+                }
+                Shape::Separate => {
+                    let gb = e.gather(ids.base.expect("base"))?;
+                    let gf = e.gather(ids.mixf.expect("mixf"))?;
+                    (
+                        tensor::<T>(&gb, "w")?,
+                        tensor::<T>(&gf, "f1")?,
+                        tensor::<T>(&gf, "f2")?,
+                    )
+                }
+            };
+            let (a, bias, h) = (
+                tensor::<T>(&gm, "a")?,
+                tensor::<T>(&gm, "b")?,
+                tensor::<T>(&gh, "h")?,
+            );
+            let mut ga_ = [0f32; K];
+            let mut gb_ = 0f32;
+            let mut loss = 0f32;
+            let n = MB as f32;
+            let scale = e.loss_scale();
+            for i in 0..MB {
+                let j = (first + i) as f32;
+                let x: Vec<f32> = (0..K)
+                    .map(|k| ((j + 1.0) * 0.37 + k as f32 * 0.71).sin())
+                    .collect();
+                let y = (j * 0.13).cos();
+                let z: Vec<f32> = (0..K).map(|k| x[k] * wv[k] * f1v[k]).collect();
+                let mut pred = bias[0] + f2v[0] + f2v[1] * x[0] + f2v[2] * x[1];
+                for k in 0..K {
+                    pred += (a[k] + h[k]) * z[k];
+                }
+                let d = pred - y;
+                loss += d * d / n;
+                let g = 2.0 * d / n * scale;
+                for k in 0..K {
+                    ga_[k] += g * z[k];
+                }
+                gb_ += g;
+            }
+            drop((gm, gh));
+            let mut gmix = e.grad_buffer::<T>(ids.mix)?;
+            let la = e.layout(ids.mix)?.tensor("a").expect("a").offset;
+            let lb = e.layout(ids.mix)?.tensor("b").expect("b").offset;
+            for k in 0..K {
+                gmix[la + k] = T::from_f32(ga_[k]);
+            }
+            gmix[lb] = T::from_f32(gb_);
+            e.grad_ready(ids.mix, gmix)?;
+            let mut ghead = e.grad_buffer::<T>(ids.head)?;
+            for k in 0..K {
+                ghead[k] = T::from_f32(ga_[k]);
+            }
+            e.grad_ready(ids.head, ghead)?;
+            if s == 0 && m == 0 {
+                first_grads = ga_
+                    .iter()
+                    .chain(ga_.iter())
+                    .chain([gb_].iter())
+                    .copied()
+                    .collect();
+            }
+            losses.push(loss);
+            let o = e.step()?;
+            if o.boundary {
+                outcomes.push(o);
+            }
+        }
+    }
+    let stats = e.stats().clone();
+    let mut states = Vec::new();
+    for u in e.unit_ids() {
+        let name = e.layout(u)?.name.clone();
+        states.push((name, e.unit_state(u)?));
+    }
+    Ok(Run {
+        states,
+        outcomes,
+        losses,
+        stats,
+        bytes: [0; 4],
+        first_grads,
+    })
+}
+
+fn run(world: usize, cfg: &ResolvedConfig, shape: Shape) -> Run {
+    let mut all = ThreadGroup::run(world, |comm| match cfg.precision {
+        Precision::Bf16 => train::<bf16>(comm, cfg, shape, STEPS),
+        _ => train::<f32>(comm, cfg, shape, STEPS),
+    })
+    .expect("ranks ran")
+    .into_iter()
+    .map(|r| r.unwrap_or_else(|e| panic!("training failed: {e}")))
+    .collect::<Vec<_>>();
+    all.swap_remove(0)
+}
+
+fn state<'a>(r: &'a Run, unit: &str) -> &'a UnitState {
+    &r.states.iter().find(|(n, _)| n == unit).expect("unit").1
+}
+
+/// `mix`'s trainable part (`a`, `b`) and `head`, with their optimizer
+/// state: the params' first 9 elements (the trainable segment comes
+/// first), master, m, v.
+fn trainable(r: &Run) -> Vec<UnitState> {
+    let mut mix = state(r, "mix").clone();
+    mix.params.truncate(K + 1);
+    vec![mix, state(r, "head").clone()]
+}
+
+/// The frozen tensors are their initial values, bit for bit.
+fn assert_frozen_unchanged(r: &Run, what: &str) {
+    let base = state(r, "base");
+    assert_eq!(base.params, w(), "{what}: base.w");
+    assert!(
+        base.master.is_empty() && base.m.is_empty() && base.v.is_empty(),
+        "{what}"
+    );
+    let mix = state(r, "mix");
+    let want: Vec<f32> = f1().into_iter().chain(f2()).collect();
+    assert_eq!(mix.params[K + 1..], want[..], "{what}: mix.f1, mix.f2");
+    assert_eq!(mix.master.len(), K + 1, "{what}: master of a, b only");
+}
+
+fn cfg_for(world: usize, stage: u8, precision: Precision) -> ResolvedConfig {
+    let mut c = config(world, stage, 2, precision);
+    c.gradient_clipping = 0.0;
+    c
+}
+
+#[test]
+fn frozen_tensors_stay_and_every_stage_and_offload_gives_the_same_bits() {
+    let dir = std::env::temp_dir().join(format!("zero-frozen-test-{}", std::process::id()));
+    for world in [1usize, 2] {
+        for precision in [Precision::Fp32, Precision::Bf16] {
+            let base = run(world, &cfg_for(world, 0, precision), Shape::Mixed);
+            assert_frozen_unchanged(&base, "stage 0");
+            // Training changed the trainable tensors (else nothing here
+            // could fail).
+            let start = ThreadGroup::run(world, |comm| {
+                train::<f32>(comm, &cfg_for(world, 0, Precision::Fp32), Shape::Mixed, 0)
+            })
+            .expect("ranks ran")
+            .swap_remove(0)
+            .expect("built");
+            assert_ne!(bits(&start.states[1].1)[1], bits(state(&base, "mix"))[1]);
+            let mut setups: Vec<(String, ResolvedConfig)> = Vec::new();
+            for stage in 0..=3u8 {
+                for offload in [OffloadDevice::None, OffloadDevice::Cpu, OffloadDevice::Nvme] {
+                    let mut c = cfg_for(world, stage, precision);
+                    c.zero.offload_optimizer.device = offload;
+                    c.zero.sub_group_size = 5;
+                    if offload == OffloadDevice::Nvme {
+                        c.zero.offload_optimizer.nvme_path = Some(dir.clone());
+                        c.zero.aio.block_size = 4096;
+                    }
+                    setups.push((format!("stage {stage} offload {offload:?}"), c));
+                }
+            }
+            for param in [OffloadDevice::Cpu, OffloadDevice::Nvme] {
+                let mut c = cfg_for(world, 3, precision);
+                c.zero.offload_param.device = param;
+                if param == OffloadDevice::Nvme {
+                    c.zero.offload_param.nvme_path = Some(dir.clone());
+                    c.zero.aio.block_size = 4096;
+                }
+                setups.push((format!("stage 3 offload_param {param:?}"), c));
+            }
+            for (what, c) in setups {
+                let what = format!("{world} rank(s) {precision:?} {what}");
+                let t = run(world, &c, Shape::Mixed);
+                assert_frozen_unchanged(&t, &what);
+                let names: Vec<_> = t.states.iter().map(|(n, _)| n.clone()).collect();
+                assert_eq!(names, ["base", "mix", "head"]);
+                assert_bits_eq(
+                    &base.states.iter().map(|s| s.1.clone()).collect::<Vec<_>>(),
+                    &t.states.iter().map(|s| s.1.clone()).collect::<Vec<_>>(),
+                    &what,
+                );
+                assert_eq!(
+                    format!("{:?}", base.outcomes),
+                    format!("{:?}", t.outcomes),
+                    "{what}"
+                );
+                assert_eq!(base.losses, t.losses, "{what}");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn trainable_tensors_train_as_without_the_frozen_ones() {
+    let world = 2;
+    for stage in [0u8, 2, 3] {
+        let c = cfg_for(world, stage, Precision::Bf16);
+        let mixed = run(world, &c, Shape::Mixed);
+        let separate = run(world, &c, Shape::Separate);
+        let absent = run(world, &c, Shape::Absent);
+        let what = format!("stage {stage}");
+        assert_bits_eq(
+            &trainable(&mixed),
+            &trainable(&separate),
+            &format!("{what}: mixed vs separate"),
+        );
+        assert_bits_eq(
+            &trainable(&mixed),
+            &trainable(&absent),
+            &format!("{what}: mixed vs absent"),
+        );
+        assert_eq!(mixed.losses, absent.losses, "{what}");
+        assert_eq!(
+            format!("{:?}", mixed.outcomes),
+            format!("{:?}", absent.outcomes),
+            "{what}"
+        );
+    }
+}
+
+#[test]
+fn the_gradient_norm_covers_the_trainable_gradients_only() {
+    // One rank, one micro-batch, fp32: the norm of the first step is the
+    // norm of what the trainer wrote.
+    let mut c = config(1, 0, 1, Precision::Fp32);
+    c.gradient_clipping = 0.0;
+    let r = ThreadGroup::run(1, |comm| train::<f32>(comm, &c, Shape::Mixed, 1))
+        .expect("ranks ran")
+        .swap_remove(0)
+        .expect("trained");
+    let want = r
+        .first_grads
+        .iter()
+        .map(|&g| f64::from(g) * f64::from(g))
+        .sum::<f64>()
+        .sqrt();
+    let got = r.outcomes[0].grad_norm.expect("a norm");
+    assert!(
+        (got - want).abs() <= 1e-5 * want,
+        "norm {got}, trainable gradients {want}"
+    );
+}
+
+#[test]
+fn the_memory_report_has_no_gradient_or_optimizer_bytes_for_frozen_tensors() {
+    let world = 2;
+    for stage in 0..=3u8 {
+        let c = cfg_for(world, stage, Precision::Fp32);
+        let mixed = run(world, &c, Shape::Mixed);
+        let absent = run(world, &c, Shape::Absent);
+        // Trainable: `mix` 9 elements and `head` 8, each one segment of 64
+        // elements (2 ranks × 32); frozen: `base` 8 and `mix` 11 elements,
+        // one segment of 64 each.
+        let state_elems: u64 = if stage == 0 { 2 * 64 } else { 2 * 32 };
+        let what = format!("stage {stage}");
+        assert_eq!(mixed.bytes[1], 4 * state_elems, "{what}: master");
+        assert_eq!(mixed.bytes[2], 8 * state_elems, "{what}: moments");
+        assert_eq!(mixed.bytes[0], absent.bytes[0], "{what}: gradients");
+        // Parameters: the trainable part as without frozen tensors, plus
+        // the two frozen segments in full on every rank (stage 3 keeps
+        // them resident).
+        assert_eq!(
+            mixed.bytes[3],
+            absent.bytes[3] + 2 * 64 * 4,
+            "{what}: params"
+        );
+        let own = if stage == 3 { 2 * 32 } else { 2 * 64 };
+        assert_eq!(
+            absent.bytes[3],
+            own * 4,
+            "{what}: params without frozen tensors"
+        );
+    }
+}
+
+#[test]
+fn stage_3_all_gathers_only_the_trainable_segments() {
+    let world = 2;
+    let c = cfg_for(world, 3, Precision::Bf16);
+    let mixed = run(world, &c, Shape::Mixed);
+    let absent = run(world, &c, Shape::Absent);
+    assert!(absent.stats.gather_bytes > 0);
+    assert_eq!(mixed.stats.gather_bytes, absent.stats.gather_bytes);
+}
+
+#[test]
+fn a_unit_with_only_frozen_tensors_has_no_gradient() {
+    let out = ThreadGroup::run(2, |comm| -> zero::Result<String> {
+        let mut b = Engine::builder(cfg_for(2, 2, Precision::Fp32), comm);
+        let ids = register(&mut b, Shape::Mixed, false)?;
+        let mut e = b.build()?;
+        let e1 = match e.grad_buffer::<f32>(ids.base.expect("base")) {
+            Err(e) => e.to_string(),
+            Ok(_) => String::from("no error"),
+        };
+        Ok(e1)
+    })
+    .expect("ranks ran");
+    for r in out {
+        let msg = r.expect("built");
+        assert!(
+            msg.contains("grad_buffer(`base`)") && msg.contains("only frozen tensors"),
+            "{msg}"
+        );
+    }
+}
+
+#[test]
+fn ranks_that_freeze_different_tensors_fail_together() {
+    let out = ThreadGroup::run(2, |comm| {
+        let rank = comm.rank();
+        let mut b = Engine::builder(cfg_for(2, 3, Precision::Fp32), comm);
+        register(&mut b, Shape::Mixed, rank == 1)?;
+        b.build().map(|_| ())
+    })
+    .expect("ranks ran");
+    for (rank, r) in out.into_iter().enumerate() {
+        let e = r.expect_err("different frozen sets must fail");
+        assert!(matches!(e, Error::Disagreement { .. }), "rank {rank}: {e}");
+        assert!(
+            e.to_string().contains("unit #1") && e.to_string().contains("frozen"),
+            "rank {rank}: {e}"
+        );
+    }
+}
+
+#[test]
+fn checkpoints_hold_the_trainable_state_and_resume_bit_identically() {
+    let world = 2;
+    let root = std::env::temp_dir().join(format!("zero-frozen-ckpt-{}", std::process::id()));
+    for (stage, offload) in [
+        (0u8, OffloadDevice::None),
+        (2, OffloadDevice::Cpu),
+        (3, OffloadDevice::None),
+        (3, OffloadDevice::Cpu),
+    ] {
+        let mut c = cfg_for(world, stage, Precision::Bf16);
+        c.zero.offload_optimizer.device = offload;
+        let whole = run(world, &c, Shape::Mixed);
+        let dir = root.join(format!("s{stage}-{offload:?}"));
+        // Two steps and a save …
+        let saved = ThreadGroup::run(world, |comm| -> zero::Result<std::path::PathBuf> {
+            let mut b = Engine::builder(c.clone(), comm).seed(3);
+            let ids = register(&mut b, Shape::Mixed, false)?;
+            let mut e = b.build()?;
+            steps_of::<bf16>(&mut e, &ids, Shape::Mixed, 0..STEPS / 2)?;
+            e.save_checkpoint(&dir, serde_json::json!({}))
+        })
+        .expect("ranks ran")
+        .swap_remove(0)
+        .unwrap_or_else(|e| panic!("stage {stage} {offload:?}: {e}"));
+        // … then a new engine (the same registration, frozen values
+        // included) loads and runs the other two.
+        let resumed = ThreadGroup::run(world, |comm| -> zero::Result<Run> {
+            let mut b = Engine::builder(c.clone(), comm).seed(3);
+            let ids = register(&mut b, Shape::Mixed, false)?;
+            let (mut e, _) = Engine::load_checkpoint(b, &saved)?;
+            steps_of::<bf16>(&mut e, &ids, Shape::Mixed, STEPS / 2..STEPS)
+        })
+        .expect("ranks ran")
+        .swap_remove(0)
+        .unwrap_or_else(|e| panic!("stage {stage} {offload:?}: {e}"));
+        let what = format!("stage {stage} offload {offload:?}");
+        assert_frozen_unchanged(&resumed, &what);
+        assert_bits_eq(
+            &whole.states.iter().map(|s| s.1.clone()).collect::<Vec<_>>(),
+            &resumed
+                .states
+                .iter()
+                .map(|s| s.1.clone())
+                .collect::<Vec<_>>(),
+            &what,
+        );
+        let half = whole.losses.len() / 2;
+        assert_eq!(whole.losses[half..], resumed.losses[..], "{what}");
+        // The rank files hold the trainable state only: master, m and v
+        // of `a`, `b` and `h`, each rank its real range (fp32).
+        let step_dir = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|d| d.unwrap().path())
+            .find(|p| p.is_dir())
+            .expect("a step directory");
+        let manifest: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(step_dir.join("manifest.json")).unwrap())
+                .unwrap();
+        let numel: Vec<u64> = manifest["units"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|u| u["numel"].as_u64().unwrap())
+            .collect();
+        assert_eq!(numel, [0, K as u64 + 1, K as u64], "{what}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn a_checkpoint_with_another_frozen_set_is_refused_naming_the_tensor() {
+    let world = 2;
+    let c = cfg_for(world, 1, Precision::Fp32);
+    let dir = std::env::temp_dir().join(format!("zero-frozen-ckpt-set-{}", std::process::id()));
+    let saved = ThreadGroup::run(world, |comm| -> zero::Result<std::path::PathBuf> {
+        let mut b = Engine::builder(c.clone(), comm).seed(3);
+        let ids = register(&mut b, Shape::Mixed, false)?;
+        let mut e = b.build()?;
+        steps_of::<f32>(&mut e, &ids, Shape::Mixed, 0..1)?;
+        e.save_checkpoint(&dir, serde_json::json!({}))
+    })
+    .expect("ranks ran")
+    .swap_remove(0)
+    .expect("saved");
+    let out = ThreadGroup::run(world, |comm| -> zero::Result<String> {
+        // `b` frozen now.
+        let mut b = Engine::builder(c.clone(), comm).seed(3);
+        register(&mut b, Shape::Mixed, true)?;
+        Ok(match Engine::load_checkpoint(b, &saved) {
+            Ok(_) => "loaded".into(),
+            Err(e) => e.to_string(),
+        })
+    })
+    .expect("ranks ran");
+    for r in out {
+        let msg = r.expect("saved");
+        assert!(
+            msg.contains(
+                "unit `mix`: tensor `b` is frozen in the model but trainable in the checkpoint"
+            ),
+            "{msg}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
