@@ -22,13 +22,14 @@
 //!   that disagree on what is frozen fail together.
 
 use zero::comm::{Communicator, ThreadComm, ThreadGroup};
+use zero::core::backend::CpuMode;
 use zero::core::bf16;
-use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
+use zero::core::config::{FrozenParams, OffloadDevice, Precision, ResolvedConfig};
 use zero::core::memory::{Category, Tier};
 use zero::core::partition::{TensorSpec, UnitSpec};
 use zero::core::Element;
 use zero::{Engine, EngineStats, Error, Init, StepOutcome, UnitId, UnitState};
-use zero_testkit::runs::{assert_bits_eq, bits, config, MB};
+use zero_testkit::runs::{assert_bits_eq, bits, config, TestDevice, MB};
 
 const STEPS: usize = 4;
 const K: usize = 8;
@@ -170,7 +171,18 @@ fn train<T: Element>(
     shape: Shape,
     steps: usize,
 ) -> zero::Result<Run> {
-    let mut b = Engine::builder(cfg.clone(), comm).seed(3);
+    train_on::<T>(TestDevice::default(), comm, cfg, shape, steps)
+}
+
+/// [`train`] on `device` (the hazard checker with `CpuMode::Checked`).
+fn train_on<T: Element>(
+    device: TestDevice,
+    comm: ThreadComm,
+    cfg: &ResolvedConfig,
+    shape: Shape,
+    steps: usize,
+) -> zero::Result<Run> {
+    let mut b = device.builder(cfg.clone(), comm)?.seed(3);
     let ids = register(&mut b, shape, false)?;
     let mut e = b.build()?;
     let t = e.tracker();
@@ -640,4 +652,291 @@ fn a_checkpoint_with_another_frozen_set_is_refused_naming_the_tensor() {
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A stage-3 config with `frozen_params` `policy`.
+fn stage3(policy: FrozenParams, param: OffloadDevice) -> ResolvedConfig {
+    let mut c = cfg_for(2, 3, Precision::Bf16);
+    c.zero.frozen_params = policy;
+    c.zero.offload_param.device = param;
+    c
+}
+
+#[test]
+fn every_frozen_params_policy_gives_the_same_bits() {
+    let world = 2;
+    let base = run(world, &cfg_for(world, 0, Precision::Bf16), Shape::Mixed);
+    let all = |r: &Run| r.states.iter().map(|s| s.1.clone()).collect::<Vec<_>>();
+    let mut gathered = Vec::new();
+    for (policy, param) in [
+        (FrozenParams::Resident, OffloadDevice::None),
+        (FrozenParams::Shard, OffloadDevice::None),
+        (FrozenParams::Auto, OffloadDevice::None),
+        (FrozenParams::Resident, OffloadDevice::Cpu),
+        (FrozenParams::Shard, OffloadDevice::Cpu),
+        (FrozenParams::Offload, OffloadDevice::Cpu),
+    ] {
+        let what = format!("frozen_params {policy} offload_param {param}");
+        let t = run(world, &stage3(policy, param), Shape::Mixed);
+        assert_frozen_unchanged(&t, &what);
+        assert_bits_eq(&all(&base), &all(&t), &what);
+        assert_eq!(base.losses, t.losses, "{what}");
+        gathered.push((what, t.stats.gather_bytes, t.stats.frozen_gather_bytes));
+    }
+    // Resident frozen segments are never all-gathered; sharded ones are,
+    // with every gather of their unit, and that is all the difference.
+    let (resident, shard) = (&gathered[0], &gathered[1]);
+    assert_eq!(resident.2, 0, "{}", resident.0);
+    assert!(shard.2 > 0, "{}", shard.0);
+    assert_eq!(shard.1 - shard.2, resident.1, "{}", shard.0);
+    // The default here is resident (a tiny model fits).
+    assert_eq!(gathered[2].1, resident.1);
+    assert_eq!(gathered[5].2, shard.2, "offload gathers as shard");
+}
+
+#[test]
+fn the_frozen_params_policy_decides_where_frozen_bytes_live() {
+    // Per rank: the two frozen segments are 64 elements each (fp32 here,
+    // bf16 in `stage3`), 32 per shard.
+    let bytes = |policy: FrozenParams, param: OffloadDevice| {
+        let mut c = stage3(policy, param);
+        c.precision = Precision::Fp32;
+        ThreadGroup::run(2, |comm| -> zero::Result<(u64, u64, FrozenParams)> {
+            let mut b = Engine::builder(c.clone(), comm);
+            register(&mut b, Shape::Mixed, false)?;
+            let e = b.build()?;
+            let t = e.tracker();
+            Ok((
+                t.current(Tier::Device, Category::Params),
+                t.current(Tier::Host, Category::Params),
+                e.frozen_params(),
+            ))
+        })
+        .expect("ranks ran")
+        .swap_remove(0)
+        .expect("built")
+    };
+    // The trainable shards: 32 elements of `mix` and of `head`.
+    let own = 2 * 32 * 4;
+    assert_eq!(
+        bytes(FrozenParams::Resident, OffloadDevice::None),
+        (own + 2 * 64 * 4, 0, FrozenParams::Resident)
+    );
+    assert_eq!(
+        bytes(FrozenParams::Shard, OffloadDevice::None),
+        (own + 2 * 32 * 4, 0, FrozenParams::Shard)
+    );
+    // With offload_param the trainable shards live on the host too.
+    assert_eq!(
+        bytes(FrozenParams::Offload, OffloadDevice::Cpu),
+        (0, own + 2 * 32 * 4, FrozenParams::Offload)
+    );
+    assert_eq!(
+        bytes(FrozenParams::Resident, OffloadDevice::Cpu),
+        (2 * 64 * 4, own, FrozenParams::Resident)
+    );
+}
+
+#[test]
+fn auto_keeps_frozen_weights_resident_when_they_fit_the_device_budget() {
+    let policy = |budget: u64, param: OffloadDevice| {
+        let c = stage3(FrozenParams::Auto, param);
+        ThreadGroup::run(2, |comm| -> zero::Result<FrozenParams> {
+            let mut b = Engine::builder(c.clone(), comm).device_budget(budget);
+            register(&mut b, Shape::Mixed, false)?;
+            Ok(b.build()?.frozen_params())
+        })
+        .expect("ranks ran")
+        .into_iter()
+        .map(|r| r.expect("built"))
+        .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        policy(1 << 30, OffloadDevice::None),
+        [FrozenParams::Resident; 2]
+    );
+    assert_eq!(policy(1024, OffloadDevice::None), [FrozenParams::Shard; 2]);
+    assert_eq!(policy(1024, OffloadDevice::Cpu), [FrozenParams::Offload; 2]);
+}
+
+#[test]
+fn frozen_params_values_are_checked_naming_the_key() {
+    use zero::core::config::{AutoValues, DeepSpeedConfig};
+    let resolve = |v: &str| {
+        let json = format!(
+            r#"{{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": 3, "frozen_params": {v}}}}}"#
+        );
+        let (doc, warnings) = DeepSpeedConfig::from_json_str(&json).map_err(|e| e.to_string())?;
+        assert!(warnings.is_empty(), "{warnings:?}");
+        doc.resolve(&AutoValues {
+            world_size: 1,
+            ..AutoValues::default()
+        })
+        .map_err(|e| e.to_string())
+    };
+    assert_eq!(
+        resolve(r#""shard""#).unwrap().zero.frozen_params,
+        FrozenParams::Shard
+    );
+    assert_eq!(
+        resolve(r#""resident""#).unwrap().zero.frozen_params,
+        FrozenParams::Resident
+    );
+    let e = resolve(r#""sometimes""#).unwrap_err();
+    assert!(
+        e.contains("zero_optimization.frozen_params") && e.contains("sometimes"),
+        "{e}"
+    );
+    let e = resolve("3").unwrap_err();
+    assert!(e.contains("frozen_params"), "{e}");
+    assert_eq!(
+        ResolvedConfig::simple(3, 1, 1).zero.frozen_params,
+        FrozenParams::Auto,
+        "the default"
+    );
+    // "offload" needs offload_param on the host.
+    let out = ThreadGroup::run(2, |comm| {
+        let mut b = Engine::builder(stage3(FrozenParams::Offload, OffloadDevice::None), comm);
+        register(&mut b, Shape::Mixed, false)?;
+        b.build().map(|_| ())
+    })
+    .expect("ranks ran");
+    for r in out {
+        let e = r.expect_err("offload without offload_param").to_string();
+        assert!(
+            e.contains("zero_optimization.frozen_params") && e.contains("offload_param.device"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn the_hazard_checker_finds_every_frozen_copy_ordered() {
+    // Stage 3 moves frozen segments on the streams (resident copies,
+    // shard all-gathers, host shards): the checked backend proves each
+    // access ordered and gives the same bits.
+    let world = 2;
+    let all = |r: &Run| r.states.iter().map(|s| s.1.clone()).collect::<Vec<_>>();
+    for (policy, param) in [
+        (FrozenParams::Resident, OffloadDevice::None),
+        (FrozenParams::Shard, OffloadDevice::None),
+        (FrozenParams::Offload, OffloadDevice::Cpu),
+    ] {
+        let c = stage3(policy, param);
+        let what = format!("frozen_params {policy} offload_param {param}");
+        let inline = run(world, &c, Shape::Mixed);
+        let checked = ThreadGroup::run(world, |comm| {
+            train_on::<bf16>(
+                TestDevice::Cpu(CpuMode::Checked),
+                comm,
+                &c,
+                Shape::Mixed,
+                STEPS,
+            )
+        })
+        .expect("ranks ran")
+        .swap_remove(0)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_bits_eq(&all(&inline), &all(&checked), &what);
+    }
+    for stage in [0u8, 2] {
+        let c = cfg_for(world, stage, Precision::Bf16);
+        let inline = run(world, &c, Shape::Mixed);
+        let checked = ThreadGroup::run(world, |comm| {
+            train_on::<bf16>(
+                TestDevice::Cpu(CpuMode::Checked),
+                comm,
+                &c,
+                Shape::Mixed,
+                STEPS,
+            )
+        })
+        .expect("ranks ran")
+        .swap_remove(0)
+        .unwrap_or_else(|e| panic!("stage {stage}: {e}"));
+        assert_bits_eq(&all(&inline), &all(&checked), &format!("stage {stage}"));
+    }
+}
+
+#[test]
+fn the_estimate_counts_the_engines_model_states_for_every_policy() {
+    use zero::estimate::{estimate, Model, Workload};
+    for stage in 0..=3u8 {
+        let policies: &[(FrozenParams, OffloadDevice)] = if stage == 3 {
+            &[
+                (FrozenParams::Resident, OffloadDevice::None),
+                (FrozenParams::Shard, OffloadDevice::None),
+                (FrozenParams::Offload, OffloadDevice::Cpu),
+                (FrozenParams::Resident, OffloadDevice::Cpu),
+            ]
+        } else {
+            &[(FrozenParams::Auto, OffloadDevice::None)]
+        };
+        for &(policy, param) in policies {
+            let mut c = cfg_for(2, stage, Precision::Bf16);
+            c.zero.frozen_params = policy;
+            c.zero.offload_param.device = param;
+            let what = format!("stage {stage} frozen_params {policy} offload_param {param}");
+            let (specs, built) = ThreadGroup::run(2, |comm| -> zero::Result<_> {
+                let mut b = Engine::builder(c.clone(), comm);
+                register(&mut b, Shape::Mixed, false)?;
+                let e = b.build()?;
+                let specs: Vec<UnitSpec> = e
+                    .unit_ids()
+                    .into_iter()
+                    .map(|u| {
+                        let l = e.layout(u).expect("a unit");
+                        UnitSpec::new(
+                            l.name.clone(),
+                            l.tensors
+                                .iter()
+                                .map(|t| TensorSpec {
+                                    trainable: t.trainable,
+                                    ..TensorSpec::new(t.name.clone(), &t.shape)
+                                })
+                                .collect(),
+                        )
+                    })
+                    .collect();
+                let t = e.tracker();
+                let by = |tier| {
+                    [
+                        Category::Params,
+                        Category::Grads,
+                        Category::Master,
+                        Category::Moments,
+                    ]
+                    .map(|cat| t.current(tier, cat))
+                };
+                Ok((specs, [by(Tier::Device), by(Tier::Host)]))
+            })
+            .expect("ranks ran")
+            .swap_remove(0)
+            .expect("built");
+            let e = estimate(&Model::from_units(specs).unwrap(), &c, &Workload::default())
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let report = e.report();
+            for (k, tier) in [Tier::Device, Tier::Host].into_iter().enumerate() {
+                for (j, cat) in [
+                    Category::Params,
+                    Category::Grads,
+                    Category::Master,
+                    Category::Moments,
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    // At build: the first allocation of each category is
+                    // all of it (stages 2–3 add gradient buffers in
+                    // backward, which the estimate's peak includes).
+                    let est = report.get(tier, cat).map_or(0, |r| r.peak);
+                    if cat == Category::Grads && stage >= 2 {
+                        assert!(est >= built[k][j], "{what}: {tier:?} {cat:?}");
+                    } else {
+                        assert_eq!(est, built[k][j], "{what}: {tier:?} {cat:?}");
+                    }
+                }
+            }
+        }
+    }
 }

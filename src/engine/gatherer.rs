@@ -37,6 +37,18 @@ use crate::schedule::{Action, Actions, Stage3Knobs, Stage3Schedule};
 use crate::trace::Tracer;
 use crate::Result;
 
+/// Where stage 3 keeps one unit's frozen segment
+/// (`zero_optimization.frozen_params`).
+pub(crate) enum FrozenHome {
+    /// The whole segment, on every rank: copied into the gathered unit.
+    Resident(DevBuf),
+    /// This rank's shard on the device: all-gathered with the unit.
+    Shard(DevBuf),
+    /// This rank's shard in host memory (the parameter dtype's bytes):
+    /// copied into the rank's slot, then all-gathered with the unit.
+    Host(Vec<u8>),
+}
+
 /// This rank's parameter shards where they stay on the device tier (no
 /// parameter offload): the engine's units.
 pub(crate) trait HomeShards {
@@ -81,10 +93,14 @@ pub(crate) struct ParamGatherer {
     /// trainable shard's.
     padded: Vec<usize>,
     shard_len: Vec<usize>,
-    /// Per unit: its frozen segment, resident on this rank (copied into
-    /// the gathered buffer after the trainable segment, never
-    /// all-gathered).
-    frozen: Vec<Option<DevBuf>>,
+    /// Per unit: its frozen segment (see [`FrozenHome`]), which goes into
+    /// the gathered buffer after the trainable segment.
+    frozen: Vec<Option<FrozenHome>>,
+    /// Per unit: the all-gather of its frozen shards in flight (into a
+    /// buffer of the frozen segment's length), and a launched unit whose
+    /// trainable segment needs no all-gather (only frozen tensors).
+    frozen_inflight: Vec<Option<DynWork>>,
+    parked: Vec<Option<DevBuf>>,
     /// Per unit: the label of its gathered buffers.
     labels: Vec<String>,
     /// Gathered units (full, padded), shared with the trainer's guards.
@@ -105,7 +121,7 @@ impl ParamGatherer {
     pub(crate) fn new(
         cfg: &ResolvedConfig,
         plan: &PartitionPlan,
-        frozen: Vec<Option<DevBuf>>,
+        frozen: Vec<Option<FrozenHome>>,
     ) -> ParamGatherer {
         let units = plan.units();
         let n = units.len();
@@ -114,6 +130,8 @@ impl ParamGatherer {
             padded: units.iter().map(|u| u.param_len()).collect(),
             shard_len: units.iter().map(|u| u.shard_len).collect(),
             frozen,
+            frozen_inflight: (0..n).map(|_| None).collect(),
+            parked: (0..n).map(|_| None).collect(),
             labels: units
                 .iter()
                 .map(|u| format!("gathered `{}`", u.name))
@@ -127,8 +145,8 @@ impl ParamGatherer {
         }
     }
 
-    /// Unit `i`'s resident frozen segment, if it has frozen tensors.
-    pub(crate) fn frozen(&self, i: usize) -> Option<&DevBuf> {
+    /// Unit `i`'s frozen segment or shard, if it has frozen tensors.
+    pub(crate) fn frozen(&self, i: usize) -> Option<&FrozenHome> {
         self.frozen.get(i).and_then(Option::as_ref)
     }
 
@@ -248,10 +266,26 @@ impl ParamGatherer {
                     self.launch(i, (backend, after), comm, tracker, pdt, &mut shards, stats)?;
                 }
                 Action::Wait(i) => {
-                    if let Some(w) = self.inflight[i].take() {
-                        // The trainer reads the unit from the host.
-                        let (b, done) = w.wait(tracer, comm.rank())?;
-                        backend.sync(&done)?;
+                    let main = match self.inflight[i].take() {
+                        Some(w) => {
+                            // The trainer reads the unit from the host.
+                            let (b, done) = w.wait(tracer, comm.rank())?;
+                            backend.sync(&done)?;
+                            Some(b)
+                        }
+                        None => self.parked[i].take(),
+                    };
+                    if let Some(mut b) = main {
+                        if let Some(w) = self.frozen_inflight[i].take() {
+                            // The gathered frozen segment, after the
+                            // trainable one.
+                            let (t, done) = w.wait(tracer, comm.rank())?;
+                            backend.wait(Stream::Compute, &done)?;
+                            let at = self.shard_len[i] * comm.world_size();
+                            b.copy_from(backend, Stream::Compute, at, &t, 0, t.len())?;
+                            self.pool.entry(t.len()).or_default().push(t);
+                        }
+                        backend.sync(&backend.record(Stream::Compute)?)?;
                         self.full[i] = Some(Arc::new(b));
                     }
                 }
@@ -325,14 +359,47 @@ impl ParamGatherer {
                 shard,
             )?,
         }
-        if let Some(f) = &self.frozen[i] {
+        let frozen_len = padded - shard * world;
+        match &self.frozen[i] {
+            None => {}
             // The frozen segment: a local copy, no communication.
-            buf.copy_from(backend, Stream::Compute, shard * world, f, 0, f.len())?;
+            Some(FrozenHome::Resident(f)) => {
+                buf.copy_from(backend, Stream::Compute, shard * world, f, 0, f.len())?
+            }
+            Some(home) => {
+                let fs = frozen_len / world;
+                let mut t = match self.pool.get_mut(&frozen_len).and_then(Vec::pop) {
+                    Some(t) => t,
+                    None => {
+                        let label = format!("frozen {}", self.labels[i]);
+                        let t = DevBuf::alloc(backend, comm, pdt, frozen_len, &label)?;
+                        self.allocs.push(tracker.allocate(
+                            Tier::Device,
+                            Category::GatheredParams,
+                            t.bytes(),
+                        ));
+                        t
+                    }
+                };
+                match home {
+                    FrozenHome::Shard(f) => {
+                        t.copy_from(backend, Stream::Compute, rank * fs, f, 0, fs)?
+                    }
+                    FrozenHome::Host(bytes) => t
+                        .host_bytes_mut(backend, rank * fs..(rank + 1) * fs)?
+                        .copy_from_slice(bytes),
+                    FrozenHome::Resident(_) => unreachable!("matched above"),
+                }
+                stats.gather_bytes += ring_bytes(frozen_len, world, pdt);
+                stats.frozen_gather_bytes += ring_bytes(frozen_len, world, pdt);
+                let filled = backend.record(after)?;
+                self.frozen_inflight[i] =
+                    Some(t.all_gather(backend, comm, &vec![fs; world], &filled));
+            }
         }
         if shard == 0 {
-            // Only frozen tensors: nothing to all-gather.
-            backend.sync(&backend.record(Stream::Compute)?)?;
-            self.full[i] = Some(Arc::new(buf));
+            // Only frozen tensors: no trainable segment to all-gather.
+            self.parked[i] = Some(buf);
             return Ok(());
         }
         stats.gather_bytes += ring_bytes(shard * world, world, pdt);
