@@ -76,11 +76,22 @@ fn register<C: Communicator>(
     shape: Shape,
     frozen_b: bool,
 ) -> zero::Result<Ids> {
+    register_frozen(b, shape, frozen_b, values)
+}
+
+/// [`register`] with the frozen tensors' values through `frozen` (zeros:
+/// a load must bring them).
+fn register_frozen<C: Communicator>(
+    b: &mut zero::EngineBuilder<C>,
+    shape: Shape,
+    frozen_b: bool,
+    frozen: fn(Vec<f32>) -> Init,
+) -> zero::Result<Ids> {
     let base = match shape {
         Shape::Absent => None,
         _ => Some(b.register(
             UnitSpec::new("base", vec![TensorSpec::frozen("w", &[K])]),
-            vec![values(w())],
+            vec![frozen(w())],
         )?),
     };
     let b_spec = if frozen_b {
@@ -101,9 +112,9 @@ fn register<C: Communicator>(
                     ],
                 ),
                 vec![
-                    values(f1()),
+                    frozen(f1()),
                     values(start(K, 0.3)),
-                    values(f2()),
+                    frozen(f2()),
                     Init::Zeros,
                 ],
             )?,
@@ -123,7 +134,7 @@ fn register<C: Communicator>(
                             TensorSpec::frozen("f2", &[3]),
                         ],
                     ),
-                    vec![values(f1()), values(f2())],
+                    vec![frozen(f1()), frozen(f2())],
                 )?),
                 _ => None,
             };
@@ -939,4 +950,152 @@ fn the_estimate_counts_the_engines_model_states_for_every_policy() {
             }
         }
     }
+}
+
+#[test]
+fn checkpoints_can_hold_the_frozen_tensors_too() {
+    let world = 2;
+    let root = std::env::temp_dir().join(format!("zero-frozen-ckpt-all-{}", std::process::id()));
+    let zeros: fn(Vec<f32>) -> Init = |_| Init::Zeros;
+    let mut setups = vec![("stage 0".to_string(), cfg_for(world, 0, Precision::Bf16))];
+    for (policy, param) in [
+        (FrozenParams::Resident, OffloadDevice::None),
+        (FrozenParams::Shard, OffloadDevice::None),
+        (FrozenParams::Offload, OffloadDevice::Cpu),
+    ] {
+        setups.push((format!("stage 3 {policy}"), stage3(policy, param)));
+    }
+    for (what, c) in setups {
+        let whole = run(world, &c, Shape::Mixed);
+        let dir = root.join(what.replace(' ', "-"));
+        let saved = ThreadGroup::run(world, |comm| -> zero::Result<std::path::PathBuf> {
+            let mut b = Engine::builder(c.clone(), comm)
+                .seed(3)
+                .checkpoint_frozen(true);
+            let ids = register(&mut b, Shape::Mixed, false)?;
+            let mut e = b.build()?;
+            steps_of::<bf16>(&mut e, &ids, Shape::Mixed, 0..STEPS / 2)?;
+            e.save_checkpoint(&dir, serde_json::json!({}))
+        })
+        .expect("ranks ran")
+        .swap_remove(0)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert!(saved.join("frozen.safetensors").exists(), "{what}");
+        // Registered with zeros for the frozen tensors: the checkpoint
+        // brings them back.
+        let resume = |dir: &std::path::Path| {
+            ThreadGroup::run(world, |comm| -> zero::Result<Run> {
+                let mut b = Engine::builder(c.clone(), comm).seed(3);
+                let ids = register_frozen(&mut b, Shape::Mixed, false, zeros)?;
+                let (mut e, _) = Engine::load_checkpoint(b, dir)?;
+                steps_of::<bf16>(&mut e, &ids, Shape::Mixed, STEPS / 2..STEPS)
+            })
+            .expect("ranks ran")
+            .swap_remove(0)
+        };
+        let resumed = resume(&saved).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_frozen_unchanged(&resumed, &what);
+        assert_bits_eq(
+            &whole.states.iter().map(|s| s.1.clone()).collect::<Vec<_>>(),
+            &resumed
+                .states
+                .iter()
+                .map(|s| s.1.clone())
+                .collect::<Vec<_>>(),
+            &what,
+        );
+        // A damaged file is refused, naming it.
+        let f = saved.join("frozen.safetensors");
+        let mut bytes = std::fs::read(&f).unwrap();
+        let n = bytes.len();
+        bytes[n - 1] ^= 1;
+        std::fs::write(&f, bytes).unwrap();
+        let e = resume(&saved)
+            .err()
+            .expect("a damaged frozen file")
+            .to_string();
+        assert!(
+            e.contains("frozen.safetensors") && e.contains("CRC32"),
+            "{what}: {e}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn a_checkpoint_with_frozen_tensors_reshards_on_load() {
+    let root = std::env::temp_dir().join(format!("zero-frozen-reshard-{}", std::process::id()));
+    let all = |r: &Run| r.states.iter().map(|s| s.1.clone()).collect::<Vec<_>>();
+    for include in [false, true] {
+        let dir = root.join(format!("include-{include}"));
+        let c = stage3(FrozenParams::Shard, OffloadDevice::None);
+        let (saved, at_save) = ThreadGroup::run(2, |comm| -> zero::Result<_> {
+            let mut b = Engine::builder(c.clone(), comm)
+                .seed(3)
+                .checkpoint_frozen(include);
+            let ids = register(&mut b, Shape::Mixed, false)?;
+            let mut e = b.build()?;
+            let r = steps_of::<bf16>(&mut e, &ids, Shape::Mixed, 0..STEPS / 2)?;
+            Ok((e.save_checkpoint(&dir, serde_json::json!({}))?, r))
+        })
+        .expect("ranks ran")
+        .swap_remove(0)
+        .expect("saved");
+        // One rank, stage 0: the same state.
+        let loaded = ThreadGroup::run(1, |comm| -> zero::Result<Run> {
+            let c1 = cfg_for(1, 0, Precision::Bf16);
+            let mut b = Engine::builder(c1, comm).seed(3);
+            let ids = register(&mut b, Shape::Mixed, false)?;
+            let (mut e, _) = Engine::load_checkpoint(b, &saved)?;
+            steps_of::<bf16>(&mut e, &ids, Shape::Mixed, 0..0)
+        })
+        .expect("ranks ran")
+        .swap_remove(0)
+        .expect("loaded");
+        let what = format!("frozen tensors in the checkpoint: {include}");
+        assert_frozen_unchanged(&loaded, &what);
+        assert_bits_eq(&all(&at_save), &all(&loaded), &what);
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn offline_export_needs_the_frozen_tensors_in_the_checkpoint() {
+    use zero::engine::{export_checkpoint, ExportDtype};
+    let world = 2;
+    let root = std::env::temp_dir().join(format!("zero-frozen-export-{}", std::process::id()));
+    for include in [false, true] {
+        let dir = root.join(format!("include-{include}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let live = dir.join("live.safetensors");
+        let c = stage3(FrozenParams::Shard, OffloadDevice::None);
+        let saved = ThreadGroup::run(world, |comm| -> zero::Result<std::path::PathBuf> {
+            let mut b = Engine::builder(c.clone(), comm)
+                .seed(3)
+                .checkpoint_frozen(include);
+            let ids = register(&mut b, Shape::Mixed, false)?;
+            let mut e = b.build()?;
+            steps_of::<bf16>(&mut e, &ids, Shape::Mixed, 0..1)?;
+            e.export_safetensors(&live, ExportDtype::F32)?;
+            e.save_checkpoint(&dir, serde_json::json!({}))
+        })
+        .expect("ranks ran")
+        .swap_remove(0)
+        .expect("saved");
+        let out = dir.join("offline.safetensors");
+        match export_checkpoint(&saved, &out, ExportDtype::F32) {
+            Ok(_) => {
+                assert!(include);
+                // The same bytes as the engine's export, frozen tensors
+                // included.
+                assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&live).unwrap());
+            }
+            Err(e) => {
+                assert!(!include, "{e}");
+                let e = e.to_string();
+                assert!(e.contains("tensor `w` of unit `base` is frozen"), "{e}");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
 }

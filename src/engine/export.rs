@@ -44,7 +44,9 @@ fn err(path: &Path, what: impl Into<String>) -> Error {
 /// [`Engine::export_safetensors`] writes for the saved state. Errors name
 /// the file: a missing directory or manifest, a malformed or foreign
 /// manifest, a missing, truncated or corrupted rank file, an output that
-/// cannot be written.
+/// cannot be written. Frozen tensors come from the checkpoint's
+/// `frozen.safetensors` (`EngineBuilder::checkpoint_frozen`); without it a
+/// model with frozen tensors is an error naming one.
 pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: ExportDtype) -> Result<PathBuf> {
     if !checkpoint.exists() {
         return Err(err(checkpoint, "no such checkpoint directory"));
@@ -56,21 +58,29 @@ pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: ExportDtype) -> R
         ));
     }
     let (dir, manifest, plan) = open_saved(checkpoint)?;
-    if let Some((u, t)) = plan
-        .units()
-        .iter()
-        .find_map(|u| u.tensors.iter().find(|t| !t.trainable).map(|t| (u, t)))
-    {
-        return Err(err(
-            checkpoint,
-            format!(
-                "tensor `{}` of unit `{}` is frozen: the checkpoint holds the trainable state \
-                 only; export from the engine (Engine::export_safetensors), which has the \
-                 frozen weights",
-                t.name, u.name
-            ),
-        ));
-    }
+    // Frozen tensors: from the checkpoint's frozen file, if it has one.
+    let frozen = match (&manifest.frozen, plan.frozen_numel()) {
+        (_, 0) => Vec::new(),
+        (Some(entry), _) => {
+            super::checkpoint::read_frozen_file(&dir, entry, &plan).map_err(|e| err(&dir, e))?
+        }
+        (None, _) => {
+            let (u, t) = plan
+                .units()
+                .iter()
+                .find_map(|u| u.tensors.iter().find(|t| !t.trainable).map(|t| (u, t)))
+                .expect("a frozen tensor");
+            return Err(err(
+                checkpoint,
+                format!(
+                    "tensor `{}` of unit `{}` is frozen and the checkpoint holds the trainable \
+                     state only (save with EngineBuilder::checkpoint_frozen(true), or export \
+                     from the engine with Engine::export_safetensors)",
+                    t.name, u.name
+                ),
+            ));
+        }
+    };
     let mut writer = SafetensorsWriter::create(out, plan.units(), dtype)?;
     let mut reader = Reader::new(&dir, &manifest, &plan);
     let mut chunk = vec![0f32; CHUNK];
@@ -81,6 +91,9 @@ pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: ExportDtype) -> R
             reader.read_into(u, StateArray::Master, at..at + k, &mut chunk[..k])?;
             writer.write(&chunk[..k])?;
             at += k;
+        }
+        if let Some(v) = frozen.get(u).filter(|v| !v.is_empty()) {
+            writer.write(v)?;
         }
     }
     writer.finish()?;

@@ -150,6 +150,11 @@ impl ParamGatherer {
         self.frozen.get(i).and_then(Option::as_ref)
     }
 
+    /// Unit `i`'s frozen segment or shard, to fill (checkpoint load).
+    pub(crate) fn frozen_mut(&mut self, i: usize) -> Option<&mut FrozenHome> {
+        self.frozen.get_mut(i).and_then(Option::as_mut)
+    }
+
     /// Elements gathered or being gathered.
     pub(crate) fn live(&self) -> usize {
         self.schedule.live()

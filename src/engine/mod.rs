@@ -234,6 +234,8 @@ pub struct EngineBuilder<C: Communicator> {
     /// The device memory per rank `frozen_params: "auto"` plans for
     /// (`None`: this rank's share of the host's available memory).
     device_budget: Option<u64>,
+    /// Checkpoints hold the frozen tensors too.
+    save_frozen: bool,
     /// Set by [`Engine::load_checkpoint`]: the load fills the master, m, v
     /// and parameters completely, so the build leaves their pages to be
     /// faulted in by the load instead of pre-faulting them.
@@ -389,6 +391,8 @@ pub struct Engine<C: Communicator> {
     seed: u64,
     /// Checkpoints kept by [`Engine::save_checkpoint`] (0: all).
     keep_last: usize,
+    /// Checkpoints hold the frozen tensors too.
+    save_frozen: bool,
     /// Stage 3: where the frozen segments live (never `Auto`).
     frozen_policy: FrozenParams,
 }
@@ -417,6 +421,7 @@ impl<C: Communicator> Engine<C> {
             groups: Vec::new(),
             for_load: false,
             device_budget: None,
+            save_frozen: false,
         }
     }
 }
@@ -527,6 +532,18 @@ impl<C: Communicator> EngineBuilder<C> {
         self
     }
 
+    /// Whether [`Engine::save_checkpoint`] also writes the frozen tensors
+    /// (`frozen.safetensors` in the parameter dtype, in the checkpoint
+    /// directory, recorded in its manifest with its CRC32; every rank
+    /// reads it on load, and its values replace the registered ones).
+    /// Default false: checkpoints hold the trainable state, and a load
+    /// takes the frozen tensors from the registration (the base model's
+    /// own files).
+    pub fn checkpoint_frozen(mut self, include: bool) -> Self {
+        self.save_frozen = include;
+        self
+    }
+
     /// The device memory per rank that `zero_optimization.frozen_params:
     /// "auto"` may plan for at stage 3 (default: on the CPU, this rank's
     /// share of the host's available memory, `MemAvailable` over the ranks
@@ -608,6 +625,7 @@ impl<C: Communicator> EngineBuilder<C> {
             groups,
             for_load,
             device_budget,
+            save_frozen,
         } = self;
         let rank = comm.rank();
         let world = comm.world_size();
@@ -943,6 +961,7 @@ impl<C: Communicator> EngineBuilder<C> {
             seed,
             keep_last,
             frozen_policy,
+            save_frozen,
         };
         if let Some(off) = engine.opt.offload() {
             for w in off.warnings() {
@@ -1652,6 +1671,36 @@ impl<C: Communicator> Engine<C> {
             m,
             v,
         })
+    }
+
+    /// Sets unit `i`'s frozen real elements (`values`, as
+    /// [`Engine::extend_frozen`] gives them) where this rank keeps them.
+    pub(crate) fn set_frozen(&mut self, i: usize, values: &[f32]) -> Result<()> {
+        let l = self.units[i].layout.clone();
+        let (rank, pdt) = (self.rank, self.pdt);
+        match self.s3.frozen_mut(i) {
+            Some(FrozenHome::Resident(f)) => f.store_slice(&self.backend, 0, values),
+            Some(FrozenHome::Shard(f)) => {
+                let fs = l.frozen_shard_len();
+                let lo = (rank * fs).min(values.len());
+                let hi = ((rank + 1) * fs).min(values.len());
+                f.store_slice(&self.backend, 0, &values[lo..hi])
+            }
+            Some(FrozenHome::Host(bytes)) => {
+                let fs = l.frozen_shard_len();
+                let lo = (rank * fs).min(values.len());
+                let hi = ((rank + 1) * fs).min(values.len());
+                let n = (hi - lo) * pdt.size_in_bytes();
+                store_as(pdt, &values[lo..hi], &mut bytes[..n]);
+                Ok(())
+            }
+            None => {
+                let at = l.frozen_offset();
+                self.units[i]
+                    .params_mut()
+                    .store_slice(&self.backend, at, values)
+            }
+        }
     }
 
     /// Appends unit `i`'s frozen real elements (as f32) to `out`.
