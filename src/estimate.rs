@@ -720,11 +720,15 @@ impl Sim {
                 match frozen {
                     FrozenParams::Shard => track(Tier::Device, Category::Params, fs),
                     FrozenParams::Offload => track(Tier::Host, Category::Params, fs),
-                    _ => track(
-                        Tier::Device,
-                        Category::Params,
-                        u.frozen_padded as u64 * psize,
-                    ),
+                    // Resident: the unit's own gathered buffer, kept.
+                    _ => {
+                        track(
+                            Tier::Device,
+                            Category::Params,
+                            u.frozen_padded as u64 * psize,
+                        );
+                        track(Tier::Device, Category::GatheredParams, full * psize);
+                    }
                 }
             }
             if !offloading {
@@ -865,6 +869,7 @@ impl Sim {
         decide(&mut self.s3, &mut actions);
         for &action in &actions.list {
             match action {
+                Action::Launch(i) if self.keeps_buffer(i) => {}
                 Action::Launch(i) => {
                     self.take_gathered(self.gathered(i));
                     self.launch_frozen(i);
@@ -875,11 +880,18 @@ impl Sim {
                         *self.gathered_pool.entry(len).or_default() += 1;
                     }
                 }
+                Action::Free(i) if self.keeps_buffer(i) => {}
                 Action::Free(i) => *self.gathered_pool.entry(self.gathered(i)).or_default() += 1,
                 Action::ReadAhead(_) => {}
             }
         }
         self.s3_actions = actions;
+    }
+
+    /// Whether unit `i` keeps its own gathered buffer (resident frozen
+    /// tensors), allocated at build.
+    fn keeps_buffer(&self, i: usize) -> bool {
+        !self.frozen_gathers && self.plan.units()[i].frozen_padded > 0
     }
 
     /// A pooled gathered buffer of `len` elements, or a new one.

@@ -565,6 +565,7 @@ fn lora_on_qwen14b_counts_only_the_adapters_as_trainable() {
     let trainable_padded = plan.padded_numel() as u64;
     let param_len = plan.param_numel() as u64;
     let frozen_padded = param_len - trainable_padded;
+    let mut peaks = Vec::new();
     for (name, json) in [
         ("ds_stage0", include_str!("fixtures/ds_stage0.json")),
         ("ds_stage1", include_str!("fixtures/ds_stage1.json")),
@@ -635,10 +636,20 @@ fn lora_on_qwen14b_counts_only_the_adapters_as_trainable() {
             device >= base && device <= 1.05 * base + live,
             "{name}: device {device:.3e} for a base of {base:.3e}"
         );
+        peaks.push((cfg.precision, device));
         println!(
             "{name}: stage {stage}, {:?} params, device peak {:.2} GB per rank",
             cfg.precision,
             device / GB
         );
     }
+    // The target: stage 3 with LoRA (frozen base resident) needs
+    // no more device memory than stage 2 (same dtype in both configs).
+    assert_eq!(peaks[2].0, peaks[3].0);
+    assert!(
+        peaks[3].1 <= peaks[2].1,
+        "stage 3 {:.3e} vs stage 2 {:.3e}",
+        peaks[3].1,
+        peaks[2].1
+    );
 }

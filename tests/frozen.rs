@@ -171,6 +171,8 @@ struct Run {
     stats: EngineStats,
     /// Device bytes of grads, master, moments and params after build.
     bytes: [u64; 4],
+    /// The peak bytes of gathered parameters (device) over the run.
+    gathered_peak: u64,
     /// The squared gradients the trainer wrote in the first micro-batch
     /// (this rank, unscaled).
     first_grads: Vec<f32>,
@@ -314,6 +316,7 @@ fn steps_of<T: Element>(
         losses,
         stats,
         bytes: [0; 4],
+        gathered_peak: e.tracker().peak(Tier::Device, Category::GatheredParams),
         first_grads,
     })
 }
@@ -515,6 +518,18 @@ fn stage_3_all_gathers_only_the_trainable_segments() {
     let absent = run(world, &c, Shape::Absent);
     assert!(absent.stats.gather_bytes > 0);
     assert_eq!(mixed.stats.gather_bytes, absent.stats.gather_bytes);
+    assert_eq!(mixed.stats.frozen_gather_bytes, 0);
+    // A resident unit is gathered into its own buffer, which holds the
+    // frozen segment once: no gathered copy of the frozen weights.
+    assert!(absent.gathered_peak > 0);
+    assert_eq!(mixed.gathered_peak, absent.gathered_peak);
+    // Sharded frozen segments are gathered (into buffers of their own).
+    let shard = run(
+        world,
+        &stage3(FrozenParams::Shard, OffloadDevice::None),
+        Shape::Mixed,
+    );
+    assert!(shard.gathered_peak > absent.gathered_peak);
 }
 
 #[test]

@@ -35,13 +35,16 @@ use super::param_offload::{Fetch, ParamOffload};
 use super::stats::EngineStats;
 use crate::schedule::{Action, Actions, Stage3Knobs, Stage3Schedule};
 use crate::trace::Tracer;
-use crate::Result;
+use crate::{Error, Result};
 
 /// Where stage 3 keeps one unit's frozen segment
 /// (`zero_optimization.frozen_params`).
 pub(crate) enum FrozenHome {
-    /// The whole segment, on every rank: copied into the gathered unit.
-    Resident(DevBuf),
+    /// The unit's own gathered buffer (trainable segment, then the whole
+    /// frozen segment, filled once), on every rank: a gather all-gathers
+    /// only the trainable segment into it, and a free keeps it here
+    /// (`None` while it is gathered or in flight).
+    Resident(Option<DevBuf>),
     /// This rank's shard on the device: all-gathered with the unit.
     Shard(DevBuf),
     /// This rank's shard in host memory (the parameter dtype's bytes):
@@ -271,33 +274,16 @@ impl ParamGatherer {
                     self.launch(i, (backend, after), comm, tracker, pdt, &mut shards, stats)?;
                 }
                 Action::Wait(i) => {
-                    let main = match self.inflight[i].take() {
-                        Some(w) => {
-                            // The trainer reads the unit from the host.
-                            let (b, done) = w.wait(tracer, comm.rank())?;
-                            backend.sync(&done)?;
-                            Some(b)
-                        }
-                        None => self.parked[i].take(),
-                    };
-                    if let Some(mut b) = main {
-                        if let Some(w) = self.frozen_inflight[i].take() {
-                            // The gathered frozen segment, after the
-                            // trainable one.
-                            let (t, done) = w.wait(tracer, comm.rank())?;
-                            backend.wait(Stream::Compute, &done)?;
-                            let at = self.shard_len[i] * comm.world_size();
-                            b.copy_from(backend, Stream::Compute, at, &t, 0, t.len())?;
-                            self.pool.entry(t.len()).or_default().push(t);
-                        }
-                        backend.sync(&backend.record(Stream::Compute)?)?;
-                        self.full[i] = Some(Arc::new(b));
-                    }
+                    self.settle(i, backend, comm.world_size(), tracer, comm.rank())?
                 }
                 Action::Free(i) => {
                     if let Some(b) = self.full[i].take() {
                         let b = exclusive(b, i, comm.rank())?;
-                        self.pool.entry(b.len()).or_default().push(b);
+                        match &mut self.frozen[i] {
+                            // A resident unit keeps its buffer.
+                            Some(FrozenHome::Resident(slot)) => *slot = Some(b),
+                            _ => self.pool.entry(b.len()).or_default().push(b),
+                        }
                     }
                 }
                 Action::ReadAhead(j) => {
@@ -311,6 +297,70 @@ impl ParamGatherer {
         // them, so this is the peak over the call.
         stats.peak_live_elems = stats.peak_live_elems.max(self.schedule.live());
         Ok(())
+    }
+
+    /// Waits for unit `i`'s all-gathers in flight (if any): then its
+    /// parameters are in `full[i]`, readable from the host.
+    pub(crate) fn settle(
+        &mut self,
+        i: usize,
+        backend: &CpuBackend,
+        world: usize,
+        tracer: &Tracer,
+        rank: usize,
+    ) -> Result<()> {
+        let main = match self.inflight[i].take() {
+            Some(w) => {
+                // The trainer reads the unit from the host.
+                let (b, done) = w.wait(tracer, rank)?;
+                backend.sync(&done)?;
+                Some(b)
+            }
+            None => self.parked[i].take(),
+        };
+        if let Some(mut b) = main {
+            if let Some(w) = self.frozen_inflight[i].take() {
+                // The gathered frozen segment, after the trainable one.
+                let (t, done) = w.wait(tracer, rank)?;
+                backend.wait(Stream::Compute, &done)?;
+                let at = self.shard_len[i] * world;
+                b.copy_from(backend, Stream::Compute, at, &t, 0, t.len())?;
+                self.pool.entry(t.len()).or_default().push(t);
+            }
+            backend.sync(&backend.record(Stream::Compute)?)?;
+            self.full[i] = Some(Arc::new(b));
+        }
+        Ok(())
+    }
+
+    /// Unit `i`'s resident buffer (after [`ParamGatherer::settle`]), with
+    /// `frozen_params` `resident`: in `full[i]` while gathered, else kept.
+    pub(crate) fn resident(&self, i: usize) -> Option<&DevBuf> {
+        match self.frozen.get(i)? {
+            Some(FrozenHome::Resident(slot)) => slot.as_ref().or(self.full[i].as_deref()),
+            _ => None,
+        }
+    }
+
+    /// [`ParamGatherer::resident`], to fill (a checkpoint load: no guard
+    /// holds it).
+    pub(crate) fn resident_mut(&mut self, i: usize, rank: usize) -> Result<Option<&mut DevBuf>> {
+        match self.frozen.get_mut(i) {
+            Some(Some(FrozenHome::Resident(slot))) => match slot.as_mut() {
+                Some(b) => Ok(Some(b)),
+                None => match self.full[i].as_mut() {
+                    Some(b) => Arc::get_mut(b).map(Some).ok_or_else(|| Error::Usage {
+                        rank,
+                        what: format!(
+                            "internal: the parameters of unit #{i} are held while its frozen \
+                             tensors are set"
+                        ),
+                    }),
+                    None => Ok(None),
+                },
+            },
+            _ => Ok(None),
+        }
     }
 
     /// Starts the all-gather of unit `i`: into its resident buffer if it
@@ -328,19 +378,34 @@ impl ParamGatherer {
     ) -> Result<()> {
         let (padded, shard) = (self.padded[i], self.shard_len[i]);
         let (rank, world) = (comm.rank(), comm.world_size());
+        let resident = match &mut self.frozen[i] {
+            Some(FrozenHome::Resident(slot)) => Some(slot.take()),
+            _ => None,
+        };
         let mut buf = match self.full[i].take() {
             Some(b) => exclusive(b, i, rank)?,
-            None => match self.pool.get_mut(&padded).and_then(Vec::pop) {
-                Some(b) => b,
-                None => {
-                    let b = DevBuf::alloc(backend, comm, pdt, padded, &self.labels[i])?;
-                    self.allocs.push(tracker.allocate(
-                        Tier::Device,
-                        Category::GatheredParams,
-                        b.bytes(),
-                    ));
-                    b
+            None => match resident {
+                Some(Some(b)) => b,
+                Some(None) => {
+                    return Err(Error::Usage {
+                        rank,
+                        what: format!(
+                            "internal: unit #{i}'s resident buffer is neither kept nor gathered"
+                        ),
+                    })
                 }
+                None => match self.pool.get_mut(&padded).and_then(Vec::pop) {
+                    Some(b) => b,
+                    None => {
+                        let b = DevBuf::alloc(backend, comm, pdt, padded, &self.labels[i])?;
+                        self.allocs.push(tracker.allocate(
+                            Tier::Device,
+                            Category::GatheredParams,
+                            b.bytes(),
+                        ));
+                        b
+                    }
+                },
             },
         };
         match shards {
@@ -366,11 +431,8 @@ impl ParamGatherer {
         }
         let frozen_len = padded - shard * world;
         match &self.frozen[i] {
-            None => {}
-            // The frozen segment: a local copy, no communication.
-            Some(FrozenHome::Resident(f)) => {
-                buf.copy_from(backend, Stream::Compute, shard * world, f, 0, f.len())?
-            }
+            // Resident: the frozen segment is in the buffer already.
+            None | Some(FrozenHome::Resident(_)) => {}
             Some(home) => {
                 let fs = frozen_len / world;
                 let mut t = match self.pool.get_mut(&frozen_len).and_then(Vec::pop) {

@@ -879,6 +879,28 @@ impl<C: Communicator> EngineBuilder<C> {
             initial.fill(u, r.clone(), &mut values);
             let label = format!("frozen params `{}`", layout.name);
             let home = match frozen_policy {
+                FrozenParams::Resident => {
+                    // The unit's own gathered buffer, its frozen segment
+                    // filled once.
+                    let label = format!("gathered `{}`", layout.name);
+                    let mut f = DevBuf::alloc(&backend, &comm, pdt, layout.param_len(), &label)?;
+                    if !for_load {
+                        f.prefault(&backend)?;
+                    }
+                    f.store_slice(&backend, seg.start, &values)?;
+                    let size = pdt.size_in_bytes() as u64;
+                    frozen_allocs.push(tracker.allocate(
+                        Tier::Device,
+                        Category::Params,
+                        seg.len() as u64 * size,
+                    ));
+                    frozen_allocs.push(tracker.allocate(
+                        Tier::Device,
+                        Category::GatheredParams,
+                        seg.start as u64 * size,
+                    ));
+                    FrozenHome::Resident(Some(f))
+                }
                 FrozenParams::Offload => {
                     let mut bytes = vec![0u8; r.len() * pdt.size_in_bytes()];
                     store_as(pdt, &values, &mut bytes);
@@ -889,18 +911,14 @@ impl<C: Communicator> EngineBuilder<C> {
                     ));
                     FrozenHome::Host(bytes)
                 }
-                policy => {
+                _ => {
                     let mut f = DevBuf::alloc(&backend, &comm, pdt, r.len(), &label)?;
                     if !for_load {
                         f.prefault(&backend)?;
                     }
                     f.store_slice(&backend, 0, &values)?;
                     frozen_allocs.push(tracker.allocate(Tier::Device, Category::Params, f.bytes()));
-                    if policy == FrozenParams::Resident {
-                        FrozenHome::Resident(f)
-                    } else {
-                        FrozenHome::Shard(f)
-                    }
+                    FrozenHome::Shard(f)
                 }
             };
             frozen.push(Some(home));
@@ -1019,8 +1037,9 @@ impl Initial<'_> {
 
 /// Stage 3: where the frozen segments live (`zero_optimization.frozen_params`,
 /// never `Auto` in the answer). `auto` is `resident` when the device memory
-/// the engine has allocated so far (its tracker) plus every unit's frozen
-/// segment in full fits the budget — `device_budget`, or else this rank's
+/// the engine has allocated so far (its tracker) plus the buffers resident
+/// units keep (each such unit's gathered buffer: its frozen segment in full
+/// and its trainable segment) fits the budget — `device_budget`, or else this rank's
 /// share of the host's available memory (`MemAvailable` over the ranks on
 /// this machine: the engine's buffers are allocated and faulted in by then,
 /// so only the frozen segments are weighed) — on every rank; else `offload`
@@ -1040,10 +1059,12 @@ fn choose_frozen_policy<C: Communicator>(
     if cfg.zero.frozen_params != FrozenParams::Auto {
         return Ok(cfg.zero.frozen_params);
     }
+    // The buffers resident units keep: both segments.
     let resident: u64 = plan
         .units()
         .iter()
-        .map(|l| (l.frozen_padded * pdt.size_in_bytes()) as u64)
+        .filter(|l| l.frozen_padded > 0)
+        .map(|l| (l.param_len() * pdt.size_in_bytes()) as u64)
         .sum();
     let fits = match budget {
         Some(b) => tracker.tier_current(Tier::Device).saturating_add(resident) <= b,
@@ -1678,8 +1699,15 @@ impl<C: Communicator> Engine<C> {
     pub(crate) fn set_frozen(&mut self, i: usize, values: &[f32]) -> Result<()> {
         let l = self.units[i].layout.clone();
         let (rank, pdt) = (self.rank, self.pdt);
+        if let Some(b) = self.s3.resident_mut(i, rank)? {
+            return b.store_slice(&self.backend, l.frozen_offset(), values);
+        }
         match self.s3.frozen_mut(i) {
-            Some(FrozenHome::Resident(f)) => f.store_slice(&self.backend, 0, values),
+            Some(FrozenHome::Resident(_)) => Err(self.usage(format!(
+                "internal: the resident parameters of unit `{}` are in flight while its frozen \
+                 tensors are set",
+                l.name
+            ))),
             Some(FrozenHome::Shard(f)) => {
                 let fs = l.frozen_shard_len();
                 let lo = (rank * fs).min(values.len());
@@ -1704,7 +1732,13 @@ impl<C: Communicator> Engine<C> {
     }
 
     /// Appends unit `i`'s frozen real elements (as f32) to `out`.
-    pub(crate) fn extend_frozen(&self, i: usize, out: &mut Vec<f32>) -> Result<()> {
+    pub(crate) fn extend_frozen(&mut self, i: usize, out: &mut Vec<f32>) -> Result<()> {
+        if self.stage == 3 {
+            // A resident unit's gather into its own buffer completes first.
+            let (world, rank) = (self.world, self.rank);
+            self.s3
+                .settle(i, &self.backend, world, &self.tracer, rank)?;
+        }
         let l = &self.units[i].layout;
         if l.frozen_numel == 0 {
             return Ok(());
@@ -1720,8 +1754,14 @@ impl<C: Communicator> Engine<C> {
                 .wait()?;
             Ok(recv[..l.frozen_numel].to_vec())
         };
+        if let Some(b) = self.s3.resident(i) {
+            return b.extend_f32(&self.backend, start..start + l.frozen_numel, out);
+        }
         match self.s3.frozen(i) {
-            Some(FrozenHome::Resident(f)) => f.extend_f32(&self.backend, 0..l.frozen_numel, out),
+            Some(FrozenHome::Resident(_)) => Err(self.usage(format!(
+                "internal: the resident parameters of unit `{}` are neither kept nor gathered",
+                l.name
+            ))),
             Some(FrozenHome::Shard(f)) => {
                 let mut local = Vec::with_capacity(f.len());
                 f.extend_f32(&self.backend, 0..f.len(), &mut local)?;

@@ -596,8 +596,8 @@ pub enum FrozenParams {
     #[default]
     Auto,
     /// `"resident"`: every rank holds every unit's frozen segment, filled
-    /// once from the registration and copied into the gathered unit: never
-    /// all-gathered.
+    /// once from the registration, in the unit's own gathered buffer (kept
+    /// between gathers): never all-gathered or copied.
     Resident,
     /// `"shard"`: each rank holds its shard of the frozen segments on the
     /// device, all-gathered with the unit every time (DeepSpeed's way).
