@@ -248,37 +248,10 @@ fn refused_configs_name_the_key() {
 /// in DeepSpeed.
 #[test]
 fn max_in_cpu_bounds_only_the_nvme_cache() {
-    use zero::core::config::{AutoValues, DeepSpeedConfig};
-    let json = include_str!("fixtures/ds_stage3_offload.json");
-    let (doc, _) = DeepSpeedConfig::from_json_str(json).unwrap();
-    let auto = AutoValues {
-        world_size: 2,
-        micro_batch_size: Some(1),
-        gradient_accumulation_steps: Some(1),
-        gradient_clipping: Some(1.0),
-        fp16: Some(false),
-        lr: Some(1e-4),
-        betas: Some((0.9, 0.999)),
-        eps: Some(1e-8),
-        weight_decay: Some(0.0),
-        warmup_min_lr: Some(0.0),
-        warmup_max_lr: Some(1e-4),
-        warmup_num_steps: Some(10),
-        hidden_size: Some(5120),
-        ..AutoValues::default()
-    };
-    let cfg = doc.resolve(&auto).unwrap();
+    let cfg = experiment_config(include_str!("fixtures/ds_stage3_offload.json"));
     assert_eq!(cfg.zero.offload_param.device, OffloadDevice::Cpu);
     assert_eq!(cfg.zero.offload_param.max_in_cpu, 1_000_000_000);
-    let qwen = Model::llama(LlamaDims {
-        vocab: 152_064,
-        hidden: 5120,
-        intermediate: 13_824,
-        layers: 48,
-        heads: 40,
-        kv_heads: 8,
-    })
-    .unwrap();
+    let qwen = Model::llama(qwen14b()).unwrap();
     let shard = qwen.numel() / 2;
     assert!(shard > 7_000_000_000, "{shard} elements per rank");
     let e = estimate(&qwen, &cfg, &Workload::default()).unwrap();

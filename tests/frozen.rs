@@ -910,19 +910,7 @@ fn the_estimate_counts_the_engines_model_states_for_every_policy() {
                 let specs: Vec<UnitSpec> = e
                     .unit_ids()
                     .into_iter()
-                    .map(|u| {
-                        let l = e.layout(u).expect("a unit");
-                        UnitSpec::new(
-                            l.name.clone(),
-                            l.tensors
-                                .iter()
-                                .map(|t| TensorSpec {
-                                    trainable: t.trainable,
-                                    ..TensorSpec::new(t.name.clone(), &t.shape)
-                                })
-                                .collect(),
-                        )
-                    })
+                    .map(|u| e.layout(u).expect("a unit").spec())
                     .collect();
                 let t = e.tracker();
                 let by = |tier| {

@@ -71,7 +71,7 @@ use crate::format::checkpoint::{
     FileEntry, Manifest, ModelFileEntry, RankFileWriter, Reader, SavedRun, StateArray, FROZEN_FILE,
     MANIFEST_FILE, MODEL_FILE,
 };
-use crate::format::safetensors::{tensor_names, ExportDtype, SafetensorsWriter};
+use crate::format::safetensors::{tensor_names, ExportDtype};
 use crate::{Error, Result};
 
 /// Elements of the master outside the state range converted at once on
@@ -278,40 +278,10 @@ impl<C: Communicator> Engine<C> {
     fn write_frozen(&mut self, path: &Path) -> Result<Option<ModelFileEntry>> {
         let layouts = frozen_layouts(&self.plan)?;
         let dtype = ExportDtype::of(self.pdt);
-        let created = if self.rank == 0 {
-            SafetensorsWriter::create(path, &layouts, dtype).map(Some)
-        } else {
-            Ok(None)
-        };
-        let failed = first_failure(&self.comm, created.as_ref().err())?;
-        let mut writer = created?;
-        if let Some((_, why)) = failed {
-            return Err(self.usage(format!(
-                "save_checkpoint: rank 0 could not create {}: {why}",
-                path.display()
-            )));
-        }
-        let mut failed = None;
-        for i in 0..self.units.len() {
-            let mut values = Vec::new();
-            self.extend_frozen(i, &mut values)?;
-            if let (Some(w), None, false) = (writer.as_mut(), &failed, values.is_empty()) {
-                failed = w.write(&values).err();
-            }
-        }
-        let done = match (writer, failed) {
-            (Some(_), Some(e)) => Err(e),
-            (Some(w), None) => w.finish().map(Some),
-            (None, _) => Ok(None),
-        };
-        let failed = first_failure(&self.comm, done.as_ref().err())?;
-        let done = done?;
-        if let Some((_, why)) = failed {
-            return Err(self.usage(format!(
-                "save_checkpoint: rank 0 could not write {}: {why}",
-                path.display()
-            )));
-        }
+        let done =
+            self.write_safetensors(path, &layouts, dtype, "save_checkpoint", |e, i, out| {
+                e.extend_frozen(i, out)
+            })?;
         Ok(done.map(|(bytes, crc)| ModelFileEntry::frozen(dtype, bytes, crc)))
     }
 
@@ -711,14 +681,9 @@ fn frozen_layouts(plan: &PartitionPlan) -> Result<Vec<UnitLayout>> {
         .iter()
         .filter(|l| l.frozen_numel > 0)
         .map(|l| {
-            UnitSpec::new(
-                l.name.clone(),
-                l.tensors
-                    .iter()
-                    .filter(|t| !t.trainable)
-                    .map(|t| zero_core::partition::TensorSpec::frozen(t.name.clone(), &t.shape))
-                    .collect(),
-            )
+            let mut spec = l.spec();
+            spec.tensors.retain(|t| !t.trainable);
+            spec
         })
         .collect();
     Ok(PartitionPlan::new(&specs, 1)?.units().to_vec())

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 use zero_comm::agree::first_failure;
 use zero_comm::Communicator;
+use zero_core::partition::UnitLayout;
 use zero_core::HostBuffer;
 
 use super::Engine;
@@ -126,10 +127,32 @@ impl<C: Communicator> Engine<C> {
         dtype: ExportDtype,
     ) -> Result<Option<(u64, u32)>> {
         self.check_swap("export_safetensors")?;
-        let rank = self.rank;
+        let layouts = self.plan.units().to_vec();
+        self.write_safetensors(path, &layouts, dtype, "export_safetensors", |e, i, out| {
+            let master = e.master_of(i)?;
+            out.extend_from_slice(&master[..e.units[i].layout.numel]);
+            // Frozen tensors have no master: their parameters.
+            e.extend_frozen(i, out)
+        })
+    }
+
+    /// Rank 0 writes the safetensors file `path` of `layouts` (in `dtype`)
+    /// with the values `values(engine, unit, out)` appends for each of the
+    /// engine's units in turn (a collective: every rank computes every
+    /// unit's values, so that the collectives in them stay matched, even
+    /// after a failed write on rank 0). Rank 0 gets the file's length and
+    /// CRC32; `call` names the caller in errors.
+    pub(super) fn write_safetensors(
+        &mut self,
+        path: &Path,
+        layouts: &[UnitLayout],
+        dtype: ExportDtype,
+        call: &str,
+        mut values: impl FnMut(&mut Self, usize, &mut Vec<f32>) -> Result<()>,
+    ) -> Result<Option<(u64, u32)>> {
         // Round 1: rank 0 creates the file.
-        let created = if rank == 0 {
-            SafetensorsWriter::create(path, self.plan.units(), dtype).map(Some)
+        let created = if self.rank == 0 {
+            SafetensorsWriter::create(path, layouts, dtype).map(Some)
         } else {
             Ok(None)
         };
@@ -137,23 +160,17 @@ impl<C: Communicator> Engine<C> {
         let mut writer = created?;
         if let Some((_, why)) = failed {
             return Err(self.usage(format!(
-                "export_safetensors: rank 0 could not create {}: {why}",
+                "{call}: rank 0 could not create {}: {why}",
                 path.display()
             )));
         }
-        // Every rank takes part in every gather, even after a failed write
-        // on rank 0, so that the collectives stay matched.
         let mut failed = None;
+        let mut unit = Vec::new();
         for i in 0..self.units.len() {
-            let master = self.master_of(i)?;
-            if let (Some(w), None) = (writer.as_mut(), &failed) {
-                failed = w.write(&master[..self.units[i].layout.numel]).err();
-            }
-            // Frozen tensors have no master: their parameters.
-            let mut frozen = Vec::new();
-            self.extend_frozen(i, &mut frozen)?;
-            if let (Some(w), None, false) = (writer.as_mut(), &failed, frozen.is_empty()) {
-                failed = w.write(&frozen).err();
+            unit.clear();
+            values(self, i, &mut unit)?;
+            if let (Some(w), None, false) = (writer.as_mut(), &failed, unit.is_empty()) {
+                failed = w.write(&unit).err();
             }
         }
         let done = match (writer, failed) {
@@ -165,7 +182,7 @@ impl<C: Communicator> Engine<C> {
         let done = done?;
         if let Some((_, why)) = failed {
             return Err(self.usage(format!(
-                "export_safetensors: rank 0 could not write {}: {why}",
+                "{call}: rank 0 could not write {}: {why}",
                 path.display()
             )));
         }

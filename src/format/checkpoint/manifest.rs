@@ -275,36 +275,24 @@ pub(crate) fn check_units(
                     .iter()
                     .map(|t| (t.name.as_str(), &t.shape[..]))
                     .collect();
-                let frozen_model: Vec<&TensorSpec> =
-                    r.tensors.iter().filter(|t| !t.trainable).collect();
-                let frozen_saved: Vec<&TensorEntry> =
-                    s.tensors.iter().filter(|t| t.frozen).collect();
-                let named = |t: &str| r.tensors.iter().any(|x| x.name == t);
-                if let Some(t) = frozen_model.iter().find(|t| {
-                    s.tensors.iter().any(|x| x.name == t.name)
-                        && !frozen_saved.iter().any(|x| x.name == t.name)
-                }) {
-                    return Err(ck(
-                        mpath,
-                        format!(
-                            "unit `{}`: tensor `{}` is frozen in the model but trainable in the \
-                             checkpoint",
-                            s.name, t.name
-                        ),
-                    ));
-                }
-                if let Some(t) = frozen_saved
-                    .iter()
-                    .find(|t| named(&t.name) && !frozen_model.iter().any(|x| x.name == t.name))
-                {
-                    return Err(ck(
-                        mpath,
-                        format!(
-                            "unit `{}`: tensor `{}` is trainable in the model but frozen in the \
-                             checkpoint",
-                            s.name, t.name
-                        ),
-                    ));
+                // A tensor frozen on one side and trainable on the other.
+                let state = |frozen: bool| if frozen { "frozen" } else { "trainable" };
+                for t in &r.tensors {
+                    if let Some(x) = s.tensors.iter().find(|x| x.name == t.name) {
+                        if x.frozen == t.trainable {
+                            return Err(ck(
+                                mpath,
+                                format!(
+                                    "unit `{}`: tensor `{}` is {} in the model but {} in the \
+                                     checkpoint",
+                                    s.name,
+                                    t.name,
+                                    state(!t.trainable),
+                                    state(x.frozen)
+                                ),
+                            ));
+                        }
+                    }
                 }
                 // The model's tensors in packing order: trainable first.
                 let packed: Vec<&TensorSpec> = r
