@@ -324,7 +324,8 @@ fn steps_of<T: Element>(
 fn run(world: usize, cfg: &ResolvedConfig, shape: Shape) -> Run {
     let mut all = ThreadGroup::run(world, |comm| match cfg.precision {
         Precision::Bf16 => train::<bf16>(comm, cfg, shape, STEPS),
-        _ => train::<f32>(comm, cfg, shape, STEPS),
+        Precision::Fp16 => train::<zero::core::f16>(comm, cfg, shape, STEPS),
+        Precision::Fp32 => train::<f32>(comm, cfg, shape, STEPS),
     })
     .expect("ranks ran")
     .into_iter()
@@ -430,12 +431,25 @@ fn frozen_tensors_stay_and_every_stage_and_offload_gives_the_same_bits() {
 #[test]
 fn trainable_tensors_train_as_without_the_frozen_ones() {
     let world = 2;
-    for stage in [0u8, 2, 3] {
-        let c = cfg_for(world, stage, Precision::Bf16);
+    for (stage, precision) in [
+        (0u8, Precision::Bf16),
+        (2, Precision::Bf16),
+        (3, Precision::Bf16),
+        // Dynamic loss scaling: the first steps overflow and are skipped.
+        (3, Precision::Fp16),
+    ] {
+        let c = cfg_for(world, stage, precision);
         let mixed = run(world, &c, Shape::Mixed);
         let separate = run(world, &c, Shape::Separate);
         let absent = run(world, &c, Shape::Absent);
-        let what = format!("stage {stage}");
+        let what = format!("stage {stage} {precision:?}");
+        assert_frozen_unchanged(&mixed, &what);
+        if precision == Precision::Fp16 {
+            assert!(
+                mixed.outcomes.iter().any(|o| o.skipped),
+                "{what}: a skipped step"
+            );
+        }
         assert_bits_eq(
             &trainable(&mixed),
             &trainable(&separate),
