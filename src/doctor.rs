@@ -252,6 +252,15 @@ fn bytes(n: u64) -> String {
     crate::estimate::format_bytes(n)
 }
 
+/// The host's available memory in bytes (`MemAvailable` of
+/// `/proc/meminfo`), if it can be read.
+pub(crate) fn mem_available() -> Option<u64> {
+    let t = read("/proc/meminfo").ok()?;
+    field(&t, "MemAvailable", ':')
+        .and_then(|v| v.trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|k| k * 1024)
+}
+
 fn memory_lines(out: &mut Lines) {
     match read("/proc/meminfo") {
         Ok(t) => {

@@ -9,7 +9,13 @@
 //! [`EngineBuilder::build`](crate::EngineBuilder::build) and its steps
 //! account, with the same sizes:
 //!
-//! - units laid out by the same [`PartitionPlan`] (padding, shards);
+//! - units laid out by the same [`PartitionPlan`] (padding, shards),
+//!   trainable segment then frozen segment: frozen tensors
+//!   (`TensorSpec::frozen`, LoRA's base weights: [`Model::llama_lora`])
+//!   have parameter bytes only — the whole segment at stages 0–2 and with
+//!   `frozen_params` `resident` (the estimate's reading of `auto`), the
+//!   rank's shard on the device (`shard`) or in host memory (`offload`),
+//!   plus the buffers their stage-3 all-gathers use;
 //! - per unit, the parameters (full, or the stage-3 shard), the stage 0/1
 //!   gradient buffer, the gradient-accumulation buffer `A` (absent when
 //!   `A = P`, no accumulation and no optimizer offload at stages 0/1), the
@@ -79,7 +85,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use zero_core::config::{CheckFor, OffloadDevice, Precision, ResolvedConfig};
+use zero_core::config::{CheckFor, FrozenParams, OffloadDevice, Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier};
 use zero_core::partition::{PartitionPlan, TensorSpec, UnitSpec};
 use zero_core::DType;
@@ -324,6 +330,23 @@ impl Model {
             .enumerate()
             .map(|(i, &n)| flat_unit(format!("unit.{i}"), n))
             .collect();
+        Ok(Model {
+            units,
+            script: Script::Generic,
+        })
+    }
+
+    /// A model of the units a trainer registers (frozen tensors
+    /// included), used forward in order and backward in reverse as
+    /// [`Model::from_unit_sizes`]; units with only frozen tensors take no
+    /// gradient. Its activations are not estimated.
+    ///
+    /// # Errors
+    /// If there is no unit.
+    pub fn from_units(units: Vec<UnitSpec>) -> Result<Model> {
+        if units.is_empty() {
+            return Err(config("model.units".into(), "no unit given".into()));
+        }
         Ok(Model {
             units,
             script: Script::Generic,
@@ -624,6 +647,12 @@ struct Sim {
     /// … and the free gathered buffers per length (the parameter
     /// gatherer's pool, `src/engine/gatherer.rs`).
     gathered_pool: HashMap<usize, usize>,
+    /// Stage 3 with `frozen_params` `shard` or `offload`: frozen segments
+    /// are all-gathered into a pooled buffer of their own, back in the
+    /// pool when the unit's gather is waited for …
+    frozen_gathers: bool,
+    /// … the units with one in flight, and its length.
+    frozen_inflight: HashMap<usize, usize>,
 }
 
 fn pdt_of(p: Precision) -> DType {
@@ -666,6 +695,12 @@ impl Sim {
             && cfg.gradient_accumulation_steps == 1
             && !offloading;
         let param_offloading = stage == 3 && cfg.zero.offload_param.device != OffloadDevice::None;
+        // `auto` is estimated as `resident` (the engine decides against the
+        // machine's memory when it builds).
+        let frozen = match cfg.zero.frozen_params {
+            FrozenParams::Auto => FrozenParams::Resident,
+            p => p,
+        };
         let mut allocs = Vec::new();
         let mut track = |tier, cat, bytes: u64| allocs.push(tracker.allocate(tier, cat, bytes));
         let mut state_lens = Vec::new();
@@ -681,11 +716,20 @@ impl Sim {
             };
             state_lens.push(state_len as usize);
             if stage == 3 && u.frozen_padded > 0 {
-                track(
-                    Tier::Device,
-                    Category::Params,
-                    u.frozen_padded as u64 * psize,
-                );
+                let fs = u.frozen_shard_len() as u64 * psize;
+                match frozen {
+                    FrozenParams::Shard => track(Tier::Device, Category::Params, fs),
+                    FrozenParams::Offload => track(Tier::Host, Category::Params, fs),
+                    // Resident: the unit's own gathered buffer, kept.
+                    _ => {
+                        track(
+                            Tier::Device,
+                            Category::Params,
+                            u.frozen_padded as u64 * psize,
+                        );
+                        track(Tier::Device, Category::GatheredParams, full * psize);
+                    }
+                }
             }
             if !offloading {
                 track(Tier::Device, Category::Master, state_len * 4);
@@ -734,6 +778,8 @@ impl Sim {
             s3,
             s3_actions: Actions::default(),
             gathered_pool: HashMap::new(),
+            frozen_gathers: frozen != FrozenParams::Resident,
+            frozen_inflight: HashMap::new(),
         };
         if stage == 3 {
             sim.stage3(Stage3Schedule::gather_persistent);
@@ -823,26 +869,52 @@ impl Sim {
         decide(&mut self.s3, &mut actions);
         for &action in &actions.list {
             match action {
+                Action::Launch(i) if self.keeps_buffer(i) => {}
                 Action::Launch(i) => {
-                    let padded = self.gathered(i);
-                    match self.gathered_pool.get_mut(&padded).filter(|c| **c > 0) {
-                        Some(c) => *c -= 1,
-                        None => {
-                            let bytes = padded as u64 * self.psize;
-                            let a = self.tracker.allocate(
-                                Tier::Device,
-                                Category::GatheredParams,
-                                bytes,
-                            );
-                            self.allocs.push(a);
-                        }
+                    self.take_gathered(self.gathered(i));
+                    self.launch_frozen(i);
+                }
+                Action::Refresh(i) => self.launch_frozen(i),
+                Action::Wait(i) => {
+                    if let Some(len) = self.frozen_inflight.remove(&i) {
+                        *self.gathered_pool.entry(len).or_default() += 1;
                     }
                 }
+                Action::Free(i) if self.keeps_buffer(i) => {}
                 Action::Free(i) => *self.gathered_pool.entry(self.gathered(i)).or_default() += 1,
-                Action::Refresh(_) | Action::Wait(_) | Action::ReadAhead(_) => {}
+                Action::ReadAhead(_) => {}
             }
         }
         self.s3_actions = actions;
+    }
+
+    /// Whether unit `i` keeps its own gathered buffer (resident frozen
+    /// tensors), allocated at build.
+    fn keeps_buffer(&self, i: usize) -> bool {
+        !self.frozen_gathers && self.plan.units()[i].frozen_padded > 0
+    }
+
+    /// A pooled gathered buffer of `len` elements, or a new one.
+    fn take_gathered(&mut self, len: usize) {
+        match self.gathered_pool.get_mut(&len).filter(|c| **c > 0) {
+            Some(c) => *c -= 1,
+            None => {
+                let bytes = len as u64 * self.psize;
+                let a = self
+                    .tracker
+                    .allocate(Tier::Device, Category::GatheredParams, bytes);
+                self.allocs.push(a);
+            }
+        }
+    }
+
+    /// The all-gather of unit `i`'s frozen shards, if they are sharded.
+    fn launch_frozen(&mut self, i: usize) {
+        let len = self.plan.units()[i].frozen_padded;
+        if self.frozen_gathers && len > 0 && !self.frozen_inflight.contains_key(&i) {
+            self.take_gathered(len);
+            self.frozen_inflight.insert(i, len);
+        }
     }
 }
 

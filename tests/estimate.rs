@@ -248,37 +248,10 @@ fn refused_configs_name_the_key() {
 /// in DeepSpeed.
 #[test]
 fn max_in_cpu_bounds_only_the_nvme_cache() {
-    use zero::core::config::{AutoValues, DeepSpeedConfig};
-    let json = include_str!("fixtures/ds_stage3_offload.json");
-    let (doc, _) = DeepSpeedConfig::from_json_str(json).unwrap();
-    let auto = AutoValues {
-        world_size: 2,
-        micro_batch_size: Some(1),
-        gradient_accumulation_steps: Some(1),
-        gradient_clipping: Some(1.0),
-        fp16: Some(false),
-        lr: Some(1e-4),
-        betas: Some((0.9, 0.999)),
-        eps: Some(1e-8),
-        weight_decay: Some(0.0),
-        warmup_min_lr: Some(0.0),
-        warmup_max_lr: Some(1e-4),
-        warmup_num_steps: Some(10),
-        hidden_size: Some(5120),
-        ..AutoValues::default()
-    };
-    let cfg = doc.resolve(&auto).unwrap();
+    let cfg = experiment_config(include_str!("fixtures/ds_stage3_offload.json"));
     assert_eq!(cfg.zero.offload_param.device, OffloadDevice::Cpu);
     assert_eq!(cfg.zero.offload_param.max_in_cpu, 1_000_000_000);
-    let qwen = Model::llama(LlamaDims {
-        vocab: 152_064,
-        hidden: 5120,
-        intermediate: 13_824,
-        layers: 48,
-        heads: 40,
-        kv_heads: 8,
-    })
-    .unwrap();
+    let qwen = Model::llama(qwen14b()).unwrap();
     let shard = qwen.numel() / 2;
     assert!(shard > 7_000_000_000, "{shard} elements per rank");
     let e = estimate(&qwen, &cfg, &Workload::default()).unwrap();
@@ -565,6 +538,7 @@ fn lora_on_qwen14b_counts_only_the_adapters_as_trainable() {
     let trainable_padded = plan.padded_numel() as u64;
     let param_len = plan.param_numel() as u64;
     let frozen_padded = param_len - trainable_padded;
+    let mut peaks = Vec::new();
     for (name, json) in [
         ("ds_stage0", include_str!("fixtures/ds_stage0.json")),
         ("ds_stage1", include_str!("fixtures/ds_stage1.json")),
@@ -635,10 +609,20 @@ fn lora_on_qwen14b_counts_only_the_adapters_as_trainable() {
             device >= base && device <= 1.05 * base + live,
             "{name}: device {device:.3e} for a base of {base:.3e}"
         );
+        peaks.push((cfg.precision, device));
         println!(
             "{name}: stage {stage}, {:?} params, device peak {:.2} GB per rank",
             cfg.precision,
             device / GB
         );
     }
+    // The target: stage 3 with LoRA (frozen base resident) needs
+    // no more device memory than stage 2 (same dtype in both configs).
+    assert_eq!(peaks[2].0, peaks[3].0);
+    assert!(
+        peaks[3].1 <= peaks[2].1,
+        "stage 3 {:.3e} vs stage 2 {:.3e}",
+        peaks[3].1,
+        peaks[2].1
+    );
 }

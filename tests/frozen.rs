@@ -22,13 +22,14 @@
 //!   that disagree on what is frozen fail together.
 
 use zero::comm::{Communicator, ThreadComm, ThreadGroup};
+use zero::core::backend::CpuMode;
 use zero::core::bf16;
-use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
+use zero::core::config::{FrozenParams, OffloadDevice, Precision, ResolvedConfig};
 use zero::core::memory::{Category, Tier};
 use zero::core::partition::{TensorSpec, UnitSpec};
 use zero::core::Element;
 use zero::{Engine, EngineStats, Error, Init, StepOutcome, UnitId, UnitState};
-use zero_testkit::runs::{assert_bits_eq, bits, config, MB};
+use zero_testkit::runs::{assert_bits_eq, bits, config, TestDevice, MB};
 
 const STEPS: usize = 4;
 const K: usize = 8;
@@ -75,11 +76,22 @@ fn register<C: Communicator>(
     shape: Shape,
     frozen_b: bool,
 ) -> zero::Result<Ids> {
+    register_frozen(b, shape, frozen_b, values)
+}
+
+/// [`register`] with the frozen tensors' values through `frozen` (zeros:
+/// a load must bring them).
+fn register_frozen<C: Communicator>(
+    b: &mut zero::EngineBuilder<C>,
+    shape: Shape,
+    frozen_b: bool,
+    frozen: fn(Vec<f32>) -> Init,
+) -> zero::Result<Ids> {
     let base = match shape {
         Shape::Absent => None,
         _ => Some(b.register(
             UnitSpec::new("base", vec![TensorSpec::frozen("w", &[K])]),
-            vec![values(w())],
+            vec![frozen(w())],
         )?),
     };
     let b_spec = if frozen_b {
@@ -100,9 +112,9 @@ fn register<C: Communicator>(
                     ],
                 ),
                 vec![
-                    values(f1()),
+                    frozen(f1()),
                     values(start(K, 0.3)),
-                    values(f2()),
+                    frozen(f2()),
                     Init::Zeros,
                 ],
             )?,
@@ -122,7 +134,7 @@ fn register<C: Communicator>(
                             TensorSpec::frozen("f2", &[3]),
                         ],
                     ),
-                    vec![values(f1()), values(f2())],
+                    vec![frozen(f1()), frozen(f2())],
                 )?),
                 _ => None,
             };
@@ -159,6 +171,8 @@ struct Run {
     stats: EngineStats,
     /// Device bytes of grads, master, moments and params after build.
     bytes: [u64; 4],
+    /// The peak bytes of gathered parameters (device) over the run.
+    gathered_peak: u64,
     /// The squared gradients the trainer wrote in the first micro-batch
     /// (this rank, unscaled).
     first_grads: Vec<f32>,
@@ -170,7 +184,18 @@ fn train<T: Element>(
     shape: Shape,
     steps: usize,
 ) -> zero::Result<Run> {
-    let mut b = Engine::builder(cfg.clone(), comm).seed(3);
+    train_on::<T>(TestDevice::default(), comm, cfg, shape, steps)
+}
+
+/// [`train`] on `device` (the hazard checker with `CpuMode::Checked`).
+fn train_on<T: Element>(
+    device: TestDevice,
+    comm: ThreadComm,
+    cfg: &ResolvedConfig,
+    shape: Shape,
+    steps: usize,
+) -> zero::Result<Run> {
+    let mut b = device.builder(cfg.clone(), comm)?.seed(3);
     let ids = register(&mut b, shape, false)?;
     let mut e = b.build()?;
     let t = e.tracker();
@@ -291,6 +316,7 @@ fn steps_of<T: Element>(
         losses,
         stats,
         bytes: [0; 4],
+        gathered_peak: e.tracker().peak(Tier::Device, Category::GatheredParams),
         first_grads,
     })
 }
@@ -298,7 +324,8 @@ fn steps_of<T: Element>(
 fn run(world: usize, cfg: &ResolvedConfig, shape: Shape) -> Run {
     let mut all = ThreadGroup::run(world, |comm| match cfg.precision {
         Precision::Bf16 => train::<bf16>(comm, cfg, shape, STEPS),
-        _ => train::<f32>(comm, cfg, shape, STEPS),
+        Precision::Fp16 => train::<zero::core::f16>(comm, cfg, shape, STEPS),
+        Precision::Fp32 => train::<f32>(comm, cfg, shape, STEPS),
     })
     .expect("ranks ran")
     .into_iter()
@@ -404,12 +431,25 @@ fn frozen_tensors_stay_and_every_stage_and_offload_gives_the_same_bits() {
 #[test]
 fn trainable_tensors_train_as_without_the_frozen_ones() {
     let world = 2;
-    for stage in [0u8, 2, 3] {
-        let c = cfg_for(world, stage, Precision::Bf16);
+    for (stage, precision) in [
+        (0u8, Precision::Bf16),
+        (2, Precision::Bf16),
+        (3, Precision::Bf16),
+        // Dynamic loss scaling: the first steps overflow and are skipped.
+        (3, Precision::Fp16),
+    ] {
+        let c = cfg_for(world, stage, precision);
         let mixed = run(world, &c, Shape::Mixed);
         let separate = run(world, &c, Shape::Separate);
         let absent = run(world, &c, Shape::Absent);
-        let what = format!("stage {stage}");
+        let what = format!("stage {stage} {precision:?}");
+        assert_frozen_unchanged(&mixed, &what);
+        if precision == Precision::Fp16 {
+            assert!(
+                mixed.outcomes.iter().any(|o| o.skipped),
+                "{what}: a skipped step"
+            );
+        }
         assert_bits_eq(
             &trainable(&mixed),
             &trainable(&separate),
@@ -492,6 +532,18 @@ fn stage_3_all_gathers_only_the_trainable_segments() {
     let absent = run(world, &c, Shape::Absent);
     assert!(absent.stats.gather_bytes > 0);
     assert_eq!(mixed.stats.gather_bytes, absent.stats.gather_bytes);
+    assert_eq!(mixed.stats.frozen_gather_bytes, 0);
+    // A resident unit is gathered into its own buffer, which holds the
+    // frozen segment once: no gathered copy of the frozen weights.
+    assert!(absent.gathered_peak > 0);
+    assert_eq!(mixed.gathered_peak, absent.gathered_peak);
+    // Sharded frozen segments are gathered (into buffers of their own).
+    let shard = run(
+        world,
+        &stage3(FrozenParams::Shard, OffloadDevice::None),
+        Shape::Mixed,
+    );
+    assert!(shard.gathered_peak > absent.gathered_peak);
 }
 
 #[test]
@@ -640,4 +692,421 @@ fn a_checkpoint_with_another_frozen_set_is_refused_naming_the_tensor() {
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A stage-3 config with `frozen_params` `policy`.
+fn stage3(policy: FrozenParams, param: OffloadDevice) -> ResolvedConfig {
+    let mut c = cfg_for(2, 3, Precision::Bf16);
+    c.zero.frozen_params = policy;
+    c.zero.offload_param.device = param;
+    c
+}
+
+#[test]
+fn every_frozen_params_policy_gives_the_same_bits() {
+    let world = 2;
+    let base = run(world, &cfg_for(world, 0, Precision::Bf16), Shape::Mixed);
+    let all = |r: &Run| r.states.iter().map(|s| s.1.clone()).collect::<Vec<_>>();
+    let mut gathered = Vec::new();
+    for (policy, param) in [
+        (FrozenParams::Resident, OffloadDevice::None),
+        (FrozenParams::Shard, OffloadDevice::None),
+        (FrozenParams::Auto, OffloadDevice::None),
+        (FrozenParams::Resident, OffloadDevice::Cpu),
+        (FrozenParams::Shard, OffloadDevice::Cpu),
+        (FrozenParams::Offload, OffloadDevice::Cpu),
+    ] {
+        let what = format!("frozen_params {policy} offload_param {param}");
+        let t = run(world, &stage3(policy, param), Shape::Mixed);
+        assert_frozen_unchanged(&t, &what);
+        assert_bits_eq(&all(&base), &all(&t), &what);
+        assert_eq!(base.losses, t.losses, "{what}");
+        gathered.push((what, t.stats.gather_bytes, t.stats.frozen_gather_bytes));
+    }
+    // Resident frozen segments are never all-gathered; sharded ones are,
+    // with every gather of their unit, and that is all the difference.
+    let (resident, shard) = (&gathered[0], &gathered[1]);
+    assert_eq!(resident.2, 0, "{}", resident.0);
+    assert!(shard.2 > 0, "{}", shard.0);
+    assert_eq!(shard.1 - shard.2, resident.1, "{}", shard.0);
+    // The default here is resident (a tiny model fits).
+    assert_eq!(gathered[2].1, resident.1);
+    assert_eq!(gathered[5].2, shard.2, "offload gathers as shard");
+}
+
+#[test]
+fn the_frozen_params_policy_decides_where_frozen_bytes_live() {
+    // Per rank: the two frozen segments are 64 elements each (fp32 here,
+    // bf16 in `stage3`), 32 per shard.
+    let bytes = |policy: FrozenParams, param: OffloadDevice| {
+        let mut c = stage3(policy, param);
+        c.precision = Precision::Fp32;
+        ThreadGroup::run(2, |comm| -> zero::Result<(u64, u64, FrozenParams)> {
+            let mut b = Engine::builder(c.clone(), comm);
+            register(&mut b, Shape::Mixed, false)?;
+            let e = b.build()?;
+            let t = e.tracker();
+            Ok((
+                t.current(Tier::Device, Category::Params),
+                t.current(Tier::Host, Category::Params),
+                e.frozen_params(),
+            ))
+        })
+        .expect("ranks ran")
+        .swap_remove(0)
+        .expect("built")
+    };
+    // The trainable shards: 32 elements of `mix` and of `head`.
+    let own = 2 * 32 * 4;
+    assert_eq!(
+        bytes(FrozenParams::Resident, OffloadDevice::None),
+        (own + 2 * 64 * 4, 0, FrozenParams::Resident)
+    );
+    assert_eq!(
+        bytes(FrozenParams::Shard, OffloadDevice::None),
+        (own + 2 * 32 * 4, 0, FrozenParams::Shard)
+    );
+    // With offload_param the trainable shards live on the host too.
+    assert_eq!(
+        bytes(FrozenParams::Offload, OffloadDevice::Cpu),
+        (0, own + 2 * 32 * 4, FrozenParams::Offload)
+    );
+    assert_eq!(
+        bytes(FrozenParams::Resident, OffloadDevice::Cpu),
+        (2 * 64 * 4, own, FrozenParams::Resident)
+    );
+}
+
+#[test]
+fn auto_keeps_frozen_weights_resident_when_they_fit_the_device_budget() {
+    let policy = |budget: u64, param: OffloadDevice| {
+        let c = stage3(FrozenParams::Auto, param);
+        ThreadGroup::run(2, |comm| -> zero::Result<FrozenParams> {
+            let mut b = Engine::builder(c.clone(), comm).device_budget(budget);
+            register(&mut b, Shape::Mixed, false)?;
+            Ok(b.build()?.frozen_params())
+        })
+        .expect("ranks ran")
+        .into_iter()
+        .map(|r| r.expect("built"))
+        .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        policy(1 << 30, OffloadDevice::None),
+        [FrozenParams::Resident; 2]
+    );
+    assert_eq!(policy(1024, OffloadDevice::None), [FrozenParams::Shard; 2]);
+    assert_eq!(policy(1024, OffloadDevice::Cpu), [FrozenParams::Offload; 2]);
+}
+
+#[test]
+fn frozen_params_values_are_checked_naming_the_key() {
+    use zero::core::config::{AutoValues, DeepSpeedConfig};
+    let resolve = |v: &str| {
+        let json = format!(
+            r#"{{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": 3, "frozen_params": {v}}}}}"#
+        );
+        let (doc, warnings) = DeepSpeedConfig::from_json_str(&json).map_err(|e| e.to_string())?;
+        assert!(warnings.is_empty(), "{warnings:?}");
+        doc.resolve(&AutoValues {
+            world_size: 1,
+            ..AutoValues::default()
+        })
+        .map_err(|e| e.to_string())
+    };
+    assert_eq!(
+        resolve(r#""shard""#).unwrap().zero.frozen_params,
+        FrozenParams::Shard
+    );
+    assert_eq!(
+        resolve(r#""resident""#).unwrap().zero.frozen_params,
+        FrozenParams::Resident
+    );
+    let e = resolve(r#""sometimes""#).unwrap_err();
+    assert!(
+        e.contains("zero_optimization.frozen_params") && e.contains("sometimes"),
+        "{e}"
+    );
+    let e = resolve("3").unwrap_err();
+    assert!(e.contains("frozen_params"), "{e}");
+    assert_eq!(
+        ResolvedConfig::simple(3, 1, 1).zero.frozen_params,
+        FrozenParams::Auto,
+        "the default"
+    );
+    // "offload" needs offload_param on the host.
+    let out = ThreadGroup::run(2, |comm| {
+        let mut b = Engine::builder(stage3(FrozenParams::Offload, OffloadDevice::None), comm);
+        register(&mut b, Shape::Mixed, false)?;
+        b.build().map(|_| ())
+    })
+    .expect("ranks ran");
+    for r in out {
+        let e = r.expect_err("offload without offload_param").to_string();
+        assert!(
+            e.contains("zero_optimization.frozen_params") && e.contains("offload_param.device"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn the_hazard_checker_finds_every_frozen_copy_ordered() {
+    // Stage 3 moves frozen segments on the streams (resident copies,
+    // shard all-gathers, host shards): the checked backend proves each
+    // access ordered and gives the same bits.
+    let world = 2;
+    let all = |r: &Run| r.states.iter().map(|s| s.1.clone()).collect::<Vec<_>>();
+    let mut setups: Vec<(String, ResolvedConfig)> = [
+        (FrozenParams::Resident, OffloadDevice::None),
+        (FrozenParams::Shard, OffloadDevice::None),
+        (FrozenParams::Offload, OffloadDevice::Cpu),
+    ]
+    .into_iter()
+    .map(|(policy, param)| {
+        let what = format!("frozen_params {policy} offload_param {param}");
+        (what, stage3(policy, param))
+    })
+    .collect();
+    for stage in [0u8, 2] {
+        setups.push((
+            format!("stage {stage}"),
+            cfg_for(world, stage, Precision::Bf16),
+        ));
+    }
+    for (what, c) in setups {
+        let inline = run(world, &c, Shape::Mixed);
+        let checked = ThreadGroup::run(world, |comm| {
+            train_on::<bf16>(
+                TestDevice::Cpu(CpuMode::Checked),
+                comm,
+                &c,
+                Shape::Mixed,
+                STEPS,
+            )
+        })
+        .expect("ranks ran")
+        .swap_remove(0)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_bits_eq(&all(&inline), &all(&checked), &what);
+    }
+}
+
+#[test]
+fn the_estimate_counts_the_engines_model_states_for_every_policy() {
+    use zero::estimate::{estimate, Model, Workload};
+    for stage in 0..=3u8 {
+        let policies: &[(FrozenParams, OffloadDevice)] = if stage == 3 {
+            &[
+                (FrozenParams::Resident, OffloadDevice::None),
+                (FrozenParams::Shard, OffloadDevice::None),
+                (FrozenParams::Offload, OffloadDevice::Cpu),
+                (FrozenParams::Resident, OffloadDevice::Cpu),
+            ]
+        } else {
+            &[(FrozenParams::Auto, OffloadDevice::None)]
+        };
+        for &(policy, param) in policies {
+            let mut c = cfg_for(2, stage, Precision::Bf16);
+            c.zero.frozen_params = policy;
+            c.zero.offload_param.device = param;
+            let what = format!("stage {stage} frozen_params {policy} offload_param {param}");
+            let (specs, built) = ThreadGroup::run(2, |comm| -> zero::Result<_> {
+                let mut b = Engine::builder(c.clone(), comm);
+                register(&mut b, Shape::Mixed, false)?;
+                let e = b.build()?;
+                let specs: Vec<UnitSpec> = e
+                    .unit_ids()
+                    .into_iter()
+                    .map(|u| e.layout(u).expect("a unit").spec())
+                    .collect();
+                let t = e.tracker();
+                let by = |tier| {
+                    [
+                        Category::Params,
+                        Category::Grads,
+                        Category::Master,
+                        Category::Moments,
+                    ]
+                    .map(|cat| t.current(tier, cat))
+                };
+                Ok((specs, [by(Tier::Device), by(Tier::Host)]))
+            })
+            .expect("ranks ran")
+            .swap_remove(0)
+            .expect("built");
+            let e = estimate(&Model::from_units(specs).unwrap(), &c, &Workload::default())
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let report = e.report();
+            for (k, tier) in [Tier::Device, Tier::Host].into_iter().enumerate() {
+                for (j, cat) in [
+                    Category::Params,
+                    Category::Grads,
+                    Category::Master,
+                    Category::Moments,
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    // At build: the first allocation of each category is
+                    // all of it (stages 2–3 add gradient buffers in
+                    // backward, which the estimate's peak includes).
+                    let est = report.get(tier, cat).map_or(0, |r| r.peak);
+                    if cat == Category::Grads && stage >= 2 {
+                        assert!(est >= built[k][j], "{what}: {tier:?} {cat:?}");
+                    } else {
+                        assert_eq!(est, built[k][j], "{what}: {tier:?} {cat:?}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn checkpoints_can_hold_the_frozen_tensors_too() {
+    let world = 2;
+    let root = std::env::temp_dir().join(format!("zero-frozen-ckpt-all-{}", std::process::id()));
+    let zeros: fn(Vec<f32>) -> Init = |_| Init::Zeros;
+    let mut setups = vec![("stage 0".to_string(), cfg_for(world, 0, Precision::Bf16))];
+    for (policy, param) in [
+        (FrozenParams::Resident, OffloadDevice::None),
+        (FrozenParams::Shard, OffloadDevice::None),
+        (FrozenParams::Offload, OffloadDevice::Cpu),
+    ] {
+        setups.push((format!("stage 3 {policy}"), stage3(policy, param)));
+    }
+    for (what, c) in setups {
+        let whole = run(world, &c, Shape::Mixed);
+        let dir = root.join(what.replace(' ', "-"));
+        let saved = ThreadGroup::run(world, |comm| -> zero::Result<std::path::PathBuf> {
+            let mut b = Engine::builder(c.clone(), comm)
+                .seed(3)
+                .checkpoint_frozen(true);
+            let ids = register(&mut b, Shape::Mixed, false)?;
+            let mut e = b.build()?;
+            steps_of::<bf16>(&mut e, &ids, Shape::Mixed, 0..STEPS / 2)?;
+            e.save_checkpoint(&dir, serde_json::json!({}))
+        })
+        .expect("ranks ran")
+        .swap_remove(0)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert!(saved.join("frozen.safetensors").exists(), "{what}");
+        // Registered with zeros for the frozen tensors: the checkpoint
+        // brings them back.
+        let resume = |dir: &std::path::Path| {
+            ThreadGroup::run(world, |comm| -> zero::Result<Run> {
+                let mut b = Engine::builder(c.clone(), comm).seed(3);
+                let ids = register_frozen(&mut b, Shape::Mixed, false, zeros)?;
+                let (mut e, _) = Engine::load_checkpoint(b, dir)?;
+                steps_of::<bf16>(&mut e, &ids, Shape::Mixed, STEPS / 2..STEPS)
+            })
+            .expect("ranks ran")
+            .swap_remove(0)
+        };
+        let resumed = resume(&saved).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_frozen_unchanged(&resumed, &what);
+        assert_bits_eq(
+            &whole.states.iter().map(|s| s.1.clone()).collect::<Vec<_>>(),
+            &resumed
+                .states
+                .iter()
+                .map(|s| s.1.clone())
+                .collect::<Vec<_>>(),
+            &what,
+        );
+        // A damaged file is refused, naming it.
+        let f = saved.join("frozen.safetensors");
+        let mut bytes = std::fs::read(&f).unwrap();
+        let n = bytes.len();
+        bytes[n - 1] ^= 1;
+        std::fs::write(&f, bytes).unwrap();
+        let e = resume(&saved)
+            .err()
+            .expect("a damaged frozen file")
+            .to_string();
+        assert!(
+            e.contains("frozen.safetensors") && e.contains("CRC32"),
+            "{what}: {e}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn a_checkpoint_with_frozen_tensors_reshards_on_load() {
+    let root = std::env::temp_dir().join(format!("zero-frozen-reshard-{}", std::process::id()));
+    let all = |r: &Run| r.states.iter().map(|s| s.1.clone()).collect::<Vec<_>>();
+    for include in [false, true] {
+        let dir = root.join(format!("include-{include}"));
+        let c = stage3(FrozenParams::Shard, OffloadDevice::None);
+        let (saved, at_save) = ThreadGroup::run(2, |comm| -> zero::Result<_> {
+            let mut b = Engine::builder(c.clone(), comm)
+                .seed(3)
+                .checkpoint_frozen(include);
+            let ids = register(&mut b, Shape::Mixed, false)?;
+            let mut e = b.build()?;
+            let r = steps_of::<bf16>(&mut e, &ids, Shape::Mixed, 0..STEPS / 2)?;
+            Ok((e.save_checkpoint(&dir, serde_json::json!({}))?, r))
+        })
+        .expect("ranks ran")
+        .swap_remove(0)
+        .expect("saved");
+        // One rank, stage 0: the same state.
+        let loaded = ThreadGroup::run(1, |comm| -> zero::Result<Run> {
+            let c1 = cfg_for(1, 0, Precision::Bf16);
+            let mut b = Engine::builder(c1, comm).seed(3);
+            let ids = register(&mut b, Shape::Mixed, false)?;
+            let (mut e, _) = Engine::load_checkpoint(b, &saved)?;
+            steps_of::<bf16>(&mut e, &ids, Shape::Mixed, 0..0)
+        })
+        .expect("ranks ran")
+        .swap_remove(0)
+        .expect("loaded");
+        let what = format!("frozen tensors in the checkpoint: {include}");
+        assert_frozen_unchanged(&loaded, &what);
+        assert_bits_eq(&all(&at_save), &all(&loaded), &what);
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn offline_export_needs_the_frozen_tensors_in_the_checkpoint() {
+    use zero::engine::{export_checkpoint, ExportDtype};
+    let world = 2;
+    let root = std::env::temp_dir().join(format!("zero-frozen-export-{}", std::process::id()));
+    for include in [false, true] {
+        let dir = root.join(format!("include-{include}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let live = dir.join("live.safetensors");
+        let c = stage3(FrozenParams::Shard, OffloadDevice::None);
+        let saved = ThreadGroup::run(world, |comm| -> zero::Result<std::path::PathBuf> {
+            let mut b = Engine::builder(c.clone(), comm)
+                .seed(3)
+                .checkpoint_frozen(include);
+            let ids = register(&mut b, Shape::Mixed, false)?;
+            let mut e = b.build()?;
+            steps_of::<bf16>(&mut e, &ids, Shape::Mixed, 0..1)?;
+            e.export_safetensors(&live, ExportDtype::F32)?;
+            e.save_checkpoint(&dir, serde_json::json!({}))
+        })
+        .expect("ranks ran")
+        .swap_remove(0)
+        .expect("saved");
+        let out = dir.join("offline.safetensors");
+        match export_checkpoint(&saved, &out, ExportDtype::F32) {
+            Ok(_) => {
+                assert!(include);
+                // The same bytes as the engine's export, frozen tensors
+                // included.
+                assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&live).unwrap());
+            }
+            Err(e) => {
+                assert!(!include, "{e}");
+                let e = e.to_string();
+                assert!(e.contains("tensor `w` of unit `base` is frozen"), "{e}");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
 }

@@ -68,10 +68,10 @@ use super::{Engine, EngineBuilder, Init, StepOutcome, Unit};
 use crate::agree::agree_on_setup;
 use crate::format::checkpoint::{
     check_files, check_units, prepare, publish, rank_file, read_manifest, step_dir_name, tmp_dir,
-    FileEntry, Manifest, ModelFileEntry, RankFileWriter, Reader, SavedRun, StateArray,
+    FileEntry, Manifest, ModelFileEntry, RankFileWriter, Reader, SavedRun, StateArray, FROZEN_FILE,
     MANIFEST_FILE, MODEL_FILE,
 };
-use crate::format::safetensors::ExportDtype;
+use crate::format::safetensors::{tensor_names, ExportDtype};
 use crate::{Error, Result};
 
 /// Elements of the master outside the state range converted at once on
@@ -205,6 +205,21 @@ impl<C: Communicator> Engine<C> {
         } else {
             None
         };
+        // `EngineBuilder::checkpoint_frozen`: the frozen tensors too (a
+        // collective: sharded frozen segments are gathered unit by unit).
+        let frozen = if self.save_frozen && self.plan.frozen_numel() > 0 {
+            match self.write_frozen(&tmp.join(FROZEN_FILE)) {
+                Ok(written) => written,
+                Err(e) => {
+                    if rank == 0 {
+                        let _ = fs::remove_dir_all(&tmp);
+                    }
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
         // Round 3: rank 0 writes the manifest and publishes the checkpoint.
         let done = if rank == 0 {
             let files = (0..self.world)
@@ -213,7 +228,8 @@ impl<C: Communicator> Engine<C> {
                     FileEntry::rank(r, head[r][1], crcs.collect())
                 })
                 .collect();
-            let manifest = self.manifest(files, client_state, model);
+            let mut manifest = self.manifest(files, client_state, model);
+            manifest.frozen = frozen;
             let r = publish(root, &tmp, &dest, &name, &manifest, self.keep_last);
             if r.is_err() {
                 let _ = fs::remove_dir_all(&tmp);
@@ -255,6 +271,33 @@ impl<C: Communicator> Engine<C> {
             client_state,
         };
         Manifest::new(run, self.plan.units(), files, model)
+    }
+
+    /// Writes every frozen tensor to `path` (rank 0) in the parameter
+    /// dtype, unit by unit: a collective. Rank 0 gets the file's entry.
+    fn write_frozen(&mut self, path: &Path) -> Result<Option<ModelFileEntry>> {
+        let layouts = frozen_layouts(&self.plan)?;
+        let dtype = ExportDtype::of(self.pdt);
+        let done =
+            self.write_safetensors(path, &layouts, dtype, "save_checkpoint", |e, i, out| {
+                e.extend_frozen(i, out)
+            })?;
+        Ok(done.map(|(bytes, crc)| ModelFileEntry::frozen(dtype, bytes, crc)))
+    }
+
+    /// Reads the frozen tensors of a checkpoint (`entry`, in `dir`) into
+    /// this engine's frozen segments (this rank's part of each).
+    fn read_frozen(&mut self, dir: &Path, entry: &ModelFileEntry) -> Result<()> {
+        let values = read_frozen_file(dir, entry, &self.plan).map_err(|what| Error::Usage {
+            rank: self.rank,
+            what: format!("load_checkpoint: {what}"),
+        })?;
+        for (i, v) in values.iter().enumerate() {
+            if !v.is_empty() {
+                self.set_frozen(i, v)?;
+            }
+        }
+        Ok(())
     }
 
     /// Start of each unit's state range, in unit coordinates: 0 in stage
@@ -328,6 +371,22 @@ impl<C: Communicator> Engine<C> {
                     dir.display()
                 ),
             });
+        }
+        // The frozen tensors, if the checkpoint holds them (else the
+        // registration's stay).
+        if let Some(entry) = &manifest.frozen {
+            let read = engine.read_frozen(&dir, entry);
+            let failed = first_failure(&engine.comm, read.as_ref().err())?;
+            read?;
+            if let Some((bad, why)) = failed {
+                return Err(Error::Usage {
+                    rank: engine.rank,
+                    what: format!(
+                        "load_checkpoint({}): rank {bad} could not read the frozen tensors: {why}",
+                        dir.display()
+                    ),
+                });
+            }
         }
         // Collectives only once every rank has its part: stages 1–2
         // all-gather the parameters each rank cast from its master range,
@@ -612,4 +671,83 @@ impl MasterLoad<'_, '_, '_> {
             })
         })
     }
+}
+
+/// The layouts of every unit's frozen tensors alone (units without any
+/// left out), in order: the contents of [`FROZEN_FILE`].
+fn frozen_layouts(plan: &PartitionPlan) -> Result<Vec<UnitLayout>> {
+    let specs: Vec<UnitSpec> = plan
+        .units()
+        .iter()
+        .filter(|l| l.frozen_numel > 0)
+        .map(|l| {
+            let mut spec = l.spec();
+            spec.tensors.retain(|t| !t.trainable);
+            spec
+        })
+        .collect();
+    Ok(PartitionPlan::new(&specs, 1)?.units().to_vec())
+}
+
+/// The frozen tensors of a checkpoint (`entry` in `dir`, saved with
+/// `plan`): per unit its frozen real elements in layout order (empty for
+/// a unit without frozen tensors). The error names the file and the
+/// tensor.
+pub(crate) fn read_frozen_file(
+    dir: &Path,
+    entry: &ModelFileEntry,
+    plan: &PartitionPlan,
+) -> std::result::Result<Vec<Vec<f32>>, String> {
+    let path = dir.join(&entry.name);
+    let bad = |what: String| format!("{}: {what}", path.display());
+    let bytes = fs::read(&path).map_err(|e| bad(format!("cannot read: {e}")))?;
+    if bytes.len() as u64 != entry.bytes || crc32fast::hash(&bytes) != entry.crc32 {
+        return Err(bad(format!(
+            "{} bytes with CRC32 {:08x}, but the manifest says {} bytes with CRC32 {:08x} \
+             (a truncated or damaged file)",
+            bytes.len(),
+            crc32fast::hash(&bytes),
+            entry.bytes,
+            entry.crc32
+        )));
+    }
+    let file = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+    let layouts = frozen_layouts(plan).map_err(|e| bad(e.to_string()))?;
+    let mut names = tensor_names(&layouts).map_err(bad)?.into_iter();
+    let mut out = Vec::with_capacity(plan.units().len());
+    for l in plan.units() {
+        let mut values = Vec::with_capacity(l.frozen_numel);
+        for t in l.tensors.iter().filter(|t| !t.trainable) {
+            let name = names.next().unwrap_or_default();
+            let view = file.tensor(&name).map_err(|e| {
+                bad(format!(
+                    "no tensor `{name}` (unit `{}`, tensor `{}`): {e}",
+                    l.name, t.name
+                ))
+            })?;
+            if view.shape() != t.shape.as_slice() {
+                return Err(bad(format!(
+                    "tensor `{name}` has shape {:?}, the model's `{}` of unit `{}` {:?}",
+                    view.shape(),
+                    t.name,
+                    l.name,
+                    t.shape
+                )));
+            }
+            let data = view.data();
+            match view.dtype() {
+                safetensors::Dtype::F32 => values.extend(super::bytes_to_f32::<f32>(data)),
+                safetensors::Dtype::BF16 => values.extend(super::bytes_to_f32::<bf16>(data)),
+                safetensors::Dtype::F16 => values.extend(super::bytes_to_f32::<f16>(data)),
+                other => {
+                    return Err(bad(format!(
+                        "tensor `{name}` is {other:?}; F32, BF16 or F16 expected"
+                    )))
+                }
+            }
+        }
+        out.push(values);
+    }
+    Ok(out)
 }

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 use zero_comm::agree::first_failure;
 use zero_comm::Communicator;
+use zero_core::partition::UnitLayout;
 use zero_core::HostBuffer;
 
 use super::Engine;
@@ -44,7 +45,9 @@ fn err(path: &Path, what: impl Into<String>) -> Error {
 /// [`Engine::export_safetensors`] writes for the saved state. Errors name
 /// the file: a missing directory or manifest, a malformed or foreign
 /// manifest, a missing, truncated or corrupted rank file, an output that
-/// cannot be written.
+/// cannot be written. Frozen tensors come from the checkpoint's
+/// `frozen.safetensors` (`EngineBuilder::checkpoint_frozen`); without it a
+/// model with frozen tensors is an error naming one.
 pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: ExportDtype) -> Result<PathBuf> {
     if !checkpoint.exists() {
         return Err(err(checkpoint, "no such checkpoint directory"));
@@ -56,21 +59,29 @@ pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: ExportDtype) -> R
         ));
     }
     let (dir, manifest, plan) = open_saved(checkpoint)?;
-    if let Some((u, t)) = plan
-        .units()
-        .iter()
-        .find_map(|u| u.tensors.iter().find(|t| !t.trainable).map(|t| (u, t)))
-    {
-        return Err(err(
-            checkpoint,
-            format!(
-                "tensor `{}` of unit `{}` is frozen: the checkpoint holds the trainable state \
-                 only; export from the engine (Engine::export_safetensors), which has the \
-                 frozen weights",
-                t.name, u.name
-            ),
-        ));
-    }
+    // Frozen tensors: from the checkpoint's frozen file, if it has one.
+    let frozen = match (&manifest.frozen, plan.frozen_numel()) {
+        (_, 0) => Vec::new(),
+        (Some(entry), _) => {
+            super::checkpoint::read_frozen_file(&dir, entry, &plan).map_err(|e| err(&dir, e))?
+        }
+        (None, _) => {
+            let (u, t) = plan
+                .units()
+                .iter()
+                .find_map(|u| u.tensors.iter().find(|t| !t.trainable).map(|t| (u, t)))
+                .expect("a frozen tensor");
+            return Err(err(
+                checkpoint,
+                format!(
+                    "tensor `{}` of unit `{}` is frozen and the checkpoint holds the trainable \
+                     state only (save with EngineBuilder::checkpoint_frozen(true), or export \
+                     from the engine with Engine::export_safetensors)",
+                    t.name, u.name
+                ),
+            ));
+        }
+    };
     let mut writer = SafetensorsWriter::create(out, plan.units(), dtype)?;
     let mut reader = Reader::new(&dir, &manifest, &plan);
     let mut chunk = vec![0f32; CHUNK];
@@ -81,6 +92,9 @@ pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: ExportDtype) -> R
             reader.read_into(u, StateArray::Master, at..at + k, &mut chunk[..k])?;
             writer.write(&chunk[..k])?;
             at += k;
+        }
+        if let Some(v) = frozen.get(u).filter(|v| !v.is_empty()) {
+            writer.write(v)?;
         }
     }
     writer.finish()?;
@@ -113,10 +127,32 @@ impl<C: Communicator> Engine<C> {
         dtype: ExportDtype,
     ) -> Result<Option<(u64, u32)>> {
         self.check_swap("export_safetensors")?;
-        let rank = self.rank;
+        let layouts = self.plan.units().to_vec();
+        self.write_safetensors(path, &layouts, dtype, "export_safetensors", |e, i, out| {
+            let master = e.master_of(i)?;
+            out.extend_from_slice(&master[..e.units[i].layout.numel]);
+            // Frozen tensors have no master: their parameters.
+            e.extend_frozen(i, out)
+        })
+    }
+
+    /// Rank 0 writes the safetensors file `path` of `layouts` (in `dtype`)
+    /// with the values `values(engine, unit, out)` appends for each of the
+    /// engine's units in turn (a collective: every rank computes every
+    /// unit's values, so that the collectives in them stay matched, even
+    /// after a failed write on rank 0). Rank 0 gets the file's length and
+    /// CRC32; `call` names the caller in errors.
+    pub(super) fn write_safetensors(
+        &mut self,
+        path: &Path,
+        layouts: &[UnitLayout],
+        dtype: ExportDtype,
+        call: &str,
+        mut values: impl FnMut(&mut Self, usize, &mut Vec<f32>) -> Result<()>,
+    ) -> Result<Option<(u64, u32)>> {
         // Round 1: rank 0 creates the file.
-        let created = if rank == 0 {
-            SafetensorsWriter::create(path, self.plan.units(), dtype).map(Some)
+        let created = if self.rank == 0 {
+            SafetensorsWriter::create(path, layouts, dtype).map(Some)
         } else {
             Ok(None)
         };
@@ -124,23 +160,17 @@ impl<C: Communicator> Engine<C> {
         let mut writer = created?;
         if let Some((_, why)) = failed {
             return Err(self.usage(format!(
-                "export_safetensors: rank 0 could not create {}: {why}",
+                "{call}: rank 0 could not create {}: {why}",
                 path.display()
             )));
         }
-        // Every rank takes part in every gather, even after a failed write
-        // on rank 0, so that the collectives stay matched.
         let mut failed = None;
+        let mut unit = Vec::new();
         for i in 0..self.units.len() {
-            let master = self.master_of(i)?;
-            if let (Some(w), None) = (writer.as_mut(), &failed) {
-                failed = w.write(&master[..self.units[i].layout.numel]).err();
-            }
-            // Frozen tensors have no master: their parameters.
-            let mut frozen = Vec::new();
-            self.extend_frozen(i, &mut frozen)?;
-            if let (Some(w), None, false) = (writer.as_mut(), &failed, frozen.is_empty()) {
-                failed = w.write(&frozen).err();
+            unit.clear();
+            values(self, i, &mut unit)?;
+            if let (Some(w), None, false) = (writer.as_mut(), &failed, unit.is_empty()) {
+                failed = w.write(&unit).err();
             }
         }
         let done = match (writer, failed) {
@@ -152,7 +182,7 @@ impl<C: Communicator> Engine<C> {
         let done = done?;
         if let Some((_, why)) = failed {
             return Err(self.usage(format!(
-                "export_safetensors: rank 0 could not write {}: {why}",
+                "{call}: rank 0 could not write {}: {why}",
                 path.display()
             )));
         }

@@ -35,7 +35,22 @@ use super::param_offload::{Fetch, ParamOffload};
 use super::stats::EngineStats;
 use crate::schedule::{Action, Actions, Stage3Knobs, Stage3Schedule};
 use crate::trace::Tracer;
-use crate::Result;
+use crate::{Error, Result};
+
+/// Where stage 3 keeps one unit's frozen segment
+/// (`zero_optimization.frozen_params`).
+pub(crate) enum FrozenHome {
+    /// The unit's own gathered buffer (trainable segment, then the whole
+    /// frozen segment, filled once), on every rank: a gather all-gathers
+    /// only the trainable segment into it, and a free keeps it here
+    /// (`None` while it is gathered or in flight).
+    Resident(Option<DevBuf>),
+    /// This rank's shard on the device: all-gathered with the unit.
+    Shard(DevBuf),
+    /// This rank's shard in host memory (the parameter dtype's bytes):
+    /// copied into the rank's slot, then all-gathered with the unit.
+    Host(Vec<u8>),
+}
 
 /// This rank's parameter shards where they stay on the device tier (no
 /// parameter offload): the engine's units.
@@ -81,10 +96,14 @@ pub(crate) struct ParamGatherer {
     /// trainable shard's.
     padded: Vec<usize>,
     shard_len: Vec<usize>,
-    /// Per unit: its frozen segment, resident on this rank (copied into
-    /// the gathered buffer after the trainable segment, never
-    /// all-gathered).
-    frozen: Vec<Option<DevBuf>>,
+    /// Per unit: its frozen segment (see [`FrozenHome`]), which goes into
+    /// the gathered buffer after the trainable segment.
+    frozen: Vec<Option<FrozenHome>>,
+    /// Per unit: the all-gather of its frozen shards in flight (into a
+    /// buffer of the frozen segment's length), and a launched unit whose
+    /// trainable segment needs no all-gather (only frozen tensors).
+    frozen_inflight: Vec<Option<DynWork>>,
+    parked: Vec<Option<DevBuf>>,
     /// Per unit: the label of its gathered buffers.
     labels: Vec<String>,
     /// Gathered units (full, padded), shared with the trainer's guards.
@@ -105,7 +124,7 @@ impl ParamGatherer {
     pub(crate) fn new(
         cfg: &ResolvedConfig,
         plan: &PartitionPlan,
-        frozen: Vec<Option<DevBuf>>,
+        frozen: Vec<Option<FrozenHome>>,
     ) -> ParamGatherer {
         let units = plan.units();
         let n = units.len();
@@ -114,6 +133,8 @@ impl ParamGatherer {
             padded: units.iter().map(|u| u.param_len()).collect(),
             shard_len: units.iter().map(|u| u.shard_len).collect(),
             frozen,
+            frozen_inflight: (0..n).map(|_| None).collect(),
+            parked: (0..n).map(|_| None).collect(),
             labels: units
                 .iter()
                 .map(|u| format!("gathered `{}`", u.name))
@@ -127,9 +148,14 @@ impl ParamGatherer {
         }
     }
 
-    /// Unit `i`'s resident frozen segment, if it has frozen tensors.
-    pub(crate) fn frozen(&self, i: usize) -> Option<&DevBuf> {
+    /// Unit `i`'s frozen segment or shard, if it has frozen tensors.
+    pub(crate) fn frozen(&self, i: usize) -> Option<&FrozenHome> {
         self.frozen.get(i).and_then(Option::as_ref)
+    }
+
+    /// Unit `i`'s frozen segment or shard, to fill (checkpoint load).
+    pub(crate) fn frozen_mut(&mut self, i: usize) -> Option<&mut FrozenHome> {
+        self.frozen.get_mut(i).and_then(Option::as_mut)
     }
 
     /// Elements gathered or being gathered.
@@ -248,17 +274,16 @@ impl ParamGatherer {
                     self.launch(i, (backend, after), comm, tracker, pdt, &mut shards, stats)?;
                 }
                 Action::Wait(i) => {
-                    if let Some(w) = self.inflight[i].take() {
-                        // The trainer reads the unit from the host.
-                        let (b, done) = w.wait(tracer, comm.rank())?;
-                        backend.sync(&done)?;
-                        self.full[i] = Some(Arc::new(b));
-                    }
+                    self.settle(i, backend, comm.world_size(), tracer, comm.rank())?
                 }
                 Action::Free(i) => {
                     if let Some(b) = self.full[i].take() {
                         let b = exclusive(b, i, comm.rank())?;
-                        self.pool.entry(b.len()).or_default().push(b);
+                        match &mut self.frozen[i] {
+                            // A resident unit keeps its buffer.
+                            Some(FrozenHome::Resident(slot)) => *slot = Some(b),
+                            _ => self.pool.entry(b.len()).or_default().push(b),
+                        }
                     }
                 }
                 Action::ReadAhead(j) => {
@@ -272,6 +297,70 @@ impl ParamGatherer {
         // them, so this is the peak over the call.
         stats.peak_live_elems = stats.peak_live_elems.max(self.schedule.live());
         Ok(())
+    }
+
+    /// Waits for unit `i`'s all-gathers in flight (if any): then its
+    /// parameters are in `full[i]`, readable from the host.
+    pub(crate) fn settle(
+        &mut self,
+        i: usize,
+        backend: &CpuBackend,
+        world: usize,
+        tracer: &Tracer,
+        rank: usize,
+    ) -> Result<()> {
+        let main = match self.inflight[i].take() {
+            Some(w) => {
+                // The trainer reads the unit from the host.
+                let (b, done) = w.wait(tracer, rank)?;
+                backend.sync(&done)?;
+                Some(b)
+            }
+            None => self.parked[i].take(),
+        };
+        if let Some(mut b) = main {
+            if let Some(w) = self.frozen_inflight[i].take() {
+                // The gathered frozen segment, after the trainable one.
+                let (t, done) = w.wait(tracer, rank)?;
+                backend.wait(Stream::Compute, &done)?;
+                let at = self.shard_len[i] * world;
+                b.copy_from(backend, Stream::Compute, at, &t, 0, t.len())?;
+                self.pool.entry(t.len()).or_default().push(t);
+            }
+            backend.sync(&backend.record(Stream::Compute)?)?;
+            self.full[i] = Some(Arc::new(b));
+        }
+        Ok(())
+    }
+
+    /// Unit `i`'s resident buffer (after [`ParamGatherer::settle`]), with
+    /// `frozen_params` `resident`: in `full[i]` while gathered, else kept.
+    pub(crate) fn resident(&self, i: usize) -> Option<&DevBuf> {
+        match self.frozen.get(i)? {
+            Some(FrozenHome::Resident(slot)) => slot.as_ref().or(self.full[i].as_deref()),
+            _ => None,
+        }
+    }
+
+    /// [`ParamGatherer::resident`], to fill (a checkpoint load: no guard
+    /// holds it).
+    pub(crate) fn resident_mut(&mut self, i: usize, rank: usize) -> Result<Option<&mut DevBuf>> {
+        match self.frozen.get_mut(i) {
+            Some(Some(FrozenHome::Resident(slot))) => match slot.as_mut() {
+                Some(b) => Ok(Some(b)),
+                None => match self.full[i].as_mut() {
+                    Some(b) => Arc::get_mut(b).map(Some).ok_or_else(|| Error::Usage {
+                        rank,
+                        what: format!(
+                            "internal: the parameters of unit #{i} are held while its frozen \
+                             tensors are set"
+                        ),
+                    }),
+                    None => Ok(None),
+                },
+            },
+            _ => Ok(None),
+        }
     }
 
     /// Starts the all-gather of unit `i`: into its resident buffer if it
@@ -289,19 +378,34 @@ impl ParamGatherer {
     ) -> Result<()> {
         let (padded, shard) = (self.padded[i], self.shard_len[i]);
         let (rank, world) = (comm.rank(), comm.world_size());
+        let resident = match &mut self.frozen[i] {
+            Some(FrozenHome::Resident(slot)) => Some(slot.take()),
+            _ => None,
+        };
         let mut buf = match self.full[i].take() {
             Some(b) => exclusive(b, i, rank)?,
-            None => match self.pool.get_mut(&padded).and_then(Vec::pop) {
-                Some(b) => b,
-                None => {
-                    let b = DevBuf::alloc(backend, comm, pdt, padded, &self.labels[i])?;
-                    self.allocs.push(tracker.allocate(
-                        Tier::Device,
-                        Category::GatheredParams,
-                        b.bytes(),
-                    ));
-                    b
+            None => match resident {
+                Some(Some(b)) => b,
+                Some(None) => {
+                    return Err(Error::Usage {
+                        rank,
+                        what: format!(
+                            "internal: unit #{i}'s resident buffer is neither kept nor gathered"
+                        ),
+                    })
                 }
+                None => match self.pool.get_mut(&padded).and_then(Vec::pop) {
+                    Some(b) => b,
+                    None => {
+                        let b = DevBuf::alloc(backend, comm, pdt, padded, &self.labels[i])?;
+                        self.allocs.push(tracker.allocate(
+                            Tier::Device,
+                            Category::GatheredParams,
+                            b.bytes(),
+                        ));
+                        b
+                    }
+                },
             },
         };
         match shards {
@@ -325,14 +429,44 @@ impl ParamGatherer {
                 shard,
             )?,
         }
-        if let Some(f) = &self.frozen[i] {
-            // The frozen segment: a local copy, no communication.
-            buf.copy_from(backend, Stream::Compute, shard * world, f, 0, f.len())?;
+        let frozen_len = padded - shard * world;
+        match &self.frozen[i] {
+            // Resident: the frozen segment is in the buffer already.
+            None | Some(FrozenHome::Resident(_)) => {}
+            Some(home) => {
+                let fs = frozen_len / world;
+                let mut t = match self.pool.get_mut(&frozen_len).and_then(Vec::pop) {
+                    Some(t) => t,
+                    None => {
+                        let label = format!("frozen {}", self.labels[i]);
+                        let t = DevBuf::alloc(backend, comm, pdt, frozen_len, &label)?;
+                        self.allocs.push(tracker.allocate(
+                            Tier::Device,
+                            Category::GatheredParams,
+                            t.bytes(),
+                        ));
+                        t
+                    }
+                };
+                match home {
+                    FrozenHome::Shard(f) => {
+                        t.copy_from(backend, Stream::Compute, rank * fs, f, 0, fs)?
+                    }
+                    FrozenHome::Host(bytes) => t
+                        .host_bytes_mut(backend, rank * fs..(rank + 1) * fs)?
+                        .copy_from_slice(bytes),
+                    FrozenHome::Resident(_) => unreachable!("matched above"),
+                }
+                stats.gather_bytes += ring_bytes(frozen_len, world, pdt);
+                stats.frozen_gather_bytes += ring_bytes(frozen_len, world, pdt);
+                let filled = backend.record(after)?;
+                self.frozen_inflight[i] =
+                    Some(t.all_gather(backend, comm, &vec![fs; world], &filled));
+            }
         }
         if shard == 0 {
-            // Only frozen tensors: nothing to all-gather.
-            backend.sync(&backend.record(Stream::Compute)?)?;
-            self.full[i] = Some(Arc::new(buf));
+            // Only frozen tensors: no trainable segment to all-gather.
+            self.parked[i] = Some(buf);
             return Ok(());
         }
         stats.gather_bytes += ring_bytes(shard * world, world, pdt);

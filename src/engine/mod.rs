@@ -125,7 +125,7 @@ use faults::FaultPlan;
 use zero_comm::agree::{exchange_u64, first_failure};
 use zero_comm::Communicator;
 use zero_core::backend::{Backend, CpuBackend, CpuMode, Stream};
-use zero_core::config::{CheckFor, OffloadDevice, Precision, ResolvedConfig};
+use zero_core::config::{CheckFor, FrozenParams, OffloadDevice, Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier};
 use zero_core::optim::{clip_coefficient, AdamWStep, CpuAdamW, LossScaler};
 use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
@@ -141,7 +141,7 @@ use devbuf::{DevBuf, DynWork};
 use dynbuf::ring_bytes;
 use dynbuf::DynBuf;
 pub use export::export_checkpoint;
-use gatherer::{GatherIo, HomeShards, ParamGatherer, Shards};
+use gatherer::{FrozenHome, GatherIo, HomeShards, ParamGatherer, Shards};
 use groups::{group_of, GroupMap};
 pub use groups::{is_bias_norm_or_embedding, GroupPredicate, ParamGroup};
 use health::Health;
@@ -231,6 +231,11 @@ pub struct EngineBuilder<C: Communicator> {
     skip_wait: Option<SkipWait>,
     /// Parameter groups, in the order added, with their predicates.
     groups: Vec<(ParamGroup, GroupPredicate)>,
+    /// The device memory per rank `frozen_params: "auto"` plans for
+    /// (`None`: this rank's share of the host's available memory).
+    device_budget: Option<u64>,
+    /// Checkpoints hold the frozen tensors too.
+    save_frozen: bool,
     /// Set by [`Engine::load_checkpoint`]: the load fills the master, m, v
     /// and parameters completely, so the build leaves their pages to be
     /// faulted in by the load instead of pre-faulting them.
@@ -386,6 +391,10 @@ pub struct Engine<C: Communicator> {
     seed: u64,
     /// Checkpoints kept by [`Engine::save_checkpoint`] (0: all).
     keep_last: usize,
+    /// Checkpoints hold the frozen tensors too.
+    save_frozen: bool,
+    /// Stage 3: where the frozen segments live (never `Auto`).
+    frozen_policy: FrozenParams,
 }
 
 static NEXT_ENGINE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -411,6 +420,8 @@ impl<C: Communicator> Engine<C> {
             skip_wait: None,
             groups: Vec::new(),
             for_load: false,
+            device_budget: None,
+            save_frozen: false,
         }
     }
 }
@@ -521,6 +532,28 @@ impl<C: Communicator> EngineBuilder<C> {
         self
     }
 
+    /// Whether [`Engine::save_checkpoint`] also writes the frozen tensors
+    /// (`frozen.safetensors` in the parameter dtype, in the checkpoint
+    /// directory, recorded in its manifest with its CRC32; every rank
+    /// reads it on load, and its values replace the registered ones).
+    /// Default false: checkpoints hold the trainable state, and a load
+    /// takes the frozen tensors from the registration (the base model's
+    /// own files).
+    pub fn checkpoint_frozen(mut self, include: bool) -> Self {
+        self.save_frozen = include;
+        self
+    }
+
+    /// The device memory per rank that `zero_optimization.frozen_params:
+    /// "auto"` may plan for at stage 3 (default: on the CPU, this rank's
+    /// share of the host's available memory, `MemAvailable` over the ranks
+    /// on this machine, once the engine's other buffers are allocated). See
+    /// [`FrozenParams`] for the rule.
+    pub fn device_budget(mut self, bytes: u64) -> Self {
+        self.device_budget = Some(bytes);
+        self
+    }
+
     /// No weight decay on biases, norms and embeddings (a group named
     /// `no_decay`, by the names of units and tensors:
     /// [`is_bias_norm_or_embedding`]), as Hugging Face trainers do.
@@ -591,6 +624,8 @@ impl<C: Communicator> EngineBuilder<C> {
             skip_wait,
             groups,
             for_load,
+            device_budget,
+            save_frozen,
         } = self;
         let rank = comm.rank();
         let world = comm.world_size();
@@ -660,10 +695,6 @@ impl<C: Communicator> EngineBuilder<C> {
         let mut ranges = Vec::new();
         let mut moments = Vec::with_capacity(specs.len());
         let mut units = Vec::with_capacity(specs.len());
-        // Stage 3: each unit's frozen segment, resident on every rank
-        // (never all-gathered; the gatherer copies it into the gathered
-        // unit).
-        let mut frozen = Vec::with_capacity(specs.len());
         for (u, ((spec, _), layout)) in specs.iter().zip(plan.units()).enumerate() {
             let full = layout.padded_numel;
             let shard = layout.shard_len;
@@ -692,35 +723,16 @@ impl<C: Communicator> EngineBuilder<C> {
                 };
                 Some(DevBuf::alloc(&backend, &comm, pdt, len, &label)?)
             };
+            // Stages 0–2: the frozen segment follows in the same buffer
+            // (stage 3 keeps it apart, see below).
             let frozen_seg = layout.frozen_range();
-            let mut frozen_home = if stage == 3 && !frozen_seg.is_empty() {
-                let label = format!("frozen params `{}`", spec.name);
-                Some(DevBuf::alloc(
-                    &backend,
-                    &comm,
-                    pdt,
-                    frozen_seg.len(),
-                    &label,
-                )?)
-            } else {
-                None
-            };
-            if !frozen_seg.is_empty() && initial.has_values(u) {
-                let mut values = vec![0f32; frozen_seg.len()];
-                initial.fill(u, frozen_seg.clone(), &mut values);
-                match (frozen_home.as_mut(), params.as_mut()) {
-                    (Some(f), _) => f.store_slice(&backend, 0, &values)?,
-                    (None, Some(p)) => p.store_slice(&backend, frozen_seg.start, &values)?,
-                    (None, None) => {}
+            if let (Some(p), false, true) = (params.as_mut(), frozen_seg.is_empty(), stage < 3) {
+                if initial.has_values(u) {
+                    let mut values = vec![0f32; frozen_seg.len()];
+                    initial.fill(u, frozen_seg.clone(), &mut values);
+                    p.store_slice(&backend, frozen_seg.start, &values)?;
                 }
             }
-            if let Some(f) = frozen_home.as_mut() {
-                if !for_load {
-                    f.prefault(&backend)?;
-                }
-                track(Tier::Device, Category::Params, f.bytes());
-            }
-            frozen.push(frozen_home);
             // Initialise only what this rank stores here: the union of its
             // master and parameter ranges (new buffers are zero already).
             let mut stored = Vec::new();
@@ -844,6 +856,76 @@ impl<C: Communicator> EngineBuilder<C> {
         let scaler = cfg.loss_scale.map(LossScaler::new);
         let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
         let lr = cfg.scheduler.lr_at(0);
+        // Stage 3: where the frozen segments live, once everything else is
+        // allocated (the `auto` policy weighs them against what is left).
+        let frozen_policy = choose_frozen_policy(&cfg, &plan, &comm, &tracker, pdt, device_budget)?;
+        let mut frozen = Vec::with_capacity(specs.len());
+        let mut frozen_allocs = Vec::new();
+        for (u, layout) in plan.units().iter().enumerate() {
+            let seg = layout.frozen_range();
+            if stage < 3 || seg.is_empty() {
+                frozen.push(None);
+                continue;
+            }
+            // The resident segment, or this rank's shard of it.
+            let r = match frozen_policy {
+                FrozenParams::Resident => seg.clone(),
+                _ => {
+                    let fs = layout.frozen_shard_len();
+                    seg.start + rank * fs..seg.start + (rank + 1) * fs
+                }
+            };
+            let mut values = vec![0f32; r.len()];
+            initial.fill(u, r.clone(), &mut values);
+            let label = format!("frozen params `{}`", layout.name);
+            let home = match frozen_policy {
+                FrozenParams::Resident => {
+                    // The unit's own gathered buffer, its frozen segment
+                    // filled once.
+                    let label = format!("gathered `{}`", layout.name);
+                    let mut f = DevBuf::alloc(&backend, &comm, pdt, layout.param_len(), &label)?;
+                    if !for_load {
+                        f.prefault(&backend)?;
+                    }
+                    f.store_slice(&backend, seg.start, &values)?;
+                    let size = pdt.size_in_bytes() as u64;
+                    frozen_allocs.push(tracker.allocate(
+                        Tier::Device,
+                        Category::Params,
+                        seg.len() as u64 * size,
+                    ));
+                    frozen_allocs.push(tracker.allocate(
+                        Tier::Device,
+                        Category::GatheredParams,
+                        seg.start as u64 * size,
+                    ));
+                    FrozenHome::Resident(Some(f))
+                }
+                FrozenParams::Offload => {
+                    let mut bytes = vec![0u8; r.len() * pdt.size_in_bytes()];
+                    store_as(pdt, &values, &mut bytes);
+                    frozen_allocs.push(tracker.allocate(
+                        Tier::Host,
+                        Category::Params,
+                        bytes.len() as u64,
+                    ));
+                    FrozenHome::Host(bytes)
+                }
+                _ => {
+                    let mut f = DevBuf::alloc(&backend, &comm, pdt, r.len(), &label)?;
+                    if !for_load {
+                        f.prefault(&backend)?;
+                    }
+                    f.store_slice(&backend, 0, &values)?;
+                    frozen_allocs.push(tracker.allocate(Tier::Device, Category::Params, f.bytes()));
+                    FrozenHome::Shard(f)
+                }
+            };
+            frozen.push(Some(home));
+        }
+        if let Some(u) = units.first_mut() {
+            u._allocs.extend(frozen_allocs);
+        }
         let s3 = ParamGatherer::new(&cfg, &plan, frozen);
         let adam = backend.adamw_kernels().clone();
         let opt = OptimizerShard::new(
@@ -896,6 +978,8 @@ impl<C: Communicator> EngineBuilder<C> {
             cfg,
             seed,
             keep_last,
+            frozen_policy,
+            save_frozen,
         };
         if let Some(off) = engine.opt.offload() {
             for w in off.warnings() {
@@ -949,6 +1033,62 @@ impl Initial<'_> {
             }
         }
     }
+}
+
+/// Stage 3: where the frozen segments live (`zero_optimization.frozen_params`,
+/// never `Auto` in the answer). `auto` is `resident` when the device memory
+/// the engine has allocated so far (its tracker) plus the buffers resident
+/// units keep (each such unit's gathered buffer: its frozen segment in full
+/// and its trainable segment) fits the budget — `device_budget`, or else this rank's
+/// share of the host's available memory (`MemAvailable` over the ranks on
+/// this machine: the engine's buffers are allocated and faulted in by then,
+/// so only the frozen segments are weighed) — on every rank; else `offload`
+/// with `offload_param.device` `"cpu"`, else `shard`. All ranks take the
+/// same decision (a collective).
+fn choose_frozen_policy<C: Communicator>(
+    cfg: &ResolvedConfig,
+    plan: &PartitionPlan,
+    comm: &C,
+    tracker: &MemoryTracker,
+    pdt: DType,
+    budget: Option<u64>,
+) -> Result<FrozenParams> {
+    if cfg.zero.stage < 3 || plan.frozen_numel() == 0 {
+        return Ok(FrozenParams::Resident);
+    }
+    if cfg.zero.frozen_params != FrozenParams::Auto {
+        return Ok(cfg.zero.frozen_params);
+    }
+    // The buffers resident units keep: both segments.
+    let resident: u64 = plan
+        .units()
+        .iter()
+        .filter(|l| l.frozen_padded > 0)
+        .map(|l| (l.param_len() * pdt.size_in_bytes()) as u64)
+        .sum();
+    let fits = match budget {
+        Some(b) => tracker.tier_current(Tier::Device).saturating_add(resident) <= b,
+        None => {
+            let available = crate::doctor::mem_available().unwrap_or(u64::MAX);
+            resident <= available / comm.ranks_on_host().max(1) as u64
+        }
+    };
+    let all = exchange_u64(comm, &[u64::from(fits)])?;
+    Ok(if all.iter().all(|w| w[0] == 1) {
+        FrozenParams::Resident
+    } else if cfg.zero.offload_param.device == OffloadDevice::Cpu {
+        FrozenParams::Offload
+    } else {
+        FrozenParams::Shard
+    })
+}
+
+/// Bytes of `T` values (any alignment) as f32.
+fn bytes_to_f32<T: Element>(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(std::mem::size_of::<T>())
+        .map(|c| bytemuck::pod_read_unaligned::<T>(c).to_f32())
+        .collect()
 }
 
 /// `values` converted to `dtype`, as bytes into `out` (of exactly their
@@ -1118,6 +1258,13 @@ impl<C: Communicator> Engine<C> {
     /// The partition plan.
     pub fn plan(&self) -> &PartitionPlan {
         &self.plan
+    }
+
+    /// Where stage 3 keeps the frozen tensors: the `frozen_params` policy
+    /// in effect (`auto` resolved; `resident` at stages 0–2 and without
+    /// frozen tensors, where every rank holds them anyway).
+    pub fn frozen_params(&self) -> FrozenParams {
+        self.frozen_policy
     }
 
     /// The dtype of parameters and of the gradients the trainer writes.
@@ -1547,15 +1694,89 @@ impl<C: Communicator> Engine<C> {
         })
     }
 
+    /// Sets unit `i`'s frozen real elements (`values`, as
+    /// [`Engine::extend_frozen`] gives them) where this rank keeps them.
+    pub(crate) fn set_frozen(&mut self, i: usize, values: &[f32]) -> Result<()> {
+        let l = self.units[i].layout.clone();
+        let (rank, pdt) = (self.rank, self.pdt);
+        if let Some(b) = self.s3.resident_mut(i, rank)? {
+            return b.store_slice(&self.backend, l.frozen_offset(), values);
+        }
+        match self.s3.frozen_mut(i) {
+            Some(FrozenHome::Resident(_)) => Err(self.usage(format!(
+                "internal: the resident parameters of unit `{}` are in flight while its frozen \
+                 tensors are set",
+                l.name
+            ))),
+            Some(FrozenHome::Shard(f)) => {
+                let fs = l.frozen_shard_len();
+                let lo = (rank * fs).min(values.len());
+                let hi = ((rank + 1) * fs).min(values.len());
+                f.store_slice(&self.backend, 0, &values[lo..hi])
+            }
+            Some(FrozenHome::Host(bytes)) => {
+                let fs = l.frozen_shard_len();
+                let lo = (rank * fs).min(values.len());
+                let hi = ((rank + 1) * fs).min(values.len());
+                let n = (hi - lo) * pdt.size_in_bytes();
+                store_as(pdt, &values[lo..hi], &mut bytes[..n]);
+                Ok(())
+            }
+            None => {
+                let at = l.frozen_offset();
+                self.units[i]
+                    .params_mut()
+                    .store_slice(&self.backend, at, values)
+            }
+        }
+    }
+
     /// Appends unit `i`'s frozen real elements (as f32) to `out`.
-    pub(crate) fn extend_frozen(&self, i: usize, out: &mut Vec<f32>) -> Result<()> {
+    pub(crate) fn extend_frozen(&mut self, i: usize, out: &mut Vec<f32>) -> Result<()> {
+        if self.stage == 3 {
+            // A resident unit's gather into its own buffer completes first.
+            let (world, rank) = (self.world, self.rank);
+            self.s3
+                .settle(i, &self.backend, world, &self.tracer, rank)?;
+        }
         let l = &self.units[i].layout;
         if l.frozen_numel == 0 {
             return Ok(());
         }
         let start = l.frozen_offset();
+        let shard = |local: Vec<f32>| -> Result<Vec<f32>> {
+            let fs = local.len();
+            let send = HostBuffer::from_slice(&local)?;
+            let recv = HostBuffer::<f32>::zeros(fs * self.world)?;
+            let (_, recv) = self
+                .comm
+                .all_gather(send, recv, &vec![fs; self.world])
+                .wait()?;
+            Ok(recv[..l.frozen_numel].to_vec())
+        };
+        if let Some(b) = self.s3.resident(i) {
+            return b.extend_f32(&self.backend, start..start + l.frozen_numel, out);
+        }
         match self.s3.frozen(i) {
-            Some(f) => f.extend_f32(&self.backend, 0..l.frozen_numel, out),
+            Some(FrozenHome::Resident(_)) => Err(self.usage(format!(
+                "internal: the resident parameters of unit `{}` are neither kept nor gathered",
+                l.name
+            ))),
+            Some(FrozenHome::Shard(f)) => {
+                let mut local = Vec::with_capacity(f.len());
+                f.extend_f32(&self.backend, 0..f.len(), &mut local)?;
+                out.extend(shard(local)?);
+                Ok(())
+            }
+            Some(FrozenHome::Host(bytes)) => {
+                let local = match self.pdt {
+                    DType::F32 => bytes_to_f32::<f32>(bytes),
+                    DType::BF16 => bytes_to_f32::<bf16>(bytes),
+                    DType::F16 => bytes_to_f32::<f16>(bytes),
+                };
+                out.extend(shard(local)?);
+                Ok(())
+            }
             None => {
                 let p = self.units[i]
                     .home()

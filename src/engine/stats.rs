@@ -19,6 +19,10 @@ pub struct EngineStats {
     pub reduce_bytes: u64,
     /// Bytes sent for parameter all-gathers.
     pub gather_bytes: u64,
+    /// Of `gather_bytes`: the all-gathers of frozen segments (stage 3
+    /// with `frozen_params` `"shard"` or `"offload"`; 0 when they are
+    /// resident).
+    pub frozen_gather_bytes: u64,
     /// Bytes this rank read from a checkpoint's rank files in
     /// [`Engine::load_checkpoint`](super::Engine::load_checkpoint): whole CRC blocks, those that hold the
     /// elements the rank needs, each read once without offload (with

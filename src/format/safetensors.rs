@@ -118,7 +118,7 @@ impl std::str::FromStr for ExportDtype {
 
 /// The exported name of every tensor, units in order (see the module
 /// documentation): the registered names if unique, else `<unit>.<tensor>`.
-fn tensor_names(units: &[UnitLayout]) -> std::result::Result<Vec<String>, String> {
+pub(crate) fn tensor_names(units: &[UnitLayout]) -> std::result::Result<Vec<String>, String> {
     let plain: Vec<String> = units
         .iter()
         .flat_map(|u| u.tensors.iter().map(|t| t.name.clone()))

@@ -414,6 +414,10 @@ pub struct ZeroOptimizationBlock {
     /// `offload_param`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub offload_param: Option<OffloadParamBlock>,
+    /// `frozen_params` (zero's own key): where stage 3 keeps frozen
+    /// tensors.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub frozen_params: Option<String>,
 }
 
 /// The `zero_optimization.offload_optimizer` block.
@@ -579,6 +583,56 @@ impl Precision {
     }
 }
 
+/// Where stage 3 keeps the frozen tensors (`TensorSpec::frozen`):
+/// `zero_optimization.frozen_params`, zero's own key (DeepSpeed always
+/// shards them). Stages 0–2 hold every parameter on every rank anyway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FrozenParams {
+    /// `"auto"` (default): `resident` when the memory plan with resident
+    /// frozen segments fits the device budget, else `offload` with
+    /// `offload_param`, else `shard` (the engine decides in `build`, all
+    /// ranks together, and reports the choice in `Engine::frozen_params`).
+    #[default]
+    Auto,
+    /// `"resident"`: every rank holds every unit's frozen segment, filled
+    /// once from the registration, in the unit's own gathered buffer (kept
+    /// between gathers): never all-gathered or copied.
+    Resident,
+    /// `"shard"`: each rank holds its shard of the frozen segments on the
+    /// device, all-gathered with the unit every time (DeepSpeed's way).
+    Shard,
+    /// `"offload"`: as `shard`, with the shards in host memory (needs
+    /// `offload_param.device` `"cpu"`).
+    Offload,
+}
+
+impl FrozenParams {
+    const ALLOWED: &'static str = r#"a string ("auto", "resident", "shard" or "offload")"#;
+
+    fn parse(s: &str) -> Option<FrozenParams> {
+        match s {
+            "auto" => Some(FrozenParams::Auto),
+            "resident" => Some(FrozenParams::Resident),
+            "shard" => Some(FrozenParams::Shard),
+            "offload" => Some(FrozenParams::Offload),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for FrozenParams {
+    /// The config spelling.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            FrozenParams::Auto => "auto",
+            FrozenParams::Resident => "resident",
+            FrozenParams::Shard => "shard",
+            FrozenParams::Offload => "offload",
+        })
+    }
+}
+
 /// Where offloaded state lives (DeepSpeed `device`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -713,6 +767,10 @@ pub struct ZeroConfig {
     pub offload_optimizer: OffloadOptimizerConfig,
     /// `offload_param` (stage 3 only). Default: no offload.
     pub offload_param: OffloadParamConfig,
+    /// `frozen_params` (zero's own key; stage 3): where frozen tensors
+    /// live. Default `auto` (see [`FrozenParams`]).
+    #[serde(default)]
+    pub frozen_params: FrozenParams,
     /// The top-level `aio` block.
     pub aio: AioConfig,
 }
@@ -737,6 +795,7 @@ impl Default for ZeroConfig {
             round_robin_gradients: false,
             offload_optimizer: OffloadOptimizerConfig::default(),
             offload_param: OffloadParamConfig::default(),
+            frozen_params: FrozenParams::Auto,
             aio: AioConfig::default(),
         }
     }
@@ -896,6 +955,20 @@ impl ResolvedConfig {
             Ok(())
         };
         let op = &z.offload_param;
+        if z.stage == 3
+            && z.frozen_params == FrozenParams::Offload
+            && op.device != OffloadDevice::Cpu
+        {
+            return Err(config_error(
+                "zero_optimization.frozen_params".into(),
+                format!(
+                    "\"offload\" keeps the frozen shards where offload_param puts parameters, \
+                     and needs offload_param.device \"cpu\" (it is \"{}\"); use \"shard\" or \
+                     \"resident\" otherwise",
+                    op.device
+                ),
+            ));
+        }
         if op.device != OffloadDevice::None {
             if z.stage != 3 {
                 return Err(config_error(
@@ -1370,6 +1443,7 @@ impl Block for ZeroOptimizationBlock {
             round_robin_gradients: s.boolean("round_robin_gradients")?,
             offload_optimizer: s.block("offload_optimizer", w)?,
             offload_param: s.block("offload_param", w)?,
+            frozen_params: s.string("frozen_params", FrozenParams::ALLOWED)?,
         };
         for k in [
             "ignore_unused_parameters",
@@ -2155,6 +2229,15 @@ impl DeepSpeedConfig {
             sub_group_size,
             round_robin_gradients: z.round_robin_gradients.unwrap_or(false),
             offload_optimizer,
+            frozen_params: match z.frozen_params.as_deref() {
+                None => FrozenParams::Auto,
+                Some(v) => FrozenParams::parse(v).ok_or_else(|| {
+                    config_err(
+                        "zero_optimization.frozen_params",
+                        format!("unknown value {v:?}; allowed: {}", FrozenParams::ALLOWED),
+                    )
+                })?,
+            },
             offload_param,
             aio: resolve_aio(self.aio.as_ref())?,
         })

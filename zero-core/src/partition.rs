@@ -320,6 +320,21 @@ impl UnitLayout {
         self.padded_numel - self.numel
     }
 
+    /// The unit as a trainer registers it (tensors in packing order:
+    /// trainable, then frozen), which lays out as this layout again.
+    pub fn spec(&self) -> UnitSpec {
+        UnitSpec::new(
+            self.name.clone(),
+            self.tensors
+                .iter()
+                .map(|t| TensorSpec {
+                    trainable: t.trainable,
+                    ..TensorSpec::new(t.name.clone(), &t.shape)
+                })
+                .collect(),
+        )
+    }
+
     /// The layout of the tensor named `name`, if the unit has one.
     pub fn tensor(&self, name: &str) -> Option<&TensorLayout> {
         self.tensors.iter().find(|t| t.name == name)
@@ -351,22 +366,7 @@ impl TryFrom<PlanData> for PartitionPlan {
     type Error = Error;
 
     fn try_from(data: PlanData) -> Result<Self> {
-        let specs: Vec<UnitSpec> = data
-            .units
-            .iter()
-            .map(|u| {
-                UnitSpec::new(
-                    u.name.clone(),
-                    u.tensors
-                        .iter()
-                        .map(|t| TensorSpec {
-                            trainable: t.trainable,
-                            ..TensorSpec::new(t.name.clone(), &t.shape)
-                        })
-                        .collect(),
-                )
-            })
-            .collect();
+        let specs: Vec<UnitSpec> = data.units.iter().map(UnitLayout::spec).collect();
         let plan = PartitionPlan::new(&specs, data.world_size)?;
         // Layouts stored before `ranks` existed read it as 0.
         let mut stored = data.units;

@@ -14,7 +14,7 @@ use zero_core::DType;
 use super::super::safetensors::ExportDtype;
 use super::super::{ck, io};
 use super::names::{checkpoint_dir, rank_file};
-use super::{BLOCK, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST_FILE, MODEL_FILE};
+use super::{BLOCK, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, FROZEN_FILE, MANIFEST_FILE, MODEL_FILE};
 use crate::Result;
 
 /// A tensor of a saved unit.
@@ -83,12 +83,12 @@ impl FileEntry {
 /// when `stage3_gather_16bit_weights_on_model_save` is set.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct ModelFileEntry {
-    name: String,
+    pub(crate) name: String,
     /// The safetensors dtype: `BF16`, `F16` or `F32` (the parameter dtype).
-    dtype: String,
-    bytes: u64,
+    pub(crate) dtype: String,
+    pub(crate) bytes: u64,
     /// CRC32 of the whole file.
-    crc32: u32,
+    pub(crate) crc32: u32,
 }
 
 impl ModelFileEntry {
@@ -100,6 +100,14 @@ impl ModelFileEntry {
             dtype: dtype.safetensors_name().into(),
             bytes,
             crc32,
+        }
+    }
+
+    /// [`FROZEN_FILE`]: the frozen tensors in `dtype`.
+    pub(crate) fn frozen(dtype: ExportDtype, bytes: u64, crc32: u32) -> Self {
+        Self {
+            name: FROZEN_FILE.into(),
+            ..Self::new(dtype, bytes, crc32)
         }
     }
 }
@@ -124,6 +132,11 @@ pub(crate) struct Manifest {
     /// without it stay version 1 and load as before).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) model: Option<ModelFileEntry>,
+    /// The frozen tensors' file, when the engine saves them
+    /// (`EngineBuilder::checkpoint_frozen`); absent: the frozen tensors
+    /// come from the registration on load.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) frozen: Option<ModelFileEntry>,
 }
 
 /// What a manifest records of the run that saved it (every field but the
@@ -175,6 +188,7 @@ impl Manifest {
             files,
             client_state: run.client_state,
             model,
+            frozen: None,
         }
     }
 }
@@ -261,36 +275,24 @@ pub(crate) fn check_units(
                     .iter()
                     .map(|t| (t.name.as_str(), &t.shape[..]))
                     .collect();
-                let frozen_model: Vec<&TensorSpec> =
-                    r.tensors.iter().filter(|t| !t.trainable).collect();
-                let frozen_saved: Vec<&TensorEntry> =
-                    s.tensors.iter().filter(|t| t.frozen).collect();
-                let named = |t: &str| r.tensors.iter().any(|x| x.name == t);
-                if let Some(t) = frozen_model.iter().find(|t| {
-                    s.tensors.iter().any(|x| x.name == t.name)
-                        && !frozen_saved.iter().any(|x| x.name == t.name)
-                }) {
-                    return Err(ck(
-                        mpath,
-                        format!(
-                            "unit `{}`: tensor `{}` is frozen in the model but trainable in the \
-                             checkpoint",
-                            s.name, t.name
-                        ),
-                    ));
-                }
-                if let Some(t) = frozen_saved
-                    .iter()
-                    .find(|t| named(&t.name) && !frozen_model.iter().any(|x| x.name == t.name))
-                {
-                    return Err(ck(
-                        mpath,
-                        format!(
-                            "unit `{}`: tensor `{}` is trainable in the model but frozen in the \
-                             checkpoint",
-                            s.name, t.name
-                        ),
-                    ));
+                // A tensor frozen on one side and trainable on the other.
+                let state = |frozen: bool| if frozen { "frozen" } else { "trainable" };
+                for t in &r.tensors {
+                    if let Some(x) = s.tensors.iter().find(|x| x.name == t.name) {
+                        if x.frozen == t.trainable {
+                            return Err(ck(
+                                mpath,
+                                format!(
+                                    "unit `{}`: tensor `{}` is {} in the model but {} in the \
+                                     checkpoint",
+                                    s.name,
+                                    t.name,
+                                    state(!t.trainable),
+                                    state(x.frozen)
+                                ),
+                            ));
+                        }
+                    }
                 }
                 // The model's tensors in packing order: trainable first.
                 let packed: Vec<&TensorSpec> = r

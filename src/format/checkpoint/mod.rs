@@ -98,6 +98,9 @@ pub const CHECKPOINT_VERSION: u32 = 1;
 pub(crate) const MANIFEST_FILE: &str = "manifest.json";
 /// The file name of the consolidated weights inside a checkpoint directory.
 pub(crate) const MODEL_FILE: &str = "model.safetensors";
+/// The file name of the frozen tensors inside a checkpoint directory
+/// (`EngineBuilder::checkpoint_frozen`).
+pub(crate) const FROZEN_FILE: &str = "frozen.safetensors";
 /// Bytes per CRC32 block of a rank file.
 pub(crate) const BLOCK: usize = 1 << 20;
 
