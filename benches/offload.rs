@@ -57,7 +57,7 @@
 //! tiles and the time the update waited for reads and writes.
 //!
 //! `cargo bench --bench offload [-- --dir /path/on/nvme --elems N --tile E
-//! --buffers B --block BYTES --threads T --reps R --params P --ranks N
+//! --buffers B --block BYTES --threads T --max-transfer BYTES --reps R --params P --ranks N
 //! --stage S --steps K --pipeline MODE --trace FILE --no-step]`
 
 use std::collections::VecDeque;
@@ -81,6 +81,8 @@ struct Args {
     buffers: usize,
     block: usize,
     threads: usize,
+    /// `SwapOptions::max_transfer`; `None`: its default.
+    max_transfer: Option<usize>,
     reps: usize,
     params: usize,
     ranks: usize,
@@ -105,6 +107,7 @@ fn parse_args() -> Args {
         buffers: 4,
         block: 1 << 20,
         threads: 1,
+        max_transfer: None,
         reps: 3,
         params: 100_000_000,
         ranks: 2,
@@ -132,6 +135,7 @@ fn parse_args() -> Args {
             "--buffers" => a.buffers = num("--buffers"),
             "--block" => a.block = num("--block"),
             "--threads" => a.threads = num("--threads"),
+            "--max-transfer" => a.max_transfer = Some(num("--max-transfer")),
             "--reps" => a.reps = num("--reps"),
             "--params" => a.params = num("--params"),
             "--ranks" => a.ranks = num("--ranks"),
@@ -152,7 +156,7 @@ fn parse_args() -> Args {
             "--trace" => a.trace = Some(PathBuf::from(value())),
             "--bench" => {}
             other => fail(&format!(
-                "unknown option {other}; options: --dir D --elems N --tile E --buffers B --block BYTES --threads T --reps R --params P --ranks N --stage S --steps K --pipeline both|read|write|none --trace FILE --no-step"
+                "unknown option {other}; options: --dir D --elems N --tile E --buffers B --block BYTES --threads T --max-transfer BYTES --reps R --params P --ranks N --stage S --steps K --pipeline both|read|write|none --trace FILE --no-step"
             )),
         }
     }
@@ -186,10 +190,14 @@ fn create_swap(a: &Args, elems: usize) -> Swap {
         at += n;
     }
     let file = SwapFile::create(
-        SwapOptions {
-            block_size: a.block,
-            thread_count: a.threads,
-            ..SwapOptions::new(&a.dir, 0)
+        {
+            let o = SwapOptions::new(&a.dir, 0);
+            SwapOptions {
+                block_size: a.block,
+                thread_count: a.threads,
+                max_transfer: a.max_transfer.unwrap_or(o.max_transfer),
+                ..o
+            }
         },
         &specs,
     )

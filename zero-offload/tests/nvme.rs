@@ -55,8 +55,13 @@ fn tmpdir() -> tempfile::TempDir {
 
 /// A file with regions "a" (3.5 blocks) and "b" (2 blocks), both written.
 fn small_file(dir: &Path) -> (SwapFile, AlignedBuf, AlignedBuf) {
+    small_file_with(options(dir))
+}
+
+/// [`small_file`] with `opts`.
+fn small_file_with(opts: SwapOptions) -> (SwapFile, AlignedBuf, AlignedBuf) {
     let swap = SwapFile::create(
-        options(dir),
+        opts,
         &[
             RegionSpec::new("a", (BLOCK * 7 / 2) as u64),
             RegionSpec::new("b", (2 * BLOCK) as u64),
@@ -326,6 +331,62 @@ fn truncated_file_is_a_short_read_error() {
 
     let msg = io_msg(&swap.verify().unwrap_err());
     assert!(msg.contains(&format!("truncated to {cut} bytes")), "{msg}");
+}
+
+/// Blocks joined into one transfer (`max_transfer`) or moved one by one
+/// give the same bytes, and a damaged block is the same error naming the
+/// same block, whatever the transfer size and thread count.
+#[test]
+fn joined_transfers_give_the_same_bytes_and_errors() {
+    for (max_transfer, threads) in [(BLOCK, 1), (2 * BLOCK, 2), (3 * BLOCK, 1), (8 << 20, 2)] {
+        let dir = tmpdir();
+        let (swap, a, b) = small_file_with(SwapOptions {
+            max_transfer,
+            thread_count: threads,
+            ..options(dir.path())
+        });
+        let ctx = format!("max_transfer {max_transfer}, {threads} threads");
+        let (ra, rb) = (swap.region("a").unwrap(), swap.region("b").unwrap());
+        let got = swap
+            .read(ra, AlignedBuf::new(a.len()).unwrap())
+            .wait()
+            .unwrap();
+        assert!(got[..] == a[..], "{ctx}");
+        let got = swap
+            .read(rb, AlignedBuf::new(b.len()).unwrap())
+            .wait()
+            .unwrap();
+        assert!(got[..] == b[..], "{ctx}");
+        // A range starting mid-region.
+        let got = swap
+            .read_range(
+                ra,
+                BLOCK as u64,
+                2 * BLOCK as u64,
+                AlignedBuf::new(2 * BLOCK).unwrap(),
+            )
+            .wait()
+            .unwrap();
+        assert!(got[..] == a[BLOCK..3 * BLOCK], "{ctx}");
+        // Damage block 2 of "a": the error names it, whatever was joined.
+        let at = swap.region_offset(ra).unwrap() + 2 * BLOCK as u64 + 7;
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(swap.path())
+            .unwrap();
+        f.write_all_at(&[a[2 * BLOCK + 7] ^ 1], at).unwrap();
+        f.sync_all().unwrap();
+        let err = swap
+            .read(ra, AlignedBuf::new(a.len()).unwrap())
+            .wait()
+            .unwrap_err();
+        let msg = io_msg(&err.error);
+        assert!(
+            msg.contains("region `a` block 2") && msg.contains("checksum mismatch"),
+            "{ctx}: {msg}"
+        );
+    }
 }
 
 #[test]
