@@ -397,3 +397,86 @@ pub fn backward(
 pub fn merge(w: &mut [f32], a: &[f32], b: &[f32], d_in: usize, d_out: usize, r: usize, scale: f32) {
     matmul(w, b, a, Mm::new(d_out, d_in, r).acc().alpha(scale));
 }
+
+/// `(d_in, d_out)` of target `module` in a block of `cfg`; `None` for a
+/// module not in [`TARGETS`].
+pub fn module_dims(cfg: &crate::Config, module: &str) -> Option<(usize, usize)> {
+    let hd = cfg.head_dim();
+    let (d, qd, kd, h) = (cfg.dim, cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.hidden);
+    Some(match module {
+        "q_proj" => (d, qd),
+        "k_proj" | "v_proj" => (d, kd),
+        "o_proj" => (qd, d),
+        "gate_proj" | "up_proj" => (d, h),
+        "down_proj" => (h, d),
+        _ => return None,
+    })
+}
+
+/// The adapter tensors of layer `layer`: for each target in [`TARGETS`]
+/// order, `A` (`[r, d_in]`) then `B` (`[d_out, r]`), with PEFT's names
+/// ([`peft_name`]). Their kind is [`crate::Kind::Linear`] (the values come
+/// from [`init_adapters`], not from the kind).
+pub fn lora_tensors(
+    cfg: &crate::Config,
+    lora: &LoraConfig,
+    layer: usize,
+) -> Vec<crate::TensorInfo> {
+    let mut v = Vec::with_capacity(2 * lora.targets.len());
+    for (m, _) in TARGETS.iter().filter(|t| lora.targets(t.0)) {
+        let (d_in, d_out) = module_dims(cfg, m).expect("TARGETS have dims");
+        for (b, shape) in [(false, vec![lora.r, d_in]), (true, vec![d_out, lora.r])] {
+            v.push(crate::TensorInfo {
+                name: peft_name(layer, m, b).expect("a TARGETS module"),
+                shape,
+                kind: crate::Kind::Linear,
+            });
+        }
+    }
+    v
+}
+
+/// PEFT's initial adapters of layer `layer`, in [`lora_tensors`] order:
+/// each `A` from [`init_a`] with a generator seeded from `(seed, layer,
+/// module)` (so a layer's adapters do not depend on the others), each `B`
+/// zero.
+pub fn init_adapters(
+    cfg: &crate::Config,
+    lora: &LoraConfig,
+    layer: usize,
+    seed: u64,
+) -> Vec<Vec<f32>> {
+    let mut v = Vec::with_capacity(2 * lora.targets.len());
+    for (i, (m, _)) in TARGETS.iter().enumerate() {
+        if !lora.targets(m) {
+            continue;
+        }
+        let (d_in, d_out) = module_dims(cfg, m).expect("TARGETS have dims");
+        let mut rng = XorShift::new(mix(&[seed, 0x4c6f_5241, layer as u64, i as u64]));
+        v.push(init_a(&mut rng, lora.r, d_in));
+        v.push(vec![0.0; d_out * lora.r]);
+    }
+    v
+}
+
+/// A 64-bit hash of `parts` (splitmix64 steps): the seeds of the
+/// initialisation and of the dropout masks.
+pub fn mix(parts: &[u64]) -> u64 {
+    let mut h = 0x243F_6A88_85A3_08D3u64;
+    for &p in parts {
+        h = (h ^ p).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        h = (h ^ (h >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        h = (h ^ (h >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        h ^= h >> 31;
+    }
+    h
+}
+
+/// The dropout key of layer `layer` in one micro-batch: a hash of the
+/// run's `seed`, the optimizer step, the micro-batch within the step, the
+/// rank whose samples it is, and the layer. [`crate::Block`] mixes in the
+/// module, so every (step, micro-batch, rank, layer, module) has its own
+/// mask, whatever the stage, the offload mode or activation checkpointing.
+pub fn dropout_key(seed: u64, step: u64, micro: u64, rank: usize, layer: usize) -> u64 {
+    mix(&[seed, step, micro, rank as u64, layer as u64])
+}

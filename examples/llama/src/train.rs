@@ -91,22 +91,7 @@ fn f32s<T: Element>(s: &[T]) -> Vec<f32> {
 }
 
 fn cache_bytes(c: &BlockCache) -> u64 {
-    let n = c.x.len()
-        + c.xn1.len()
-        + c.inv1.len()
-        + c.q.len()
-        + c.k.len()
-        + c.v.len()
-        + c.probs.len()
-        + c.attn.len()
-        + c.h.len()
-        + c.xn2.len()
-        + c.inv2.len()
-        + c.mlp.h1.len()
-        + c.mlp.h3.len()
-        + c.mlp.a.len()
-        + c.y.len();
-    4 * n as u64
+    c.bytes()
 }
 
 /// Saved state of one block between forward and backward.
