@@ -130,8 +130,8 @@ impl LoraConfig {
             "task_type": "CAUSAL_LM",
             "base_model_name_or_path": base_model,
             "r": self.r,
-            "lora_alpha": self.alpha,
-            "lora_dropout": self.dropout,
+            "lora_alpha": shortest(self.alpha),
+            "lora_dropout": shortest(self.dropout),
             "target_modules": self.targets,
             "use_rslora": self.use_rslora,
             "bias": "none",
@@ -218,6 +218,11 @@ impl LoraConfig {
             .unwrap_or(false);
         Ok(cfg)
     }
+}
+
+/// `x` as the f64 of its shortest decimal form (0.1, not 0.10000000149).
+fn shortest(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
 }
 
 /// PEFT's name of an adapter matrix in `adapter_model.safetensors`:
@@ -479,4 +484,91 @@ pub fn mix(parts: &[u64]) -> u64 {
 /// mask, whatever the stage, the offload mode or activation checkpointing.
 pub fn dropout_key(seed: u64, step: u64, micro: u64, rank: usize, layer: usize) -> u64 {
     mix(&[seed, step, micro, rank as u64, layer as u64])
+}
+
+/// PEFT's adapter config file.
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
+/// PEFT's adapter weights file.
+pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+
+/// Every layer's adapter tensors of `cfg`, layer after layer
+/// ([`lora_tensors`] order).
+pub fn all_lora_tensors(cfg: &crate::Config, lora: &LoraConfig) -> Vec<crate::TensorInfo> {
+    (0..cfg.n_layers)
+        .flat_map(|l| lora_tensors(cfg, lora, l))
+        .collect()
+}
+
+/// Writes `adapters` ([`all_lora_tensors`] order) into directory `dir` in
+/// PEFT's layout: [`ADAPTER_CONFIG`] and [`ADAPTER_WEIGHTS`] (F32, PEFT's
+/// tensor names), so `PeftModel.from_pretrained(base, dir)` loads them.
+/// Returns the names of the files written.
+pub fn save_adapter(
+    dir: &std::path::Path,
+    cfg: &crate::Config,
+    lora: &LoraConfig,
+    adapters: &[Vec<f32>],
+    base_model: &str,
+) -> Result<Vec<String>, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: cannot create: {e}", dir.display()))?;
+    let infos = all_lora_tensors(cfg, lora);
+    if infos.len() != adapters.len() {
+        return Err(format!(
+            "{}: {} adapter tensors given, {} expected",
+            dir.display(),
+            adapters.len(),
+            infos.len()
+        ));
+    }
+    crate::weights::save_named(
+        &dir.join(ADAPTER_WEIGHTS),
+        &infos,
+        adapters,
+        crate::weights::Dtype::F32,
+    )?;
+    let text = serde_json::to_string_pretty(&lora.peft_config(base_model))
+        .expect("JSON of strings and numbers");
+    crate::weights::write_atomic(&dir.join(ADAPTER_CONFIG), text.as_bytes())?;
+    Ok(vec![ADAPTER_CONFIG.into(), ADAPTER_WEIGHTS.into()])
+}
+
+/// Reads a PEFT adapter directory for a model of `cfg`: its
+/// [`ADAPTER_CONFIG`] ([`LoraConfig::from_peft_config`]) and every adapter
+/// tensor of [`ADAPTER_WEIGHTS`] ([`all_lora_tensors`] order, any float
+/// dtype, read as f32). Errors name the file, the tensor and the shapes: a
+/// missing or unreadable file, a missing tensor, a wrong shape, or a
+/// tensor the model has no place for (another layer count, a module that
+/// is not a target).
+pub fn load_adapter(
+    dir: &std::path::Path,
+    cfg: &crate::Config,
+) -> Result<(LoraConfig, Vec<Vec<f32>>), String> {
+    let cpath = dir.join(ADAPTER_CONFIG);
+    let text = std::fs::read_to_string(&cpath)
+        .map_err(|e| format!("{}: cannot read: {e}", cpath.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: not JSON: {e}", cpath.display()))?;
+    let lora = LoraConfig::from_peft_config(&v).map_err(|e| format!("{}: {e}", cpath.display()))?;
+    let wpath = dir.join(ADAPTER_WEIGHTS);
+    let mut f = crate::weights::SafetensorsFile::open(&wpath)?;
+    let infos = all_lora_tensors(cfg, &lora);
+    // PEFT may name the adapter ("default") in the key; this crate's
+    // names are the saved form without it.
+    if let Some(extra) = f
+        .names()
+        .into_iter()
+        .find(|n| !infos.iter().any(|t| &t.name == n))
+    {
+        return Err(format!(
+            "{}: tensor `{extra}` is not an adapter of this model ({} layers, targets {})",
+            wpath.display(),
+            cfg.n_layers,
+            lora.targets.join(", ")
+        ));
+    }
+    let values = infos
+        .iter()
+        .map(|t| f.read(&t.name, &t.shape))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((lora, values))
 }
