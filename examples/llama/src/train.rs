@@ -501,13 +501,21 @@ impl SftModel {
 
     /// Every layer's adapters, in [`lora::lora_tensors`] order layer after
     /// layer (a collective, as [`SftModel::snapshot`]); empty without LoRA.
+    /// The fp32 master weights (what `--export-adapter` writes: with bf16
+    /// or fp16 training, the parameters are their rounding).
     pub fn snapshot_adapters<C: Communicator>(&self, e: &mut Engine<C>) -> Result<Vec<Vec<f32>>> {
         let Some((lc, _)) = &self.lora else {
             return Ok(Vec::new());
         };
         let mut out = Vec::new();
         for (l, &u) in self.layers.iter().enumerate() {
-            out.extend(self.unit_tensors(e, u, &lora::lora_tensors(&self.cfg, lc, l))?);
+            let st = e.unit_state(u)?;
+            let lay = e.layout(u)?;
+            out.extend(
+                lora::lora_tensors(&self.cfg, lc, l)
+                    .iter()
+                    .map(|t| st.master[range(lay, &t.name)].to_vec()),
+            );
         }
         Ok(out)
     }

@@ -840,8 +840,8 @@ fn tiny_model_learns() {
 // 4. LoRA
 
 /// LoRA (base frozen, adapters trainable, dropout on), bf16, 3 steps, on 1
-/// and 2 ranks: stages 1–3 × optimizer offload none/cpu/nvme and stage 3
-/// with parameter offload cpu give stage 0's losses, adapters, master and
+/// and 2 ranks: stages 1–3 × optimizer offload none/cpu/nvme, stage 3
+/// with parameter offload cpu and activation checkpointing give stage 0's losses, adapters, master and
 /// moments bit for bit; the base (snapshot) is bit-identical to its
 /// initial values; the adapters moved; the memory report holds gradient,
 /// master and moment bytes for the adapters only.
@@ -909,6 +909,21 @@ fn lora_is_bit_identical_across_stages_and_the_base_stays_frozen() {
             }
         }
         variants.push((3, OffloadDevice::None, OffloadDevice::Cpu));
+        // Activation checkpointing recomputes each block with the same masks.
+        let ckpt = run(
+            world,
+            &engine_config(world, 0, 1, Precision::Bf16),
+            model_cfg,
+            Opts {
+                checkpointing: true,
+                ..opts
+            },
+        );
+        assert_same_run(
+            &base,
+            &ckpt,
+            &format!("lora world {world}: checkpointing vs not"),
+        );
         for (stage, opt, param) in variants {
             let mut c = engine_config(world, stage, 1, Precision::Bf16);
             c.zero.offload_optimizer.device = opt;
