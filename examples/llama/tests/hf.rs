@@ -168,16 +168,26 @@ fn matches_transformers(name: &str, expect: impl Fn(&Config)) {
     assert!(rel < 1e-6, "{name}: loss {loss} vs {}", g.loss);
 
     let grads = model.backward(&refs, &cache);
-    let mut worst = (0f32, String::new());
     let infos = tensors(&cfg);
     assert_eq!(
         infos.len(),
         g.tensors.len() - 1,
         "{name}: one golden gradient per tensor"
     );
-    for (t, gr) in infos.iter().zip(&grads) {
-        let want = g
-            .tensors
+    assert_grads(name, &infos, &grads, &g.tensors);
+}
+
+/// Every gradient of `infos` within 2e-5 of its golden tensor's largest
+/// element (`grad.<name>` of `want`); prints the worst.
+fn assert_grads(
+    name: &str,
+    infos: &[llama::TensorInfo],
+    grads: &[Vec<f32>],
+    want: &HashMap<String, Vec<f32>>,
+) {
+    let mut worst = (0f32, String::new());
+    for (t, gr) in infos.iter().zip(grads) {
+        let want = want
             .get(&format!("grad.{}", t.name))
             .unwrap_or_else(|| panic!("{name}: no golden gradient for {}", t.name));
         let (err, at) = max_err(gr, want);
@@ -886,28 +896,5 @@ fn lora_matches_peft() {
         want.len() - 1,
         "one golden gradient per adapter matrix"
     );
-    let mut worst = (0f32, String::new());
-    for (t, gr) in infos.iter().zip(&grads[cfg.tensor_count()..]) {
-        let w = want
-            .get(&format!("grad.{}", t.name))
-            .unwrap_or_else(|| panic!("no golden gradient for {}", t.name));
-        let (err, at) = max_err(gr, w);
-        let scale = max_abs(w);
-        assert!(scale > 0.0, "{}: zero gradient", t.name);
-        let rel = err / scale;
-        assert!(
-            rel <= 2e-5,
-            "gradient of {} element {at}: {} vs {} (max |g| {scale})",
-            t.name,
-            gr[at],
-            w[at]
-        );
-        if rel > worst.0 {
-            worst = (rel, t.name.clone());
-        }
-    }
-    eprintln!(
-        "lora: adapter gradients: worst max |err| / max |g| {:.3e} ({})",
-        worst.0, worst.1
-    );
+    assert_grads("lora", &infos, &grads[cfg.tensor_count()..], &want);
 }
