@@ -8,12 +8,15 @@
 //! cargo run --example llama_sft -- --stage 2 --offload nvme --nvme-path /mnt/nvme
 //! cargo run --example llama_sft -- --config ds_config.json --metrics m.jsonl --trace t.json
 //! cargo run --example llama_sft -- --model-dir Qwen2.5-0.5B-Instruct --data math.json --export out/
+//! cargo run --example llama_sft -- --model-dir DIR --lora 8 --lora-targets q_proj,v_proj --export-adapter adapter/
 //! cargo run --example llama_sft -- --help
 //! ```
 //!
 //! With `--model-dir` the model, its weights, tokenizer and chat template
 //! come from a Hugging Face directory (`zero_llama::hf`); `--export DIR`
-//! writes one back.
+//! writes one back. `--lora R` trains PEFT-style adapters with the base
+//! frozen; `--export-adapter DIR` writes them in PEFT's layout, `--adapter
+//! DIR` loads one, `--merge-lora` folds them into the `--export`ed model.
 //!
 //! The model, the data and the engine glue are the `zero-llama` crate in
 //! `examples/llama/` (`src/lib.rs`, `data.rs`, `train.rs`); `--help`
@@ -38,7 +41,8 @@ use zero_llama as llama;
 
 use llama::data::{self, Sample, Task};
 use llama::hf::{ExportSource, HfModel, HfTokenizer};
-use llama::train::{forward_flops, generate, measure_gemm_peak, SftModel};
+use llama::lora::LoraConfig;
+use llama::train::{forward_flops, generate, measure_gemm_peak, LoraSetup, SftModel};
 use llama::Config;
 
 /// Where offloaded state lives.
@@ -216,6 +220,32 @@ struct Args {
     /// mode; with the same ones the run continues bit-identically.
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// LoRA: train rank-R adapters (PEFT's LoraConfig.r) on --lora-targets, with every base
+    /// weight frozen (no gradient, master or moments).
+    #[arg(long, value_parser = positive, conflicts_with = "adapter")]
+    lora: Option<usize>,
+    /// LoRA's lora_alpha: the adapters' output is scaled by alpha / r. Default 8 (PEFT's).
+    #[arg(long, requires = "lora")]
+    lora_alpha: Option<f32>,
+    /// LoRA's lora_dropout: the probability of dropping an adapter input element in
+    /// training. Default 0 (PEFT's).
+    #[arg(long, requires = "lora")]
+    lora_dropout: Option<f32>,
+    /// LoRA's target_modules, comma-separated, among q_proj, k_proj, v_proj, o_proj,
+    /// gate_proj, up_proj, down_proj. Default q_proj,v_proj (PEFT's for Llama and Qwen2).
+    #[arg(long, value_delimiter = ',', requires = "lora")]
+    lora_targets: Option<Vec<String>>,
+    /// Start from a PEFT LoRA adapter directory (adapter_config.json,
+    /// adapter_model.safetensors) and train it further, the base frozen.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
+    /// Write the trained adapters to this directory in PEFT's layout (adapter_config.json,
+    /// adapter_model.safetensors with PEFT's tensor names): `PeftModel.from_pretrained` loads it.
+    #[arg(long)]
+    export_adapter: Option<PathBuf>,
+    /// Fold the adapters into the base weights (PEFT's merge_and_unload) for --export.
+    #[arg(long, requires = "export")]
+    merge_lora: bool,
     /// Exit with status 3 if the held-out accuracy after training is below this percentage
     /// (for scripts and CI).
     #[arg(long)]
@@ -425,6 +455,8 @@ struct Setup {
     tok: Tok,
     /// The Hugging Face directory of --model-dir, read.
     hf: Option<HfModel>,
+    /// --lora or --adapter.
+    lora: Option<LoraSetup>,
 }
 
 /// The tokenizer: the byte one of the built-in presets, or a model's.
@@ -488,7 +520,8 @@ fn evaluate<C: Communicator>(
     s: &Setup,
     threads: usize,
 ) -> zero::Result<(f64, Vec<(u64, String)>)> {
-    let params = m.snapshot(e)?;
+    // With LoRA, the adapters folded in: the trained model's outputs.
+    let params = m.merged_snapshot(e)?;
     let (rank, world) = (e.rank(), e.world_size());
     let mine: Vec<u64> = s
         .task
@@ -566,10 +599,11 @@ fn run<T: Element, C: Communicator>(
     let mut b = Engine::builder(cfg, comm)
         .seed(a.seed)
         .tracer(tracer.clone());
-    let model = SftModel::register(
+    let model = SftModel::register_lora(
         &mut b,
         s.model,
         s.init.clone(),
+        s.lora.clone(),
         threads,
         a.activation_checkpointing,
     )?;
@@ -599,6 +633,20 @@ fn run<T: Element, C: Communicator>(
             s.seq,
             if a.activation_checkpointing { ", activation checkpointing" } else { "" }
         );
+        if let Some(l) = &s.lora {
+            println!(
+                "LoRA: r {}, alpha {}, dropout {}, targets {}{}: {} trainable parameters, the base's {} frozen",
+                l.cfg.r,
+                l.cfg.alpha,
+                l.cfg.dropout,
+                l.cfg.targets.join(","),
+                a.adapter
+                    .as_ref()
+                    .map_or(String::new(), |d| format!(" (from {})", d.display())),
+                e.plan().trainable_numel(),
+                e.plan().frozen_numel(),
+            );
+        }
         if let Some(m) = &s.hf {
             let c = &s.model;
             println!(
@@ -790,9 +838,31 @@ fn run<T: Element, C: Communicator>(
         })?;
     }
     let (acc_after, examples) = evaluate(&mut e, &model, s, threads)?;
+    if let (Some(dir), Some(l)) = (&a.export_adapter, &s.lora) {
+        // A collective read of every block unit; rank 0 writes the files.
+        let adapters = model.snapshot_adapters(&mut e)?;
+        if lead {
+            let base = a
+                .model_dir
+                .as_ref()
+                .map_or(String::new(), |d| d.display().to_string());
+            let files = llama::lora::save_adapter(dir, &s.model, &l.cfg, &adapters, &base)
+                .map_err(|what| zero::Error::Usage {
+                    rank,
+                    what: format!("--export-adapter {what}"),
+                })?;
+            println!(
+                "exported the LoRA adapter (PEFT) to {}: {}",
+                dir.display(),
+                files.join(", ")
+            );
+        }
+    }
     if let Some(path) = &a.export {
-        // A collective read of every unit; rank 0 writes the file.
-        let params = model.snapshot(&mut e)?;
+        // A collective read of every unit; rank 0 writes the file. With
+        // LoRA (--merge-lora, checked before training) the adapters are
+        // folded in.
+        let params = model.merged_snapshot(&mut e)?;
         if lead {
             export(path, s, &params, T::DTYPE == zero::core::DType::F32)
                 .map_err(|what| zero::Error::Usage { rank, what })?;
@@ -1045,6 +1115,7 @@ fn setup(args: Args) -> Result<Setup, String> {
             (model, init)
         }
     };
+    let lora = lora_setup(&args, &model)?;
     Ok(Setup {
         args,
         task,
@@ -1054,7 +1125,64 @@ fn setup(args: Args) -> Result<Setup, String> {
         init,
         tok,
         hf,
+        lora,
     })
+}
+
+/// LoRA from --lora and its flags or from --adapter; `None` without. Every
+/// bad value is an error naming the flag (and the module, file or tensor).
+fn lora_setup(args: &Args, model: &Config) -> Result<Option<LoraSetup>, String> {
+    let lora = match (args.lora, &args.adapter) {
+        (Some(r), _) => {
+            let targets: Vec<&str> = match &args.lora_targets {
+                Some(t) => t.iter().map(|s| s.trim()).collect(),
+                None => vec!["q_proj", "v_proj"],
+            };
+            let cfg = LoraConfig::new(
+                r,
+                args.lora_alpha.unwrap_or(8.0),
+                args.lora_dropout.unwrap_or(0.0),
+                &targets,
+            )
+            .map_err(|e| format!("--lora: {e}"))?;
+            Some(LoraSetup {
+                cfg,
+                seed: args.seed,
+                adapters: None,
+            })
+        }
+        (None, Some(dir)) => {
+            let (cfg, values) =
+                llama::lora::load_adapter(dir, model).map_err(|e| format!("--adapter {e}"))?;
+            Some(LoraSetup {
+                cfg,
+                seed: args.seed,
+                adapters: Some(values),
+            })
+        }
+        (None, None) => None,
+    };
+    if lora.is_none() {
+        if let Some(d) = &args.export_adapter {
+            return Err(format!(
+                "--export-adapter {}: there are no adapters to export (add --lora R or --adapter DIR)",
+                d.display()
+            ));
+        }
+        if args.merge_lora {
+            return Err(
+                "--merge-lora: there are no adapters to merge (add --lora R or --adapter DIR)"
+                    .into(),
+            );
+        }
+    } else if let (Some(p), false) = (&args.export, args.merge_lora) {
+        return Err(format!(
+            "--export {}: with LoRA the base weights do not change; add --merge-lora to fold the \
+             adapters into the exported model, or write the adapters alone with --export-adapter",
+            p.display()
+        ));
+    }
+    Ok(lora)
 }
 
 fn main() {

@@ -19,7 +19,7 @@ pub mod ops;
 pub mod train;
 pub mod weights;
 
-pub use block::{Block, BlockCache, BlockParams};
+pub use block::{Block, BlockCache, BlockLora, BlockParams};
 
 /// Model hyper-parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -310,6 +310,12 @@ pub struct Model {
     pub block: Block,
     /// Threads of the GEMMs.
     pub threads: usize,
+    /// LoRA adapters on every block ([`Model::with_lora`]): the base is
+    /// frozen.
+    pub lora: Option<lora::LoraConfig>,
+    /// The seed of the adapters' dropout masks (layer `l` uses
+    /// [`lora::dropout_key`]`(seed, 0, 0, 0, l)`); `None`: no dropout.
+    pub dropout_seed: Option<u64>,
 }
 
 impl Model {
@@ -320,11 +326,48 @@ impl Model {
             cfg,
             block: Block::new(cfg, threads),
             threads,
+            lora: None,
+            dropout_seed: None,
         }
     }
 
-    /// `params` in [`tensors`] order; `tokens`, `targets` `[batch * seq]`
-    /// (targets < 0 are ignored). Returns the mean loss and the cache.
+    /// The model of `cfg` with the adapters of `lora` on every block: the
+    /// parameters are the base's ([`tensors`] order) followed by each
+    /// layer's adapters ([`lora::lora_tensors`] order), and only the
+    /// adapters get gradients.
+    pub fn with_lora(cfg: Config, lora: lora::LoraConfig, threads: usize) -> Self {
+        Model {
+            lora: Some(lora),
+            ..Model::new(cfg, threads)
+        }
+    }
+
+    /// The number of parameter tensors [`Model::forward`] takes.
+    pub fn param_tensors(&self) -> usize {
+        self.cfg.tensor_count()
+            + self
+                .lora
+                .as_ref()
+                .map_or(0, |l| 2 * l.targets.len() * self.cfg.n_layers)
+    }
+
+    /// Block `l`'s parameters: the base's, with the adapters when LoRA.
+    fn block_params<'a>(&'a self, params: &[&'a [f32]], l: usize) -> BlockParams<'a> {
+        let p = BlockParams::from_slices(&params[self.cfg.layer_range(l)]);
+        match &self.lora {
+            None => p,
+            Some(lc) => {
+                let per = 2 * lc.targets.len();
+                let at = self.cfg.tensor_count() + l * per;
+                let key = self.dropout_seed.map(|s| lora::dropout_key(s, 0, 0, 0, l));
+                p.with_lora(BlockLora::from_slices(lc, &params[at..at + per], key))
+            }
+        }
+    }
+
+    /// `params` in [`tensors`] order (then the adapters with LoRA);
+    /// `tokens`, `targets` `[batch * seq]` (targets < 0 are ignored).
+    /// Returns the mean loss and the cache.
     pub fn forward(
         &self,
         params: &[&[f32]],
@@ -334,12 +377,12 @@ impl Model {
         seq: usize,
     ) -> (f32, ModelCache) {
         let c = &self.cfg;
-        assert_eq!(params.len(), c.tensor_count());
+        assert_eq!(params.len(), self.param_tensors());
         assert_eq!(tokens.len(), batch * seq);
         let mut x = ops::embedding_forward(params[0], tokens, c.dim);
         let mut blocks = Vec::with_capacity(c.n_layers);
         for l in 0..c.n_layers {
-            let p = BlockParams::from_slices(&params[c.layer_range(l)]);
+            let p = self.block_params(params, l);
             let cache = self.block.forward(&p, &x, batch, seq);
             x = cache.y.clone();
             blocks.push(cache);
@@ -369,8 +412,12 @@ impl Model {
 
     /// Gradients of the mean loss for every tensor, in [`tensors`] order.
     /// With tied embeddings the embedding's gradient is the sum of its
-    /// lookup's and the LM head's.
+    /// lookup's and the LM head's. With LoRA the base is frozen: its
+    /// gradients are empty (not computed) and the adapters' follow.
     pub fn backward(&self, params: &[&[f32]], cache: &ModelCache) -> Vec<Vec<f32>> {
+        if self.lora.is_some() {
+            return self.backward_lora(params, cache);
+        }
         let c = &self.cfg;
         let n = params.len();
         let (norm, head) = (c.norm_index(), c.head_index());
@@ -415,6 +462,43 @@ impl Model {
         };
         ops::embedding_backward(&dx, &cache.tokens, c.dim, &mut demb);
         grads[0] = demb;
+        grads
+    }
+
+    /// [`Model::backward`] with LoRA: only the input gradients flow
+    /// through the frozen base.
+    fn backward_lora(&self, params: &[&[f32]], cache: &ModelCache) -> Vec<Vec<f32>> {
+        let c = &self.cfg;
+        let rows = cache.batch * cache.seq;
+        let mut grads: Vec<Vec<f32>> = vec![Vec::new(); params.len()];
+        let mut dxn = vec![0.0; rows * c.dim];
+        ops::matmul(
+            &mut dxn,
+            &cache.dlogits,
+            params[c.head_index()],
+            ops::Mm::new(rows, c.dim, c.vocab).threads(self.threads),
+        );
+        let mut scratch = vec![0.0; c.dim];
+        let mut dx = vec![0.0; rows * c.dim];
+        ops::rmsnorm_backward(
+            &dxn,
+            &cache.hf,
+            params[c.norm_index()],
+            &cache.inv,
+            &mut dx,
+            &mut scratch,
+        );
+        let per = self.param_tensors() - c.tensor_count();
+        let per = per / c.n_layers.max(1);
+        for l in (0..c.n_layers).rev() {
+            let p = self.block_params(params, l);
+            let (d, g) = self.block.backward(&p, &cache.blocks[l], &dx);
+            dx = d;
+            let at = c.tensor_count() + l * per;
+            for (slot, t) in grads[at..at + per].iter_mut().zip(g.lora_vec()) {
+                *slot = t;
+            }
+        }
         grads
     }
 }

@@ -130,8 +130,8 @@ impl LoraConfig {
             "task_type": "CAUSAL_LM",
             "base_model_name_or_path": base_model,
             "r": self.r,
-            "lora_alpha": self.alpha,
-            "lora_dropout": self.dropout,
+            "lora_alpha": shortest(self.alpha),
+            "lora_dropout": shortest(self.dropout),
             "target_modules": self.targets,
             "use_rslora": self.use_rslora,
             "bias": "none",
@@ -218,6 +218,11 @@ impl LoraConfig {
             .unwrap_or(false);
         Ok(cfg)
     }
+}
+
+/// `x` as the f64 of its shortest decimal form (0.1, not 0.10000000149).
+fn shortest(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
 }
 
 /// PEFT's name of an adapter matrix in `adapter_model.safetensors`:
@@ -396,4 +401,174 @@ pub fn backward(
 /// d_in]`), PEFT's `merge_and_unload`.
 pub fn merge(w: &mut [f32], a: &[f32], b: &[f32], d_in: usize, d_out: usize, r: usize, scale: f32) {
     matmul(w, b, a, Mm::new(d_out, d_in, r).acc().alpha(scale));
+}
+
+/// `(d_in, d_out)` of target `module` in a block of `cfg`; `None` for a
+/// module not in [`TARGETS`].
+pub fn module_dims(cfg: &crate::Config, module: &str) -> Option<(usize, usize)> {
+    let hd = cfg.head_dim();
+    let (d, qd, kd, h) = (cfg.dim, cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.hidden);
+    Some(match module {
+        "q_proj" => (d, qd),
+        "k_proj" | "v_proj" => (d, kd),
+        "o_proj" => (qd, d),
+        "gate_proj" | "up_proj" => (d, h),
+        "down_proj" => (h, d),
+        _ => return None,
+    })
+}
+
+/// The adapter tensors of layer `layer`: for each target in [`TARGETS`]
+/// order, `A` (`[r, d_in]`) then `B` (`[d_out, r]`), with PEFT's names
+/// ([`peft_name`]). Their kind is [`crate::Kind::Linear`] (the values come
+/// from [`init_adapters`], not from the kind).
+pub fn lora_tensors(
+    cfg: &crate::Config,
+    lora: &LoraConfig,
+    layer: usize,
+) -> Vec<crate::TensorInfo> {
+    let mut v = Vec::with_capacity(2 * lora.targets.len());
+    for (m, _) in TARGETS.iter().filter(|t| lora.targets(t.0)) {
+        let (d_in, d_out) = module_dims(cfg, m).expect("TARGETS have dims");
+        for (b, shape) in [(false, vec![lora.r, d_in]), (true, vec![d_out, lora.r])] {
+            v.push(crate::TensorInfo {
+                name: peft_name(layer, m, b).expect("a TARGETS module"),
+                shape,
+                kind: crate::Kind::Linear,
+            });
+        }
+    }
+    v
+}
+
+/// PEFT's initial adapters of layer `layer`, in [`lora_tensors`] order:
+/// each `A` from [`init_a`] with a generator seeded from `(seed, layer,
+/// module)` (so a layer's adapters do not depend on the others), each `B`
+/// zero.
+pub fn init_adapters(
+    cfg: &crate::Config,
+    lora: &LoraConfig,
+    layer: usize,
+    seed: u64,
+) -> Vec<Vec<f32>> {
+    let mut v = Vec::with_capacity(2 * lora.targets.len());
+    for (i, (m, _)) in TARGETS.iter().enumerate() {
+        if !lora.targets(m) {
+            continue;
+        }
+        let (d_in, d_out) = module_dims(cfg, m).expect("TARGETS have dims");
+        let mut rng = XorShift::new(mix(&[seed, 0x4c6f_5241, layer as u64, i as u64]));
+        v.push(init_a(&mut rng, lora.r, d_in));
+        v.push(vec![0.0; d_out * lora.r]);
+    }
+    v
+}
+
+/// A 64-bit hash of `parts` (splitmix64 steps): the seeds of the
+/// initialisation and of the dropout masks.
+pub fn mix(parts: &[u64]) -> u64 {
+    let mut h = 0x243F_6A88_85A3_08D3u64;
+    for &p in parts {
+        h = (h ^ p).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        h = (h ^ (h >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        h = (h ^ (h >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        h ^= h >> 31;
+    }
+    h
+}
+
+/// The dropout key of layer `layer` in one micro-batch: a hash of the
+/// run's `seed`, the optimizer step, the micro-batch within the step, the
+/// rank whose samples it is, and the layer. [`crate::Block`] mixes in the
+/// module, so every (step, micro-batch, rank, layer, module) has its own
+/// mask, whatever the stage, the offload mode or activation checkpointing.
+pub fn dropout_key(seed: u64, step: u64, micro: u64, rank: usize, layer: usize) -> u64 {
+    mix(&[seed, step, micro, rank as u64, layer as u64])
+}
+
+/// PEFT's adapter config file.
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
+/// PEFT's adapter weights file.
+pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+
+/// Every layer's adapter tensors of `cfg`, layer after layer
+/// ([`lora_tensors`] order).
+pub fn all_lora_tensors(cfg: &crate::Config, lora: &LoraConfig) -> Vec<crate::TensorInfo> {
+    (0..cfg.n_layers)
+        .flat_map(|l| lora_tensors(cfg, lora, l))
+        .collect()
+}
+
+/// Writes `adapters` ([`all_lora_tensors`] order) into directory `dir` in
+/// PEFT's layout: [`ADAPTER_CONFIG`] and [`ADAPTER_WEIGHTS`] (F32, PEFT's
+/// tensor names), so `PeftModel.from_pretrained(base, dir)` loads them.
+/// Returns the names of the files written.
+pub fn save_adapter(
+    dir: &std::path::Path,
+    cfg: &crate::Config,
+    lora: &LoraConfig,
+    adapters: &[Vec<f32>],
+    base_model: &str,
+) -> Result<Vec<String>, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: cannot create: {e}", dir.display()))?;
+    let infos = all_lora_tensors(cfg, lora);
+    if infos.len() != adapters.len() {
+        return Err(format!(
+            "{}: {} adapter tensors given, {} expected",
+            dir.display(),
+            adapters.len(),
+            infos.len()
+        ));
+    }
+    crate::weights::save_named(
+        &dir.join(ADAPTER_WEIGHTS),
+        &infos,
+        adapters,
+        crate::weights::Dtype::F32,
+    )?;
+    let text = serde_json::to_string_pretty(&lora.peft_config(base_model))
+        .expect("JSON of strings and numbers");
+    crate::weights::write_atomic(&dir.join(ADAPTER_CONFIG), text.as_bytes())?;
+    Ok(vec![ADAPTER_CONFIG.into(), ADAPTER_WEIGHTS.into()])
+}
+
+/// Reads a PEFT adapter directory for a model of `cfg`: its
+/// [`ADAPTER_CONFIG`] ([`LoraConfig::from_peft_config`]) and every adapter
+/// tensor of [`ADAPTER_WEIGHTS`] ([`all_lora_tensors`] order, any float
+/// dtype, read as f32). Errors name the file, the tensor and the shapes: a
+/// missing or unreadable file, a missing tensor, a wrong shape, or a
+/// tensor the model has no place for (another layer count, a module that
+/// is not a target).
+pub fn load_adapter(
+    dir: &std::path::Path,
+    cfg: &crate::Config,
+) -> Result<(LoraConfig, Vec<Vec<f32>>), String> {
+    let cpath = dir.join(ADAPTER_CONFIG);
+    let text = std::fs::read_to_string(&cpath)
+        .map_err(|e| format!("{}: cannot read: {e}", cpath.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: not JSON: {e}", cpath.display()))?;
+    let lora = LoraConfig::from_peft_config(&v).map_err(|e| format!("{}: {e}", cpath.display()))?;
+    let wpath = dir.join(ADAPTER_WEIGHTS);
+    let mut f = crate::weights::SafetensorsFile::open(&wpath)?;
+    let infos = all_lora_tensors(cfg, &lora);
+    // PEFT may name the adapter ("default") in the key; this crate's
+    // names are the saved form without it.
+    if let Some(extra) = f
+        .names()
+        .into_iter()
+        .find(|n| !infos.iter().any(|t| &t.name == n))
+    {
+        return Err(format!(
+            "{}: tensor `{extra}` is not an adapter of this model ({} layers, targets {})",
+            wpath.display(),
+            cfg.n_layers,
+            lora.targets.join(", ")
+        ));
+    }
+    let values = infos
+        .iter()
+        .map(|t| f.read(&t.name, &t.shape))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((lora, values))
 }

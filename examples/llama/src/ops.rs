@@ -571,7 +571,8 @@ pub fn attention_backward(
 
 // ---------------------------------------------------------------- SwiGLU
 
-fn sigmoid(z: f32) -> f32 {
+/// The logistic function `1 / (1 + e^-z)`.
+pub fn sigmoid(z: f32) -> f32 {
     1.0 / (1.0 + (-z).exp())
 }
 

@@ -18,19 +18,43 @@
 //! Compute is f32 whatever the parameter dtype `T` (bf16 parameters, fp32
 //! accumulation): a unit's parameters are converted once per gather, its
 //! gradients are written back as `T`.
+//!
+//! With LoRA ([`SftModel::register_lora`]) every base tensor is registered
+//! as [`TensorSpec::frozen`] (no gradient, master or moments; never
+//! reduced or written) and each block unit also holds its adapters,
+//! trainable, under PEFT's names ([`lora::lora_tensors`]). The embedding
+//! and head units are then frozen-only: backward computes no gradient for
+//! them (only the input gradient through the head).
 
+use std::cell::Cell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use zero::comm::Communicator;
 use zero::core::memory::{Category, Tier};
-use zero::core::partition::{TensorSpec, UnitSpec};
+use zero::core::partition::{TensorSpec, UnitLayout, UnitSpec};
 use zero::core::Element;
 use zero::trace::Tracer;
 use zero::{Engine, EngineBuilder, Init, Result, UnitGuard, UnitId};
 
+use super::lora::{self, LoraConfig, TARGETS};
 use super::ops;
-use super::{block_tensors, tensors, Block, BlockCache, BlockParams, Config, Kind, TensorInfo};
+use super::{
+    block_tensors, tensors, Block, BlockCache, BlockLora, BlockParams, Config, Kind, TensorInfo,
+};
+
+/// LoRA for [`SftModel::register_lora`].
+#[derive(Clone, Debug)]
+pub struct LoraSetup {
+    /// Rank, alpha, dropout and target modules.
+    pub cfg: LoraConfig,
+    /// The seed of the adapters' initialisation ([`lora::init_adapters`])
+    /// and of the dropout masks ([`lora::dropout_key`]).
+    pub seed: u64,
+    /// Every layer's adapters in [`lora::lora_tensors`] order, layer after
+    /// layer (`--adapter`); `None`: PEFT's initialisation.
+    pub adapters: Option<Vec<Vec<f32>>>,
+}
 
 /// The registered model.
 pub struct SftModel {
@@ -48,6 +72,12 @@ pub struct SftModel {
     pub checkpointing: bool,
     /// GEMM threads.
     pub threads: usize,
+    /// LoRA adapters on every block (the base frozen), with the seed of
+    /// their dropout masks.
+    pub lora: Option<(LoraConfig, u64)>,
+    /// `(global step, micro-batch within it)` of the last micro-batch:
+    /// the dropout keys.
+    micro: Cell<(u64, u64)>,
 }
 
 /// What one micro-batch did.
@@ -61,14 +91,40 @@ pub struct MicroStats {
     pub activation_bytes: u64,
 }
 
-fn unit_spec(name: String, infos: &[TensorInfo]) -> UnitSpec {
+/// A unit of `infos`, the first `frozen` of them frozen.
+fn unit_spec(name: String, infos: &[TensorInfo], frozen: usize) -> UnitSpec {
     UnitSpec::new(
         name,
         infos
             .iter()
-            .map(|t| TensorSpec::new(t.name.clone(), &t.shape))
+            .enumerate()
+            .map(|(i, t)| {
+                if i < frozen {
+                    TensorSpec::frozen(t.name.clone(), &t.shape)
+                } else {
+                    TensorSpec::new(t.name.clone(), &t.shape)
+                }
+            })
             .collect(),
     )
+}
+
+/// Where tensor `name` lies in `UnitState::params` of a unit of layout `l`
+/// (the trainable real elements, then the frozen ones).
+fn state_range(l: &UnitLayout, name: &str) -> std::ops::Range<usize> {
+    let t = l.tensor(name).expect("a registered tensor");
+    let at = if t.trainable {
+        t.offset
+    } else {
+        l.numel + t.offset - l.frozen_offset()
+    };
+    at..at + t.numel
+}
+
+/// Where tensor `name` lies in a unit's gathered parameters (and, when
+/// trainable, in its gradient buffer).
+fn range(l: &UnitLayout, name: &str) -> std::ops::Range<usize> {
+    l.tensor(name).expect("a registered tensor").range()
 }
 
 /// Normal(0, 0.02) matrices and unit norms, or the given values.
@@ -91,22 +147,7 @@ fn f32s<T: Element>(s: &[T]) -> Vec<f32> {
 }
 
 fn cache_bytes(c: &BlockCache) -> u64 {
-    let n = c.x.len()
-        + c.xn1.len()
-        + c.inv1.len()
-        + c.q.len()
-        + c.k.len()
-        + c.v.len()
-        + c.probs.len()
-        + c.attn.len()
-        + c.h.len()
-        + c.xn2.len()
-        + c.inv2.len()
-        + c.mlp.h1.len()
-        + c.mlp.h3.len()
-        + c.mlp.a.len()
-        + c.y.len();
-    4 * n as u64
+    c.bytes()
 }
 
 /// Saved state of one block between forward and backward.
@@ -135,6 +176,19 @@ impl SftModel {
         threads: usize,
         checkpointing: bool,
     ) -> Result<Self> {
+        Self::register_lora(b, cfg, init, None, threads, checkpointing)
+    }
+
+    /// [`SftModel::register`], with LoRA when `lora` is given: the base
+    /// tensors frozen, the adapters trainable in the block units.
+    pub fn register_lora<C: Communicator>(
+        b: &mut EngineBuilder<C>,
+        cfg: Config,
+        init: Option<Vec<Vec<f32>>>,
+        lora: Option<LoraSetup>,
+        threads: usize,
+        checkpointing: bool,
+    ) -> Result<Self> {
         cfg.validate();
         let all = tensors(&cfg);
         let mut values: Box<dyn Iterator<Item = Option<Vec<f32>>>> = match init {
@@ -144,22 +198,43 @@ impl SftModel {
             }
             None => Box::new(std::iter::repeat_with(|| None)),
         };
+        // With LoRA every base tensor is frozen.
+        let frozen = |infos: &[TensorInfo]| if lora.is_some() { infos.len() } else { 0 };
+        let mut adapters = lora
+            .as_ref()
+            .and_then(|l| l.adapters.clone())
+            .map(Vec::into_iter);
         let embed_info = &all[..1];
         let embed = b.register(
-            unit_spec("model.embed_tokens".into(), embed_info),
+            unit_spec("model.embed_tokens".into(), embed_info, frozen(embed_info)),
             inits(embed_info, &mut values),
         )?;
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
-            let infos = block_tensors(&cfg, i);
-            layers.push(b.register(
-                unit_spec(format!("model.layers.{i}"), &infos),
-                inits(&infos, &mut values),
-            )?);
+            let mut infos = block_tensors(&cfg, i);
+            let n_base = frozen(&infos);
+            let mut init = inits(&infos, &mut values);
+            if let Some(l) = &lora {
+                let ad = lora::lora_tensors(&cfg, &l.cfg, i);
+                let vals = match adapters.as_mut() {
+                    Some(it) => {
+                        let v: Vec<Vec<f32>> = it.by_ref().take(ad.len()).collect();
+                        assert_eq!(v.len(), ad.len(), "adapter values for every layer");
+                        v
+                    }
+                    None => lora::init_adapters(&cfg, &l.cfg, i, l.seed),
+                };
+                for (t, v) in ad.iter().zip(&vals) {
+                    assert_eq!(t.numel(), v.len(), "adapter {}", t.name);
+                }
+                init.extend(vals.into_iter().map(|v| Init::Values(Arc::from(v))));
+                infos.extend(ad);
+            }
+            layers.push(b.register(unit_spec(format!("model.layers.{i}"), &infos, n_base), init)?);
         }
         let head_info = &all[cfg.norm_index()..];
         let head = b.register(
-            unit_spec("lm_head".into(), head_info),
+            unit_spec("lm_head".into(), head_info, frozen(head_info)),
             inits(head_info, &mut values),
         )?;
         Ok(SftModel {
@@ -170,6 +245,8 @@ impl SftModel {
             head,
             checkpointing,
             threads,
+            lora: lora.map(|l| (l.cfg, l.seed)),
+            micro: Cell::new((u64::MAX, 0)),
         })
     }
 
@@ -184,18 +261,41 @@ impl SftModel {
         Ok((p, flat))
     }
 
-    /// Slices a block unit's flat parameters into its 9 tensors.
-    fn block_params<'a>(&self, flat: &'a [f32]) -> BlockParams<'a> {
-        let mut rest = flat;
-        let parts: Vec<&[f32]> = block_tensors(&self.cfg, 0)
+    /// Slices block `l`'s gathered parameters (layout `lay`) into its
+    /// tensors, with its adapters under LoRA (`key`: the dropout key).
+    fn block_params<'a>(
+        &'a self,
+        flat: &'a [f32],
+        lay: &UnitLayout,
+        l: usize,
+        key: Option<u64>,
+    ) -> BlockParams<'a> {
+        let parts: Vec<&[f32]> = block_tensors(&self.cfg, l)
             .iter()
-            .map(|t| {
-                let (a, b) = rest.split_at(t.numel());
-                rest = b;
-                a
-            })
+            .map(|t| &flat[range(lay, &t.name)])
             .collect();
-        BlockParams::from_slices(&parts)
+        let p = BlockParams::from_slices(&parts);
+        match &self.lora {
+            None => p,
+            Some((lc, _)) => {
+                let ad: Vec<&[f32]> = lora::lora_tensors(&self.cfg, lc, l)
+                    .iter()
+                    .map(|t| &flat[range(lay, &t.name)])
+                    .collect();
+                p.with_lora(BlockLora::from_slices(lc, &ad, key))
+            }
+        }
+    }
+
+    /// The dropout key of layer `l` in this micro-batch; `None` without
+    /// LoRA dropout.
+    fn dropout_key(&self, rank: usize, l: usize) -> Option<u64> {
+        let (lc, seed) = self.lora.as_ref()?;
+        if lc.dropout == 0.0 {
+            return None;
+        }
+        let (step, micro) = self.micro.get();
+        Some(lora::dropout_key(*seed, step, micro, rank, l))
     }
 
     /// One micro-batch on this rank: forward, loss, backward, `grad_ready`
@@ -216,6 +316,11 @@ impl SftModel {
         let rows = batch * seq;
         assert_eq!(tokens.len(), rows);
         assert_eq!(targets.len(), rows);
+        let step = e.global_steps();
+        let (last, micro) = self.micro.get();
+        self.micro
+            .set((step, if last == step { micro + 1 } else { 0 }));
+        let frozen = self.lora.is_some();
         let mut act = e.tracker().allocate(Tier::Device, Category::Activations, 0);
         let mut live = 0u64;
         let mut peak = 0u64;
@@ -231,11 +336,16 @@ impl SftModel {
         let mut x = ops::embedding_forward(&table, tokens, c.dim);
         drop((p, table));
         let mut saved: Vec<Saved> = Vec::with_capacity(c.n_layers);
-        for &u in &self.layers {
-            let (_unit, flat) = Self::fetch::<T, C>(e, u)?;
-            let cache = self
-                .block
-                .forward(&self.block_params(&flat), &x, batch, seq);
+        for (l, &u) in self.layers.iter().enumerate() {
+            let (unit, flat) = Self::fetch::<T, C>(e, u)?;
+            let key = self.dropout_key(rank, l);
+            let cache = self.block.forward(
+                &self.block_params(&flat, unit.layout(), l, key),
+                &x,
+                batch,
+                seq,
+            );
+            drop(unit);
             let next = cache.y.clone();
             let s = if self.checkpointing {
                 Saved::Input(std::mem::replace(&mut x, next))
@@ -276,18 +386,27 @@ impl SftModel {
         if scale != 1.0 {
             dlogits.iter_mut().for_each(|g| *g *= scale);
         }
-        let mut g = e.grad_buffer::<T>(self.head)?;
-        let mut dhead = vec![0.0; head_w.len()];
+        let mut dhead = vec![0.0; if frozen { 0 } else { head_w.len() }];
         let mut dxn = vec![0.0; xn.len()];
-        ops::linear_backward(
-            &dlogits,
-            &xn,
-            head_w,
-            &mut dhead,
-            &mut dxn,
-            (picked.len(), c.dim, c.vocab),
-            self.threads,
-        );
+        if frozen {
+            // The head is frozen: the input gradient only.
+            ops::matmul(
+                &mut dxn,
+                &dlogits,
+                head_w,
+                ops::Mm::new(picked.len(), c.dim, c.vocab).threads(self.threads),
+            );
+        } else {
+            ops::linear_backward(
+                &dlogits,
+                &xn,
+                head_w,
+                &mut dhead,
+                &mut dxn,
+                (picked.len(), c.dim, c.vocab),
+                self.threads,
+            );
+        }
         let mut dnorm = vec![0.0; c.dim];
         let mut dhx = vec![0.0; hx.len()];
         ops::rmsnorm_backward(&dxn, &hx, norm_w, &inv, &mut dhx, &mut dnorm);
@@ -295,15 +414,18 @@ impl SftModel {
         drop(head);
         // Tied: the head's share of the embedding's gradient waits for the
         // lookup's (at the end of backward), in f32.
-        let (head_grad, mut demb) = if c.tie_embeddings {
+        let (head_grad, mut demb) = if c.tie_embeddings || frozen {
             (Vec::new(), dhead)
         } else {
             (dhead, vec![0.0; c.vocab * c.dim])
         };
-        for (o, v) in g.iter_mut().zip(dnorm.iter().chain(&head_grad)) {
-            *o = T::from_f32(*v);
+        if !frozen {
+            let mut g = e.grad_buffer::<T>(self.head)?;
+            for (o, v) in g.iter_mut().zip(dnorm.iter().chain(&head_grad)) {
+                *o = T::from_f32(*v);
+            }
+            e.grad_ready(self.head, g)?;
         }
-        e.grad_ready(self.head, g)?;
         let mut dx = vec![0.0; rows * c.dim];
         for (k, &r) in picked.iter().enumerate() {
             dx[r * c.dim..(r + 1) * c.dim].copy_from_slice(&dhx[k * c.dim..(k + 1) * c.dim]);
@@ -312,7 +434,8 @@ impl SftModel {
         // Blocks, last to first.
         for (l, &u) in self.layers.iter().enumerate().rev() {
             let (unit, flat) = Self::fetch::<T, C>(e, u)?;
-            let p = self.block_params(&flat);
+            let lay = unit.layout().clone();
+            let p = self.block_params(&flat, &lay, l, self.dropout_key(rank, l));
             let s = saved.pop().expect("one saved state per block");
             let cache = match s {
                 Saved::Full(cache) => *cache,
@@ -327,26 +450,31 @@ impl SftModel {
             grow(&mut act, &mut live, -(cache_bytes(&cache) as i64));
             drop(cache);
             dx = d;
+            drop(unit);
             let mut g = e.grad_buffer::<T>(u)?;
-            let mut at = 0;
-            for t in grads.into_vec() {
-                for (o, v) in g[at..at + t.len()].iter_mut().zip(&t) {
+            let (names, values) = match &self.lora {
+                None => (block_tensors(c, l), grads.into_vec()),
+                Some((lc, _)) => (lora::lora_tensors(c, lc, l), grads.lora_vec()),
+            };
+            for (t, v) in names.iter().zip(&values) {
+                for (o, v) in g[range(&lay, &t.name)].iter_mut().zip(v) {
                     *o = T::from_f32(*v);
                 }
-                at += t.len();
             }
-            drop(unit);
             e.grad_ready(u, g)?;
             debug_assert_eq!(l, saved.len());
         }
 
-        // Embedding: its backward needs no parameters, so no gather.
-        let mut g = e.grad_buffer::<T>(self.embed)?;
-        ops::embedding_backward(&dx, tokens, c.dim, &mut demb);
-        for (o, v) in g.iter_mut().zip(&demb) {
-            *o = T::from_f32(*v);
+        // Embedding: its backward needs no parameters, so no gather; none
+        // at all when it is frozen.
+        if !frozen {
+            let mut g = e.grad_buffer::<T>(self.embed)?;
+            ops::embedding_backward(&dx, tokens, c.dim, &mut demb);
+            for (o, v) in g.iter_mut().zip(&demb) {
+                *o = T::from_f32(*v);
+            }
+            e.grad_ready(self.embed, g)?;
         }
-        e.grad_ready(self.embed, g)?;
         drop(bwd);
         Ok(MicroStats {
             loss,
@@ -361,23 +489,86 @@ impl SftModel {
     /// left alone). Evaluation uses this snapshot, so it holds the whole
     /// model in f32 on each rank while it runs.
     pub fn snapshot<C: Communicator>(&self, e: &mut Engine<C>) -> Result<Vec<Vec<f32>>> {
+        let c = &self.cfg;
+        let all = tensors(c);
+        let mut out = self.unit_tensors(e, self.embed, &all[..1])?;
+        for (l, &u) in self.layers.iter().enumerate() {
+            out.extend(self.unit_tensors(e, u, &block_tensors(c, l))?);
+        }
+        out.extend(self.unit_tensors(e, self.head, &all[c.norm_index()..])?);
+        Ok(out)
+    }
+
+    /// Every layer's adapters, in [`lora::lora_tensors`] order layer after
+    /// layer (a collective, as [`SftModel::snapshot`]); empty without LoRA.
+    /// The fp32 master weights (what `--export-adapter` writes: with bf16
+    /// or fp16 training, the parameters are their rounding).
+    pub fn snapshot_adapters<C: Communicator>(&self, e: &mut Engine<C>) -> Result<Vec<Vec<f32>>> {
+        let Some((lc, _)) = &self.lora else {
+            return Ok(Vec::new());
+        };
         let mut out = Vec::new();
-        let all = tensors(&self.cfg);
-        let mut infos = all.iter();
-        for u in std::iter::once(self.embed)
-            .chain(self.layers.iter().copied())
-            .chain(std::iter::once(self.head))
-        {
-            let flat = e.unit_state(u)?.params;
-            let mut rest = &flat[..];
-            while !rest.is_empty() {
-                let t = infos.next().expect("units cover the tensors");
-                let (a, b) = rest.split_at(t.numel());
-                out.push(a.to_vec());
-                rest = b;
-            }
+        for (l, &u) in self.layers.iter().enumerate() {
+            let st = e.unit_state(u)?;
+            let lay = e.layout(u)?;
+            out.extend(
+                lora::lora_tensors(&self.cfg, lc, l)
+                    .iter()
+                    .map(|t| st.master[range(lay, &t.name)].to_vec()),
+            );
         }
         Ok(out)
+    }
+
+    /// [`SftModel::snapshot`] with the adapters folded into the base
+    /// weights ([`lora::merge`], PEFT's `merge_and_unload`): what
+    /// evaluation and a merged export use. Without LoRA, the snapshot.
+    pub fn merged_snapshot<C: Communicator>(&self, e: &mut Engine<C>) -> Result<Vec<Vec<f32>>> {
+        let mut base = self.snapshot(e)?;
+        if let Some((lc, _)) = &self.lora {
+            let ad = self.snapshot_adapters(e)?;
+            merge_adapters(&self.cfg, lc, &mut base, &ad);
+        }
+        Ok(base)
+    }
+
+    /// Tensors `infos` of unit `u`, read with [`Engine::unit_state`].
+    fn unit_tensors<C: Communicator>(
+        &self,
+        e: &mut Engine<C>,
+        u: UnitId,
+        infos: &[TensorInfo],
+    ) -> Result<Vec<Vec<f32>>> {
+        let flat = e.unit_state(u)?.params;
+        let lay = e.layout(u)?;
+        Ok(infos
+            .iter()
+            .map(|t| flat[state_range(lay, &t.name)].to_vec())
+            .collect())
+    }
+}
+
+/// Folds every layer's adapters (`adapters` in [`lora::lora_tensors`]
+/// order, layer after layer) into `base` ([`tensors`] order): `W += s · B A`.
+pub fn merge_adapters(cfg: &Config, lc: &LoraConfig, base: &mut [Vec<f32>], adapters: &[Vec<f32>]) {
+    let per = 2 * lc.targets.len();
+    assert_eq!(
+        adapters.len(),
+        per * cfg.n_layers,
+        "adapters of every layer"
+    );
+    for l in 0..cfg.n_layers {
+        let mut ad = adapters[l * per..(l + 1) * per].chunks_exact(2);
+        for (i, (m, _)) in TARGETS.iter().enumerate() {
+            if !lc.targets(m) {
+                continue;
+            }
+            let ab = ad.next().expect("an A and a B per target");
+            let (d_in, d_out) = lora::module_dims(cfg, m).expect("a TARGETS module");
+            // block_tensors order: q, k, v, o, gate, up, down, as TARGETS.
+            let w = &mut base[cfg.layer_range(l).start + i];
+            lora::merge(w, &ab[0], &ab[1], d_in, d_out, lc.r, lc.scale());
+        }
     }
 }
 

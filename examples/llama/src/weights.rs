@@ -461,6 +461,31 @@ pub fn save<P: AsRef<[f32]>>(
     write_file(path, &infos, params, &all, dtype)
 }
 
+/// Writes tensors `infos` (names and shapes) with values `params` to
+/// `path` as `dtype`, atomically, as [`save`] does.
+pub fn save_named<P: AsRef<[f32]>>(
+    path: &Path,
+    infos: &[super::TensorInfo],
+    params: &[P],
+    dtype: Dtype,
+) -> Result<(), String> {
+    assert_eq!(infos.len(), params.len(), "one value vector per tensor");
+    for (t, p) in infos.iter().zip(params) {
+        if p.as_ref().len() != t.numel() {
+            return Err(format!(
+                "{}: tensor `{}` has {} values, its shape {:?} needs {}",
+                path.display(),
+                t.name,
+                p.as_ref().len(),
+                t.shape,
+                t.numel()
+            ));
+        }
+    }
+    let all: Vec<usize> = (0..infos.len()).collect();
+    write_file(path, infos, params, &all, dtype)
+}
+
 /// The file names and the index of [`save_sharded`].
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 

@@ -168,16 +168,26 @@ fn matches_transformers(name: &str, expect: impl Fn(&Config)) {
     assert!(rel < 1e-6, "{name}: loss {loss} vs {}", g.loss);
 
     let grads = model.backward(&refs, &cache);
-    let mut worst = (0f32, String::new());
     let infos = tensors(&cfg);
     assert_eq!(
         infos.len(),
         g.tensors.len() - 1,
         "{name}: one golden gradient per tensor"
     );
-    for (t, gr) in infos.iter().zip(&grads) {
-        let want = g
-            .tensors
+    assert_grads(name, &infos, &grads, &g.tensors);
+}
+
+/// Every gradient of `infos` within 2e-5 of its golden tensor's largest
+/// element (`grad.<name>` of `want`); prints the worst.
+fn assert_grads(
+    name: &str,
+    infos: &[llama::TensorInfo],
+    grads: &[Vec<f32>],
+    want: &HashMap<String, Vec<f32>>,
+) {
+    let mut worst = (0f32, String::new());
+    for (t, gr) in infos.iter().zip(grads) {
+        let want = want
             .get(&format!("grad.{}", t.name))
             .unwrap_or_else(|| panic!("{name}: no golden gradient for {}", t.name));
         let (err, at) = max_err(gr, want);
@@ -813,4 +823,78 @@ fn no_chat_template_and_no_eos() {
     );
     // The model config's eos_token_id stands in.
     assert_eq!(HfTokenizer::load(&d.0, Some(1)).unwrap().eos_id(), 1);
+}
+
+/// LoRA against PEFT (`tests/fixtures/make_golden_lora.py`): the Qwen2
+/// fixture plus the adapter PEFT saved (rank 4, alpha 8, all seven target
+/// modules, random non-zero A and B), read with `lora::load_adapter`: the
+/// logits within 1e-5 of the largest logit, the loss within 1e-6
+/// relative, and every adapter gradient within 2e-5 of its tensor's
+/// largest element (fp32 in a different order; the errors seen are
+/// printed).
+#[test]
+fn lora_matches_peft() {
+    use llama::lora;
+    let m = HfModel::open(&fixture("qwen2")).unwrap_or_else(|e| panic!("{e}"));
+    let cfg = m.hf.config;
+    let (lc, adapters) =
+        lora::load_adapter(&fixture("qwen2_lora"), &cfg).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((lc.r, lc.alpha, lc.dropout), (4, 8.0, 0.0));
+    assert_eq!(lc.targets.len(), 7, "{:?}", lc.targets);
+    let g = golden("qwen2");
+    let dir = fixture("qwen2_lora");
+    let mut f = SafetensorsFile::open(&dir.join("golden.safetensors")).unwrap();
+    let mut want = HashMap::new();
+    for n in f.names() {
+        let shape = f.metadata().info(&n).unwrap().shape.clone();
+        want.insert(n.clone(), f.read(&n, &shape).unwrap());
+    }
+    let j: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let peft_loss = j["loss"].as_f64().unwrap();
+    let (batch, seq) = (g.ids.len(), g.ids[0].len());
+    let tokens: Vec<u32> = g.ids.concat();
+    let targets: Vec<i32> = g
+        .labels
+        .iter()
+        .flat_map(|row| (0..seq).map(move |t| if t + 1 < seq { row[t + 1] as i32 } else { -100 }))
+        .collect();
+    let model = Model::with_lora(cfg, lc.clone(), 1);
+    let mut params = m.params.clone();
+    params.extend(adapters);
+    let refs: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
+    let (loss, cache) = model.forward(&refs, &tokens, &targets, batch, seq);
+    let logits = ops::linear_forward(
+        &cache.xn,
+        refs[cfg.head_index()],
+        batch * seq,
+        cfg.dim,
+        cfg.vocab,
+        1,
+    );
+    let (err, at) = max_err(&logits, &want["logits"]);
+    let scale = max_abs(&want["logits"]);
+    eprintln!("lora: logits max |err| {err:.3e} (max |logit| {scale:.3}), at {at}");
+    assert!(
+        err <= 1e-5 * scale,
+        "lora: logit {at}: {} vs {}",
+        logits[at],
+        want["logits"][at]
+    );
+    // The adapter matters: the base's logits are far from PEFT's.
+    assert!(
+        max_err(&logits, &g.tensors["logits"]).0 > 1e3 * err.max(1e-7),
+        "the adapter does not change the logits"
+    );
+    let rel = ((f64::from(loss) - peft_loss) / peft_loss).abs();
+    eprintln!("lora: loss {loss} vs PEFT {peft_loss} (rel err {rel:.2e})");
+    assert!(rel < 1e-6, "lora: loss {loss} vs {peft_loss}");
+    let grads = model.backward(&refs, &cache);
+    let infos = lora::all_lora_tensors(&cfg, &lc);
+    assert_eq!(
+        infos.len(),
+        want.len() - 1,
+        "one golden gradient per adapter matrix"
+    );
+    assert_grads("lora", &infos, &grads[cfg.tensor_count()..], &want);
 }

@@ -213,3 +213,56 @@ fn trainable_elements_follow_peft_for_qwen2_5_14b() {
     // Per layer: r (in + out) per target; 48 layers.
     assert_eq!(48 * cfg.block_params(shape), 34_406_400);
 }
+
+/// `save_adapter` writes PEFT's layout and `load_adapter` reads it back bit
+/// for bit; a wrong shape, a missing tensor, an extra tensor and a missing
+/// file are errors naming them.
+#[test]
+fn adapter_directories_round_trip_and_bad_ones_are_named() {
+    let cfg = zero_llama::Config {
+        qkv_bias: true,
+        ..zero_llama::Config::tiny()
+    };
+    let lc = LoraConfig::new(3, 6.0, 0.05, &["q_proj", "down_proj", "k_proj"]).unwrap();
+    let mut rng = XorShift::new(4);
+    let infos = lora::all_lora_tensors(&cfg, &lc);
+    assert_eq!(infos.len(), 2 * 3 * cfg.n_layers);
+    let values: Vec<Vec<f32>> = infos
+        .iter()
+        .map(|t| randv(&mut rng, t.numel(), 0.5))
+        .collect();
+    let dir = std::env::temp_dir().join(format!("zero-llama-adapter-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let files = lora::save_adapter(&dir, &cfg, &lc, &values, "base/").unwrap();
+    assert_eq!(files, [lora::ADAPTER_CONFIG, lora::ADAPTER_WEIGHTS]);
+    let (back, got) = lora::load_adapter(&dir, &cfg).unwrap();
+    assert_eq!(back, lc);
+    for (a, b) in values.iter().zip(&got) {
+        assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+    let text = std::fs::read_to_string(dir.join(lora::ADAPTER_CONFIG)).unwrap();
+    assert!(text.contains("\"lora_dropout\": 0.05"), "{text}");
+    // Another model: wrong shapes, missing layers, extra layers.
+    let err = |c: zero_llama::Config| lora::load_adapter(&dir, &c).unwrap_err();
+    let e = err(zero_llama::Config {
+        dim: 32,
+        n_heads: 2,
+        n_kv_heads: 1,
+        ..cfg
+    });
+    assert!(
+        e.contains("layers.0.self_attn.q_proj.lora_A.weight") && e.contains("[3, 64]"),
+        "{e}"
+    );
+    let e = err(zero_llama::Config { n_layers: 3, ..cfg });
+    assert!(e.contains("layers.2.") && e.contains("not found"), "{e}");
+    let e = err(zero_llama::Config { n_layers: 1, ..cfg });
+    assert!(
+        e.contains("layers.1.") && e.contains("not an adapter of this model"),
+        "{e}"
+    );
+    std::fs::remove_file(dir.join(lora::ADAPTER_WEIGHTS)).unwrap();
+    let e = err(cfg);
+    assert!(e.contains(lora::ADAPTER_WEIGHTS), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

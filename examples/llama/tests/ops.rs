@@ -2,8 +2,9 @@
 //! backward against central finite differences, one full block, and a tiny
 //! model that overfits one batch.
 
+use llama::lora::{self, LoraConfig};
 use llama::ops::*;
-use llama::{Block, BlockParams, Config, Model, XorShift};
+use llama::{Block, BlockLora, BlockParams, Config, Model, XorShift};
 use zero_llama as llama;
 
 /// Perturbation of the per-operator checks.
@@ -632,4 +633,168 @@ fn tiny_model_overfits_one_batch() {
         "initial loss {first}"
     );
     assert!(last < 0.05, "loss only reached {last} after {steps} steps");
+}
+
+/// LoRA on all seven projections, rank 2, dropout 0.25 (the masks fixed
+/// by their key), non-zero random A and B.
+fn lora_cfg() -> LoraConfig {
+    let all: Vec<&str> = lora::TARGETS.iter().map(|t| t.0).collect();
+    LoraConfig::new(2, 3.0, 0.25, &all).unwrap()
+}
+
+/// Random adapters for layer `layer` (A and B non-zero).
+fn lora_values(cfg: &Config, l: &LoraConfig, layer: usize, rng: &mut XorShift) -> Vec<Vec<f32>> {
+    lora::lora_tensors(cfg, l, layer)
+        .iter()
+        .map(|t| randv(rng, t.numel(), 0.3))
+        .collect()
+}
+
+/// A block with adapters (and q/k/v biases): the input gradient and every
+/// adapter's gradient against finite differences; the base's gradients
+/// are not computed (frozen).
+#[test]
+fn block_grad_with_lora() {
+    let cfg = Config {
+        qkv_bias: true,
+        ..block_cfg()
+    };
+    let lc = lora_cfg();
+    let block = Block::new(cfg, 1);
+    let (batch, seq) = (2, 5);
+    let mut rng = XorShift::new(18);
+    let base: Vec<Vec<f32>> = llama::block_tensors(&cfg, 0)
+        .iter()
+        .map(|t| match t.kind {
+            llama::Kind::Norm => (0..t.numel()).map(|_| 1.0 + 0.2 * rng.normal()).collect(),
+            _ => randv(&mut rng, t.numel(), 0.3),
+        })
+        .collect();
+    let ad = lora_values(&cfg, &lc, 0, &mut rng);
+    let infos = lora::lora_tensors(&cfg, &lc, 0);
+    let x = randv(&mut rng, batch * seq * cfg.dim, 1.0);
+    let r = randv(&mut rng, x.len(), 1.0);
+    let key = Some(lora::dropout_key(5, 1, 0, 0, 0));
+    let run = |ad: &[Vec<f32>], x: &[f32]| {
+        let sl: Vec<&[f32]> = base.iter().map(Vec::as_slice).collect();
+        let al: Vec<&[f32]> = ad.iter().map(Vec::as_slice).collect();
+        let p = BlockParams::from_slices(&sl).with_lora(BlockLora::from_slices(&lc, &al, key));
+        let cache = block.forward(&p, x, batch, seq);
+        let loss = dot64(&cache.y, &r);
+        let (dx, g) = block.backward(&p, &cache, &r);
+        (loss, dx, g)
+    };
+    let (_, dx, grads) = run(&ad, &x);
+    assert!(grads.wq.is_empty() && grads.down.is_empty() && grads.qkv_bias.is_none());
+    check_h("lora block.dx", &dx, 60, 100, H_COMPOSITE, |i, d| {
+        let mut x = x.clone();
+        x[i] += d;
+        run(&ad, &x).0
+    });
+    let g = grads.lora_vec();
+    assert_eq!(g.len(), infos.len());
+    for (t, (info, g)) in infos.iter().zip(&g).enumerate() {
+        assert_eq!(g.len(), info.numel(), "{}", info.name);
+        check_h(&info.name, g, 30, 200 + t as u64, H_COMPOSITE, |i, d| {
+            let mut a = ad.clone();
+            a[t][i] += d;
+            run(&a, &x).0
+        });
+    }
+}
+
+/// The whole tiny model with adapters on every layer (dropout on): every
+/// adapter's gradient against finite differences of the loss; the base's
+/// gradients are empty.
+#[test]
+fn model_grad_with_lora() {
+    let cfg = Config {
+        qkv_bias: true,
+        tie_embeddings: true,
+        ..block_cfg()
+    };
+    let lc = lora_cfg();
+    let mut model = Model::with_lora(cfg, lc.clone(), 1);
+    model.dropout_seed = Some(3);
+    let mut rng = XorShift::new(31);
+    let mut params: Vec<Vec<f32>> = llama::tensors(&cfg)
+        .iter()
+        .map(|t| match t.kind {
+            llama::Kind::Norm => (0..t.numel()).map(|_| 5.0 + rng.normal()).collect(),
+            _ => randv(&mut rng, t.numel(), 0.1),
+        })
+        .collect();
+    for l in 0..cfg.n_layers {
+        params.extend(lora_values(&cfg, &lc, l, &mut rng));
+    }
+    assert_eq!(params.len(), model.param_tensors());
+    let (batch, seq) = (2, 4);
+    let tokens = [1u32, 5, 5, 12, 0, 3, 7, 1];
+    let targets = [5, 5, 12, IGNORE_INDEX, 3, 7, 1, 2];
+    let sl: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
+    let (_, cache) = model.forward(&sl, &tokens, &targets, batch, seq);
+    let grads = model.backward(&sl, &cache);
+    assert!(grads[..cfg.tensor_count()].iter().all(Vec::is_empty));
+    for t in cfg.tensor_count()..params.len() {
+        check(
+            &format!("model lora[{t}]"),
+            &grads[t],
+            20,
+            700 + t as u64,
+            |i, d| {
+                let mut ps = params.clone();
+                ps[t][i] += d;
+                let sl: Vec<&[f32]> = ps.iter().map(Vec::as_slice).collect();
+                model.forward(&sl, &tokens, &targets, batch, seq).0 as f64
+            },
+        );
+    }
+}
+
+/// Adapters with `B = 0` (PEFT's start) give the base model's logits and
+/// loss bit for bit, dropout on or off.
+#[test]
+fn zero_b_gives_the_base_logits_bit_for_bit() {
+    let cfg = Config {
+        qkv_bias: true,
+        ..block_cfg()
+    };
+    let lc = lora_cfg();
+    let base = llama::init_params(&cfg, 4);
+    let mut params = base.clone();
+    for l in 0..cfg.n_layers {
+        params.extend(lora::init_adapters(&cfg, &lc, l, 9));
+    }
+    assert!(
+        params[cfg.tensor_count()].iter().any(|&a| a != 0.0),
+        "A is not zero"
+    );
+    let (batch, seq) = (2, 4);
+    let tokens = [1u32, 5, 5, 12, 0, 3, 7, 1];
+    let targets = [5, 5, 12, IGNORE_INDEX, 3, 7, 1, 2];
+    let logits = |m: &Model, ps: &[Vec<f32>]| {
+        let sl: Vec<&[f32]> = ps.iter().map(Vec::as_slice).collect();
+        let (loss, c) = m.forward(&sl, &tokens, &targets, batch, seq);
+        let l = linear_forward(
+            &c.xn,
+            sl[cfg.head_index()],
+            batch * seq,
+            cfg.dim,
+            cfg.vocab,
+            1,
+        );
+        (
+            loss.to_bits(),
+            l.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        )
+    };
+    let want = logits(&Model::new(cfg, 1), &base);
+    for seed in [None, Some(7)] {
+        let mut m = Model::with_lora(cfg, lc.clone(), 1);
+        m.dropout_seed = seed;
+        assert_eq!(logits(&m, &params), want, "dropout seed {seed:?}");
+    }
+    // A non-zero B changes them.
+    params.last_mut().unwrap()[0] = 0.5;
+    assert_ne!(logits(&Model::with_lora(cfg, lc, 1), &params), want);
 }

@@ -16,13 +16,15 @@ use std::path::{Path, PathBuf};
 
 use zero::comm::{Communicator, ThreadComm, ThreadGroup};
 use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
+use zero::core::memory::{Category, Tier};
 use zero::core::optim::LrSchedule;
 use zero::core::{bf16, Element};
 use zero::{Engine, EngineStats, Tracer, UnitState};
 use zero_llama as llama;
 
 use llama::data::{self, Sample};
-use llama::train::{generate, SftModel};
+use llama::lora::{self, LoraConfig};
+use llama::train::{generate, LoraSetup, SftModel};
 use llama::{tensors, Block, BlockParams, Config, Kind, Model, XorShift};
 
 /// Samples per rank per micro-batch.
@@ -254,6 +256,8 @@ struct Opts {
     /// Gather and release the head unit after every optimizer step, as an
     /// evaluation that reads parameters through gathers would.
     gather_every_step: bool,
+    /// LoRA ([`lora_setup`]) on every block, the base frozen.
+    lora: bool,
 }
 
 impl Opts {
@@ -264,6 +268,7 @@ impl Opts {
             checkpointing: false,
             snapshot_every_step: false,
             gather_every_step: false,
+            lora: false,
         }
     }
 }
@@ -282,6 +287,21 @@ struct RankRun {
     warnings: Vec<String>,
     /// [`Engine::stats`] at the end.
     stats: EngineStats,
+    /// [`SftModel::snapshot_adapters`] at the end (empty without LoRA).
+    adapters: Vec<Vec<f32>>,
+    /// Bytes of gradients (device and host), master and moments after
+    /// build, and the trainable elements of the units (padded).
+    bytes: [u64; 4],
+}
+
+/// The LoRA of the engine runs: rank 4 on q, v, o and down (attention and
+/// MLP, inputs of three widths), dropout 0.1.
+fn lora_setup() -> LoraSetup {
+    LoraSetup {
+        cfg: LoraConfig::new(4, 8.0, 0.1, &["q_proj", "v_proj", "o_proj", "down_proj"]).unwrap(),
+        seed: SEED,
+        adapters: None,
+    }
 }
 
 /// One rank of a run: `opts.steps` optimizer steps over the task's
@@ -297,8 +317,20 @@ fn train_rank<T: Element, C: Communicator>(
     let seq = seq_len(&train);
     let order = data::epoch_order(train.len(), 0, SEED);
     let mut b = Engine::builder(cfg.clone(), comm).seed(SEED);
-    let model = SftModel::register(&mut b, model_cfg, None, THREADS, opts.checkpointing)?;
+    let lora = opts.lora.then(lora_setup);
+    let model =
+        SftModel::register_lora(&mut b, model_cfg, None, lora, THREADS, opts.checkpointing)?;
     let mut e = b.build()?;
+    let t = e.tracker();
+    let mut bytes = [
+        t.current(Tier::Device, Category::Grads) + t.current(Tier::Host, Category::Grads),
+        t.current(Tier::Device, Category::Master) + t.current(Tier::Host, Category::Master),
+        t.current(Tier::Device, Category::Moments) + t.current(Tier::Host, Category::Moments),
+        0,
+    ];
+    for u in e.unit_ids() {
+        bytes[3] += e.layout(u)?.padded_numel as u64;
+    }
     let tracer = Tracer::disabled();
     let ga = cfg.gradient_accumulation_steps;
     let mut losses = Vec::new();
@@ -322,6 +354,7 @@ fn train_rank<T: Element, C: Communicator>(
         }
     }
     let snapshot = model.snapshot(&mut e)?;
+    let adapters = model.snapshot_adapters(&mut e)?;
     let mut states = Vec::new();
     for u in e.unit_ids() {
         states.push(e.unit_state(u)?);
@@ -333,6 +366,8 @@ fn train_rank<T: Element, C: Communicator>(
         states,
         warnings: e.warnings().to_vec(),
         stats: e.stats().clone(),
+        adapters,
+        bytes,
     })
 }
 
@@ -799,4 +834,208 @@ fn tiny_model_learns() {
         last < 0.5 * first,
         "loss went from {first} to {last} (mean of the last 5 steps)"
     );
+}
+
+// ---------------------------------------------------------------------------
+// 4. LoRA
+
+/// LoRA (base frozen, adapters trainable, dropout on), bf16, 3 steps, on 1
+/// and 2 ranks: stages 1–3 × optimizer offload none/cpu/nvme, stage 3
+/// with parameter offload cpu and activation checkpointing give stage 0's losses, adapters, master and
+/// moments bit for bit; the base (snapshot) is bit-identical to its
+/// initial values; the adapters moved; the memory report holds gradient,
+/// master and moment bytes for the adapters only.
+#[test]
+fn lora_is_bit_identical_across_stages_and_the_base_stays_frozen() {
+    let dir = tmp_dir("lora");
+    let model_cfg = model_config();
+    let lc = lora_setup().cfg;
+    let adapter_numel: usize = (0..model_cfg.n_layers)
+        .flat_map(|l| lora::lora_tensors(&model_cfg, &lc, l))
+        .map(|t| t.numel())
+        .sum();
+    let opts = Opts {
+        lora: true,
+        ..Opts::steps(3)
+    };
+    for world in [1usize, 2] {
+        let base = run(
+            world,
+            &engine_config(world, 0, 1, Precision::Bf16),
+            model_cfg,
+            opts,
+        );
+        assert_ranks_agree(&base, "lora stage 0");
+        // The frozen base: the engine's default initialisation, untouched.
+        let plain = run(
+            world,
+            &engine_config(world, 0, 1, Precision::Bf16),
+            model_cfg,
+            Opts::steps(0),
+        );
+        for (k, (p, q)) in base[0].snapshot.iter().zip(&plain[0].snapshot).enumerate() {
+            assert_bits(
+                p,
+                q,
+                &format!("world {world}: base tensor {k} after training"),
+            );
+        }
+        // The adapters trained: every B moved off zero.
+        for (k, a) in base[0].adapters.iter().enumerate() {
+            assert!(a.iter().any(|&x| x != 0.0), "adapter tensor {k} is zero");
+        }
+        // Only the adapters have optimizer state (padded to the shard
+        // alignment, well under the base's size).
+        let [grads, master, moments, trainable] = base[0].bytes;
+        assert!(
+            trainable as usize >= adapter_numel && (trainable as usize) < 2 * adapter_numel + 4096
+        );
+        assert_eq!(master, 4 * trainable, "world {world}: master bytes");
+        assert_eq!(moments, 8 * trainable, "world {world}: moment bytes");
+        // Gradient bytes per trainable element as without LoRA: none for
+        // the base.
+        let [plain_grads, _, _, plain_trainable] = plain[0].bytes;
+        assert!(plain_trainable > 4 * trainable);
+        assert_eq!(
+            grads * plain_trainable,
+            plain_grads * trainable,
+            "world {world}: {grads} gradient bytes for {trainable} trainable elements, \
+             {plain_grads} for {plain_trainable} without LoRA"
+        );
+        let mut variants: Vec<(u8, OffloadDevice, OffloadDevice)> = Vec::new();
+        for stage in 1..=3u8 {
+            for opt in [OffloadDevice::None, OffloadDevice::Cpu, OffloadDevice::Nvme] {
+                variants.push((stage, opt, OffloadDevice::None));
+            }
+        }
+        variants.push((3, OffloadDevice::None, OffloadDevice::Cpu));
+        // Activation checkpointing recomputes each block with the same masks.
+        let ckpt = run(
+            world,
+            &engine_config(world, 0, 1, Precision::Bf16),
+            model_cfg,
+            Opts {
+                checkpointing: true,
+                ..opts
+            },
+        );
+        assert_same_run(
+            &base,
+            &ckpt,
+            &format!("lora world {world}: checkpointing vs not"),
+        );
+        for (stage, opt, param) in variants {
+            let mut c = engine_config(world, stage, 1, Precision::Bf16);
+            c.zero.offload_optimizer.device = opt;
+            if opt == OffloadDevice::Nvme {
+                c.zero.offload_optimizer.nvme_path = Some(dir.join("optimizer"));
+            }
+            c.zero.offload_param.device = param;
+            let what = format!(
+                "lora world {world} stage {stage} offload_optimizer {opt:?} offload_param {param:?} vs stage 0"
+            );
+            let t = run(world, &c, model_cfg, opts);
+            assert_ranks_agree(&t, &what);
+            assert_same_run(&base, &t, &what);
+            for (k, (p, q)) in base[0].adapters.iter().zip(&t[0].adapters).enumerate() {
+                assert_bits(p, q, &format!("{what}: adapter tensor {k}"));
+            }
+            if stage == 3 {
+                assert_steady_gathers(&t, &what);
+            }
+        }
+    }
+    let left = files_left(&dir);
+    assert!(left.is_empty(), "swap files left behind: {left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With LoRA, training through the engine gives the adapter gradients of
+/// [`Model::backward`] (no dropout, one rank, fp32): read back from AdamW's
+/// first moment after one step.
+#[test]
+fn lora_gradients_match_the_model() {
+    let model_cfg = model_config();
+    let mut setup = lora_setup();
+    setup.cfg.dropout = 0.0;
+    let train = train_set();
+    let seq = seq_len(&train);
+    let order = data::epoch_order(train.len(), 0, SEED);
+    let (tokens, targets) = micro_batch(&train, &order, 0, 0, 1, seq);
+    let mut cfg = engine_config(1, 0, 1, Precision::Fp32);
+    cfg.gradient_clipping = 0.0;
+    let lc = setup.cfg.clone();
+    let init = random_params(&model_cfg, 5, 0.1);
+    // Non-zero B so every gradient is non-trivial.
+    let mut rng = XorShift::new(77);
+    let mut adapters = Vec::new();
+    for l in 0..model_cfg.n_layers {
+        for t in lora::lora_tensors(&model_cfg, &lc, l) {
+            adapters.push(
+                (0..t.numel())
+                    .map(|_| 0.1 * rng.normal())
+                    .collect::<Vec<f32>>(),
+            );
+        }
+    }
+    let m1: Vec<Vec<f32>> =
+        ThreadGroup::run(1, |comm: ThreadComm| -> zero::Result<Vec<Vec<f32>>> {
+            let mut b = Engine::builder(cfg.clone(), comm).seed(SEED);
+            let s = LoraSetup {
+                adapters: Some(adapters.clone()),
+                ..setup.clone()
+            };
+            let model = SftModel::register_lora(
+                &mut b,
+                model_cfg,
+                Some(init.clone()),
+                Some(s),
+                THREADS,
+                false,
+            )?;
+            let mut e = b.build()?;
+            model.train_micro_batch::<f32, _>(
+                &mut e,
+                &tokens,
+                &targets,
+                MB,
+                seq,
+                &Tracer::disabled(),
+            )?;
+            e.step()?;
+            let mut out = Vec::new();
+            for (l, &u) in model.layers.iter().enumerate() {
+                let st = e.unit_state(u)?;
+                let lay = e.layout(u)?;
+                for t in lora::lora_tensors(&model_cfg, &lc, l) {
+                    out.push(st.m[lay.tensor(&t.name).unwrap().range()].to_vec());
+                }
+            }
+            Ok(out)
+        })
+        .expect("ranks ran")
+        .remove(0)
+        .unwrap();
+    let model = Model::with_lora(model_cfg, lc.clone(), 1);
+    let mut params = init.clone();
+    params.extend(adapters.clone());
+    let sl: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
+    let (_, cache) = model.forward(&sl, &tokens, &targets, MB, seq);
+    let grads = model.backward(&sl, &cache);
+    let beta1 = 1.0 - cfg.optimizer.beta1 as f32;
+    for (k, (m, g)) in m1
+        .iter()
+        .zip(&grads[model_cfg.tensor_count()..])
+        .enumerate()
+    {
+        let scale = g.iter().fold(0f32, |a, x| a.max(x.abs()));
+        assert!(scale > 0.0, "adapter {k}: zero gradient");
+        for (i, (a, b)) in m.iter().zip(g).enumerate() {
+            assert!(
+                (a / beta1 - b).abs() <= 1e-4 * scale,
+                "adapter {k}[{i}]: engine {} vs model {b}",
+                a / beta1
+            );
+        }
+    }
 }
