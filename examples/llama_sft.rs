@@ -327,7 +327,17 @@ impl Args {
 
 /// The engine config: the --config file (its "auto" values from the flags)
 /// or the defaults, then the flags given on the command line.
-fn engine_config(a: &Args, world: usize, total_steps: usize) -> Result<ResolvedConfig, String> {
+/// The engine config: `--config`'s file with its `"auto"` values filled
+/// from the flags and the model (`hidden_size`: the model's width, from
+/// which DeepSpeed's `"auto"` bucket and persistence sizes follow, as the
+/// Hugging Face Trainer fills them), or llama_sft's own defaults; then the
+/// flags given on the command line.
+fn engine_config(
+    a: &Args,
+    world: usize,
+    total_steps: usize,
+    hidden: usize,
+) -> Result<ResolvedConfig, String> {
     let lr = a.lr.unwrap_or(DEFAULT_LR);
     let warmup = (total_steps / 20).max(1) as u64;
     let dtype = a.dtype.unwrap_or(Dtype::Bf16);
@@ -354,7 +364,7 @@ fn engine_config(a: &Args, world: usize, total_steps: usize) -> Result<ResolvedC
             warmup_max_lr: Some(lr),
             warmup_num_steps: Some(warmup),
             total_num_steps: Some(total_steps as u64),
-            hidden_size: None,
+            hidden_size: Some(hidden),
             ..AutoValues::default()
         };
         ds.resolve(&auto)
@@ -1208,10 +1218,10 @@ fn main() {
                 s.task.train.len(),
                 s.args.batch.unwrap_or(DEFAULT_BATCH) * s.args.grad_accum.unwrap_or(1) * world,
             );
-            let mut cfg = engine_config(&s.args, world, guess)?;
+            let mut cfg = engine_config(&s.args, world, guess, s.model.dim)?;
             let steps = total_steps(&s.args, s.task.train.len(), cfg.train_batch_size);
             if steps != guess {
-                cfg = engine_config(&s.args, world, steps)?;
+                cfg = engine_config(&s.args, world, steps, s.model.dim)?;
             }
             match cfg.precision {
                 Precision::Fp32 => run::<f32, _>(comm, &s, cfg),

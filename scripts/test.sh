@@ -33,4 +33,9 @@ cargo run -q --example llama_sft -- --stage 2 --offload nvme --activation-checkp
 # under stage 3 with optimizer offload and exported.
 hf_out=$(mktemp -d)
 cargo run -q --example llama_sft -- --model-dir examples/llama/tests/fixtures/qwen2 --stage 3 --offload cpu --steps 20 --lr 1e-2 --export "$hf_out/qwen2"
+# LoRA on it under the experiment's stage-3 DeepSpeed config as it is (2
+# ranks, optimizer and parameter offload), its adapter exported in PEFT's
+# layout, then loaded back and merged into a Hugging Face export.
+bash scripts/mpirun.sh -n 2 cargo run -q --example llama_sft -- --model-dir examples/llama/tests/fixtures/qwen2 --config tests/fixtures/ds_stage3_offload.json --lora 8 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --steps 10 --lr 1e-2 --export-adapter "$hf_out/adapter"
+cargo run -q --example llama_sft -- --model-dir examples/llama/tests/fixtures/qwen2 --adapter "$hf_out/adapter" --steps 0 --merge-lora --export "$hf_out/merged"
 rm -rf "$hf_out"
