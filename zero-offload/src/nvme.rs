@@ -46,10 +46,11 @@
 //! error, and the first failing block in file order is the request's error
 //! as before. On this project's VMs 1 MiB requests (`aio.block_size`'s
 //! default) reach only part of the disk: `cargo bench --bench offload`
-//! measured the swap path at 42-57% (write), 60-69% (read) and 62-65% (the
-//! step's pattern) of the best raw `O_DIRECT` pass with 1 MiB transfers,
-//! and at 64-72%, 82% and 80-85% with 8 MiB ones (2 vCPU machine, other
-//! builds running). The pool has `thread_count + 1` threads (`thread_count` is
+//! measured the swap path (one I/O thread) at 42-57% (write), 60-69%
+//! (read) and 62-65% (the step's pattern) of the best raw `O_DIRECT` pass
+//! with 1 MiB transfers and at 64-72%, 82% and 80-85% with 8 MiB ones
+//! while other builds ran on the 2 vCPUs; on the quiet machine the gain is
+//! smaller (65-70% → 67-81%; see the README's offload section). The pool has `thread_count + 1` threads (`thread_count` is
 //! DeepSpeed `aio.intra_op_parallelism` / `thread_count`): the extra thread
 //! keeps a transfer going while another thread checksums, since with one
 //! thread the CRC32 (~16 GB/s on one core, slower on data just DMA'd in)
