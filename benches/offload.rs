@@ -416,7 +416,10 @@ impl RawFile {
                 });
             }
         });
-        t.elapsed().mul_f64(self.state as f64 / self.bytes as f64)
+        // Scaled to the state's bytes from those moved (a block size that
+        // does not divide the file leaves its tail out).
+        t.elapsed()
+            .mul_f64(self.state as f64 / (blocks * block) as f64)
     }
 
     /// The passes tried, in the order of [`best`](Self::best)'s times.

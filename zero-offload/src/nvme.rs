@@ -56,8 +56,9 @@
 //! thread the CRC32 (~16 GB/s on one core, slower on data just DMA'd in)
 //! ran in series with the transfers and cost ~20% of the bandwidth
 //! (measured: 80% of raw `O_DIRECT` with one thread, 100% with two). At
-//! most `queue_depth` pieces are in flight at once; with synchronous calls
-//! each thread has one in flight, so the effective depth is
+//! most `queue_depth` transfers (pieces, or runs of joined pieces) are in
+//! flight at once; with synchronous calls each thread has one in flight,
+//! so the effective depth is
 //! `min(thread_count + 1, queue_depth)`.
 //!
 //! Why threads and not `io_uring` or libaio: on this class of machine
@@ -265,7 +266,8 @@ pub struct SwapOptions {
     /// Block size in bytes (DeepSpeed `aio.block_size`; a multiple of
     /// 4096). Default 1048576.
     pub block_size: usize,
-    /// Pieces in flight at once (DeepSpeed `aio.queue_depth`). Default 8.
+    /// Transfers (runs of joined pieces, see `max_transfer`) in flight at
+    /// once (DeepSpeed `aio.queue_depth`). Default 8.
     pub queue_depth: usize,
     /// I/O threads (DeepSpeed `aio.intra_op_parallelism`, formerly
     /// `thread_count`); the pool runs one more so that checksums overlap
