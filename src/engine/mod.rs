@@ -106,6 +106,7 @@ mod dynbuf;
 mod export;
 mod faults;
 mod gatherer;
+mod grad_swap;
 mod groups;
 mod health;
 mod init;
@@ -122,6 +123,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use faults::FaultPlan;
+use grad_swap::GradSwap;
 use zero_comm::agree::{exchange_u64, first_failure};
 use zero_comm::Communicator;
 use zero_core::backend::{Backend, CpuBackend, CpuMode, Stream};
@@ -142,6 +144,7 @@ use dynbuf::ring_bytes;
 use dynbuf::DynBuf;
 pub use export::export_checkpoint;
 use gatherer::{FrozenHome, GatherIo, HomeShards, ParamGatherer, Shards};
+pub(crate) use grad_swap::{home_bytes as grad_home_bytes, pool_buffers as grad_swap_buffers};
 use groups::{group_of, GroupMap};
 pub use groups::{is_bias_norm_or_embedding, GroupPredicate, ParamGroup};
 use health::Health;
@@ -149,6 +152,7 @@ pub use init::Init;
 use init::{fnv1a, mix};
 use lease::{exclusive, Releases, Returns};
 pub use lease::{GradBuffer, UnitGuard};
+pub(crate) use offload::tile_bounds as optimizer_tiles;
 use offload::{Offload, UnitRanges};
 use optimizer::{relative, Moments, OptimizerShard};
 use param_offload::ParamOffload;
@@ -222,6 +226,7 @@ pub struct EngineBuilder<C: Communicator> {
     optimizer_threads: Option<usize>,
     swap_faults: Option<FaultPlan>,
     param_swap_faults: Option<FaultPlan>,
+    grad_swap_faults: Option<FaultPlan>,
     tracer: Tracer,
     keep_last: usize,
     /// The device backend of the gradient path (`None`: an inline CPU
@@ -414,6 +419,7 @@ impl<C: Communicator> Engine<C> {
             optimizer_threads: None,
             swap_faults: None,
             param_swap_faults: None,
+            grad_swap_faults: None,
             tracer: Tracer::disabled(),
             keep_last: 0,
             backend: None,
@@ -469,6 +475,16 @@ impl<C: Communicator> EngineBuilder<C> {
     #[cfg(feature = "testing")]
     pub fn param_swap_faults(mut self, faults: FaultPlan) -> Self {
         self.param_swap_faults = Some(faults);
+        self
+    }
+
+    /// Faults to inject into the gradient swap file
+    /// (`offload_optimizer.swap_gradients`), for testing the error paths:
+    /// a failed block write (counted from the first gradient stored). Not
+    /// for production use. Ignored without the gradient swap.
+    #[cfg(feature = "testing")]
+    pub fn grad_swap_faults(mut self, faults: FaultPlan) -> Self {
+        self.grad_swap_faults = Some(faults);
         self
     }
 
@@ -618,6 +634,7 @@ impl<C: Communicator> EngineBuilder<C> {
             optimizer_threads,
             swap_faults,
             param_swap_faults,
+            grad_swap_faults,
             tracer,
             keep_last,
             backend,
@@ -805,7 +822,28 @@ impl<C: Communicator> EngineBuilder<C> {
             });
         }
 
-        let reducer = GradReducer::new(&cfg, &plan, &comm, &tracker, backend.clone(), skip_wait)?;
+        let gswap = if cfg.zero.offload_optimizer.swap_gradients {
+            let built = GradSwap::new(&cfg, &plan, rank, &tracker, grad_swap_faults);
+            Some(
+                agree_on_setup(
+                    &comm,
+                    built,
+                    "the gradient swap (zero_optimization.offload_optimizer.swap_gradients",
+                )?
+                .traced(tracer.clone(), rank),
+            )
+        } else {
+            None
+        };
+        let reducer = GradReducer::new(
+            &cfg,
+            &plan,
+            &comm,
+            &tracker,
+            backend.clone(),
+            skip_wait,
+            gswap,
+        )?;
         // What the parameter all-gathers start after: the compute stream's
         // work (the shard copied in, AdamW), unless a test removes that wait.
         let gather_after = match skip_wait {
@@ -991,6 +1029,11 @@ impl<C: Communicator> EngineBuilder<C> {
                 engine.warn(w);
             }
         }
+        if let Some(gs) = engine.reducer.grad_swap() {
+            for w in gs.warnings() {
+                engine.warn(w);
+            }
+        }
         if engine.stage == 3 {
             let (s3, io) = engine.s3_parts();
             s3.gather_persistent(io)?;
@@ -1124,7 +1167,7 @@ fn check_disk_space(
         });
     };
     if z.offload_optimizer.device == OffloadDevice::Nvme {
-        let total = plan
+        let lens: Vec<usize> = plan
             .units()
             .iter()
             .map(|l| {
@@ -1134,9 +1177,13 @@ fn check_disk_space(
                     l.shard_len
                 }
             })
-            .sum();
-        let len = offload::swap_file_len(cfg, rank, total)?;
+            .collect();
+        let len = offload::swap_file_len(cfg, rank, &lens)?;
         need(&z.offload_optimizer.nvme_path, len, "optimizer");
+        if z.offload_optimizer.swap_gradients {
+            let len = grad_swap::swap_file_len(cfg, rank, &grad_swap::home_bytes(cfg, plan))?;
+            need(&z.offload_optimizer.nvme_path, len, "gradient");
+        }
     }
     if z.stage == 3 && z.offload_param.device == OffloadDevice::Nvme {
         let bytes: Vec<usize> = plan
@@ -1310,6 +1357,14 @@ impl<C: Communicator> Engine<C> {
     /// `None` otherwise.
     pub fn param_swap_path(&self) -> Option<&std::path::Path> {
         self.poff.as_ref().and_then(|p| p.swap_path())
+    }
+
+    /// This rank's gradient swap file
+    /// (`offload_optimizer.swap_gradients`), named
+    /// `zero-swap-gradients-rank<r>-<run id>.swp` under the optimizer's
+    /// `nvme_path` and removed when the engine is dropped; `None` otherwise.
+    pub fn grad_swap_path(&self) -> Option<&std::path::Path> {
+        self.reducer.grad_swap().map(GradSwap::path)
     }
 
     /// The memory tracker (the trainer reports activations through it).
@@ -1964,6 +2019,7 @@ impl<C: Communicator> Engine<C> {
             s3.end_micro_batch(io)?;
         }
         self.param_swap_check()?;
+        self.grad_swap_check()?;
         self.micro += 1;
         if self.micro < self.cfg.gradient_accumulation_steps {
             if self.stage == 3 {
@@ -2200,6 +2256,9 @@ impl<C: Communicator> Engine<C> {
     /// (its parameters match the state kept) and `step()` returns the
     /// error once the step is finished; the state stays readable.
     fn offload_typed<G: Element, P: Element>(&mut self, k: &[AdamWStep]) -> Result<()> {
+        if self.reducer.grad_swap().is_some() {
+            return self.offload_streamed::<G, P>(k);
+        }
         // With parameter offload the shards are not here: the updated
         // parameters stay in the staging buffer and are written back to
         // their home below.
@@ -2271,6 +2330,86 @@ impl<C: Communicator> Engine<C> {
         self.param_write_back::<P>()
     }
 
+    /// `swap_gradients`: AdamW unit by unit over the swapped gradients (see
+    /// [`Offload::step_streamed`]); each unit's updated parameters go to
+    /// the device tier or, with parameter offload, straight to their home.
+    /// Every rank learns whether every rank's step worked: an error
+    /// anywhere fails the engine with the state and the parameters lost
+    /// (some units were written, others not: resume from a checkpoint).
+    fn offload_streamed<G: Element, P: Element>(&mut self, k: &[AdamWStep]) -> Result<()> {
+        let Engine {
+            units,
+            backend,
+            opt,
+            reducer,
+            poff,
+            ..
+        } = self;
+        let mut params: Vec<&mut [P]> = Vec::new();
+        if poff.is_none() {
+            for u in units.iter_mut() {
+                params.push(
+                    u.params_mut()
+                        .host_slice_mut::<P>(backend)?
+                        .expect("the parameter dtype"),
+                );
+            }
+        }
+        let gs = reducer.grad_swap_mut().expect("swap_gradients");
+        let mut emit = |i: usize, staged: &[P]| -> Result<()> {
+            match poff.as_mut() {
+                Some(po) => po.write_with::<P>(i, |home| {
+                    home.copy_from_slice(staged);
+                    Ok(())
+                }),
+                None => Ok(()),
+            }
+        };
+        let r = opt.step_streamed::<G, P>(k, gs, &mut params, &mut emit);
+        drop(params);
+        let flushed = match poff.as_mut() {
+            Some(po) => po.flush(),
+            None => Ok(()),
+        };
+        let r = r.and(flushed);
+        let failed = first_failure(&self.comm, r.as_ref().err())?;
+        if let Err(e) = r {
+            self.health.params_lost_now(e.to_string());
+            return Err(e);
+        }
+        if let Some((bad, why)) = failed {
+            let msg = format!(
+                "the offloaded optimizer step of rank {bad} failed in step {} ({why}); with \
+                 swap_gradients the units are updated one after another, so the optimizer state \
+                 and the parameters are lost: resume from the last checkpoint",
+                self.steps + 1
+            );
+            self.health.params_lost_now(msg.clone());
+            return Err(self.usage(msg));
+        }
+        Ok(())
+    }
+
+    /// `swap_gradients`, before the step: every rank learns whether every
+    /// rank stored (and, accumulating, read back) its gradients. On an
+    /// error anywhere the step fails on every rank with nothing updated;
+    /// `zero_grad` drops the micro-batch and training can go on.
+    fn grad_swap_check(&mut self) -> Result<()> {
+        let Some(gs) = self.reducer.grad_swap_mut() else {
+            return Ok(());
+        };
+        let r = gs.check();
+        let failed = first_failure(&self.comm, r.as_ref().err())?;
+        r?;
+        if let Some((bad, why)) = failed {
+            return Err(self.usage(format!(
+                "the gradient swap file of rank {bad} failed in this micro-batch ({why}); \
+                 nothing was updated: call zero_grad() and run the micro-batch again"
+            )));
+        }
+        Ok(())
+    }
+
     /// Outside the step (`unit_state`): every rank learns whether every
     /// rank could read its swap file; on an error the engine is failed
     /// (also after a rescued write failure: the state is lost now).
@@ -2293,6 +2432,9 @@ impl<C: Communicator> Engine<C> {
         // unit order (stage 0 too, so that every stage adds the same terms).
         let local = match self.reducer.home_dtype() {
             None => 0.0,
+            Some(_) if self.reducer.grad_swap().is_some() => {
+                self.reducer.grad_swap().map_or(0.0, GradSwap::sum_squares)
+            }
             Some(DType::F32) => self
                 .opt
                 .local_sum_squares::<f32>(&self.backend, &self.reducer)?,
