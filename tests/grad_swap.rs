@@ -476,3 +476,44 @@ fn swap_gradients_needs_nvme_optimizer_offload() {
     assert!(e.contains("offload_optimizer.swap_gradients"), "`{e}`");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `EngineStats` counts each swap file's traffic: with 2 micro-batches
+/// per step on one rank at stage 2, every unit's fp32 gradient is written
+/// once per micro-batch and read twice per step (to add the second
+/// micro-batch, and in the step); the optimizer file's `[master | m | v]`
+/// is read and written once per step; `reset_stats` starts the counts
+/// over.
+#[test]
+fn engine_stats_count_the_swap_traffic() {
+    let dir = tmp_dir("stats");
+    let (psi, per_step) = ThreadGroup::run(1, |comm| {
+        let c = swap_config(1, 2, 2, Precision::Bf16, (1 << 20, 3), &dir);
+        let mut b = Engine::builder(c, comm).seed(5);
+        let model = Mlp::register(&mut b, DIMS).unwrap();
+        let mut e = b.build().unwrap();
+        let mut per_step = Vec::new();
+        for s in 0..2 {
+            e.reset_stats();
+            for m in 0..2 {
+                let (x, y) = batch(((s * 2 + m) * MB) as u64, MB, DIMS[0]);
+                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                e.step().unwrap();
+            }
+            let st = e.stats();
+            per_step.push((st.grad_swap, st.optimizer_swap, st.param_swap));
+        }
+        (e.plan().padded_numel() as u64, per_step)
+    })
+    .unwrap()
+    .remove(0);
+    for (g, o, p) in per_step {
+        assert_eq!(g.write_bytes, 2 * 4 * psi, "{g:?}");
+        assert_eq!(g.read_bytes, 2 * 4 * psi, "{g:?}");
+        assert_eq!(o.read_bytes, 12 * psi, "{o:?}");
+        assert_eq!(o.write_bytes, 12 * psi, "{o:?}");
+        assert!(g.write_wait + o.read_wait > std::time::Duration::ZERO);
+        assert_eq!(p, zero::SwapTraffic::default());
+    }
+    assert_no_files_left(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -38,7 +38,7 @@ use zero_offload::{
 
 use super::faults::{set_faults, FaultPlan};
 use super::optimizer::relative;
-use crate::trace::{RankTracer, Tracer};
+use crate::trace::{Io, RankTracer, SwapTraffic, Tracer};
 use crate::{Error, Result};
 
 /// The options of rank `rank`'s gradient swap file (under the optimizer's
@@ -227,7 +227,7 @@ impl GradSwap {
             let Some((_, w)) = self.writes.pop_front() else {
                 break;
             };
-            let _span = self.trace.span("grad swap write", "offload");
+            let _span = self.trace.io_wait(Io::Write, "grad swap write");
             if let Err(e) = w.wait() {
                 self.failed.get_or_insert(e.error.into());
             }
@@ -245,6 +245,7 @@ impl GradSwap {
             let id = self.region(u)?;
             let mut buf = self.buffer(self.bytes[u])?;
             buf.as_mut_slice_of::<G>()?[..home.len()].copy_from_slice(home);
+            self.trace.io_bytes(Io::Write, self.bytes_of(id));
             self.writes.push_back((u, self.swap.write(id, buf)));
             Ok(())
         })();
@@ -261,7 +262,8 @@ impl GradSwap {
             self.flush_writes();
             let id = self.region(u)?;
             let buf = self.buffer(self.bytes[u])?;
-            let _span = self.trace.span("grad swap read", "offload");
+            let _span = self.trace.io_wait(Io::Read, "grad swap read");
+            self.trace.io_bytes(Io::Read, self.bytes_of(id));
             let buf = self.swap.read(id, buf).wait().map_err(|e| e.error)?;
             out.copy_from_slice(&buf.as_slice_of::<G>()?[..out.len()]);
             Ok(())
@@ -274,7 +276,7 @@ impl GradSwap {
     /// Waits for every write in flight (a failure is kept).
     fn flush_writes(&mut self) {
         let _span =
-            (!self.writes.is_empty()).then(|| self.trace.span("grad swap write", "offload"));
+            (!self.writes.is_empty()).then(|| self.trace.io_wait(Io::Write, "grad swap write"));
         while let Some((_, w)) = self.writes.pop_front() {
             if let Err(e) = w.wait() {
                 self.failed.get_or_insert(e.error.into());
@@ -317,6 +319,7 @@ impl GradSwap {
         }
         let id = self.region(u)?;
         let buf = self.pool.acquire(self.bytes[u])?;
+        self.trace.io_bytes(Io::Read, self.bytes_of(id));
         self.reads.push_back((u, self.swap.read(id, buf)));
         Ok(())
     }
@@ -326,7 +329,7 @@ impl GradSwap {
     /// are dropped.
     pub(crate) fn take(&mut self, u: usize) -> Result<PooledBuffer> {
         while let Some((v, r)) = self.reads.pop_front() {
-            let _span = self.trace.span("grad swap read", "offload");
+            let _span = self.trace.io_wait(Io::Read, "grad swap read");
             let got = r.wait().map_err(|e| Error::from(e.error));
             if v == u {
                 return got;
@@ -334,7 +337,8 @@ impl GradSwap {
         }
         let id = self.region(u)?;
         let buf = self.pool.acquire(self.bytes[u])?;
-        let _span = self.trace.span("grad swap read", "offload");
+        let _span = self.trace.io_wait(Io::Read, "grad swap read");
+        self.trace.io_bytes(Io::Read, self.bytes_of(id));
         self.swap.read(id, buf).wait().map_err(|e| e.error.into())
     }
 
@@ -343,6 +347,16 @@ impl GradSwap {
         while let Some((_, r)) = self.reads.pop_front() {
             let _ = r.wait();
         }
+    }
+
+    /// The bytes a request of region `id` moves.
+    fn bytes_of(&self, id: RegionId) -> u64 {
+        self.swap.region_len(id).unwrap_or(0)
+    }
+
+    /// The swap traffic since the engine was built.
+    pub(crate) fn traffic(&self) -> SwapTraffic {
+        self.trace.traffic()
     }
 
     /// The home dtype.

@@ -163,7 +163,7 @@ pub use reducer::SkipWait;
 #[cfg(not(feature = "testing"))]
 use reducer::SkipWait;
 use reducer::{GradReducer, GradState};
-pub use stats::EngineStats;
+pub use stats::{EngineStats, SwapTraffic};
 
 /// A registered unit of one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -377,6 +377,9 @@ pub struct Engine<C: Communicator> {
     /// Stage 3: the gathered parameters and their schedule.
     s3: ParamGatherer,
     stats: EngineStats,
+    /// The swap traffic at the last `reset_stats` (optimizer, parameter,
+    /// gradient files).
+    swap_base: [SwapTraffic; 3],
     warned: Vec<String>,
     /// What still works after a failure (see [`health`]).
     health: Health,
@@ -1007,6 +1010,7 @@ impl<C: Communicator> EngineBuilder<C> {
             },
             s3,
             stats: EngineStats::default(),
+            swap_base: Default::default(),
             warned: Vec::new(),
             health: Health::Ok,
             opt,
@@ -1382,8 +1386,34 @@ impl<C: Communicator> Engine<C> {
         &self.stats
     }
 
+    /// The swap traffic of the optimizer, parameter and gradient swap
+    /// files since the build.
+    fn swap_traffic(&self) -> [SwapTraffic; 3] {
+        [
+            self.opt.offload().map(Offload::traffic).unwrap_or_default(),
+            self.poff
+                .as_ref()
+                .map(ParamOffload::traffic)
+                .unwrap_or_default(),
+            self.reducer
+                .grad_swap()
+                .map(GradSwap::traffic)
+                .unwrap_or_default(),
+        ]
+    }
+
+    /// Brings the swap traffic of [`Engine::stats`] up to date.
+    fn refresh_swap_stats(&mut self) {
+        let [o, p, g] = self.swap_traffic();
+        let [bo, bp, bg] = self.swap_base;
+        self.stats.optimizer_swap = o - bo;
+        self.stats.param_swap = p - bp;
+        self.stats.grad_swap = g - bg;
+    }
+
     /// Resets [`Engine::stats`] (the live-parameter peak included).
     pub fn reset_stats(&mut self) {
+        self.swap_base = self.swap_traffic();
         self.stats = EngineStats::default();
         self.stats.peak_live_elems = self.s3.live();
     }
@@ -1974,6 +2004,12 @@ impl<C: Communicator> Engine<C> {
     }
 
     fn step_inner(&mut self) -> Result<StepOutcome> {
+        let r = self.step_counted();
+        self.refresh_swap_stats();
+        r
+    }
+
+    fn step_counted(&mut self) -> Result<StepOutcome> {
         self.check_training("step")?;
         self.check_swap("step")?;
         for u in &self.units {

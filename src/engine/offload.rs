@@ -98,7 +98,7 @@ use zero_offload::{
 use super::faults::{set_faults, FaultPlan};
 use super::grad_swap::GradSwap;
 use super::groups::{carve, GroupedStep};
-use crate::trace::{RankTracer, Tracer};
+use crate::trace::{Io, RankTracer, SwapTraffic, Tracer};
 use crate::{Error, Result};
 
 /// Unit `unit`'s state elements `local` (relative to the start of the
@@ -444,6 +444,11 @@ impl Offload {
     pub(crate) fn traced(mut self, tracer: Tracer, rank: usize) -> Self {
         self.trace = RankTracer::new(tracer, rank);
         self
+    }
+
+    /// The swap traffic of the steps so far.
+    pub(crate) fn traffic(&self) -> SwapTraffic {
+        self.trace.traffic()
     }
 
     /// Whether the state is in a swap file.
@@ -1055,7 +1060,7 @@ impl Pipeline<'_> {
                     let must = next == t;
                     if writes.len() > 1 || (must && !writes.is_empty()) {
                         let (i, w) = writes.pop_front().expect("checked above");
-                        let span = self.trace.span("swap write", "offload");
+                        let span = self.trace.io_wait(Io::Write, "swap write");
                         let landed = self.land(i, w);
                         drop(span);
                         if let Err(e) = landed {
@@ -1070,7 +1075,10 @@ impl Pipeline<'_> {
                 }
                 match self.pool.acquire(self.tiles[next].bytes()) {
                     Ok(buf) => {
-                        reads.push_back(self.swap.read(self.regions[next], buf));
+                        let id = self.regions[next];
+                        self.trace
+                            .io_bytes(Io::Read, self.swap.region_len(id).unwrap_or(0));
+                        reads.push_back(self.swap.read(id, buf));
                         next += 1;
                     }
                     Err(e) => {
@@ -1080,7 +1088,7 @@ impl Pipeline<'_> {
                 }
             }
             let r = reads.pop_front().expect("tile t's read was submitted");
-            let span = self.trace.span("swap read", "offload");
+            let span = self.trace.io_wait(Io::Read, "swap read");
             let read = r.wait();
             drop(span);
             let mut buf = match read {
@@ -1107,11 +1115,14 @@ impl Pipeline<'_> {
                 lost = Some(e);
                 break;
             }
-            let w = self.swap.write(self.regions[t], buf);
+            let id = self.regions[t];
+            self.trace
+                .io_bytes(Io::Write, self.swap.region_len(id).unwrap_or(0));
+            let w = self.swap.write(id, buf);
             if self.schedule.write_behind {
                 writes.push_back((t, w));
             } else {
-                let span = self.trace.span("swap write", "offload");
+                let span = self.trace.io_wait(Io::Write, "swap write");
                 let landed = self.land(t, w);
                 drop(span);
                 if let Err(e) = landed {
@@ -1121,14 +1132,14 @@ impl Pipeline<'_> {
             }
         }
         // Reads left over only after an error.
-        let span = (!reads.is_empty()).then(|| self.trace.span("swap read", "offload"));
+        let span = (!reads.is_empty()).then(|| self.trace.io_wait(Io::Read, "swap read"));
         for r in reads {
             if let Err(e) = r.wait() {
                 lost.get_or_insert(e.error.into());
             }
         }
         drop(span);
-        let _span = (!writes.is_empty()).then(|| self.trace.span("swap write", "offload"));
+        let _span = (!writes.is_empty()).then(|| self.trace.io_wait(Io::Write, "swap write"));
         for (i, w) in writes {
             if let Err(e) = self.land(i, w) {
                 lost.get_or_insert(e);
