@@ -517,3 +517,75 @@ fn engine_stats_count_the_swap_traffic() {
     assert_no_files_left(&dir);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A corrupted block of the gradient swap file (between the two
+/// micro-batches of step 2, on rank 0) is caught by its checksum when the
+/// second micro-batch reads the gradient back: the step fails on every
+/// rank with nothing updated (rank 0's error names the file and the
+/// checksum, the other rank's names rank 0), and after `zero_grad` the
+/// run goes on to the state of the run without offload, bit for bit.
+#[test]
+fn a_corrupted_gradient_block_fails_the_step_and_loses_nothing() {
+    use std::os::unix::fs::FileExt;
+    let dir = tmp_dir("grad-corrupt");
+    let world = 2;
+    let reference = train(world, &config(world, 2, 2, Precision::Bf16), 3, MB).states;
+    let out = ThreadGroup::run(world, |comm| {
+        let rank = comm.rank();
+        let c = swap_config(world, 2, 2, Precision::Bf16, (97, 3), &dir);
+        let mut b = Engine::builder(c, comm).seed(5);
+        let model = Mlp::register(&mut b, DIMS).unwrap();
+        let mut e = b.build().unwrap();
+        let path = e.grad_swap_path().unwrap().to_path_buf();
+        let mut errors = Vec::new();
+        let mut s = 0;
+        let mut corrupted = false;
+        while s < 3 {
+            let mut failed = false;
+            for m in 0..2 {
+                if s == 1 && m == 1 && rank == 0 && !corrupted {
+                    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+                    let len = std::fs::metadata(&path).unwrap().len();
+                    // Every block of the file after the header.
+                    for at in (4096..len).step_by(4096) {
+                        f.write_all_at(&[0xab; 16], at + 8).unwrap();
+                    }
+                    corrupted = true;
+                }
+                let (x, y) = batch((((s * 2 + m) * world + rank) * MB) as u64, MB, DIMS[0]);
+                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                if let Err(err) = e.step() {
+                    errors.push(err.to_string());
+                    failed = true;
+                    break;
+                }
+            }
+            if failed {
+                assert!(errors.len() < 2, "rank {rank}: the step keeps failing: {errors:?}");
+                e.zero_grad().unwrap();
+                continue;
+            }
+            s += 1;
+        }
+        let states: Vec<UnitState> = e
+            .unit_ids()
+            .into_iter()
+            .map(|u| e.unit_state(u).unwrap())
+            .collect();
+        (path, errors, states)
+    })
+    .unwrap();
+    for (r, (path, errors, states)) in out.iter().enumerate() {
+        assert_eq!(errors.len(), 1, "rank {r}: {errors:?}");
+        if r == 0 {
+            let p = path.display().to_string();
+            assert!(errors[0].contains(&p), "rank 0: `{}`", errors[0]);
+            assert!(errors[0].contains("checksum"), "rank 0: `{}`", errors[0]);
+        } else {
+            assert!(errors[0].contains("gradient swap file of rank 0"), "`{}`", errors[0]);
+        }
+        assert_bits_eq(&reference, states, &format!("rank {r}"));
+    }
+    assert_no_files_left(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
