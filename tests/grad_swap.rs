@@ -561,7 +561,10 @@ fn a_corrupted_gradient_block_fails_the_step_and_loses_nothing() {
                 }
             }
             if failed {
-                assert!(errors.len() < 2, "rank {rank}: the step keeps failing: {errors:?}");
+                assert!(
+                    errors.len() < 2,
+                    "rank {rank}: the step keeps failing: {errors:?}"
+                );
                 e.zero_grad().unwrap();
                 continue;
             }
@@ -582,7 +585,11 @@ fn a_corrupted_gradient_block_fails_the_step_and_loses_nothing() {
             assert!(errors[0].contains(&p), "rank 0: `{}`", errors[0]);
             assert!(errors[0].contains("checksum"), "rank 0: `{}`", errors[0]);
         } else {
-            assert!(errors[0].contains("gradient swap file of rank 0"), "`{}`", errors[0]);
+            assert!(
+                errors[0].contains("gradient swap file of rank 0"),
+                "`{}`",
+                errors[0]
+            );
         }
         assert_bits_eq(&reference, states, &format!("rank {r}"));
     }
