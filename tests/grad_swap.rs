@@ -131,6 +131,17 @@ fn gradient_swap_is_bit_identical() {
             );
         }
     }
+    // overlap_comm flipped (off at stage 3, on at stage 2: reductions
+    // while backward goes on, with the stored gradients read ahead).
+    for stage in [2u8, 3] {
+        let mut base_cfg = config(2, stage, 3, Precision::Bf16);
+        base_cfg.zero.overlap_comm = stage == 2;
+        let base = train(2, &base_cfg, 3, MB);
+        let mut c = swap_config(2, stage, 3, Precision::Bf16, (97, 4), &dir);
+        c.zero.overlap_comm = stage == 2;
+        let t = train(2, &c, 3, MB);
+        assert_same_run(&base, &t, &format!("stage {stage} overlap_comm flipped"));
+    }
     // The hazard checker follows the window, the unpacks and the norm
     // terms on the communication stream.
     for stage in [2u8, 3] {
