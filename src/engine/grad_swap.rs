@@ -350,9 +350,13 @@ impl GradSwap {
     }
 
     /// The step: issues the read of unit `u`'s gradient ahead (a unit
-    /// without a gradient is skipped).
+    /// without a gradient, or no free buffer: nothing is issued).
     pub(crate) fn read_ahead(&mut self, u: usize) -> Result<()> {
-        if self.regions[u].is_none() || self.reads.iter().any(|(v, _)| *v == u) {
+        // Without a free buffer the read waits for `take`.
+        if self.regions[u].is_none()
+            || self.reads.iter().any(|(v, _)| *v == u)
+            || self.pool.available() == 0
+        {
             return Ok(());
         }
         let id = self.region(u)?;

@@ -625,6 +625,8 @@ impl Offload {
             });
         };
         swap.verify()?;
+        // Reads a dropped micro-batch issued ahead hold buffers: gone.
+        grads.drain_reads();
         let staging = staging.as_mut_slice_of::<P>()?;
         let mut to_params = |u: usize, staged: &[P]| -> Result<()> {
             if params.is_empty() {
