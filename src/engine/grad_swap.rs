@@ -37,7 +37,7 @@ use zero_offload::{
 };
 
 use super::faults::{set_faults, FaultPlan};
-use super::optimizer::relative;
+use super::groups::relative;
 use crate::trace::{Io, RankTracer, SwapTraffic, Tracer};
 use crate::{Error, Result};
 

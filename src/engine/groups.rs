@@ -163,3 +163,13 @@ pub(crate) fn group_of(groups: &[(ParamGroup, GroupPredicate)], unit: &str, tens
         .position(|(_, member)| member(unit, tensor))
         .map_or(0, |i| i + 1)
 }
+
+/// `range` shifted down by `base` (an empty range anywhere maps to 0..0:
+/// a shard made only of padding).
+pub(crate) fn relative(range: Range<usize>, base: usize) -> Range<usize> {
+    if range.is_empty() {
+        0..0
+    } else {
+        range.start - base..range.end - base
+    }
+}

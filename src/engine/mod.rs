@@ -149,6 +149,7 @@ use dynbuf::DynBuf;
 pub use export::export_checkpoint;
 use gatherer::{FrozenHome, GatherIo, HomeShards, ParamGatherer, Shards};
 pub(crate) use grad_swap::{home_bytes as grad_home_bytes, pool_buffers as grad_swap_buffers};
+use groups::relative;
 use groups::{group_of, GroupMap};
 pub use groups::{is_bias_norm_or_embedding, GroupPredicate, ParamGroup};
 use health::Health;
@@ -158,7 +159,7 @@ use lease::{exclusive, Releases, Returns};
 pub use lease::{GradBuffer, UnitGuard};
 pub(crate) use offload::tile_bounds as optimizer_tiles;
 use offload::{Offload, UnitRanges};
-use optimizer::{relative, Moments, OptimizerShard};
+use optimizer::{Moments, OptimizerShard};
 use param_offload::ParamOffload;
 pub(crate) use reducer::buckets as bucket_plan;
 #[cfg(feature = "testing")]

@@ -38,7 +38,7 @@ use zero_core::Element;
 
 use super::devbuf::DevBuf;
 use super::grad_swap::GradSwap;
-use super::groups::{carve, GroupMap, GroupedStep};
+use super::groups::{carve, relative, GroupMap, GroupedStep};
 use super::offload::{Emit, Offload};
 use super::reducer::GradReducer;
 use crate::{Error, Result};
@@ -103,16 +103,6 @@ pub(crate) struct OptimizerShard {
     bases: Vec<usize>,
     adam: CpuAdamW,
     offload: Option<Offload>,
-}
-
-/// `range` shifted down by `base` (an empty range anywhere maps to 0..0:
-/// a shard made only of padding).
-pub(crate) fn relative(range: Range<usize>, base: usize) -> Range<usize> {
-    if range.is_empty() {
-        0..0
-    } else {
-        range.start - base..range.end - base
-    }
 }
 
 impl OptimizerShard {
