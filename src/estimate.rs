@@ -695,6 +695,7 @@ impl Sim {
             && cfg.gradient_accumulation_steps == 1
             && !offloading;
         let param_offloading = stage == 3 && cfg.zero.offload_param.device != OffloadDevice::None;
+        let swap_grads = cfg.zero.offload_optimizer.swap_gradients;
         // `auto` is estimated as `resident` (the engine decides against the
         // machine's memory when it builds).
         let frozen = match cfg.zero.frozen_params {
@@ -741,11 +742,32 @@ impl Sim {
             if stage <= 1 {
                 track(Tier::Device, Category::Grads, full * psize);
             }
-            if !alias {
+            if !alias && !swap_grads {
                 let len = if stage == 0 { full } else { shard };
                 let tier = if offloading { Tier::Host } else { Tier::Device };
                 track(tier, Category::Grads, len * asize);
             }
+        }
+        if swap_grads {
+            // `GradReducer`'s window (the largest shard, in A) and
+            // `GradSwap`'s file and pool.
+            let largest = plan.units().iter().map(|u| u.shard_len).max().unwrap_or(0);
+            track(Tier::Host, Category::Grads, largest.max(1) as u64 * asize);
+            let homes = crate::engine::grad_home_bytes(cfg, &plan);
+            let regions: Vec<(String, u64)> = homes
+                .iter()
+                .enumerate()
+                .filter(|(_, &b)| b > 0)
+                .map(|(u, &b)| (format!("grad{u}"), b as u64))
+                .collect();
+            track(
+                Tier::Nvme,
+                Category::Grads,
+                swap_file_len(cfg.zero.aio.block_size as u64, &regions),
+            );
+            let largest = homes.iter().copied().max().unwrap_or(0);
+            let (count, size) = crate::engine::grad_swap_buffers(cfg, largest);
+            track(Tier::Host, Category::CommBuffers, count as u64 * page(size));
         }
         // Buckets: the engine's.
         let (bucket_cap, count) = crate::engine::bucket_plan(cfg, &plan);
@@ -928,12 +950,19 @@ fn optimizer_offload(
 ) {
     let oo = &cfg.zero.offload_optimizer;
     let total: usize = state_lens.iter().sum();
-    let sg = cfg.zero.sub_group_size.max(1);
-    let tiles: Vec<usize> = (0..total.div_ceil(sg))
-        .map(|t| 12 * ((t + 1) * sg).min(total).saturating_sub(t * sg))
+    let tiles: Vec<usize> = crate::engine::optimizer_tiles(cfg, state_lens)
+        .iter()
+        .map(|t| 12 * t.len())
         .collect();
     let max_tile = tiles.iter().copied().max().unwrap_or(0);
-    let staging = (total * psize).max(1);
+    // The staging buffer: the flat state, or one unit with the gradient
+    // swap.
+    let staged = if oo.swap_gradients {
+        state_lens.iter().copied().max().unwrap_or(0)
+    } else {
+        total
+    };
+    let staging = (staged * psize).max(1);
     let nvme = oo.device == OffloadDevice::Nvme;
     let buffers = oo.buffer_count.max(1);
     let mut held: u64 = if nvme {

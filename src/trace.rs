@@ -85,8 +85,9 @@ use std::borrow::Cow;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use zero_comm::agree::exchange_bytes;
@@ -314,20 +315,137 @@ impl std::fmt::Debug for SpanGuard {
 }
 
 /// A tracer bound to one rank: the engine's handle for its offload parts.
+/// It also counts their swap-file traffic (always, traced or not).
 #[derive(Clone, Default)]
 pub(crate) struct RankTracer {
     tracer: Tracer,
     rank: usize,
+    io: Arc<IoCounters>,
+}
+
+/// A direction of swap-file traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Io {
+    Read,
+    Write,
+}
+
+/// Swap-file bytes submitted and time spent waiting for them, per
+/// direction.
+#[derive(Debug, Default)]
+struct IoCounters {
+    read_bytes: AtomicU64,
+    write_bytes: AtomicU64,
+    read_wait_ns: AtomicU64,
+    write_wait_ns: AtomicU64,
+}
+
+/// A wait for swap I/O: a span of the trace (when tracing) and the time it
+/// takes, counted when it is dropped.
+pub(crate) struct IoWait {
+    _span: SpanGuard,
+    start: Instant,
+    dir: Io,
+    io: Arc<IoCounters>,
+}
+
+impl Drop for IoWait {
+    fn drop(&mut self) {
+        let ns = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let c = match self.dir {
+            Io::Read => &self.io.read_wait_ns,
+            Io::Write => &self.io.write_wait_ns,
+        };
+        c.fetch_add(ns, Ordering::Relaxed);
+    }
 }
 
 impl RankTracer {
     pub(crate) fn new(tracer: Tracer, rank: usize) -> Self {
-        Self { tracer, rank }
+        Self {
+            tracer,
+            rank,
+            io: Arc::default(),
+        }
     }
 
     /// [`Tracer::span`] of this rank.
     pub(crate) fn span(&self, name: &'static str, cat: &'static str) -> SpanGuard {
         self.tracer.span(self.rank, name, cat)
+    }
+
+    /// A wait for swap I/O in direction `dir`: the span `name` (category
+    /// `offload`) and its time, counted until the guard is dropped.
+    pub(crate) fn io_wait(&self, dir: Io, name: &'static str) -> IoWait {
+        IoWait {
+            _span: self.span(name, "offload"),
+            start: Instant::now(),
+            dir,
+            io: Arc::clone(&self.io),
+        }
+    }
+
+    /// Counts `bytes` submitted to a swap file in direction `dir`.
+    pub(crate) fn io_bytes(&self, dir: Io, bytes: u64) {
+        let c = match dir {
+            Io::Read => &self.io.read_bytes,
+            Io::Write => &self.io.write_bytes,
+        };
+        c.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// The traffic counted so far.
+    pub(crate) fn traffic(&self) -> SwapTraffic {
+        let ns = |c: &AtomicU64| Duration::from_nanos(c.load(Ordering::Relaxed));
+        SwapTraffic {
+            read_bytes: self.io.read_bytes.load(Ordering::Relaxed),
+            write_bytes: self.io.write_bytes.load(Ordering::Relaxed),
+            read_wait: ns(&self.io.read_wait_ns),
+            write_wait: ns(&self.io.write_wait_ns),
+        }
+    }
+}
+
+/// One swap file's traffic: bytes submitted (the regions read and
+/// written) and the time the engine waited for them, since the engine was
+/// built (the initial writes at build are not counted). Wait time is
+/// what the I/O did not hide behind other work.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SwapTraffic {
+    /// Bytes read.
+    pub read_bytes: u64,
+    /// Bytes written.
+    pub write_bytes: u64,
+    /// Time spent waiting for reads.
+    pub read_wait: Duration,
+    /// Time spent waiting for writes (or for a buffer a write held).
+    pub write_wait: Duration,
+}
+
+impl std::ops::Sub for SwapTraffic {
+    type Output = SwapTraffic;
+
+    /// The traffic since `o` (an earlier reading of the same counters).
+    fn sub(self, o: SwapTraffic) -> SwapTraffic {
+        SwapTraffic {
+            read_bytes: self.read_bytes.saturating_sub(o.read_bytes),
+            write_bytes: self.write_bytes.saturating_sub(o.write_bytes),
+            read_wait: self.read_wait.saturating_sub(o.read_wait),
+            write_wait: self.write_wait.saturating_sub(o.write_wait),
+        }
+    }
+}
+
+impl std::ops::Add for SwapTraffic {
+    type Output = SwapTraffic;
+
+    fn add(self, o: SwapTraffic) -> SwapTraffic {
+        SwapTraffic {
+            read_bytes: self.read_bytes + o.read_bytes,
+            write_bytes: self.write_bytes + o.write_bytes,
+            read_wait: self.read_wait + o.read_wait,
+            write_wait: self.write_wait + o.write_wait,
+        }
     }
 }
 

@@ -12,7 +12,9 @@
 //! 85–105 %, where the renames are), so kills land while rank files are
 //! written, between the renames of the directory and of `latest`, while old
 //! checkpoints are pruned, and after the save. Stage 2, stage 3, and stage 3
-//! with nvme optimizer offload (tiles written out of order) take turns.
+//! with nvme optimizer offload (tiles written out of order), and stage 3
+//! with everything on nvme (ZeRO-Infinity: parameters and swapped
+//! gradients too) take turns.
 //!
 //! After each kill the parent checks the root:
 //!
@@ -77,15 +79,17 @@ const DEFAULT_SEED: u64 = 0x5eed_c4a5_4001;
 /// is hung.
 const CHILD_LIMIT: Duration = Duration::from_secs(30);
 
-/// (name, stage, nvme optimizer offload).
-const VARIANTS: &[(&str, u8, bool)] = &[
-    ("stage 2", 2, false),
-    ("stage 3", 3, false),
-    ("stage 3 + nvme optimizer offload", 3, true),
+/// (name, stage, nvme optimizer offload, ZeRO-Infinity: parameters on
+/// nvme too and the gradients swapped).
+const VARIANTS: &[(&str, u8, bool, bool)] = &[
+    ("stage 2", 2, false, false),
+    ("stage 3", 3, false, false),
+    ("stage 3 + nvme optimizer offload", 3, true, false),
+    ("stage 3 + ZeRO-Infinity (everything on nvme)", 3, true, true),
 ];
 
 fn cfg(variant: usize, swap: &Path) -> ResolvedConfig {
-    let (_, stage, nvme) = VARIANTS[variant];
+    let (_, stage, nvme, infinity) = VARIANTS[variant];
     let mut c = ResolvedConfig::simple(stage, WORLD, MB);
     c.precision = Precision::Bf16;
     c.optimizer.lr = 1e-2;
@@ -99,6 +103,12 @@ fn cfg(variant: usize, swap: &Path) -> ResolvedConfig {
         c.zero.offload_optimizer.nvme_path = Some(swap.to_path_buf());
         c.zero.offload_optimizer.buffer_count = 3;
         c.zero.sub_group_size = 1 << 15;
+    }
+    if infinity {
+        c.zero.offload_optimizer.swap_gradients = true;
+        c.zero.offload_param.device = OffloadDevice::Nvme;
+        c.zero.offload_param.nvme_path = Some(swap.to_path_buf());
+        c.zero.offload_param.max_in_cpu = 0;
     }
     c
 }

@@ -367,7 +367,10 @@ fn train_rank(
 
 /// A fresh directory for swap files.
 fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("zero-estimate-{}-{tag}", std::process::id()));
+    // Tests run in parallel and may share a tag: one directory per call.
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!("zero-estimate-{}-{tag}-{n}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     d
 }
@@ -475,6 +478,22 @@ fn matches_the_tracker_with_prefetch_small_buckets_and_accumulation() {
         }
         c.zero.offload_param.buffer_count = 3;
         c.zero.offload_optimizer.buffer_count = 3;
+    });
+}
+
+/// ZeRO-Infinity's setup: with the optimizer state on nvme the gradients
+/// are swapped too (`swap_gradients`), with accumulation, small tiles and
+/// no host cache of parameter shards.
+#[test]
+fn matches_the_tracker_with_swapped_gradients() {
+    validate("task", false, |c| {
+        if c.zero.offload_optimizer.device == OffloadDevice::Nvme {
+            c.zero.offload_optimizer.swap_gradients = true;
+            c.zero.offload_param.max_in_cpu = 0;
+        }
+        c.gradient_accumulation_steps = 2;
+        c.train_batch_size = MICRO * 2 * WORLD;
+        c.zero.sub_group_size = 100_000;
     });
 }
 

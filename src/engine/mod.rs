@@ -106,6 +106,7 @@ mod dynbuf;
 mod export;
 mod faults;
 mod gatherer;
+mod grad_swap;
 mod groups;
 mod health;
 mod init;
@@ -122,6 +123,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use faults::FaultPlan;
+use grad_swap::GradSwap;
 use zero_comm::agree::{exchange_u64, first_failure};
 use zero_comm::Communicator;
 use zero_core::backend::{Backend, CpuBackend, CpuMode, Stream};
@@ -142,6 +144,7 @@ use dynbuf::ring_bytes;
 use dynbuf::DynBuf;
 pub use export::export_checkpoint;
 use gatherer::{FrozenHome, GatherIo, HomeShards, ParamGatherer, Shards};
+pub(crate) use grad_swap::{home_bytes as grad_home_bytes, pool_buffers as grad_swap_buffers};
 use groups::{group_of, GroupMap};
 pub use groups::{is_bias_norm_or_embedding, GroupPredicate, ParamGroup};
 use health::Health;
@@ -149,6 +152,7 @@ pub use init::Init;
 use init::{fnv1a, mix};
 use lease::{exclusive, Releases, Returns};
 pub use lease::{GradBuffer, UnitGuard};
+pub(crate) use offload::tile_bounds as optimizer_tiles;
 use offload::{Offload, UnitRanges};
 use optimizer::{relative, Moments, OptimizerShard};
 use param_offload::ParamOffload;
@@ -159,7 +163,7 @@ pub use reducer::SkipWait;
 #[cfg(not(feature = "testing"))]
 use reducer::SkipWait;
 use reducer::{GradReducer, GradState};
-pub use stats::EngineStats;
+pub use stats::{EngineStats, SwapTraffic};
 
 /// A registered unit of one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -222,6 +226,7 @@ pub struct EngineBuilder<C: Communicator> {
     optimizer_threads: Option<usize>,
     swap_faults: Option<FaultPlan>,
     param_swap_faults: Option<FaultPlan>,
+    grad_swap_faults: Option<FaultPlan>,
     tracer: Tracer,
     keep_last: usize,
     /// The device backend of the gradient path (`None`: an inline CPU
@@ -372,6 +377,9 @@ pub struct Engine<C: Communicator> {
     /// Stage 3: the gathered parameters and their schedule.
     s3: ParamGatherer,
     stats: EngineStats,
+    /// The swap traffic at the last `reset_stats` (optimizer, parameter,
+    /// gradient files).
+    swap_base: [SwapTraffic; 3],
     warned: Vec<String>,
     /// What still works after a failure (see [`health`]).
     health: Health,
@@ -414,6 +422,7 @@ impl<C: Communicator> Engine<C> {
             optimizer_threads: None,
             swap_faults: None,
             param_swap_faults: None,
+            grad_swap_faults: None,
             tracer: Tracer::disabled(),
             keep_last: 0,
             backend: None,
@@ -469,6 +478,16 @@ impl<C: Communicator> EngineBuilder<C> {
     #[cfg(feature = "testing")]
     pub fn param_swap_faults(mut self, faults: FaultPlan) -> Self {
         self.param_swap_faults = Some(faults);
+        self
+    }
+
+    /// Faults to inject into the gradient swap file
+    /// (`offload_optimizer.swap_gradients`), for testing the error paths:
+    /// a failed block write (counted from the first gradient stored). Not
+    /// for production use. Ignored without the gradient swap.
+    #[cfg(feature = "testing")]
+    pub fn grad_swap_faults(mut self, faults: FaultPlan) -> Self {
+        self.grad_swap_faults = Some(faults);
         self
     }
 
@@ -618,6 +637,7 @@ impl<C: Communicator> EngineBuilder<C> {
             optimizer_threads,
             swap_faults,
             param_swap_faults,
+            grad_swap_faults,
             tracer,
             keep_last,
             backend,
@@ -805,7 +825,28 @@ impl<C: Communicator> EngineBuilder<C> {
             });
         }
 
-        let reducer = GradReducer::new(&cfg, &plan, &comm, &tracker, backend.clone(), skip_wait)?;
+        let gswap = if cfg.zero.offload_optimizer.swap_gradients {
+            let built = GradSwap::new(&cfg, &plan, rank, &tracker, grad_swap_faults);
+            Some(
+                agree_on_setup(
+                    &comm,
+                    built,
+                    "the gradient swap (zero_optimization.offload_optimizer.swap_gradients",
+                )?
+                .traced(tracer.clone(), rank),
+            )
+        } else {
+            None
+        };
+        let reducer = GradReducer::new(
+            &cfg,
+            &plan,
+            &comm,
+            &tracker,
+            backend.clone(),
+            skip_wait,
+            gswap,
+        )?;
         // What the parameter all-gathers start after: the compute stream's
         // work (the shard copied in, AdamW), unless a test removes that wait.
         let gather_after = match skip_wait {
@@ -969,6 +1010,7 @@ impl<C: Communicator> EngineBuilder<C> {
             },
             s3,
             stats: EngineStats::default(),
+            swap_base: Default::default(),
             warned: Vec::new(),
             health: Health::Ok,
             opt,
@@ -988,6 +1030,11 @@ impl<C: Communicator> EngineBuilder<C> {
         }
         if let Some(po) = &engine.poff {
             for w in po.warnings() {
+                engine.warn(w);
+            }
+        }
+        if let Some(gs) = engine.reducer.grad_swap() {
+            for w in gs.warnings() {
                 engine.warn(w);
             }
         }
@@ -1124,7 +1171,7 @@ fn check_disk_space(
         });
     };
     if z.offload_optimizer.device == OffloadDevice::Nvme {
-        let total = plan
+        let lens: Vec<usize> = plan
             .units()
             .iter()
             .map(|l| {
@@ -1134,9 +1181,13 @@ fn check_disk_space(
                     l.shard_len
                 }
             })
-            .sum();
-        let len = offload::swap_file_len(cfg, rank, total)?;
+            .collect();
+        let len = offload::swap_file_len(cfg, rank, &lens)?;
         need(&z.offload_optimizer.nvme_path, len, "optimizer");
+        if z.offload_optimizer.swap_gradients {
+            let len = grad_swap::swap_file_len(cfg, rank, &grad_swap::home_bytes(cfg, plan))?;
+            need(&z.offload_optimizer.nvme_path, len, "gradient");
+        }
     }
     if z.stage == 3 && z.offload_param.device == OffloadDevice::Nvme {
         let bytes: Vec<usize> = plan
@@ -1312,6 +1363,14 @@ impl<C: Communicator> Engine<C> {
         self.poff.as_ref().and_then(|p| p.swap_path())
     }
 
+    /// This rank's gradient swap file
+    /// (`offload_optimizer.swap_gradients`), named
+    /// `zero-swap-gradients-rank<r>-<run id>.swp` under the optimizer's
+    /// `nvme_path` and removed when the engine is dropped; `None` otherwise.
+    pub fn grad_swap_path(&self) -> Option<&std::path::Path> {
+        self.reducer.grad_swap().map(GradSwap::path)
+    }
+
     /// The memory tracker (the trainer reports activations through it).
     pub fn tracker(&self) -> &MemoryTracker {
         &self.tracker
@@ -1327,8 +1386,34 @@ impl<C: Communicator> Engine<C> {
         &self.stats
     }
 
+    /// The swap traffic of the optimizer, parameter and gradient swap
+    /// files since the build.
+    fn swap_traffic(&self) -> [SwapTraffic; 3] {
+        [
+            self.opt.offload().map(Offload::traffic).unwrap_or_default(),
+            self.poff
+                .as_ref()
+                .map(ParamOffload::traffic)
+                .unwrap_or_default(),
+            self.reducer
+                .grad_swap()
+                .map(GradSwap::traffic)
+                .unwrap_or_default(),
+        ]
+    }
+
+    /// Brings the swap traffic of [`Engine::stats`] up to date.
+    fn refresh_swap_stats(&mut self) {
+        let [o, p, g] = self.swap_traffic();
+        let [bo, bp, bg] = self.swap_base;
+        self.stats.optimizer_swap = o - bo;
+        self.stats.param_swap = p - bp;
+        self.stats.grad_swap = g - bg;
+    }
+
     /// Resets [`Engine::stats`] (the live-parameter peak included).
     pub fn reset_stats(&mut self) {
+        self.swap_base = self.swap_traffic();
         self.stats = EngineStats::default();
         self.stats.peak_live_elems = self.s3.live();
     }
@@ -1919,6 +2004,12 @@ impl<C: Communicator> Engine<C> {
     }
 
     fn step_inner(&mut self) -> Result<StepOutcome> {
+        let r = self.step_counted();
+        self.refresh_swap_stats();
+        r
+    }
+
+    fn step_counted(&mut self) -> Result<StepOutcome> {
         self.check_training("step")?;
         self.check_swap("step")?;
         for u in &self.units {
@@ -1964,6 +2055,7 @@ impl<C: Communicator> Engine<C> {
             s3.end_micro_batch(io)?;
         }
         self.param_swap_check()?;
+        self.grad_swap_check()?;
         self.micro += 1;
         if self.micro < self.cfg.gradient_accumulation_steps {
             if self.stage == 3 {
@@ -2200,6 +2292,9 @@ impl<C: Communicator> Engine<C> {
     /// (its parameters match the state kept) and `step()` returns the
     /// error once the step is finished; the state stays readable.
     fn offload_typed<G: Element, P: Element>(&mut self, k: &[AdamWStep]) -> Result<()> {
+        if self.reducer.grad_swap().is_some() {
+            return self.offload_streamed::<G, P>(k);
+        }
         // With parameter offload the shards are not here: the updated
         // parameters stay in the staging buffer and are written back to
         // their home below.
@@ -2271,6 +2366,86 @@ impl<C: Communicator> Engine<C> {
         self.param_write_back::<P>()
     }
 
+    /// `swap_gradients`: AdamW unit by unit over the swapped gradients (see
+    /// [`Offload::step_streamed`]); each unit's updated parameters go to
+    /// the device tier or, with parameter offload, straight to their home.
+    /// Every rank learns whether every rank's step worked: an error
+    /// anywhere fails the engine with the state and the parameters lost
+    /// (some units were written, others not: resume from a checkpoint).
+    fn offload_streamed<G: Element, P: Element>(&mut self, k: &[AdamWStep]) -> Result<()> {
+        let Engine {
+            units,
+            backend,
+            opt,
+            reducer,
+            poff,
+            ..
+        } = self;
+        let mut params: Vec<&mut [P]> = Vec::new();
+        if poff.is_none() {
+            for u in units.iter_mut() {
+                params.push(
+                    u.params_mut()
+                        .host_slice_mut::<P>(backend)?
+                        .expect("the parameter dtype"),
+                );
+            }
+        }
+        let gs = reducer.grad_swap_mut().expect("swap_gradients");
+        let mut emit = |i: usize, staged: &[P]| -> Result<()> {
+            match poff.as_mut() {
+                Some(po) => po.write_with::<P>(i, |home| {
+                    home.copy_from_slice(staged);
+                    Ok(())
+                }),
+                None => Ok(()),
+            }
+        };
+        let r = opt.step_streamed::<G, P>(k, gs, &mut params, &mut emit);
+        drop(params);
+        let flushed = match poff.as_mut() {
+            Some(po) => po.flush(),
+            None => Ok(()),
+        };
+        let r = r.and(flushed);
+        let failed = first_failure(&self.comm, r.as_ref().err())?;
+        if let Err(e) = r {
+            self.health.params_lost_now(e.to_string());
+            return Err(e);
+        }
+        if let Some((bad, why)) = failed {
+            let msg = format!(
+                "the offloaded optimizer step of rank {bad} failed in step {} ({why}); with \
+                 swap_gradients the units are updated one after another, so the optimizer state \
+                 and the parameters are lost: resume from the last checkpoint",
+                self.steps + 1
+            );
+            self.health.params_lost_now(msg.clone());
+            return Err(self.usage(msg));
+        }
+        Ok(())
+    }
+
+    /// `swap_gradients`, before the step: every rank learns whether every
+    /// rank stored (and, accumulating, read back) its gradients. On an
+    /// error anywhere the step fails on every rank with nothing updated;
+    /// `zero_grad` drops the micro-batch and training can go on.
+    fn grad_swap_check(&mut self) -> Result<()> {
+        let Some(gs) = self.reducer.grad_swap_mut() else {
+            return Ok(());
+        };
+        let r = gs.check();
+        let failed = first_failure(&self.comm, r.as_ref().err())?;
+        r?;
+        if let Some((bad, why)) = failed {
+            return Err(self.usage(format!(
+                "the gradient swap file of rank {bad} failed in this micro-batch ({why}); \
+                 nothing was updated: call zero_grad() and run the micro-batch again"
+            )));
+        }
+        Ok(())
+    }
+
     /// Outside the step (`unit_state`): every rank learns whether every
     /// rank could read its swap file; on an error the engine is failed
     /// (also after a rescued write failure: the state is lost now).
@@ -2293,6 +2468,9 @@ impl<C: Communicator> Engine<C> {
         // unit order (stage 0 too, so that every stage adds the same terms).
         let local = match self.reducer.home_dtype() {
             None => 0.0,
+            Some(_) if self.reducer.grad_swap().is_some() => {
+                self.reducer.grad_swap().map_or(0.0, GradSwap::sum_squares)
+            }
             Some(DType::F32) => self
                 .opt
                 .local_sum_squares::<f32>(&self.backend, &self.reducer)?,

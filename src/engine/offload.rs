@@ -96,8 +96,9 @@ use zero_offload::{
 };
 
 use super::faults::{set_faults, FaultPlan};
+use super::grad_swap::GradSwap;
 use super::groups::{carve, GroupedStep};
-use crate::trace::{RankTracer, Tracer};
+use crate::trace::{Io, RankTracer, SwapTraffic, Tracer};
 use crate::{Error, Result};
 
 /// Unit `unit`'s state elements `local` (relative to the start of the
@@ -112,6 +113,9 @@ struct Piece {
 struct Tile {
     flat: Range<usize>,
     pieces: Vec<Piece>,
+    /// Streamed (`swap_gradients`): the one unit whose state range holds
+    /// the tile.
+    unit: Option<usize>,
 }
 
 impl Tile {
@@ -194,6 +198,10 @@ pub(crate) struct Offload {
     staging: PooledBuffer,
     /// The nvme step's overlap of reads and writes with the update.
     schedule: Schedule,
+    /// `swap_gradients`: tiles never span units, the staging buffer holds
+    /// one unit, and a failed write loses the state (see
+    /// [`Offload::step_streamed`]).
+    streamed: bool,
     /// Per tile: its state after the last step, when its swap write failed
     /// (see the module docs). All `None` unless [`Offload::rescued`].
     kept: Vec<Option<Kept>>,
@@ -233,13 +241,44 @@ fn tile_regions(lens: impl Iterator<Item = usize>) -> Vec<RegionSpec> {
 /// With `offload_optimizer` nvme: the length of rank `rank`'s swap file
 /// for optimizer state of `total` elements (the sum of the units' state
 /// lengths), known before anything is allocated.
-pub(crate) fn swap_file_len(cfg: &ResolvedConfig, rank: usize, total: usize) -> Result<u64> {
-    let sg = cfg.zero.sub_group_size.max(1);
-    let lens = (0..total.div_ceil(sg)).map(|t| sg.min(total - t * sg));
+pub(crate) fn swap_file_len(
+    cfg: &ResolvedConfig,
+    rank: usize,
+    state_lens: &[usize],
+) -> Result<u64> {
+    let tiles = tile_bounds(cfg, state_lens);
     Ok(SwapFile::planned_len(
         &swap_options(cfg, rank),
-        &tile_regions(lens),
+        &tile_regions(tiles.iter().map(ExactSizeIterator::len)),
     )?)
+}
+
+/// The tiles over the flat state of units with `state_lens` elements:
+/// `sub_group_size` elements each (the last one shorter), across unit
+/// boundaries, or with `swap_gradients` ending at each unit's end.
+pub(crate) fn tile_bounds(cfg: &ResolvedConfig, state_lens: &[usize]) -> Vec<Range<usize>> {
+    let sg = cfg.zero.sub_group_size.max(1);
+    let total: usize = state_lens.iter().sum();
+    let mut ends = Vec::new();
+    if cfg.zero.offload_optimizer.swap_gradients {
+        let mut at = 0;
+        for &n in state_lens {
+            at += n;
+            ends.push(at);
+        }
+    }
+    ends.push(total);
+    let mut tiles = Vec::new();
+    let (mut a, mut e) = (0, 0);
+    while a < total {
+        while ends[e] <= a {
+            e += 1;
+        }
+        let b = (a + sg).min(ends[e]);
+        tiles.push(a..b);
+        a = b;
+    }
+    tiles
 }
 
 impl Offload {
@@ -263,11 +302,10 @@ impl Offload {
             unit_off.push(total);
             total += u.state_len;
         }
-        let sg = cfg.zero.sub_group_size.max(1);
+        let streamed = oo.swap_gradients;
+        let lens: Vec<usize> = units.iter().map(|u| u.state_len).collect();
         let mut tiles = Vec::new();
-        let mut a = 0;
-        while a < total {
-            let b = (a + sg).min(total);
+        for Range { start: a, end: b } in tile_bounds(cfg, &lens) {
             let mut pieces = Vec::new();
             for (i, u) in units.iter().enumerate() {
                 let lo = a.max(unit_off[i] + u.real.start);
@@ -280,11 +318,23 @@ impl Offload {
                     });
                 }
             }
-            tiles.push(Tile { flat: a..b, pieces });
-            a = b;
+            let unit = streamed
+                .then(|| (0..units.len()).find(|&i| unit_off[i] + units[i].state_len > a))
+                .flatten();
+            tiles.push(Tile {
+                flat: a..b,
+                pieces,
+                unit,
+            });
         }
         let max_tile = tiles.iter().map(Tile::bytes).max().unwrap_or(0);
-        let staging_bytes = (total * pdt.size_in_bytes()).max(1);
+        // The staging buffer: the whole flat state, or (streamed) one unit.
+        let staged_len = if streamed {
+            units.iter().map(|u| u.state_len).max().unwrap_or(0)
+        } else {
+            total
+        };
+        let staging_bytes = (staged_len * pdt.size_in_bytes()).max(1);
         let nvme = oo.device == OffloadDevice::Nvme;
         let buffer_count = oo.buffer_count.max(1);
         let mut sizes: Vec<usize> = if nvme {
@@ -381,6 +431,7 @@ impl Offload {
             store,
             staging,
             schedule: Schedule::new(oo.pipeline_read, oo.pipeline_write, buffer_count),
+            streamed,
             kept: (0..ntiles).map(|_| None).collect(),
             tracker: tracker.clone(),
             trace: RankTracer::default(),
@@ -393,6 +444,11 @@ impl Offload {
     pub(crate) fn traced(mut self, tracer: Tracer, rank: usize) -> Self {
         self.trace = RankTracer::new(tracer, rank);
         self
+    }
+
+    /// The swap traffic of the steps so far.
+    pub(crate) fn traffic(&self) -> SwapTraffic {
+        self.trace.traffic()
     }
 
     /// Whether the state is in a swap file.
@@ -434,6 +490,11 @@ impl Offload {
         grads: &[&[G]],
         params: &mut [&mut [P]],
     ) -> Result<()> {
+        if self.streamed {
+            return Err(Error::Unsupported {
+                what: "internal: the whole-state step with swap_gradients (it streams)".into(),
+            });
+        }
         if self.rescued() {
             let held = self.kept.iter().filter(|k| k.is_some()).count();
             let msg = format!(
@@ -471,7 +532,15 @@ impl Offload {
                     // Copy-in: nothing to move, the state is resident and
                     // the gradient shard is already in host memory.
                     let span = trace.span("adam tile", "optimizer");
-                    update_tile(adam, k, tile, bufs[t].as_mut_slice_of()?, grads, staging)?;
+                    let low = &mut staging[tile.flat.clone()];
+                    update_tile(
+                        adam,
+                        k,
+                        tile,
+                        bufs[t].as_mut_slice_of()?,
+                        &Resident(grads),
+                        low,
+                    )?;
                     drop(span);
                     if let Some(done) = behind.replace(t) {
                         if !params.is_empty() {
@@ -499,9 +568,11 @@ impl Offload {
                     trace,
                     kept,
                     tracker,
+                    keep: true,
                     write_failed: None,
                 };
-                let done = pipe.run(adam, k, grads, staging);
+                let mut out = Flat(staging);
+                let done = pipe.run(adam, k, &mut Resident(grads), &mut out);
                 let write_failed = pipe.write_failed.take();
                 match (done, write_failed) {
                     (Ok(()), None) => Ok(()),
@@ -514,6 +585,87 @@ impl Offload {
                 }
             }
         }
+    }
+
+    /// Streamed (`swap_gradients`): one AdamW step over every tile, unit by
+    /// unit, each unit's gradient read from `grads` (the next one read
+    /// ahead), and each unit's updated parameters, once its last tile is
+    /// done, copied into `params[i]` (the device tier) or, when `params`
+    /// is empty (parameter offload), handed to `emit(i, staged)` (over the
+    /// unit's state range; units without state too, with an empty slice).
+    /// Host memory holds a tile pipeline and one unit's parameters.
+    ///
+    /// Nothing is kept after an error: the tiles and units before it were
+    /// written, the rest not, so the state and the parameters are lost
+    /// (the engine fails; resume from a checkpoint).
+    pub(crate) fn step_streamed<G: Element, P: Element>(
+        &mut self,
+        adam: &CpuAdamW,
+        k: &GroupedStep<'_>,
+        grads: &mut GradSwap,
+        params: &mut [&mut [P]],
+        emit: &mut Emit<'_, P>,
+    ) -> Result<()> {
+        let Offload {
+            units,
+            unit_off,
+            tiles,
+            pool,
+            store,
+            staging,
+            schedule,
+            kept,
+            tracker,
+            trace,
+            ..
+        } = self;
+        let Store::Nvme { swap, regions } = store else {
+            return Err(Error::Unsupported {
+                what: "swap_gradients without the optimizer state on nvme".into(),
+            });
+        };
+        swap.verify()?;
+        let staging = staging.as_mut_slice_of::<P>()?;
+        let mut to_params = |u: usize, staged: &[P]| -> Result<()> {
+            if params.is_empty() {
+                return emit(u, staged);
+            }
+            let r = &units[u];
+            params[u][r.params.clone()].copy_from_slice(&staged[r.real.clone()]);
+            Ok(())
+        };
+        let mut out = PerUnit {
+            staging,
+            unit_off,
+            units,
+            emit: &mut to_params,
+        };
+        let mut pipe = Pipeline {
+            tiles,
+            pool,
+            swap,
+            regions,
+            schedule: *schedule,
+            trace,
+            kept,
+            tracker,
+            keep: false,
+            write_failed: None,
+        };
+        let mut feed = Swapped {
+            swap: grads,
+            cur: None,
+        };
+        let done = pipe.run::<G, P>(adam, k, &mut feed, &mut out);
+        drop(feed.cur.take());
+        feed.swap.drain_reads();
+        done?;
+        for (u, r) in units.iter().enumerate() {
+            if r.state_len == 0 {
+                to_params(u, &[])?;
+            }
+        }
+        Ok(())
     }
 
     /// Whether the last nvme step failed only in swap writes and completed
@@ -683,14 +835,14 @@ fn update_tile<G: Element, P: Element>(
     k: &GroupedStep<'_>,
     tile: &Tile,
     state: &mut [f32],
-    grads: &[&[G]],
-    staging: &mut [P],
+    grads: &dyn GradFeed<G>,
+    low: &mut [P],
 ) -> Result<()> {
     let len = tile.len();
     let (master, rest) = state.split_at_mut(len);
     let (m, v) = rest.split_at_mut(len);
     let (mut master, mut m, mut v) = (master, m, v);
-    let mut low = &mut staging[tile.flat.clone()];
+    let mut low = low;
     let mut cur = 0;
     // The pieces split at group boundaries; one parallel region per group
     // (one in all without groups).
@@ -702,7 +854,7 @@ fn update_tile<G: Element, P: Element>(
             let from = p.local.start + off;
             parts[g].push(AdamWSlices {
                 master: carve(&mut master, skip, n),
-                grad: &grads[p.unit][from..from + n],
+                grad: &grads.grad(p.unit)?[from..from + n],
                 m: carve(&mut m, skip, n),
                 v: carve(&mut v, skip, n),
                 low: Some(carve(&mut low, skip, n)),
@@ -736,6 +888,119 @@ fn copy_out<P: Element>(
     }
 }
 
+/// Where the step finds the gradients of a tile's units.
+trait GradFeed<G: Element> {
+    /// Before tile `t` of `tiles` is updated: the gradients of its units
+    /// are available through [`GradFeed::grad`] until the next call.
+    fn prepare(&mut self, tiles: &[Tile], t: usize) -> Result<()>;
+    /// Unit `u`'s accumulated gradient (its home).
+    fn grad(&self, u: usize) -> Result<&[G]>;
+}
+
+/// Every unit's gradient in host memory.
+struct Resident<'a, G>(&'a [&'a [G]]);
+
+impl<G: Element> GradFeed<G> for Resident<'_, G> {
+    fn prepare(&mut self, _: &[Tile], _: usize) -> Result<()> {
+        Ok(())
+    }
+
+    fn grad(&self, u: usize) -> Result<&[G]> {
+        Ok(self.0[u])
+    }
+}
+
+/// Streamed: each unit's gradient read from the gradient swap file when
+/// its first tile comes up, the next unit's read ahead.
+struct Swapped<'a> {
+    swap: &'a mut GradSwap,
+    /// The unit whose gradient is in `buf`.
+    cur: Option<(usize, PooledBuffer)>,
+}
+
+impl<G: Element> GradFeed<G> for Swapped<'_> {
+    fn prepare(&mut self, tiles: &[Tile], t: usize) -> Result<()> {
+        let Some(u) = tiles[t].pieces.first().map(|p| p.unit) else {
+            return Ok(());
+        };
+        if self.cur.as_ref().is_some_and(|(v, _)| *v == u) {
+            return Ok(());
+        }
+        self.cur = None;
+        self.cur = Some((u, self.swap.take(u)?));
+        let next = tiles[t..]
+            .iter()
+            .filter_map(|x| x.pieces.first().map(|p| p.unit))
+            .find(|&v| v != u);
+        if let Some(v) = next {
+            self.swap.read_ahead(v)?;
+        }
+        Ok(())
+    }
+
+    fn grad(&self, u: usize) -> Result<&[G]> {
+        match &self.cur {
+            Some((v, buf)) if *v == u => Ok(buf.as_slice_of::<G>()?),
+            _ => Err(Error::Usage {
+                rank: self.swap.rank(),
+                what: format!("internal: unit #{u}'s gradient was not read for its tile"),
+            }),
+        }
+    }
+}
+
+/// Where the step writes a tile's updated parameters.
+trait ParamOut<P: Element> {
+    /// Tile `t`'s part of the staging buffer.
+    fn low(&mut self, tiles: &[Tile], t: usize) -> &mut [P];
+    /// After tile `t`'s update.
+    fn done(&mut self, tiles: &[Tile], t: usize) -> Result<()>;
+}
+
+/// The flat staging buffer over the whole state (copied out at commit).
+struct Flat<'a, P>(&'a mut [P]);
+
+impl<P: Element> ParamOut<P> for Flat<'_, P> {
+    fn low(&mut self, tiles: &[Tile], t: usize) -> &mut [P] {
+        &mut self.0[tiles[t].flat.clone()]
+    }
+
+    fn done(&mut self, _: &[Tile], _: usize) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Streamed: a staging buffer of one unit, handed to `emit` after the
+/// unit's last tile.
+struct PerUnit<'a, 'e, P> {
+    staging: &'a mut [P],
+    unit_off: &'a [usize],
+    units: &'a [UnitRanges],
+    emit: &'a mut Emit<'e, P>,
+}
+
+/// `emit(unit, staged)`: unit `unit`'s updated parameters over its state
+/// range (padding as zeros).
+pub(crate) type Emit<'e, P> = dyn FnMut(usize, &[P]) -> Result<()> + 'e;
+
+impl<P: Element> ParamOut<P> for PerUnit<'_, '_, P> {
+    fn low(&mut self, tiles: &[Tile], t: usize) -> &mut [P] {
+        let tile = &tiles[t];
+        let u = tile.unit.expect("streamed tiles have a unit");
+        let at = tile.flat.start - self.unit_off[u];
+        &mut self.staging[at..at + tile.len()]
+    }
+
+    fn done(&mut self, tiles: &[Tile], t: usize) -> Result<()> {
+        let u = tiles[t].unit.expect("streamed tiles have a unit");
+        if tiles.get(t + 1).is_some_and(|n| n.unit == Some(u)) {
+            return Ok(());
+        }
+        let n = self.units[u].state_len;
+        (self.emit)(u, &self.staging[..n])
+    }
+}
+
 /// The nvme step over the tiles (see the module docs): reads run
 /// `schedule.ahead` tiles in front of the update, writes behind it (with
 /// `write_behind`), within the pool's buffers.
@@ -748,6 +1013,9 @@ struct Pipeline<'a> {
     trace: &'a RankTracer,
     kept: &'a mut [Option<Kept>],
     tracker: &'a MemoryTracker,
+    /// Whether a tile whose write failed is kept in host memory (else the
+    /// failure loses the state: streamed).
+    keep: bool,
     /// The first failed write (its tile, and any later one that failed,
     /// are in `kept`).
     write_failed: Option<Error>,
@@ -763,8 +1031,8 @@ impl Pipeline<'_> {
         &mut self,
         adam: &CpuAdamW,
         k: &GroupedStep<'_>,
-        grads: &[&[G]],
-        staging: &mut [P],
+        grads: &mut dyn GradFeed<G>,
+        out: &mut dyn ParamOut<P>,
     ) -> Result<()> {
         let n = self.tiles.len();
         let mut reads: VecDeque<IoTicket<PooledBuffer>> =
@@ -792,7 +1060,7 @@ impl Pipeline<'_> {
                     let must = next == t;
                     if writes.len() > 1 || (must && !writes.is_empty()) {
                         let (i, w) = writes.pop_front().expect("checked above");
-                        let span = self.trace.span("swap write", "offload");
+                        let span = self.trace.io_wait(Io::Write, "swap write");
                         let landed = self.land(i, w);
                         drop(span);
                         if let Err(e) = landed {
@@ -807,7 +1075,10 @@ impl Pipeline<'_> {
                 }
                 match self.pool.acquire(self.tiles[next].bytes()) {
                     Ok(buf) => {
-                        reads.push_back(self.swap.read(self.regions[next], buf));
+                        let id = self.regions[next];
+                        self.trace
+                            .io_bytes(Io::Read, self.swap.region_len(id).unwrap_or(0));
+                        reads.push_back(self.swap.read(id, buf));
                         next += 1;
                     }
                     Err(e) => {
@@ -817,7 +1088,7 @@ impl Pipeline<'_> {
                 }
             }
             let r = reads.pop_front().expect("tile t's read was submitted");
-            let span = self.trace.span("swap read", "offload");
+            let span = self.trace.io_wait(Io::Read, "swap read");
             let read = r.wait();
             drop(span);
             let mut buf = match read {
@@ -827,21 +1098,31 @@ impl Pipeline<'_> {
                     break;
                 }
             };
+            if let Err(e) = grads.prepare(self.tiles, t) {
+                lost = Some(e);
+                break;
+            }
             let span = self.trace.span("adam tile", "optimizer");
             let updated = buf
                 .as_mut_slice_of::<f32>()
                 .map_err(Error::from)
-                .and_then(|s| update_tile(adam, k, tile, &mut s[..3 * tile.len()], grads, staging));
+                .and_then(|s| {
+                    let low = out.low(self.tiles, t);
+                    update_tile(adam, k, tile, &mut s[..3 * tile.len()], &*grads, low)
+                });
             drop(span);
-            if let Err(e) = updated {
+            if let Err(e) = updated.and_then(|()| out.done(self.tiles, t)) {
                 lost = Some(e);
                 break;
             }
-            let w = self.swap.write(self.regions[t], buf);
+            let id = self.regions[t];
+            self.trace
+                .io_bytes(Io::Write, self.swap.region_len(id).unwrap_or(0));
+            let w = self.swap.write(id, buf);
             if self.schedule.write_behind {
                 writes.push_back((t, w));
             } else {
-                let span = self.trace.span("swap write", "offload");
+                let span = self.trace.io_wait(Io::Write, "swap write");
                 let landed = self.land(t, w);
                 drop(span);
                 if let Err(e) = landed {
@@ -851,14 +1132,14 @@ impl Pipeline<'_> {
             }
         }
         // Reads left over only after an error.
-        let span = (!reads.is_empty()).then(|| self.trace.span("swap read", "offload"));
+        let span = (!reads.is_empty()).then(|| self.trace.io_wait(Io::Read, "swap read"));
         for r in reads {
             if let Err(e) = r.wait() {
                 lost.get_or_insert(e.error.into());
             }
         }
         drop(span);
-        let _span = (!writes.is_empty()).then(|| self.trace.span("swap write", "offload"));
+        let _span = (!writes.is_empty()).then(|| self.trace.io_wait(Io::Write, "swap write"));
         for (i, w) in writes {
             if let Err(e) = self.land(i, w) {
                 lost.get_or_insert(e);
@@ -879,6 +1160,9 @@ impl Pipeline<'_> {
             Ok(_) => return Ok(()),
             Err(e) => e,
         };
+        if !self.keep {
+            return Err(error.into());
+        }
         let len = 3 * self.tiles[t].len();
         let mut state = Vec::new();
         let kept = state

@@ -37,8 +37,9 @@ use zero_core::partition::UnitLayout;
 use zero_core::Element;
 
 use super::devbuf::DevBuf;
+use super::grad_swap::GradSwap;
 use super::groups::{carve, GroupMap, GroupedStep};
-use super::offload::Offload;
+use super::offload::{Emit, Offload};
 use super::reducer::GradReducer;
 use crate::{Error, Result};
 
@@ -336,6 +337,24 @@ impl OptimizerShard {
             }
         }
         Ok(())
+    }
+
+    /// With `swap_gradients`: AdamW on the offloaded state unit by unit
+    /// over the swapped gradients (see [`Offload::step_streamed`]).
+    pub(crate) fn step_streamed<G: Element, P: Element>(
+        &mut self,
+        ks: &[AdamWStep],
+        grads: &mut GradSwap,
+        params: &mut [&mut [P]],
+        emit: &mut Emit<'_, P>,
+    ) -> Result<()> {
+        let gs = GroupedStep {
+            ks,
+            map: &self.groups,
+            bases: &self.bases,
+        };
+        let off = self.offload.as_mut().expect("optimizer offload");
+        off.step_streamed::<G, P>(&self.adam, &gs, grads, params, emit)
     }
 
     /// With optimizer offload: AdamW on the offloaded state, tile by tile

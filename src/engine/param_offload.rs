@@ -76,7 +76,7 @@ use zero_offload::{
 };
 
 use super::faults::{set_faults, FaultPlan};
-use crate::trace::{RankTracer, Tracer};
+use crate::trace::{Io, RankTracer, SwapTraffic, Tracer};
 use crate::{Error, Result};
 
 enum Home {
@@ -291,6 +291,11 @@ impl ParamOffload {
         self
     }
 
+    /// The swap traffic since the engine was built.
+    pub(crate) fn traffic(&self) -> SwapTraffic {
+        self.trace.traffic()
+    }
+
     /// Whether the shards are in a swap file.
     pub(crate) fn is_nvme(&self) -> bool {
         matches!(self.home, Home::Nvme { .. })
@@ -327,6 +332,8 @@ impl ParamOffload {
         }
         match self.pool.acquire(self.bytes[i].max(1)) {
             Ok(buf) => {
+                self.trace
+                    .io_bytes(Io::Read, swap.region_len(regions[i]).unwrap_or(0));
                 self.reads[i] = Some(swap.read(regions[i], buf));
                 self.pending += 1;
                 true
@@ -367,12 +374,13 @@ impl ParamOffload {
                         self.pending -= 1;
                         Ok(t)
                     }
-                    None => self
-                        .pool
-                        .acquire(n.max(1))
-                        .map(|buf| swap.read(regions[i], buf)),
+                    None => self.pool.acquire(n.max(1)).map(|buf| {
+                        self.trace
+                            .io_bytes(Io::Read, swap.region_len(regions[i]).unwrap_or(0));
+                        swap.read(regions[i], buf)
+                    }),
                 };
-                let span = self.trace.span("swap read", "offload");
+                let span = self.trace.io_wait(Io::Read, "swap read");
                 let r = ticket
                     .map_err(Error::from)
                     .and_then(|t| t.wait().map_err(|e| e.error.into()));
@@ -428,7 +436,7 @@ impl ParamOffload {
     /// Waits for every read issued ahead (end of a micro-batch: the next
     /// step changes the shards).
     pub(crate) fn drain_reads(&mut self) {
-        let _span = (self.pending > 0).then(|| self.trace.span("swap read", "offload"));
+        let _span = (self.pending > 0).then(|| self.trace.io_wait(Io::Read, "swap read"));
         for r in &mut self.reads {
             if let Some(t) = r.take() {
                 if let Err(e) = t.wait() {
@@ -497,7 +505,7 @@ impl ParamOffload {
                         Ok(b) => break b,
                         Err(e) => match self.writes.pop_front() {
                             Some(w) => {
-                                let _span = self.trace.span("swap write", "offload");
+                                let _span = self.trace.io_wait(Io::Write, "swap write");
                                 drop(w.wait().map_err(|e| e.error)?)
                             }
                             None => return Err(e.into()),
@@ -512,6 +520,8 @@ impl ParamOffload {
                 if let Some(c) = self.cache[i].as_mut() {
                     c[..n].copy_from_slice(&buf[..n]);
                 }
+                self.trace
+                    .io_bytes(Io::Write, swap.region_len(regions[i]).unwrap_or(0));
                 self.writes.push_back(swap.write(regions[i], buf));
                 Ok(())
             }
@@ -520,7 +530,7 @@ impl ParamOffload {
 
     /// Waits for every queued write; the first error.
     pub(crate) fn flush(&mut self) -> Result<()> {
-        let _span = (!self.writes.is_empty()).then(|| self.trace.span("swap write", "offload"));
+        let _span = (!self.writes.is_empty()).then(|| self.trace.io_wait(Io::Write, "swap write"));
         let mut first = None;
         for w in self.writes.drain(..) {
             if let Err(e) = w.wait() {

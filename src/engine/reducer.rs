@@ -70,6 +70,7 @@ use zero_core::{DType, Element};
 
 use super::devbuf::{map_dev, with_dev, DevBuf, DynLoan, DynWork};
 use super::dynbuf::{ring_bytes, DynBuf};
+use super::grad_swap::GradSwap;
 use crate::trace::Tracer;
 use crate::{Error, Result};
 
@@ -164,6 +165,36 @@ fn move_down(
     Ok(())
 }
 
+/// `swap_gradients`: stores unit `i`'s reduced section `src.0[src.1..][..s]`
+/// through the window `w` (the host syncs each stream it reads after):
+/// with `add` the unit's stored gradient is read into the window first;
+/// the unpack runs on the communication stream, its norm term there too,
+/// and the window's first `s` elements go to the swap file.
+fn store_unit<G: Element>(
+    backend: &CpuBackend,
+    gs: &mut GradSwap,
+    w: &mut CpuBuffer<G>,
+    src: (&DevBuf, usize),
+    i: usize,
+    s: usize,
+    add: bool,
+) -> Result<()> {
+    let (buf, off) = src;
+    if add {
+        backend.sync(&backend.record(Stream::Comm)?)?;
+        gs.load(i, backend.host_slice_mut(w, 0..s)?);
+    }
+    with_dev!(buf, b => {
+        let mut piece = UnpackPiece::<CpuBackend, _> { dst: &mut *w, dst_at: 0, src_at: off, len: s };
+        backend.unpack(Stream::Comm, b, std::slice::from_mut(&mut piece), add)?;
+    });
+    let sums = backend.sum_squares(Stream::Comm, &[(&*w, gs.norm_range(i))])?;
+    backend.sync(&backend.record(Stream::Comm)?)?;
+    let sum = backend.read_scalars(&sums)?[0];
+    gs.store(i, backend.host_slice(w, 0..s)?, sum);
+    Ok(())
+}
+
 /// A bucket of gradients being filled.
 struct OpenBucket {
     buf: DevBuf,
@@ -226,6 +257,11 @@ pub(crate) struct GradReducer {
     /// gradient shard that feeds the CPU AdamW (accounted in the host
     /// tier).
     acc: Vec<Option<DevBuf>>,
+    /// `swap_gradients`: the accumulated shards live in this swap file
+    /// (every `acc` is `None`), each unit unpacked into `window` and
+    /// stored from there.
+    gswap: Option<GradSwap>,
+    window: Option<DevBuf>,
     /// The buffers lent to the trainer, by unit.
     loans: Vec<Option<DynLoan>>,
     state: Vec<GradState>,
@@ -273,6 +309,7 @@ impl GradReducer {
         tracker: &MemoryTracker,
         backend: CpuBackend,
         skip: Option<SkipWait>,
+        gswap: Option<GradSwap>,
     ) -> Result<Self> {
         let stage = cfg.zero.stage;
         let pdt = match cfg.precision {
@@ -297,7 +334,7 @@ impl GradReducer {
             } else {
                 None
             });
-            acc.push(if alias {
+            acc.push(if alias || gswap.is_some() {
                 None
             } else {
                 let len = if stage == 0 { full } else { layout.shard_len };
@@ -311,6 +348,17 @@ impl GradReducer {
                 Some(a)
             });
         }
+        // swap_gradients: one home-sized window for the unit being stored.
+        let window = match &gswap {
+            Some(_) => {
+                let len = plan.units().iter().map(|l| l.shard_len).max().unwrap_or(0);
+                let mut w = DevBuf::alloc(&backend, comm, adt, len.max(1), "gradient window")?;
+                w.prefault(&backend)?;
+                allocs.push(tracker.allocate(Tier::Host, Category::Grads, w.bytes()));
+                Some(w)
+            }
+            None => None,
+        };
         let (bucket_cap, count) = buckets(cfg, plan);
         let overlap = overlaps(cfg);
         let mut free = Vec::new();
@@ -347,6 +395,8 @@ impl GradReducer {
             pool: HashMap::new(),
             grads,
             acc,
+            gswap,
+            window,
             loans: (0..n).map(|_| None).collect(),
             state: plan
                 .units()
@@ -381,7 +431,17 @@ impl GradReducer {
     /// Whether unit gradients are accumulated in a separate buffer (in the
     /// accumulation dtype, the rank's shard beyond stage 0).
     pub(crate) fn has_acc(&self, i: usize) -> bool {
-        self.acc[i].is_some()
+        self.acc[i].is_some() || self.gswap.is_some()
+    }
+
+    /// With `swap_gradients`: the swap file of the accumulated shards.
+    pub(crate) fn grad_swap(&self) -> Option<&GradSwap> {
+        self.gswap.as_ref()
+    }
+
+    /// With `swap_gradients`: the swap file of the accumulated shards.
+    pub(crate) fn grad_swap_mut(&mut self) -> Option<&mut GradSwap> {
+        self.gswap.as_mut()
     }
 
     /// The gradient home of unit `i`: the separate accumulation buffer, or
@@ -424,7 +484,13 @@ impl GradReducer {
 
     /// The dtype of the gradient homes (one for every unit).
     pub(crate) fn home_dtype(&self) -> Option<DType> {
-        (!self.state.is_empty()).then(|| self.home(0).dtype())
+        if self.state.is_empty() {
+            return None;
+        }
+        Some(match &self.gswap {
+            Some(g) => g.dtype(),
+            None => self.home(0).dtype(),
+        })
     }
 
     /// Lends unit `i`'s gradient buffer to the trainer, zeroed: the
@@ -715,6 +781,12 @@ impl GradReducer {
             let mut off = rank * section;
             for &i in &f.units {
                 let s = self.shard[i];
+                if let (Some(gs), Some(w)) = (self.gswap.as_mut(), self.window.as_mut()) {
+                    let _span = tracer.span(rank, "grad to swap", "offload");
+                    with_dev!(&mut *w, b => store_unit(backend, gs, b, (&buf, off), i, s, add)?);
+                    off += s;
+                    continue;
+                }
                 match self.acc[i].as_mut() {
                     Some(acc) => unpack(backend, &buf, off, acc, 0, s, add)?,
                     None => {
@@ -825,6 +897,9 @@ impl GradReducer {
         let backend = &self.backend;
         for h in self.acc.iter_mut().chain(self.grads.iter_mut()).flatten() {
             h.host_zero(backend)?;
+        }
+        if let Some(gs) = self.gswap.as_mut() {
+            gs.reset();
         }
         Ok(())
     }

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+pub use crate::trace::SwapTraffic;
+
 /// Time and traffic counters, for benchmarks and logs. Times are wall
 /// time this rank spent in each phase; bytes are what this rank sent, as a
 /// ring algorithm moves them ((N-1)/N of the buffer per reduce-scatter or
@@ -50,4 +52,12 @@ pub struct EngineStats {
     /// Stage 3: micro-batches whose gather order differed from the recorded
     /// one (or ended early), so that their order was recorded instead.
     pub gather_order_changes: u64,
+    /// `offload_optimizer.device = "nvme"`: the optimizer swap file's
+    /// traffic (refreshed at the end of every `step()` call).
+    pub optimizer_swap: SwapTraffic,
+    /// `offload_param.device = "nvme"`: the parameter swap file's traffic.
+    pub param_swap: SwapTraffic,
+    /// `offload_optimizer.swap_gradients`: the gradient swap file's
+    /// traffic.
+    pub grad_swap: SwapTraffic,
 }

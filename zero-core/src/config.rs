@@ -447,6 +447,9 @@ pub struct OffloadOptimizerBlock {
     /// `ratio`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio: Option<f64>,
+    /// `swap_gradients` (zero's own key).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub swap_gradients: Option<bool>,
 }
 
 /// The `zero_optimization.offload_param` block.
@@ -825,6 +828,15 @@ pub struct OffloadOptimizerConfig {
     /// `ratio`: fraction of optimizer state offloaded, in [0, 1]; below 1
     /// only with stage 3. Default 1.0.
     pub ratio: f64,
+    /// `swap_gradients` (zero's own key; needs `device` nvme): the rank's
+    /// accumulated gradient shard goes to the swap file unit by unit as
+    /// its buckets are reduced (its norm term taken on the way, as
+    /// DeepSpeed's ZeRO-Infinity does), and the step streams unit by
+    /// unit: host memory holds no whole-shard gradient or parameter
+    /// buffer, so it does not grow with the model. A failed swap write
+    /// then loses the state (resume from the last checkpoint) instead of
+    /// keeping the failed tiles in host memory. Default false.
+    pub swap_gradients: bool,
 }
 
 impl Default for OffloadOptimizerConfig {
@@ -840,6 +852,7 @@ impl Default for OffloadOptimizerConfig {
             pipeline_write: true,
             fast_init: false,
             ratio: DEFAULT_OFFLOAD_RATIO,
+            swap_gradients: false,
         }
     }
 }
@@ -997,6 +1010,15 @@ impl ResolvedConfig {
             if oo.device == OffloadDevice::Nvme {
                 need_path(OO, &oo.nvme_path)?;
             }
+        }
+        if oo.swap_gradients && (oo.device != OffloadDevice::Nvme || z.stage == 0) {
+            return Err(config_error(
+                format!("{OO}.swap_gradients"),
+                format!(
+                    "swapping gradients needs {OO}.device \"nvme\" at stage 1, 2 or 3 (device \"{}\", stage {})",
+                    oo.device, z.stage
+                ),
+            ));
         }
         if z.stage != 3 {
             return Ok(());
@@ -1472,6 +1494,7 @@ impl Block for OffloadOptimizerBlock {
             pipeline_write: s.boolean("pipeline_write")?,
             fast_init: s.boolean("fast_init")?,
             ratio: s.number("ratio")?,
+            swap_gradients: s.boolean("swap_gradients")?,
         };
         s.finish(w);
         Ok(b)
@@ -2309,6 +2332,22 @@ fn resolve_offload_optimizer(
             format!("a ratio below 1 (partial offload) needs ZeRO stage 3, got stage {stage}"),
         ));
     }
+    let swap_gradients = b.swap_gradients.unwrap_or(false);
+    if swap_gradients && device != OffloadDevice::Nvme {
+        return Err(config_err(
+            format!("{P}.swap_gradients"),
+            format!(
+                "swapping gradients needs {P}.device \"nvme\", got {:?}",
+                b.device.as_deref().unwrap_or("none")
+            ),
+        ));
+    }
+    if swap_gradients && ratio < 1.0 {
+        return Err(config_err(
+            format!("{P}.swap_gradients"),
+            format!("swapping gradients needs the whole optimizer state offloaded ({P}.ratio 1), got ratio {ratio}"),
+        ));
+    }
     Ok(OffloadOptimizerConfig {
         device,
         nvme_path: b.nvme_path.clone(),
@@ -2322,6 +2361,7 @@ fn resolve_offload_optimizer(
         pipeline_write: b.pipeline_write.unwrap_or(true),
         fast_init: b.fast_init.unwrap_or(false),
         ratio,
+        swap_gradients,
     })
 }
 

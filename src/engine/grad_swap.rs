@@ -1,0 +1,375 @@
+//! Gradient swap (`zero_optimization.offload_optimizer.swap_gradients`,
+//! with the optimizer state on nvme): the rank's accumulated gradient
+//! shard lives in its own swap file, one region per unit, instead of
+//! host memory, so that host memory does not grow with the model (the
+//! fp32 gradient shard of a 4B-parameter model is 16 GB on its own).
+//!
+//! ```text
+//!  bucket reduced ─▶ unpack unit u into a window buffer (A dtype)
+//!                      │  (later micro-batches: read u's region first, add)
+//!                      ├─▶ norm term of u (sum of squares, kept per unit)
+//!                      └─▶ copy into a pool buffer ─▶ write region "grad<u>"
+//!  step:  tile by tile, each unit's region is read (one ahead) while its
+//!         tiles are updated
+//! ```
+//!
+//! As DeepSpeed's ZeRO-Infinity does, the norm is taken as the gradient
+//! goes to the swap file: unit `u`'s term is the sum of squares of its
+//! accumulated shard after the last micro-batch, the same function of the
+//! same values as without the swap, so the norm, the clipping and the
+//! update have the same bits.
+//!
+//! Every buffer comes from a [`HostPool`] of `buffer_count` buffers of the
+//! largest unit's shard, allocated at build. A failed write or read in
+//! the backward pass does not leave the collectives (every rank keeps
+//! reducing): it is kept and reported by [`GradSwap::check`] before the
+//! step, which then fails on every rank with nothing updated.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+
+use zero_core::config::ResolvedConfig;
+use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
+use zero_core::partition::PartitionPlan;
+use zero_core::{DType, Element};
+use zero_offload::{
+    HostPool, HostPoolOptions, IoTicket, PooledBuffer, RegionId, RegionSpec, SwapFile, SwapOptions,
+};
+
+use super::faults::{set_faults, FaultPlan};
+use super::optimizer::relative;
+use crate::trace::{Io, RankTracer, SwapTraffic, Tracer};
+use crate::{Error, Result};
+
+/// The options of rank `rank`'s gradient swap file (under the optimizer's
+/// `nvme_path`).
+fn swap_options(cfg: &ResolvedConfig, rank: usize) -> SwapOptions {
+    let dir = cfg
+        .zero
+        .offload_optimizer
+        .nvme_path
+        .clone()
+        .unwrap_or_default();
+    let mut options = SwapOptions::from_aio(dir, rank, &cfg.zero.aio);
+    options.tag = "gradients".into();
+    options
+}
+
+/// One region per unit with a gradient (`bytes[u] > 0`).
+fn regions(bytes: &[usize]) -> Vec<RegionSpec> {
+    bytes
+        .iter()
+        .enumerate()
+        .filter(|(_, &b)| b > 0)
+        .map(|(u, &b)| RegionSpec::new(format!("grad{u}"), b as u64))
+        .collect()
+}
+
+/// The length of rank `rank`'s gradient swap file for gradient homes of
+/// `bytes[u]` bytes (0: the unit has no gradient), known before anything
+/// is allocated (the disk-space check).
+pub(crate) fn swap_file_len(cfg: &ResolvedConfig, rank: usize, bytes: &[usize]) -> Result<u64> {
+    Ok(SwapFile::planned_len(
+        &swap_options(cfg, rank),
+        &regions(bytes),
+    )?)
+}
+
+/// Per unit: the bytes of its gradient home (the rank's shard in the
+/// accumulation dtype; 0 for a unit with only frozen tensors).
+pub(crate) fn home_bytes(cfg: &ResolvedConfig, plan: &PartitionPlan) -> Vec<usize> {
+    let size = cfg.grad_accum_dtype.size_in_bytes();
+    plan.units()
+        .iter()
+        .map(|l| {
+            if l.is_trainable() {
+                l.shard_len * size
+            } else {
+                0
+            }
+        })
+        .collect()
+}
+
+/// The host buffers of the gradient swap: how many, and their size (the
+/// memory plan's figure, also the estimator's).
+pub(crate) fn pool_buffers(cfg: &ResolvedConfig, largest_home_bytes: usize) -> (usize, usize) {
+    (
+        cfg.zero.offload_optimizer.buffer_count.max(2),
+        largest_home_bytes.max(1),
+    )
+}
+
+/// The gradient swap file of one rank.
+pub(crate) struct GradSwap {
+    rank: usize,
+    swap: SwapFile,
+    /// Per unit: its region (`None`: no gradient).
+    regions: Vec<Option<RegionId>>,
+    /// Per unit: the bytes of its gradient home.
+    bytes: Vec<usize>,
+    dtype: DType,
+    pool: HostPool,
+    /// Writes in flight, oldest first.
+    writes: VecDeque<(usize, IoTicket<PooledBuffer>)>,
+    /// Reads issued ahead for the step, oldest first.
+    reads: VecDeque<(usize, IoTicket<PooledBuffer>)>,
+    /// Per unit: the norm's range of its home.
+    norm: Vec<Range<usize>>,
+    /// Per unit: the sum of squares of what was last stored.
+    sums: Vec<f64>,
+    /// The first error of the backward pass (reported by `check`).
+    failed: Option<Error>,
+    trace: RankTracer,
+    _allocs: Vec<Allocation>,
+}
+
+impl GradSwap {
+    /// Creates the swap file (one region per unit whose home has
+    /// `bytes[u] > 0` bytes of `dtype`) and the pool.
+    pub(crate) fn new(
+        cfg: &ResolvedConfig,
+        plan: &PartitionPlan,
+        rank: usize,
+        tracker: &MemoryTracker,
+        faults: Option<FaultPlan>,
+    ) -> Result<GradSwap> {
+        let dtype = cfg.grad_accum_dtype;
+        let bytes = home_bytes(cfg, plan);
+        // The norm's terms: the rank's real elements of each shard (as
+        // `OptimizerShard`'s ranges with a separate accumulation buffer).
+        let norm = plan
+            .units()
+            .iter()
+            .map(|l| relative(l.real_range(rank), rank * l.shard_len))
+            .collect();
+        let mut options = swap_options(cfg, rank);
+        set_faults(&mut options, faults);
+        let specs = regions(&bytes);
+        let swap = SwapFile::create(options, &specs)?;
+        let mut ids = Vec::with_capacity(bytes.len());
+        for (u, &b) in bytes.iter().enumerate() {
+            ids.push(if b > 0 {
+                Some(swap.region(&format!("grad{u}"))?)
+            } else {
+                None
+            });
+        }
+        let largest = bytes.iter().copied().max().unwrap_or(0);
+        let (count, size) = pool_buffers(cfg, largest);
+        let pool = HostPool::new(
+            &vec![size; count],
+            HostPoolOptions {
+                name: format!("rank {rank} gradient swap"),
+                pin_memory: cfg.zero.offload_optimizer.pin_memory,
+                ..HostPoolOptions::default()
+            },
+        )?;
+        let allocs = vec![
+            tracker.allocate(Tier::Nvme, Category::Grads, swap.file_len()),
+            tracker.allocate(Tier::Host, Category::CommBuffers, pool.bytes_held()),
+        ];
+        let n = bytes.len();
+        Ok(GradSwap {
+            rank,
+            swap,
+            regions: ids,
+            bytes,
+            dtype,
+            pool,
+            writes: VecDeque::new(),
+            reads: VecDeque::new(),
+            norm,
+            sums: vec![0.0; n],
+            failed: None,
+            trace: RankTracer::default(),
+            _allocs: allocs,
+        })
+    }
+
+    /// Records spans (`grad swap write`, `grad swap read`) of `rank`.
+    pub(crate) fn traced(mut self, tracer: Tracer, rank: usize) -> Self {
+        self.trace = RankTracer::new(tracer, rank);
+        self
+    }
+
+    /// This rank.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The swap file's path.
+    pub(crate) fn path(&self) -> &std::path::Path {
+        self.swap.path()
+    }
+
+    /// Warnings of the swap file (the `O_DIRECT` fallback).
+    pub(crate) fn warnings(&self) -> Vec<String> {
+        self.swap.warnings().to_vec()
+    }
+
+    /// Unit `u`'s norm range of its home.
+    pub(crate) fn norm_range(&self, u: usize) -> Range<usize> {
+        self.norm[u].clone()
+    }
+
+    fn region(&self, u: usize) -> Result<RegionId> {
+        self.regions[u].ok_or_else(|| Error::Usage {
+            rank: self.rank,
+            what: format!("internal: unit #{u} has no gradient region"),
+        })
+    }
+
+    /// A pool buffer of `bytes`, waiting for the oldest write when none is
+    /// free (a failed write is kept as the first error).
+    fn buffer(&mut self, bytes: usize) -> Result<PooledBuffer> {
+        while self.pool.available() == 0 {
+            let Some((_, w)) = self.writes.pop_front() else {
+                break;
+            };
+            let _span = self.trace.io_wait(Io::Write, "grad swap write");
+            if let Err(e) = w.wait() {
+                self.failed.get_or_insert(e.error.into());
+            }
+        }
+        Ok(self.pool.acquire(bytes)?)
+    }
+
+    /// Stores unit `u`'s accumulated gradient `home` (its whole home, in
+    /// the home dtype) and its norm term `sum`: copied into a pool buffer
+    /// and written behind. An error here is kept for
+    /// [`GradSwap::check`]; the backward pass goes on.
+    pub(crate) fn store<G: Element>(&mut self, u: usize, home: &[G], sum: f64) {
+        self.sums[u] = sum;
+        let r = (|| -> Result<()> {
+            let id = self.region(u)?;
+            let mut buf = self.buffer(self.bytes[u])?;
+            buf.as_mut_slice_of::<G>()?[..home.len()].copy_from_slice(home);
+            self.trace.io_bytes(Io::Write, self.bytes_of(id));
+            self.writes.push_back((u, self.swap.write(id, buf)));
+            Ok(())
+        })();
+        if let Err(e) = r {
+            self.failed.get_or_insert(e);
+        }
+    }
+
+    /// Reads unit `u`'s stored gradient into `out` (a later micro-batch
+    /// adds to it); the writes in flight land first. A failed read leaves
+    /// `out` as it is and is kept for [`GradSwap::check`].
+    pub(crate) fn load<G: Element>(&mut self, u: usize, out: &mut [G]) {
+        let r = (|| -> Result<()> {
+            self.flush_writes();
+            let id = self.region(u)?;
+            let buf = self.buffer(self.bytes[u])?;
+            let _span = self.trace.io_wait(Io::Read, "grad swap read");
+            self.trace.io_bytes(Io::Read, self.bytes_of(id));
+            let buf = self.swap.read(id, buf).wait().map_err(|e| e.error)?;
+            out.copy_from_slice(&buf.as_slice_of::<G>()?[..out.len()]);
+            Ok(())
+        })();
+        if let Err(e) = r {
+            self.failed.get_or_insert(e);
+        }
+    }
+
+    /// Waits for every write in flight (a failure is kept).
+    fn flush_writes(&mut self) {
+        let _span =
+            (!self.writes.is_empty()).then(|| self.trace.io_wait(Io::Write, "grad swap write"));
+        while let Some((_, w)) = self.writes.pop_front() {
+            if let Err(e) = w.wait() {
+                self.failed.get_or_insert(e.error.into());
+            }
+        }
+    }
+
+    /// Before the step: every write landed, and the first error of the
+    /// backward pass, if any (then the gradients are incomplete and the
+    /// step must not run). The error is reported once.
+    pub(crate) fn check(&mut self) -> Result<()> {
+        self.flush_writes();
+        match self.failed.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Drops what the backward pass stored (`zero_grad`, an aborted
+    /// micro-batch): the writes in flight land, errors are forgotten (the
+    /// next micro-batch rewrites every region it uses).
+    pub(crate) fn reset(&mut self) {
+        self.flush_writes();
+        self.drain_reads();
+        self.failed = None;
+        self.sums.iter_mut().for_each(|s| *s = 0.0);
+    }
+
+    /// This rank's part of the squared norm: the units' terms in unit
+    /// order.
+    pub(crate) fn sum_squares(&self) -> f64 {
+        self.sums.iter().fold(0f64, |a, s| a + s)
+    }
+
+    /// The step: issues the read of unit `u`'s gradient ahead (a unit
+    /// without a gradient is skipped).
+    pub(crate) fn read_ahead(&mut self, u: usize) -> Result<()> {
+        if self.regions[u].is_none() || self.reads.iter().any(|(v, _)| *v == u) {
+            return Ok(());
+        }
+        let id = self.region(u)?;
+        let buf = self.pool.acquire(self.bytes[u])?;
+        self.trace.io_bytes(Io::Read, self.bytes_of(id));
+        self.reads.push_back((u, self.swap.read(id, buf)));
+        Ok(())
+    }
+
+    /// The step: unit `u`'s gradient (read ahead, or now), as a pool
+    /// buffer of the home dtype. Reads issued ahead for units before `u`
+    /// are dropped.
+    pub(crate) fn take(&mut self, u: usize) -> Result<PooledBuffer> {
+        while let Some((v, r)) = self.reads.pop_front() {
+            let _span = self.trace.io_wait(Io::Read, "grad swap read");
+            let got = r.wait().map_err(|e| Error::from(e.error));
+            if v == u {
+                return got;
+            }
+        }
+        let id = self.region(u)?;
+        let buf = self.pool.acquire(self.bytes[u])?;
+        let _span = self.trace.io_wait(Io::Read, "grad swap read");
+        self.trace.io_bytes(Io::Read, self.bytes_of(id));
+        self.swap.read(id, buf).wait().map_err(|e| e.error.into())
+    }
+
+    /// Waits for the reads issued ahead (after an error in the step).
+    pub(crate) fn drain_reads(&mut self) {
+        while let Some((_, r)) = self.reads.pop_front() {
+            let _ = r.wait();
+        }
+    }
+
+    /// The bytes a request of region `id` moves.
+    fn bytes_of(&self, id: RegionId) -> u64 {
+        self.swap.region_len(id).unwrap_or(0)
+    }
+
+    /// The swap traffic since the engine was built.
+    pub(crate) fn traffic(&self) -> SwapTraffic {
+        self.trace.traffic()
+    }
+
+    /// The home dtype.
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
+    }
+}
+
+impl Drop for GradSwap {
+    /// Requests still in flight hold pool buffers and point into the
+    /// file: they land before either goes.
+    fn drop(&mut self) {
+        self.flush_writes();
+        self.drain_reads();
+    }
+}
