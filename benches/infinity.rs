@@ -26,7 +26,9 @@
 //!   `gather` and `reduce` spans outside the swap waits) and
 //!   **compute** (the rest: forward, backward, AdamW, copies), and the
 //!   bytes the process read from and wrote to the disk
-//!   (`/proc/self/io`: every rank's swap traffic);
+//!   (`/proc/self/io`: every rank's swap traffic); and per swap file
+//!   (optimizer, parameter, gradient) rank 0's bytes and waits of the
+//!   median step (`EngineStats::{optimizer,param,grad}_swap`);
 //! - tokens/s (padded tokens of every rank, median step);
 //! - I/O against the disk: a raw `O_DIRECT` baseline of the same
 //!   directory measured in the same run, after training (1, 2 and 4
@@ -44,11 +46,12 @@
 //!   CPU backend's device memory is host memory) and the memory
 //!   tracker's measured peaks. Issue 21's target: within 10%.
 //!
-//! With `--swap-gradients` the config sets
-//! `zero_optimization.offload_optimizer.swap_gradients: true` (gradients
-//! go to a swap file as they are reduced; without it the fp32 gradient
-//! shard stays in host memory); a build that does not know the key is an
-//! error. Too little free space under `--dir` is the engine's error
+//! The config sets `zero_optimization.offload_optimizer.swap_gradients:
+//! true` (the accumulated gradient shard goes to its own swap file unit
+//! by unit as buckets are reduced, and the step streams unit by unit: host
+//! memory does not grow with the model); `--no-swap-gradients` leaves it
+//! out, for comparison (the fp32 gradient shard, 4 bytes per parameter,
+//! then stays in host memory). Too little free space under `--dir` is the engine's error
 //! (naming the path and both figures), before anything is written.
 //!
 //! Output: the tables on stdout and `target/zero-bench/infinity.json`;
@@ -59,7 +62,7 @@
 //!
 //! ```sh
 //! cargo bench --bench infinity -- --params 50e6 --steps 5 --dir /mnt/nvme/zero
-//! cargo bench --bench infinity -- --params 4e9 --dir /mnt/nvme/zero --swap-gradients
+//! cargo bench --bench infinity -- --params 4e9 --dir /mnt/nvme/zero
 //! ```
 //!
 //! Other options: `--batch B` (samples per rank per step, default 4),
@@ -69,7 +72,12 @@
 //! default 4), `--io-threads T` (`aio.intra_op_parallelism`, default 1),
 //! `--max-in-cpu E` (`offload_param.max_in_cpu`, default 0: every
 //! parameter shard read from its file), `--checkpointing` (activation
-//! checkpointing), `--raw-bytes N`.
+//! checkpointing), `--raw-bytes N`, `--plan` (print the model, the
+//! memory plan and the swap files' bytes against the free space, and
+//! stop: what a size would need, without running it),
+//! `--grad-accum-dtype fp32|bf16|fp16` (`data_types.grad_accum_dtype`:
+//! the gradient swap file holds 4 bytes per parameter in fp32, the
+//! default, 2 in bf16).
 
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
@@ -82,10 +90,11 @@ use zero::comm::{Communicator, ReduceOp, ThreadComm, ThreadGroup};
 use zero::core::config::{AutoValues, DeepSpeedConfig, ResolvedConfig};
 use zero::core::memory::Tier;
 use zero::core::{bf16, HostBuffer};
+use zero::engine::SwapTraffic;
 use zero::estimate::{estimate, format_bytes, LlamaDims, Model, Workload};
 use zero::offload::AlignedBuf;
 use zero::trace::{write_chrome_trace, Event};
-use zero::{Engine, Tracer};
+use zero::{Engine, EngineStats, Tracer};
 use zero_llama as llama;
 
 use llama::data;
@@ -127,6 +136,11 @@ struct Args {
     checkpointing: bool,
     raw_bytes: Option<u64>,
     trace: Option<PathBuf>,
+    /// `--plan`: print the model, the plan and the disk need, and stop.
+    plan_only: bool,
+    /// `--grad-accum-dtype`: `data_types.grad_accum_dtype` (default the
+    /// engine's, fp32).
+    grad_accum: Option<String>,
 }
 
 fn parse_args() -> Args {
@@ -147,10 +161,12 @@ fn parse_args() -> Args {
         buffers: 4,
         io_threads: 1,
         max_in_cpu: 0,
-        swap_gradients: false,
+        swap_gradients: true,
         checkpointing: false,
         raw_bytes: None,
         trace: None,
+        plan_only: false,
+        grad_accum: None,
     };
     let mut it = std::env::args().skip(1);
     // Integers may be written as floats (`4e9`, `16e6`), as in DeepSpeed's
@@ -200,8 +216,15 @@ fn parse_args() -> Args {
                     count("--max-in-cpu", Some(s))
                 };
             }
-            "--swap-gradients" => a.swap_gradients = true,
+            "--no-swap-gradients" => a.swap_gradients = false,
             "--checkpointing" => a.checkpointing = true,
+            "--plan" => a.plan_only = true,
+            "--grad-accum-dtype" => {
+                a.grad_accum = Some(
+                    it.next()
+                        .unwrap_or_else(|| fail("--grad-accum-dtype needs fp32, bf16 or fp16")),
+                )
+            }
             "--raw-bytes" => a.raw_bytes = Some(count("--raw-bytes", it.next()) as u64),
             "--trace" => {
                 a.trace = Some(PathBuf::from(
@@ -226,10 +249,18 @@ fn parse_args() -> Args {
 /// A Llama shape of about `params` parameters with vocabulary `vocab`:
 /// Llama's width grows as the cube root of the size (7B: width 4096, 32
 /// layers, i.e. layers ≈ width / 128 and Ψ ≈ 12 · layers · width²);
-/// the width is rounded to a multiple of 64, the layers fill `params`.
+/// the width is rounded to a multiple of 64 (256 from 2048 on), the
+/// layers fill `params`.
 fn shape_for(params: f64, vocab: usize) -> (usize, usize, usize, usize) {
-    let dim = (((params * 128.0 / 12.0).cbrt() / 64.0).round() as usize).max(4) * 64;
-    let head_dim = if dim >= 2048 { 128 } else { 64 };
+    let width = (params * 128.0 / 12.0).cbrt();
+    // Heads of 128 from width 2048 on (the width a multiple of 256), of
+    // 64 below (a multiple of 64).
+    let (head_dim, step) = if width >= 2048.0 {
+        (128, 256)
+    } else {
+        (64, 64)
+    };
+    let dim = ((width / step as f64).round() as usize).max(4) * step;
     let heads = dim / head_dim;
     let kv_heads = if heads % 4 == 0 { heads / 4 } else { heads };
     let d = LlamaDims {
@@ -308,7 +339,7 @@ fn ds_config(a: &Args, dir: &Path, unit: usize, tile: usize) -> serde_json::Valu
     if a.swap_gradients {
         offload_optimizer["swap_gradients"] = json!(true);
     }
-    json!({
+    let mut doc = json!({
         "train_micro_batch_size_per_gpu": a.batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
@@ -346,19 +377,23 @@ fn ds_config(a: &Args, dir: &Path, unit: usize, tile: usize) -> serde_json::Valu
             }
         },
         "aio": { "intra_op_parallelism": a.io_threads }
-    })
+    });
+    if let Some(d) = &a.grad_accum {
+        doc["data_types"] = json!({ "grad_accum_dtype": d });
+    }
+    doc
 }
 
 /// Parses and resolves `doc`; a warning about `swap_gradients` (a build
-/// that does not know the key ignores it) is an error.
+/// that does not know the key would ignore it) is an error.
 fn resolve(doc: &serde_json::Value, ranks: usize) -> ResolvedConfig {
     let (ds, warnings) = DeepSpeedConfig::from_json_str(&doc.to_string())
         .unwrap_or_else(|e| fail(&format!("the bench's config: {e}")));
     for w in &warnings {
         if w.contains("swap_gradients") {
             fail(&format!(
-                "--swap-gradients: this build does not know \
-                 zero_optimization.offload_optimizer.swap_gradients ({w})"
+                "this build does not know zero_optimization.offload_optimizer.swap_gradients \
+                 ({w}); run with --no-swap-gradients"
             ));
         }
         eprintln!("config warning: {w}");
@@ -421,6 +456,9 @@ struct StepRow {
     /// Bytes the process read and wrote during the step (every rank).
     read: u64,
     written: u64,
+    /// Rank 0's traffic of each swap file during the step: optimizer,
+    /// parameter, gradient.
+    swaps: [SwapTraffic; 3],
 }
 
 /// What the run gave back.
@@ -432,6 +470,11 @@ struct RunResult {
     nvme_bytes: u64,
     param_swap_reads: u64,
     param_reads_ahead: u64,
+}
+
+/// The optimizer, parameter and gradient swap files' counters.
+fn swap_traffic(s: &EngineStats) -> [SwapTraffic; 3] {
+    [s.optimizer_swap, s.param_swap, s.grad_swap]
 }
 
 fn mean_over_ranks(comm: &ThreadComm, v: f32) -> zero::Result<f32> {
@@ -478,6 +521,7 @@ fn run_rank(
         let (tokens, targets) =
             data::make_batch(&samples, seq).map_err(|what| zero::Error::Usage { rank, what })?;
         e.comm().barrier().wait()?;
+        let swaps0 = swap_traffic(e.stats());
         let io0 = disk_io();
         let t = Instant::now();
         let span = tracer.span(rank, STEP_SPAN, "bench");
@@ -488,6 +532,7 @@ fn run_rank(
         let secs = t.elapsed().as_secs_f64();
         e.comm().barrier().wait()?;
         let io1 = disk_io();
+        let swaps1 = swap_traffic(e.stats());
         let loss = mean_over_ranks(e.comm(), st.loss)?;
         if rank == 0 {
             eprintln!(
@@ -502,6 +547,7 @@ fn run_rank(
             secs,
             read: io1.0 - io0.0,
             written: io1.1 - io0.1,
+            swaps: [0, 1, 2].map(|i| swaps1[i] - swaps0[i]),
         });
     }
     let tr = e.tracker();
@@ -796,6 +842,28 @@ fn main() {
         gib(planned)
     );
 
+    let free = zero::offload::free_space(&dir)
+        .unwrap_or_else(|e| fail(&format!("--dir: {e}")))
+        .available;
+    let nvme_need = ranks * est.tier_peak(Tier::Nvme);
+    println!(
+        "swap files planned: {} under {}, {} free there{}",
+        gib(nvme_need),
+        dir.display(),
+        gib(free),
+        if nvme_need > free {
+            " (too little: the engine's build will refuse)"
+        } else {
+            ""
+        }
+    );
+    if a.plan_only {
+        if made {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        return;
+    }
+
     let tracer = Tracer::new();
     let rss0 = proc_status_bytes("VmRSS");
     let t0 = Instant::now();
@@ -877,9 +945,21 @@ fn main() {
             100.0 * disk / s.secs,
             100.0 * hidden
         );
+        let files: Vec<serde_json::Value> = ["optimizer", "parameter", "gradient"]
+            .iter()
+            .zip(&s.swaps)
+            .map(|(n, t)| {
+                json!({
+                    "file": n, "read_bytes": t.read_bytes, "write_bytes": t.write_bytes,
+                    "read_wait_s": t.read_wait.as_secs_f64(),
+                    "write_wait_s": t.write_wait.as_secs_f64(),
+                })
+            })
+            .collect();
         rows_json.push(json!({
             "step": k + 1, "loss": s.loss, "secs": s.secs, "compute_s": sp.compute,
             "swap_read_wait_s": sp.read, "swap_write_wait_s": sp.write, "comm_wait_s": sp.comm,
+            "swap_files": files,
             "read_bytes": s.read, "write_bytes": s.written, "disk_s": disk, "hidden": hidden,
         }));
     }
@@ -921,6 +1001,27 @@ fn main() {
         100.0 * median(hidden_all),
         n = r.steps.len()
     );
+    let mid = {
+        let mut k: Vec<usize> = (1..r.steps.len()).collect();
+        k.sort_by(|&x, &y| r.steps[x].secs.total_cmp(&r.steps[y].secs));
+        k[k.len() / 2]
+    };
+    println!(
+        "swap traffic of rank 0 in step {} (the median step), per file (EngineStats):",
+        mid + 1
+    );
+    for (name, t) in ["optimizer", "parameter", "gradient"]
+        .iter()
+        .zip(&r.steps[mid].swaps)
+    {
+        println!(
+            "  {name:<9}: read {:>10} (waited {:.2} s), written {:>10} (waited {:.2} s)",
+            gib(t.read_bytes),
+            t.read_wait.as_secs_f64(),
+            gib(t.write_bytes),
+            t.write_wait.as_secs_f64()
+        );
+    }
     println!(
         "swap files: {} (all ranks); parameter shards read from swap: {} ({} issued ahead)",
         gib(r.nvme_bytes),
