@@ -262,7 +262,11 @@ fn shape_for(params: f64, vocab: usize) -> (usize, usize, usize, usize) {
     };
     let dim = ((width / step as f64).round() as usize).max(4) * step;
     let heads = dim / head_dim;
-    let kv_heads = if heads % 4 == 0 { heads / 4 } else { heads };
+    let kv_heads = if heads.is_multiple_of(4) {
+        heads / 4
+    } else {
+        heads
+    };
     let d = LlamaDims {
         vocab,
         hidden: dim,
@@ -464,9 +468,11 @@ struct StepRow {
 /// What the run gave back.
 struct RunResult {
     steps: Vec<StepRow>,
-    /// Peak bytes per tier of the largest rank ([`Tier::ALL`] order).
+    /// Peak bytes per tier ([`Tier::ALL`] order): of the largest rank
+    /// once the ranks are joined.
     peaks: [u64; 3],
-    /// The swap files' bytes (nvme tier once built), all ranks.
+    /// The swap files' bytes (nvme tier once built): of all ranks once
+    /// the ranks are joined.
     nvme_bytes: u64,
     param_swap_reads: u64,
     param_reads_ahead: u64,
@@ -492,7 +498,7 @@ fn run_rank(
     model_cfg: Config,
     seq: usize,
     tracer: &Tracer,
-) -> zero::Result<(Vec<StepRow>, [u64; 3], u64, u64, u64)> {
+) -> zero::Result<RunResult> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = (cores / world).max(1);
@@ -553,13 +559,13 @@ fn run_rank(
     let tr = e.tracker();
     let peaks = Tier::ALL.map(|t| tr.tier_peak(t));
     let stats = e.stats().clone();
-    Ok((
-        rows,
+    Ok(RunResult {
+        steps: rows,
         peaks,
-        nvme,
-        stats.param_swap_reads,
-        stats.param_reads_ahead,
-    ))
+        nvme_bytes: nvme,
+        param_swap_reads: stats.param_swap_reads,
+        param_reads_ahead: stats.param_reads_ahead,
+    })
 }
 
 fn run(
@@ -577,20 +583,19 @@ fn run(
     .enumerate()
     .map(|(r, x)| x.unwrap_or_else(|e| fail(&format!("rank {r}: {e}"))))
     .collect::<Vec<_>>();
+    // Rank 0's steps and counters, the largest rank's peaks, every
+    // rank's swap files.
     let mut peaks = [0u64; 3];
     for o in &outs {
-        for (p, &x) in peaks.iter_mut().zip(&o.1) {
+        for (p, &x) in peaks.iter_mut().zip(&o.peaks) {
             *p = (*p).max(x);
         }
     }
-    let nvme_bytes = outs.iter().map(|o| o.2).sum();
-    let (steps, _, _, param_swap_reads, param_reads_ahead) = outs.swap_remove(0);
+    let nvme_bytes = outs.iter().map(|o| o.nvme_bytes).sum();
     RunResult {
-        steps,
         peaks,
         nvme_bytes,
-        param_swap_reads,
-        param_reads_ahead,
+        ..outs.swap_remove(0)
     }
 }
 
