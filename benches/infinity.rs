@@ -309,21 +309,10 @@ fn model_config(a: &Args, seq: usize) -> Config {
         max_seq: seq,
         ..Config::small()
     };
-    if let Err(e) = dims(&c).validate() {
+    if let Err(e) = c.llama_dims().validate() {
         fail(&format!("the model's dimensions: {e}"));
     }
     c
-}
-
-fn dims(c: &Config) -> LlamaDims {
-    LlamaDims {
-        vocab: c.vocab,
-        hidden: c.dim,
-        intermediate: c.hidden,
-        layers: c.n_layers,
-        heads: c.n_heads,
-        kv_heads: c.n_kv_heads,
-    }
 }
 
 // ----------------------------------------------------------------------
@@ -789,7 +778,7 @@ fn main() {
     let train = data::addition_task(SEED).train;
     let seq = data::max_len(&train);
     let model_cfg = model_config(&a, seq);
-    let d = dims(&model_cfg);
+    let d = model_cfg.llama_dims();
     let model = Model::llama(d).unwrap_or_else(|e| fail(&format!("the model: {e}")));
     let psi = model.numel();
     let unit = model.units().iter().map(|u| u.numel()).max().unwrap_or(1);
