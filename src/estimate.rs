@@ -1098,7 +1098,8 @@ impl Setup {
     }
 
     /// `cfg` with this row's stage and offload devices (other settings
-    /// kept; `overlap_comm` turned on for stage 3, as DeepSpeed's default).
+    /// kept; `overlap_comm` turned on for stage 3, as DeepSpeed's default;
+    /// `offload_optimizer.swap_gradients` only on the nvme row).
     pub fn apply(self, cfg: &ResolvedConfig) -> ResolvedConfig {
         let (stage, oo, op) = self.parts();
         let mut c = cfg.clone();
@@ -1106,6 +1107,7 @@ impl Setup {
         c.zero.overlap_comm = c.zero.overlap_comm || stage == 3;
         c.zero.offload_optimizer.device = oo;
         c.zero.offload_param.device = op;
+        c.zero.offload_optimizer.swap_gradients &= oo == OffloadDevice::Nvme;
         c
     }
 

@@ -85,7 +85,12 @@ const VARIANTS: &[(&str, u8, bool, bool)] = &[
     ("stage 2", 2, false, false),
     ("stage 3", 3, false, false),
     ("stage 3 + nvme optimizer offload", 3, true, false),
-    ("stage 3 + ZeRO-Infinity (everything on nvme)", 3, true, true),
+    (
+        "stage 3 + ZeRO-Infinity (everything on nvme)",
+        3,
+        true,
+        true,
+    ),
 ];
 
 fn cfg(variant: usize, swap: &Path) -> ResolvedConfig {

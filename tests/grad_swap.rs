@@ -131,6 +131,17 @@ fn gradient_swap_is_bit_identical() {
             );
         }
     }
+    // overlap_comm flipped (off at stage 3, on at stage 2: reductions
+    // while backward goes on, with the stored gradients read ahead).
+    for stage in [2u8, 3] {
+        let mut base_cfg = config(2, stage, 3, Precision::Bf16);
+        base_cfg.zero.overlap_comm = stage == 2;
+        let base = train(2, &base_cfg, 3, MB);
+        let mut c = swap_config(2, stage, 3, Precision::Bf16, (97, 4), &dir);
+        c.zero.overlap_comm = stage == 2;
+        let t = train(2, &c, 3, MB);
+        assert_same_run(&base, &t, &format!("stage {stage} overlap_comm flipped"));
+    }
     // The hazard checker follows the window, the unpacks and the norm
     // terms on the communication stream.
     for stage in [2u8, 3] {
@@ -561,7 +572,10 @@ fn a_corrupted_gradient_block_fails_the_step_and_loses_nothing() {
                 }
             }
             if failed {
-                assert!(errors.len() < 2, "rank {rank}: the step keeps failing: {errors:?}");
+                assert!(
+                    errors.len() < 2,
+                    "rank {rank}: the step keeps failing: {errors:?}"
+                );
                 e.zero_grad().unwrap();
                 continue;
             }
@@ -582,10 +596,68 @@ fn a_corrupted_gradient_block_fails_the_step_and_loses_nothing() {
             assert!(errors[0].contains(&p), "rank 0: `{}`", errors[0]);
             assert!(errors[0].contains("checksum"), "rank 0: `{}`", errors[0]);
         } else {
-            assert!(errors[0].contains("gradient swap file of rank 0"), "`{}`", errors[0]);
+            assert!(
+                errors[0].contains("gradient swap file of rank 0"),
+                "`{}`",
+                errors[0]
+            );
         }
         assert_bits_eq(&reference, states, &format!("rank {r}"));
     }
     assert_no_files_left(&dir);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A checkpoint saved with the gradients swapped loads into an engine
+/// with the gradients swapped (and parameters on nvme) and without
+/// offload; both continue bit-identically to the run without offload.
+#[test]
+fn checkpoints_round_trip_with_swapped_gradients() {
+    let dir = tmp_dir("ckpt");
+    let ckpt = tmp_dir("ckpt-root");
+    let world = 2;
+    let reference = train(world, &config(world, 3, 2, Precision::Bf16), 4, MB).states;
+    let swapped = with_param_offload(
+        swap_config(world, 3, 2, Precision::Bf16, (97, 3), &dir),
+        OffloadDevice::Nvme,
+        &dir,
+    );
+    let run = |c: &ResolvedConfig, from: Option<&Path>, steps: std::ops::Range<usize>| {
+        ThreadGroup::run(world, |comm| {
+            let rank = comm.rank();
+            let mut b = Engine::builder(c.clone(), comm).seed(5);
+            let model = Mlp::register(&mut b, DIMS).unwrap();
+            let mut e = match from {
+                Some(p) => Engine::load_checkpoint(b, p).unwrap().0,
+                None => b.build().unwrap(),
+            };
+            for s in steps.clone() {
+                for m in 0..2 {
+                    let (x, y) = batch((((s * 2 + m) * world + rank) * MB) as u64, MB, DIMS[0]);
+                    model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                    e.step().unwrap();
+                }
+            }
+            if from.is_none() {
+                e.save_checkpoint(&ckpt, Value::Null).unwrap();
+            }
+            e.unit_ids()
+                .into_iter()
+                .map(|u| e.unit_state(u).unwrap())
+                .collect::<Vec<UnitState>>()
+        })
+        .unwrap()
+        .remove(0)
+    };
+    run(&swapped, None, 0..2);
+    for (what, c) in [
+        ("swapped", swapped.clone()),
+        ("no offload", config(world, 3, 2, Precision::Bf16)),
+    ] {
+        let got = run(&c, Some(&ckpt), 2..4);
+        assert_bits_eq(&reference, &got, &format!("resumed into {what}"));
+    }
+    assert_no_files_left(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&ckpt);
 }

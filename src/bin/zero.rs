@@ -44,6 +44,8 @@ Training:
   --stage S             ZeRO stage 0..=3 (default: the table of all setups)
   --offload D           offload_optimizer device: none, cpu or nvme (with --stage)
   --offload-param D     offload_param device: none, cpu or nvme (--stage 3)
+  --swap-gradients      offload_optimizer.swap_gradients (--offload nvme): the
+                        gradient shard goes to a swap file, the step streams
   --dtype T             bf16, fp16 or fp32 parameters and gradients (default bf16)
   --grad-accum-dtype T  data_types.grad_accum_dtype (default fp32, the engine's)
   --grad-accum N        gradient_accumulation_steps (default 1)
@@ -103,6 +105,7 @@ struct Opts {
     micro: Option<usize>,
     seq_len: Option<usize>,
     checkpointing: bool,
+    swap_gradients: bool,
     reduce_bucket_size: Option<usize>,
     config: Option<PathBuf>,
     lora_rank: Option<usize>,
@@ -161,6 +164,10 @@ fn parse(args: impl IntoIterator<Item = String>) -> Result<Option<Opts>, String>
         }
         if arg == "--activation-checkpointing" {
             o.checkpointing = true;
+            continue;
+        }
+        if arg == "--swap-gradients" {
+            o.swap_gradients = true;
             continue;
         }
         let (flag, inline) = match arg.split_once('=') {
@@ -389,6 +396,16 @@ fn config(o: &Opts, model: &Model) -> Result<ResolvedConfig, String> {
     if let Some(d) = o.offload_param {
         c.zero.offload_param.device = d;
     }
+    if o.swap_gradients {
+        if c.zero.offload_optimizer.device != OffloadDevice::Nvme {
+            return Err(
+                "--swap-gradients: needs the optimizer state on nvme (--offload nvme, or the \
+                 --config file's offload_optimizer.device)"
+                    .into(),
+            );
+        }
+        c.zero.offload_optimizer.swap_gradients = true;
+    }
     c.train_batch_size = c.micro_batch_size * c.gradient_accumulation_steps * c.world_size;
     Ok(c)
 }
@@ -578,6 +595,31 @@ mod tests {
         assert!(err("--params").starts_with("--params:"));
         assert!(err("--bogus 1").contains("--bogus"));
         assert!(err("--params 7e9 --stage 2 --offload-param cpu").contains("offload_param.device"));
+        assert!(err("--params 7e9 --stage 3 --offload cpu --swap-gradients")
+            .starts_with("--swap-gradients:"));
+    }
+
+    /// `--swap-gradients` moves the gradient shard from the host to the
+    /// nvme tier of the 3+nvme setup.
+    #[test]
+    fn swap_gradients_moves_the_gradient_shard_to_nvme() {
+        let tier = |flags: &str, tier: zero::core::memory::Tier| {
+            let o = parse(args(&format!(
+                "--params 1e9 --stage 3 --offload nvme --offload-param nvme {flags}"
+            )))
+            .unwrap()
+            .unwrap();
+            let m = model(&o).unwrap();
+            let c = config(&o, &m).unwrap();
+            let e = estimate(&m, &c, &Workload::default()).unwrap();
+            e.peak(tier, zero::core::memory::Category::Grads)
+        };
+        use zero::core::memory::Tier::{Host, Nvme};
+        // fp32: 4 bytes per parameter of the (one rank's) shard.
+        assert!(tier("", Host) >= 4_000_000_000, "{}", tier("", Host));
+        assert_eq!(tier("", Nvme), 0);
+        assert!(tier("--swap-gradients", Host) < 200_000_000);
+        assert!(tier("--swap-gradients", Nvme) >= 4_000_000_000);
     }
 
     #[test]

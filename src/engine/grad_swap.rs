@@ -220,19 +220,51 @@ impl GradSwap {
         })
     }
 
-    /// A pool buffer of `bytes`, waiting for the oldest write when none is
-    /// free (a failed write is kept as the first error).
+    /// A pool buffer of `bytes`, waiting for the oldest write (a failed
+    /// write is kept as the first error), or else dropping the oldest read
+    /// issued ahead, when none is free.
     fn buffer(&mut self, bytes: usize) -> Result<PooledBuffer> {
         while self.pool.available() == 0 {
-            let Some((_, w)) = self.writes.pop_front() else {
+            if let Some((_, w)) = self.writes.pop_front() {
+                let _span = self.trace.io_wait(Io::Write, "grad swap write");
+                if let Err(e) = w.wait() {
+                    self.failed.get_or_insert(e.error.into());
+                }
+            } else if let Some((_, r)) = self.reads.pop_front() {
+                let _span = self.trace.io_wait(Io::Read, "grad swap read");
+                let _ = r.wait();
+            } else {
                 break;
-            };
-            let _span = self.trace.io_wait(Io::Write, "grad swap write");
+            }
+        }
+        Ok(self.pool.acquire(bytes)?)
+    }
+
+    /// Waits for the writes in flight up to the last one of unit `u`.
+    fn land_writes_of(&mut self, u: usize) {
+        let Some(last) = self.writes.iter().rposition(|(v, _)| *v == u) else {
+            return;
+        };
+        let _span = self.trace.io_wait(Io::Write, "grad swap write");
+        for (_, w) in self.writes.drain(..=last) {
             if let Err(e) = w.wait() {
                 self.failed.get_or_insert(e.error.into());
             }
         }
-        Ok(self.pool.acquire(bytes)?)
+    }
+
+    /// A later micro-batch: issues the read of unit `u`'s stored gradient
+    /// ahead of [`GradSwap::load`] (when its bucket is reduced), while a
+    /// buffer is left for the stores. Loads come in the order of these
+    /// calls (the buckets' order).
+    pub(crate) fn prefetch(&mut self, u: usize) {
+        if self.regions[u].is_none() || self.pool.available() < 2 {
+            return;
+        }
+        self.land_writes_of(u);
+        if let Err(e) = self.read_ahead(u) {
+            self.failed.get_or_insert(e);
+        }
     }
 
     /// Stores unit `u`'s accumulated gradient `home` (its whole home, in
@@ -255,16 +287,22 @@ impl GradSwap {
     }
 
     /// Reads unit `u`'s stored gradient into `out` (a later micro-batch
-    /// adds to it); the writes in flight land first. A failed read leaves
+    /// adds to it): the read issued ahead by [`GradSwap::prefetch`], or
+    /// now, after the unit's writes in flight landed. A failed read leaves
     /// `out` as it is and is kept for [`GradSwap::check`].
     pub(crate) fn load<G: Element>(&mut self, u: usize, out: &mut [G]) {
         let r = (|| -> Result<()> {
-            self.flush_writes();
-            let id = self.region(u)?;
-            let buf = self.buffer(self.bytes[u])?;
-            let _span = self.trace.io_wait(Io::Read, "grad swap read");
-            self.trace.io_bytes(Io::Read, self.bytes_of(id));
-            let buf = self.swap.read(id, buf).wait().map_err(|e| e.error)?;
+            let buf = if self.reads.front().is_some_and(|(v, _)| *v == u) {
+                self.take(u)?
+            } else {
+                self.drain_reads();
+                self.land_writes_of(u);
+                let id = self.region(u)?;
+                let buf = self.buffer(self.bytes[u])?;
+                let _span = self.trace.io_wait(Io::Read, "grad swap read");
+                self.trace.io_bytes(Io::Read, self.bytes_of(id));
+                self.swap.read(id, buf).wait().map_err(|e| e.error)?
+            };
             out.copy_from_slice(&buf.as_slice_of::<G>()?[..out.len()]);
             Ok(())
         })();
@@ -312,9 +350,13 @@ impl GradSwap {
     }
 
     /// The step: issues the read of unit `u`'s gradient ahead (a unit
-    /// without a gradient is skipped).
+    /// without a gradient, or no free buffer: nothing is issued).
     pub(crate) fn read_ahead(&mut self, u: usize) -> Result<()> {
-        if self.regions[u].is_none() || self.reads.iter().any(|(v, _)| *v == u) {
+        // Without a free buffer the read waits for `take`.
+        if self.regions[u].is_none()
+            || self.reads.iter().any(|(v, _)| *v == u)
+            || self.pool.available() == 0
+        {
             return Ok(());
         }
         let id = self.region(u)?;

@@ -48,7 +48,11 @@
 //! elements of the rank's flat state, across units), pipelined with the
 //! reads and writes of the swap file (`buffer_count` host buffers). The
 //! results are bit-identical to those without offload. See
-//! `src/engine/offload.rs` for the layout and the pipeline.
+//! `src/engine/offload.rs` for the layout and the pipeline. With
+//! `offload_optimizer.swap_gradients` (nvme) the accumulated gradient
+//! shard goes to its own swap file as buckets are reduced, and the step
+//! streams unit by unit, so host memory does not grow with the model
+//! (`src/engine/grad_swap.rs`).
 //!
 //! A swap-file error (truncated, corrupted, deleted or foreign file, a
 //! failed write) fails the step on every rank: the rank whose file failed

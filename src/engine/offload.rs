@@ -79,6 +79,18 @@
 //! corrupted, deleted file) ends the step at once and loses the state
 //! (tiles before it were already rewritten): nothing is kept.
 //!
+//! # Streamed (`swap_gradients`)
+//!
+//! With the gradient shard in its own swap file
+//! ([`GradSwap`](super::grad_swap::GradSwap)), tiles end at unit ends and
+//! [`Offload::step_streamed`] runs the same pipeline unit by unit: each
+//! unit's gradient is read (the next unit's ahead) while its tiles are
+//! read, updated and written, and once its last tile is done its updated
+//! parameters go out (to the device tier, or to the parameter offload's
+//! home), so the staging buffer holds one unit. Nothing waits for a
+//! commit across ranks and no tile is kept after a failed write: an error
+//! in the step loses the state (resume from a checkpoint).
+//!
 //! Every buffer (tiles, staging, read/write buffers) comes from a
 //! [`HostPool`] sized at build; the step allocates none (except the kept
 //! tiles after a failed write).
@@ -625,6 +637,8 @@ impl Offload {
             });
         };
         swap.verify()?;
+        // Reads a dropped micro-batch issued ahead hold buffers: gone.
+        grads.drain_reads();
         let staging = staging.as_mut_slice_of::<P>()?;
         let mut to_params = |u: usize, staged: &[P]| -> Result<()> {
             if params.is_empty() {

@@ -545,6 +545,11 @@ impl GradReducer {
     ) -> Result<u64> {
         let buf = self.give_back(i, mem)?;
         self.state[i] = GradState::Ready;
+        if let (true, Some(gs)) = (add, self.gswap.as_mut()) {
+            // Its stored gradient is read while the bucket fills and
+            // reduces.
+            gs.prefetch(i);
+        }
         if self.stage == 1 {
             self.grads[i] = Some(buf);
             self.deferred.push(i);

@@ -37,5 +37,5 @@ pub use host::{AlignedBuf, HostPool, HostPoolOptions, PooledBuffer};
 #[cfg(feature = "testing")]
 pub use nvme::FaultPlan;
 pub use nvme::{IoBuffer, IoError, IoTicket, RegionId, RegionSpec, SwapFile, SwapOptions};
-pub use space::{check_free_space, free_space, DiskNeed, FreeSpace};
+pub use space::{check_free_space, free_space, leftover_swap_files, DiskNeed, FreeSpace};
 pub use zero_core::{Device, Error, Result};

@@ -102,20 +102,98 @@ fn check_with(needs: &[DiskNeed], free: impl Fn(&Path) -> Result<FreeSpace>) -> 
                 .iter()
                 .map(|n| format!("{} bytes of {} under {}", n.bytes, n.what, n.path.display()))
                 .collect();
+            let dirs: Vec<&Path> = list.iter().map(|n| n.path.as_path()).collect();
             return Err(io_err(
                 &list[0].path,
                 format!(
                     "not enough free disk space: {total} bytes are needed ({}), {} bytes are \
                      free on that filesystem ({} bytes short); free space there or point \
-                     nvme_path at a larger disk",
+                     nvme_path at a larger disk{}",
                     parts.join("; "),
                     fs.available,
-                    total - fs.available
+                    total - fs.available,
+                    leftover_note(&dirs)
                 ),
             ));
         }
     }
     Ok(())
+}
+
+/// The swap files (`zero-swap-*.swp`) directly under `dirs` that no
+/// process of this user holds open (a run killed before it could remove
+/// them), with their sizes, in name order.
+pub fn leftover_swap_files(dirs: &[&Path]) -> Vec<(PathBuf, u64)> {
+    let mut found = Vec::new();
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            if !(name.starts_with("zero-swap-") && name.ends_with(".swp")) {
+                continue;
+            }
+            let (Ok(meta), Ok(path)) = (e.metadata(), e.path().canonicalize()) else {
+                continue;
+            };
+            if meta.is_file() && !found.iter().any(|(p, _)| p == &path) {
+                found.push((path, meta.len()));
+            }
+        }
+    }
+    if found.is_empty() {
+        return found;
+    }
+    let open = open_files();
+    found.retain(|(p, _)| !open.contains(p));
+    found.sort();
+    found
+}
+
+/// Every file some process of this user holds open (`/proc/<pid>/fd`;
+/// the processes whose descriptors cannot be read are skipped).
+fn open_files() -> Vec<PathBuf> {
+    let mut open = Vec::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return open;
+    };
+    for p in procs.flatten() {
+        if !p
+            .file_name()
+            .to_string_lossy()
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+        {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if let Ok(target) = std::fs::read_link(fd.path()) {
+                open.push(target);
+            }
+        }
+    }
+    open
+}
+
+/// The note of a disk-space error about swap files left under `dirs`.
+fn leftover_note(dirs: &[&Path]) -> String {
+    let left = leftover_swap_files(dirs);
+    if left.is_empty() {
+        return String::new();
+    }
+    let bytes: u64 = left.iter().map(|(_, b)| b).sum();
+    let names: Vec<String> = left.iter().map(|(p, _)| p.display().to_string()).collect();
+    format!(
+        "; {} swap file(s) of {bytes} bytes there are open in no process (left by a run that \
+         was killed?) and could be removed: {}",
+        left.len(),
+        names.join(", ")
+    )
 }
 
 fn io_err(path: &Path, msg: impl Into<String>) -> Error {
@@ -173,6 +251,34 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.starts_with("/b: not enough free disk space"), "{e}");
+    }
+
+    /// A disk-space error lists the swap files under the path that no
+    /// process holds open, not one this process has open, nor other files.
+    #[test]
+    fn the_error_names_swap_files_left_by_a_killed_run() {
+        let dir = std::env::temp_dir().join(format!("zero-space-left-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let dead = dir.join("zero-swap-optimizer-rank0-0123456789abcdef.swp");
+        std::fs::write(&dead, vec![0u8; 5000]).unwrap();
+        let live = dir.join("zero-swap-params-rank0-fedcba9876543210.swp");
+        std::fs::write(&live, vec![0u8; 100]).unwrap();
+        let _held = std::fs::File::open(&live).unwrap();
+        std::fs::write(dir.join("zero-swap-notes.txt"), b"x").unwrap();
+        let left = leftover_swap_files(&[&dir]);
+        assert_eq!(left, vec![(dead.canonicalize().unwrap(), 5000)]);
+        let e = check_free_space(&[DiskNeed {
+            path: dir.clone(),
+            bytes: u64::MAX / 2,
+            what: "swap files".into(),
+        }])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("1 swap file(s) of 5000 bytes"), "{e}");
+        assert!(e.contains("0123456789abcdef"), "{e}");
+        assert!(!e.contains("fedcba9876543210"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
