@@ -212,13 +212,13 @@ fn evaluation_export_and_checkpoints_go_unit_by_unit() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = std::env::temp_dir().join(format!("zero-infinity-stream-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    // 16 blocks of 1.8 M parameters: one unit is a sixteenth of the model.
+    // 24 blocks of 1.6 M parameters: one unit is a 24th of the model.
     let task = data::addition_task(1);
     let seq = data::max_len(&task.train);
     let model_cfg = Config {
         vocab: data::VOCAB,
         dim: 384,
-        n_layers: 16,
+        n_layers: 24,
         n_heads: 6,
         n_kv_heads: 2,
         hidden: 1024,
@@ -350,7 +350,7 @@ fn evaluation_export_and_checkpoints_go_unit_by_unit() {
     let _ = std::fs::remove_dir_all(&dir);
 
     // The whole model in f32 is 4 bytes per parameter; a unit's share is
-    // a sixteenth of it. The bound: two units' f32 values at once in
+    // a 24th of it. The bound: two units' f32 values at once in
     // three copies, and 16 MiB for buffers and the allocator.
     let model_f32 = 4 * numel as u64;
     let bound = 6 * model_f32 / model_cfg.n_layers as u64 + 16 * MIB;
