@@ -57,8 +57,9 @@
 //! Output: the tables on stdout and `target/zero-bench/infinity.json`;
 //! `--trace FILE` writes the run's Chrome trace.
 //!
-//! Not for CI: at the target size (`--params 4e9`, ~64 GB of states on a
-//! 24 GiB machine) a run takes hours of disk. Try it small first:
+//! Not for CI: at the target size (`--params 4e9`, 59 GiB of states on a
+//! 24 GiB machine, 66.5 GiB of swap files) each step moves ~140 GiB
+//! through the disk. Try it small first, and `--plan` a size:
 //!
 //! ```sh
 //! cargo bench --bench infinity -- --params 50e6 --steps 5 --dir /mnt/nvme/zero
