@@ -42,7 +42,9 @@ use zero_llama as llama;
 use llama::data::{self, Sample, Task};
 use llama::hf::{ExportSource, HfModel, HfTokenizer};
 use llama::lora::LoraConfig;
-use llama::train::{forward_flops, generate, measure_gemm_peak, LoraSetup, SftModel};
+use llama::train::{
+    forward_flops, generate_from, measure_gemm_peak, EngineSource, LoraSetup, SftModel,
+};
 use llama::Config;
 
 /// Where offloaded state lives.
@@ -530,8 +532,6 @@ fn evaluate<C: Communicator>(
     s: &Setup,
     threads: usize,
 ) -> zero::Result<(f64, Vec<(u64, String)>)> {
-    // With LoRA, the adapters folded in: the trained model's outputs.
-    let params = m.merged_snapshot(e)?;
     let (rank, world) = (e.rank(), e.world_size());
     let mine: Vec<u64> = s
         .task
@@ -546,15 +546,18 @@ fn evaluate<C: Communicator>(
         .map(|&n| s.tok.prompt_for(n))
         .collect::<Result<_, _>>()
         .map_err(|what| zero::Error::Usage { rank, what })?;
-    let outs = generate(
+    // The model is read unit by unit as decoding needs it (a collective:
+    // every rank decodes in step), with LoRA's adapters folded in: the
+    // trained model's outputs, never the whole model in memory.
+    let outs = generate_from(
         &m.cfg,
         &m.block,
-        &params,
+        &mut EngineSource { e, model: m },
         &prompts,
         s.max_new,
         s.tok.eos(),
         threads,
-    );
+    )?;
     let texts: Vec<String> = outs.iter().map(|o| s.tok.decode(o)).collect();
     let correct = mine
         .iter()

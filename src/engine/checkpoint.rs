@@ -288,16 +288,23 @@ impl<C: Communicator> Engine<C> {
     /// Reads the frozen tensors of a checkpoint (`entry`, in `dir`) into
     /// this engine's frozen segments (this rank's part of each).
     fn read_frozen(&mut self, dir: &Path, entry: &ModelFileEntry) -> Result<()> {
-        let values = read_frozen_file(dir, entry, &self.plan).map_err(|what| Error::Usage {
+        let plan = self.plan.clone();
+        // An engine error inside the walk, kept as it is.
+        let mut failed = None;
+        let read = read_frozen_file(dir, entry, &plan, |i, v| {
+            self.set_frozen(i, v).map_err(|e| {
+                let what = e.to_string();
+                failed = Some(e);
+                what
+            })
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        read.map_err(|what| Error::Usage {
             rank: self.rank,
             what: format!("load_checkpoint: {what}"),
-        })?;
-        for (i, v) in values.iter().enumerate() {
-            if !v.is_empty() {
-                self.set_frozen(i, v)?;
-            }
-        }
-        Ok(())
+        })
     }
 
     /// Start of each unit's state range, in unit coordinates: 0 in stage
@@ -690,64 +697,113 @@ fn frozen_layouts(plan: &PartitionPlan) -> Result<Vec<UnitLayout>> {
 }
 
 /// The frozen tensors of a checkpoint (`entry` in `dir`, saved with
-/// `plan`): per unit its frozen real elements in layout order (empty for
-/// a unit without frozen tensors). The error names the file and the
-/// tensor.
+/// `plan`), unit by unit: `each(unit, values)` gets each unit's frozen
+/// real elements in layout order, for the units that have frozen tensors.
+/// The file is never in memory as a whole: its length and CRC32 are
+/// checked reading it in chunks, then each tensor's bytes are read on
+/// their own (host memory: the largest unit's frozen values). The error
+/// names the file and the tensor.
 pub(crate) fn read_frozen_file(
     dir: &Path,
     entry: &ModelFileEntry,
     plan: &PartitionPlan,
-) -> std::result::Result<Vec<Vec<f32>>, String> {
+    mut each: impl FnMut(usize, &[f32]) -> std::result::Result<(), String>,
+) -> std::result::Result<(), String> {
+    use std::os::unix::fs::FileExt;
     let path = dir.join(&entry.name);
     let bad = |what: String| format!("{}: {what}", path.display());
-    let bytes = fs::read(&path).map_err(|e| bad(format!("cannot read: {e}")))?;
-    if bytes.len() as u64 != entry.bytes || crc32fast::hash(&bytes) != entry.crc32 {
+    let file = fs::File::open(&path).map_err(|e| bad(format!("cannot read: {e}")))?;
+    let len = file
+        .metadata()
+        .map_err(|e| bad(format!("cannot read: {e}")))?
+        .len();
+    // The whole file's CRC32, a chunk at a time.
+    let mut crc = crc32fast::Hasher::new();
+    let mut chunk = vec![0u8; (len.min(4 << 20)) as usize];
+    let mut at = 0u64;
+    while at < len {
+        let k = (len - at).min(chunk.len() as u64) as usize;
+        file.read_exact_at(&mut chunk[..k], at)
+            .map_err(|e| bad(format!("cannot read at byte {at}: {e}")))?;
+        crc.update(&chunk[..k]);
+        at += k as u64;
+    }
+    drop(chunk);
+    let crc = crc.finalize();
+    if len != entry.bytes || crc != entry.crc32 {
         return Err(bad(format!(
-            "{} bytes with CRC32 {:08x}, but the manifest says {} bytes with CRC32 {:08x} \
+            "{len} bytes with CRC32 {crc:08x}, but the manifest says {} bytes with CRC32 {:08x} \
              (a truncated or damaged file)",
-            bytes.len(),
-            crc32fast::hash(&bytes),
-            entry.bytes,
-            entry.crc32
+            entry.bytes, entry.crc32
         )));
     }
-    let file = safetensors::SafeTensors::deserialize(&bytes)
-        .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+    let not_st = |what: String| bad(format!("not a safetensors file: {what}"));
+    let mut n = [0u8; 8];
+    file.read_exact_at(&mut n, 0)
+        .map_err(|e| not_st(format!("no header length ({e})")))?;
+    let n = u64::from_le_bytes(n);
+    if n > len.saturating_sub(8) {
+        return Err(not_st(format!(
+            "a header of {n} bytes in a file of {len} bytes"
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact_at(&mut header, 8)
+        .map_err(|e| not_st(format!("the header: {e}")))?;
+    let meta: safetensors::tensor::Metadata =
+        serde_json::from_slice(&header).map_err(|e| not_st(format!("the header: {e}")))?;
+    drop(header);
+    let data_start = 8 + n;
     let layouts = frozen_layouts(plan).map_err(|e| bad(e.to_string()))?;
     let mut names = tensor_names(&layouts).map_err(bad)?.into_iter();
-    let mut out = Vec::with_capacity(plan.units().len());
-    for l in plan.units() {
-        let mut values = Vec::with_capacity(l.frozen_numel);
+    let mut values = Vec::new();
+    let mut bytes = Vec::new();
+    for (u, l) in plan.units().iter().enumerate() {
+        if l.frozen_numel == 0 {
+            continue;
+        }
+        values.clear();
         for t in l.tensors.iter().filter(|t| !t.trainable) {
             let name = names.next().unwrap_or_default();
-            let view = file.tensor(&name).map_err(|e| {
+            let info = meta.info(&name).ok_or_else(|| {
                 bad(format!(
-                    "no tensor `{name}` (unit `{}`, tensor `{}`): {e}",
+                    "no tensor `{name}` (unit `{}`, tensor `{}`)",
                     l.name, t.name
                 ))
             })?;
-            if view.shape() != t.shape.as_slice() {
+            if info.shape != t.shape {
                 return Err(bad(format!(
                     "tensor `{name}` has shape {:?}, the model's `{}` of unit `{}` {:?}",
-                    view.shape(),
-                    t.name,
-                    l.name,
-                    t.shape
+                    info.shape, t.name, l.name, t.shape
                 )));
             }
-            let data = view.data();
-            match view.dtype() {
-                safetensors::Dtype::F32 => values.extend(super::bytes_to_f32::<f32>(data)),
-                safetensors::Dtype::BF16 => values.extend(super::bytes_to_f32::<bf16>(data)),
-                safetensors::Dtype::F16 => values.extend(super::bytes_to_f32::<f16>(data)),
+            let size = match info.dtype {
+                safetensors::Dtype::F32 => 4,
+                safetensors::Dtype::BF16 | safetensors::Dtype::F16 => 2,
                 other => {
                     return Err(bad(format!(
                         "tensor `{name}` is {other:?}; F32, BF16 or F16 expected"
                     )))
                 }
+            };
+            let (b, e) = info.data_offsets;
+            if e.checked_sub(b) != Some(t.numel * size) || data_start + e as u64 > len {
+                return Err(bad(format!(
+                    "tensor `{name}` has data offsets {b}..{e}: {} elements of {size} bytes \
+                     in a file of {len} bytes expected",
+                    t.numel
+                )));
+            }
+            bytes.resize(e - b, 0);
+            file.read_exact_at(&mut bytes, data_start + b as u64)
+                .map_err(|err| bad(format!("tensor `{name}`: cannot read: {err}")))?;
+            match info.dtype {
+                safetensors::Dtype::F32 => values.extend(super::bytes_to_f32::<f32>(&bytes)),
+                safetensors::Dtype::BF16 => values.extend(super::bytes_to_f32::<bf16>(&bytes)),
+                _ => values.extend(super::bytes_to_f32::<f16>(&bytes)),
             }
         }
-        out.push(values);
+        each(u, &values)?;
     }
-    Ok(out)
+    Ok(())
 }

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use zero_comm::agree::first_failure;
 use zero_comm::Communicator;
-use zero_core::partition::UnitLayout;
+use zero_core::partition::{PartitionPlan, UnitLayout};
 use zero_core::HostBuffer;
 
 use super::Engine;
@@ -61,10 +61,8 @@ pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: ExportDtype) -> R
     let (dir, manifest, plan) = open_saved(checkpoint)?;
     // Frozen tensors: from the checkpoint's frozen file, if it has one.
     let frozen = match (&manifest.frozen, plan.frozen_numel()) {
-        (_, 0) => Vec::new(),
-        (Some(entry), _) => {
-            super::checkpoint::read_frozen_file(&dir, entry, &plan).map_err(|e| err(&dir, e))?
-        }
+        (_, 0) => None,
+        (Some(entry), _) => Some(entry),
         (None, _) => {
             let (u, t) = plan
                 .units()
@@ -85,20 +83,57 @@ pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: ExportDtype) -> R
     let mut writer = SafetensorsWriter::create(out, plan.units(), dtype)?;
     let mut reader = Reader::new(&dir, &manifest, &plan);
     let mut chunk = vec![0f32; CHUNK];
-    for (u, l) in plan.units().iter().enumerate() {
+    // Each unit's master, then its frozen tensors: the frozen file is read
+    // unit by unit as the walk reaches each unit that has some.
+    let mut next = 0;
+    if let Some(entry) = frozen {
+        let mut failed = None;
+        let walk = super::checkpoint::read_frozen_file(&dir, entry, &plan, |u, values| {
+            let r = write_masters(&mut reader, &mut writer, &plan, next..u + 1, &mut chunk)
+                .and_then(|()| writer.write(values));
+            next = u + 1;
+            r.map_err(|e| {
+                let what = e.to_string();
+                failed = Some(e);
+                what
+            })
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        walk.map_err(|e| err(&dir, e))?;
+    }
+    write_masters(
+        &mut reader,
+        &mut writer,
+        &plan,
+        next..plan.units().len(),
+        &mut chunk,
+    )?;
+    writer.finish()?;
+    Ok(dir)
+}
+
+/// Streams the masters of `units` from `reader` to `writer`, `chunk`
+/// elements at a time.
+fn write_masters(
+    reader: &mut Reader<'_>,
+    writer: &mut SafetensorsWriter,
+    plan: &PartitionPlan,
+    units: std::ops::Range<usize>,
+    chunk: &mut [f32],
+) -> Result<()> {
+    for u in units {
+        let numel = plan.units()[u].numel;
         let mut at = 0;
-        while at < l.numel {
-            let k = (l.numel - at).min(CHUNK);
+        while at < numel {
+            let k = (numel - at).min(chunk.len());
             reader.read_into(u, StateArray::Master, at..at + k, &mut chunk[..k])?;
             writer.write(&chunk[..k])?;
             at += k;
         }
-        if let Some(v) = frozen.get(u).filter(|v| !v.is_empty()) {
-            writer.write(v)?;
-        }
     }
-    writer.finish()?;
-    Ok(dir)
+    Ok(())
 }
 
 impl<C: Communicator> Engine<C> {

@@ -120,6 +120,20 @@ impl Config {
         }
     }
 
+    /// The dimensions as `zero::estimate` takes them: its `Model::llama`
+    /// has the units [`train::SftModel`] registers for a model without
+    /// q/k/v biases and with its own LM head (neither is in the dims).
+    pub fn llama_dims(&self) -> zero::estimate::LlamaDims {
+        zero::estimate::LlamaDims {
+            vocab: self.vocab,
+            hidden: self.dim,
+            intermediate: self.hidden,
+            layers: self.n_layers,
+            heads: self.n_heads,
+            kv_heads: self.n_kv_heads,
+        }
+    }
+
     /// Number of tensors of the model.
     pub fn tensor_count(&self) -> usize {
         self.norm_index() + 1 + usize::from(!self.tie_embeddings)

@@ -30,10 +30,10 @@ use std::cell::Cell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use zero::comm::Communicator;
+use zero::comm::{Communicator, ReduceOp};
 use zero::core::memory::{Category, Tier};
 use zero::core::partition::{TensorSpec, UnitLayout, UnitSpec};
-use zero::core::Element;
+use zero::core::{Element, HostBuffer};
 use zero::trace::Tracer;
 use zero::{Engine, EngineBuilder, Init, Result, UnitGuard, UnitId};
 
@@ -591,12 +591,159 @@ fn rope_at(rope: &ops::Rope, x: &mut [f32], pos: usize, n_heads: usize) {
     }
 }
 
+/// A part of the model that decoding needs at once: one unit's tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    /// `model.embed_tokens.weight`.
+    Embed,
+    /// Block `l`'s tensors in [`block_tensors`] order (with LoRA: the
+    /// adapters folded in).
+    Layer(usize),
+    /// `model.norm.weight` and the LM head's weight (the embedding table
+    /// when tied).
+    Head,
+}
+
+/// Where [`generate_from`] gets the model, one [`Part`] at a time, and
+/// how the ranks that decode together agree. A source over an engine
+/// reads each part when asked ([`EngineSource`]: a collective in stages
+/// 1–3), so host memory holds one unit's parameters at a time, not the
+/// model; every rank then asks for the same parts in the same order
+/// (the loop is driven by [`ParamSource::lengths`] and
+/// [`ParamSource::any`], which agree over ranks).
+pub trait ParamSource {
+    /// The tensors of `part`.
+    fn fetch(&mut self, part: Part) -> Result<Vec<Vec<f32>>>;
+    /// The prompt lengths of every rank (sorted, unique), given this
+    /// rank's. Default: this rank's alone.
+    fn lengths(&mut self, mine: &[usize]) -> Result<Vec<usize>> {
+        Ok(mine.to_vec())
+    }
+    /// Whether any rank still decodes, given whether this one does.
+    /// Default: this rank's answer.
+    fn any(&mut self, mine: bool) -> Result<bool> {
+        Ok(mine)
+    }
+}
+
+/// A full set of parameters in memory ([`SftModel::snapshot`] order).
+pub struct FullParams<'a> {
+    /// The model.
+    pub cfg: &'a Config,
+    /// Every tensor, [`tensors`] order.
+    pub params: &'a [Vec<f32>],
+}
+
+impl ParamSource for FullParams<'_> {
+    fn fetch(&mut self, part: Part) -> Result<Vec<Vec<f32>>> {
+        let c = self.cfg;
+        Ok(match part {
+            Part::Embed => vec![self.params[0].clone()],
+            Part::Layer(l) => self.params[c.layer_range(l)].to_vec(),
+            Part::Head => vec![
+                self.params[c.norm_index()].clone(),
+                self.params[c.head_index()].clone(),
+            ],
+        })
+    }
+}
+
+/// The registered model's parameters, read unit by unit with
+/// [`Engine::unit_state`] when [`generate_from`] needs them (a collective
+/// in stages 1–3: every rank of the engine decodes together), with the
+/// LoRA adapters folded into each block as it is read. Host memory: one
+/// unit's values (twice with the head tied), never the model.
+pub struct EngineSource<'a, C: Communicator> {
+    /// The engine.
+    pub e: &'a mut Engine<C>,
+    /// The registered model.
+    pub model: &'a SftModel,
+}
+
+impl<C: Communicator> ParamSource for EngineSource<'_, C> {
+    fn fetch(&mut self, part: Part) -> Result<Vec<Vec<f32>>> {
+        let m = self.model;
+        let c = &m.cfg;
+        let all = tensors(c);
+        match part {
+            Part::Embed => m.unit_tensors(self.e, m.embed, &all[..1]),
+            Part::Layer(l) => {
+                let u = m.layers[l];
+                let st = self.e.unit_state(u)?;
+                let lay = self.e.layout(u)?;
+                let mut base: Vec<Vec<f32>> = block_tensors(c, l)
+                    .iter()
+                    .map(|t| st.params[state_range(lay, &t.name)].to_vec())
+                    .collect();
+                if let Some((lc, _)) = &m.lora {
+                    // The adapters are trainable: their fp32 master, as
+                    // `SftModel::snapshot_adapters` reads them.
+                    let ad: Vec<&[f32]> = lora::lora_tensors(c, lc, l)
+                        .iter()
+                        .map(|t| &st.master[range(lay, &t.name)])
+                        .collect();
+                    let mut pairs = ad.chunks_exact(2);
+                    for (i, (name, _)) in TARGETS.iter().enumerate() {
+                        if !lc.targets(name) {
+                            continue;
+                        }
+                        let ab = pairs.next().expect("an A and a B per target");
+                        let (d_in, d_out) = lora::module_dims(c, name).expect("a TARGETS module");
+                        lora::merge(&mut base[i], ab[0], ab[1], d_in, d_out, lc.r, lc.scale());
+                    }
+                }
+                Ok(base)
+            }
+            Part::Head => {
+                let mut out = m.unit_tensors(self.e, m.head, &all[c.norm_index()..])?;
+                if c.tie_embeddings {
+                    out.extend(m.unit_tensors(self.e, m.embed, &all[..1])?);
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    fn lengths(&mut self, mine: &[usize]) -> Result<Vec<usize>> {
+        // A count per length up to the longest of any rank, summed.
+        let longest = self
+            .e
+            .comm()
+            .all_reduce(
+                HostBuffer::from_slice(&[mine.iter().copied().max().unwrap_or(0) as f32])?,
+                ReduceOp::Max,
+            )
+            .wait()?
+            .to_vec()[0] as usize;
+        let mut counts = vec![0f32; longest + 1];
+        for &l in mine {
+            counts[l] += 1.0;
+        }
+        let counts = self
+            .e
+            .comm()
+            .all_reduce(HostBuffer::from_slice(&counts)?, ReduceOp::Sum)
+            .wait()?
+            .to_vec();
+        Ok((0..counts.len()).filter(|&l| counts[l] > 0.0).collect())
+    }
+
+    fn any(&mut self, mine: bool) -> Result<bool> {
+        let v = self
+            .e
+            .comm()
+            .all_reduce(
+                HostBuffer::from_slice(&[f32::from(u8::from(mine))])?,
+                ReduceOp::Max,
+            )
+            .wait()?
+            .to_vec();
+        Ok(v[0] > 0.0)
+    }
+}
+
 /// Greedy decoding from a full set of parameters ([`SftModel::snapshot`]
-/// order): each prompt is extended by up to `max_new` tokens, stopping at
-/// `stop`. Prompts of equal length decode together as one batch: the
-/// prompt runs through [`Block::forward`] once, which also gives each
-/// layer's rotated keys and values; then every new token runs alone
-/// against those cached keys and values (a KV cache).
+/// order): [`generate_from`] over [`FullParams`].
 pub fn generate(
     cfg: &Config,
     block: &Block,
@@ -606,21 +753,50 @@ pub fn generate(
     stop: u32,
     threads: usize,
 ) -> Vec<Vec<u32>> {
-    let (norm, head) = (cfg.norm_index(), cfg.head_index());
+    generate_from(
+        cfg,
+        block,
+        &mut FullParams { cfg, params },
+        prompts,
+        max_new,
+        stop,
+        threads,
+    )
+    .expect("parameters in memory")
+}
+
+/// Greedy decoding: each prompt is extended by up to `max_new` tokens,
+/// stopping at `stop`. Prompts of equal length decode together as one
+/// batch: the prompt runs through [`Block::forward`] once, which also
+/// gives each layer's rotated keys and values; then every new token runs
+/// alone against those cached keys and values (a KV cache). The model
+/// comes from `src` one part at a time, as each is needed (each layer
+/// once per prompt length and once per new token): with
+/// [`EngineSource`] host memory holds one unit's parameters and the KV
+/// cache, not the model. Every rank asks for the same parts: the prompt
+/// lengths are those of any rank, and a length's decoding stops when no
+/// rank has a row left.
+pub fn generate_from(
+    cfg: &Config,
+    block: &Block,
+    src: &mut dyn ParamSource,
+    prompts: &[Vec<u32>],
+    max_new: usize,
+    stop: u32,
+    threads: usize,
+) -> Result<Vec<Vec<u32>>> {
     let (dim, hd) = (cfg.dim, cfg.head_dim());
     let (qd, kd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
     let group = cfg.n_heads / cfg.n_kv_heads;
-    let layer = |l: usize| -> Vec<&[f32]> {
-        params[cfg.layer_range(l)]
-            .iter()
-            .map(Vec::as_slice)
-            .collect()
-    };
     // The next token of each row of `x` `[b, dim]` (final norm, head, argmax).
-    let next_tokens = |x: &[f32], b: usize| -> Vec<u32> {
-        let (xn, _) = ops::rmsnorm_forward(x, &params[norm], cfg.norm_eps);
-        let logits = ops::linear_forward(&xn, &params[head], b, dim, cfg.vocab, threads);
-        logits
+    let next_tokens = |src: &mut dyn ParamSource, x: &[f32], b: usize| -> Result<Vec<u32>> {
+        let head = src.fetch(Part::Head)?;
+        if b == 0 {
+            return Ok(Vec::new());
+        }
+        let (xn, _) = ops::rmsnorm_forward(x, &head[0], cfg.norm_eps);
+        let logits = ops::linear_forward(&xn, &head[1], b, dim, cfg.vocab, threads);
+        Ok(logits
             .chunks_exact(cfg.vocab)
             .map(|row| {
                 row.iter()
@@ -631,13 +807,13 @@ pub fn generate(
                     )
                     .0 as u32
             })
-            .collect()
+            .collect())
     };
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     let mut lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
     lens.sort_unstable();
     lens.dedup();
-    for len in lens {
+    for len in src.lengths(&lens)? {
         let idx: Vec<usize> = (0..prompts.len())
             .filter(|&i| prompts[i].len() == len)
             .collect();
@@ -648,11 +824,15 @@ pub fn generate(
         }
         // Prefill: keys and values per layer, `[b][pos][kd]` flattened per row.
         let tokens: Vec<u32> = idx.iter().flat_map(|&i| prompts[i].clone()).collect();
-        let mut x = ops::embedding_forward(&params[0], &tokens, dim);
+        let mut x = ops::embedding_forward(&src.fetch(Part::Embed)?[0], &tokens, dim);
         let mut keys: Vec<Vec<Vec<f32>>> = Vec::with_capacity(cfg.n_layers);
         let mut values: Vec<Vec<Vec<f32>>> = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
-            let refs = layer(l);
+            let p = src.fetch(Part::Layer(l))?;
+            if b == 0 {
+                continue;
+            }
+            let refs: Vec<&[f32]> = p.iter().map(Vec::as_slice).collect();
             let c = block.forward(&BlockParams::from_slices(&refs), &x, b, len);
             let rows = |v: &[f32]| -> Vec<Vec<f32>> {
                 v.chunks_exact(len * kd).map(|r| r.to_vec()).collect()
@@ -664,7 +844,7 @@ pub fn generate(
         let last: Vec<f32> = (0..b)
             .flat_map(|i| x[(i * len + len - 1) * dim..(i * len + len) * dim].to_vec())
             .collect();
-        let mut next = next_tokens(&last, b);
+        let mut next = next_tokens(src, &last, b)?;
         let mut gen: Vec<Vec<u32>> = vec![Vec::new(); b];
         let mut done = vec![false; b];
         for step in 0..budget {
@@ -674,15 +854,20 @@ pub fn generate(
                     done[i] = next[i] == stop;
                 }
             }
-            if step + 1 == budget || done.iter().all(|&d| d) {
+            let active = src.any(done.iter().any(|&d| !d))?;
+            if step + 1 == budget || !active {
                 break;
             }
             // One new token per row, at position `pos`.
             let pos = len + step;
             let t = pos + 1;
-            let mut x = ops::embedding_forward(&params[0], &next, dim);
+            let mut x = ops::embedding_forward(&src.fetch(Part::Embed)?[0], &next, dim);
             for l in 0..cfg.n_layers {
-                let refs = layer(l);
+                let refs = src.fetch(Part::Layer(l))?;
+                if b == 0 {
+                    continue;
+                }
+                let refs: Vec<&[f32]> = refs.iter().map(Vec::as_slice).collect();
                 let p = BlockParams::from_slices(&refs);
                 let (xn, _) = ops::rmsnorm_forward(&x, p.attn_norm, cfg.norm_eps);
                 let mut q = ops::linear_forward(&xn, p.wq, b, dim, qd, threads);
@@ -736,13 +921,13 @@ pub fn generate(
                     ops::swiglu_forward(&xn2, p.gate, p.up, p.down, dim, cfg.hidden, threads);
                 x = h.iter().zip(&m).map(|(a, b)| a + b).collect();
             }
-            next = next_tokens(&x, b);
+            next = next_tokens(src, &x, b)?;
         }
         for (k, &i) in idx.iter().enumerate() {
             out[i] = std::mem::take(&mut gen[k]);
         }
     }
-    out
+    Ok(out)
 }
 
 /// Forward FLOPs of a micro-batch of `batch` sequences of `seq` tokens of
