@@ -1035,18 +1035,6 @@ fn main() {
         100.0 * grown as f64 / planned.max(1) as f64,
         if within { "ok" } else { "MISS" }
     );
-    // What the plan leaves out: the trainer converts a gathered unit to
-    // f32 for its kernels and gets the unit's gradients back in f32
-    // (examples/llama/src/train.rs), 8 bytes per element of the largest
-    // unit per rank, on top of the engine's buffers.
-    let trainer = ranks * 8 * unit as u64;
-    println!(
-        "  the trainer's f32 copy of the largest unit and its f32 gradients, not in the plan: {} \
-         (all ranks); plan + those = {}: {:.0}% of it",
-        gib(trainer),
-        gib(planned + trainer),
-        100.0 * grown as f64 / (planned + trainer).max(1) as f64
-    );
     println!(
         "loss {first:.4} -> {last:.4} over {} steps: {}; wall {:.1} s",
         r.steps.len(),
@@ -1059,7 +1047,7 @@ fn main() {
         "heads": model_cfg.n_heads, "kv_heads": model_cfg.n_kv_heads,
         "hidden": model_cfg.hidden, "vocab": model_cfg.vocab, "seq": seq,
         "batch": a.batch, "ranks": a.ranks, "model_state_bytes": states, "mem_total": ram,
-        "planned_bytes": planned, "trainer_f32_unit_bytes": ranks * 8 * unit as u64,
+        "planned_bytes": planned,
         "tracker_peaks": r.peaks, "vm_hwm": hwm, "rss_before": rss0,
         "raw_write_bps": raw_w, "raw_read_bps": raw_r, "raw_bytes": raw_bytes,
         "step_s": step_s, "tokens_per_s": tokens / step_s, "swap_file_bytes": r.nvme_bytes,

@@ -61,8 +61,10 @@
 //! (`x`, both norms' outputs and inverse RMS, `q`, `k`, `v`, the attention
 //! probabilities and output, the residual, the SwiGLU `h1`, `h3`, `a`, and
 //! the block output), or with activation checkpointing only the block
-//! input plus one recomputed cache during backward. A model given as unit
-//! sizes ([`Model::from_unit_sizes`]) has no activation estimate.
+//! input plus one recomputed cache during backward; and the trainer's
+//! working memory: the f32 copy of the gathered unit it computes with,
+//! and in backward a block's f32 gradients. A model given as unit sizes
+//! ([`Model::from_unit_sizes`]) has no activation estimate.
 //!
 //! ```
 //! use zero::core::config::{Precision, ResolvedConfig};
@@ -560,7 +562,7 @@ pub fn estimate(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Result<
     cfg.check_runnable(&plan, CheckFor::Estimate)?;
     let mut sim = Sim::build(cfg, plan);
     let built_states = Tier::ALL.map(|t| sim.tracker.model_states(t));
-    let events = script(model, cfg.micro_batch_size, work);
+    let events = script(model, &sim.plan, cfg.micro_batch_size, work);
     let ga = cfg.gradient_accumulation_steps.max(1);
     for k in 0..2 * ga {
         sim.micro_batch(&events, (k + 1) % ga == 0);
@@ -592,7 +594,7 @@ enum Event {
 }
 
 /// The events of one micro-batch of `model`.
-fn script(model: &Model, micro: usize, work: &Workload) -> Vec<Event> {
+fn script(model: &Model, plan: &PartitionPlan, micro: usize, work: &Workload) -> Vec<Event> {
     use Event::*;
     let n = model.units.len();
     let mut ev = Vec::new();
@@ -611,17 +613,51 @@ fn script(model: &Model, micro: usize, work: &Workload) -> Vec<Event> {
             let cache = d.block_cache_bytes(micro, seq) as i64;
             let input = d.block_input_bytes(micro, seq) as i64;
             let head = d.layers + 1;
-            ev.extend([Gather(0), Release(0)]);
+            // The trainer's working memory, counted with the activations:
+            // the f32 copy of a gathered unit (its tensors, both segments)
+            // and a block's f32 gradients (its trainable tensors).
+            let copy = |u: usize| {
+                let l = &plan.units()[u];
+                let n = if l.frozen_numel > 0 {
+                    l.frozen_offset() + l.frozen_numel
+                } else {
+                    l.numel
+                };
+                4 * n as i64
+            };
+            let grads = |u: usize| 4 * plan.units()[u].numel as i64;
+            ev.extend([Gather(0), Act(copy(0)), Act(-copy(0)), Release(0)]);
             for b in 1..=d.layers {
-                ev.extend([Gather(b), Release(b), Act(if ckpt { input } else { cache })]);
+                ev.extend([
+                    Gather(b),
+                    Act(copy(b)),
+                    Release(b),
+                    Act(if ckpt { input } else { cache }),
+                    Act(-copy(b)),
+                ]);
             }
-            ev.extend([Gather(head), TakeGrad(head), Release(head), GiveGrad(head)]);
+            // (The estimator's Llama has an untied LM head in its last unit.)
+            ev.extend([
+                Gather(head),
+                Act(copy(head)),
+                Release(head),
+                Act(-copy(head)),
+                TakeGrad(head),
+                GiveGrad(head),
+            ]);
             for b in (1..=d.layers).rev() {
-                ev.extend([Gather(b), Release(b)]);
+                ev.extend([Gather(b), Act(copy(b))]);
                 if ckpt {
                     ev.extend([Act(cache), Act(-input)]);
                 }
-                ev.extend([Act(-cache), TakeGrad(b), GiveGrad(b)]);
+                ev.extend([
+                    Act(grads(b)),
+                    Act(-cache),
+                    Release(b),
+                    TakeGrad(b),
+                    GiveGrad(b),
+                    Act(-grads(b) - copy(b)),
+                ]);
             }
             ev.extend([TakeGrad(0), GiveGrad(0)]);
         }

@@ -145,6 +145,25 @@ pub struct BlockGrads {
 }
 
 impl BlockGrads {
+    /// Elements held, every gradient together (base weights, biases and
+    /// adapters).
+    pub fn numel(&self) -> usize {
+        let base = [
+            &self.wq,
+            &self.wk,
+            &self.wv,
+            &self.wo,
+            &self.gate,
+            &self.up,
+            &self.down,
+            &self.attn_norm,
+            &self.mlp_norm,
+        ];
+        let bias = self.qkv_bias.iter().flatten();
+        let lora = self.lora.iter().flatten().flat_map(|(a, b)| [a, b]);
+        base.into_iter().chain(bias).chain(lora).map(Vec::len).sum()
+    }
+
     /// In [`super::block_tensors`] order.
     pub fn into_vec(self) -> Vec<Vec<f32>> {
         let mut v = vec![

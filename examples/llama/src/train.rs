@@ -332,12 +332,18 @@ impl SftModel {
 
         // Forward.
         let fwd = tracer.span(rank, "forward", "compute");
+        // The f32 copies of gathered units and the blocks' f32 gradients
+        // are the trainer's working memory: counted with the activations.
+        let f32_bytes = |v: &[f32]| 4 * v.len() as i64;
         let (p, table) = Self::fetch::<T, C>(e, self.embed)?;
+        grow(&mut act, &mut live, f32_bytes(&table));
         let mut x = ops::embedding_forward(&table, tokens, c.dim);
+        grow(&mut act, &mut live, -f32_bytes(&table));
         drop((p, table));
         let mut saved: Vec<Saved> = Vec::with_capacity(c.n_layers);
         for (l, &u) in self.layers.iter().enumerate() {
             let (unit, flat) = Self::fetch::<T, C>(e, u)?;
+            grow(&mut act, &mut live, f32_bytes(&flat));
             let key = self.dropout_key(rank, l);
             let cache = self.block.forward(
                 &self.block_params(&flat, unit.layout(), l, key),
@@ -355,6 +361,8 @@ impl SftModel {
             };
             grow(&mut act, &mut live, s.bytes() as i64);
             saved.push(s);
+            grow(&mut act, &mut live, -f32_bytes(&flat));
+            drop(flat);
         }
         drop(fwd);
 
@@ -369,6 +377,8 @@ impl SftModel {
         } else {
             None
         };
+        let head_f32 = f32_bytes(&hp) + tied.as_ref().map_or(0, |(_, t)| f32_bytes(t));
+        grow(&mut act, &mut live, head_f32);
         let (norm_w, head_w) = match &tied {
             Some((_, table)) => (&hp[..], &table[..]),
             None => hp.split_at(c.dim),
@@ -412,6 +422,8 @@ impl SftModel {
         ops::rmsnorm_backward(&dxn, &hx, norm_w, &inv, &mut dhx, &mut dnorm);
         drop(tied);
         drop(head);
+        drop(hp);
+        grow(&mut act, &mut live, -head_f32);
         // Tied: the head's share of the embedding's gradient waits for the
         // lookup's (at the end of backward), in f32.
         let (head_grad, mut demb) = if c.tie_embeddings || frozen {
@@ -434,6 +446,7 @@ impl SftModel {
         // Blocks, last to first.
         for (l, &u) in self.layers.iter().enumerate().rev() {
             let (unit, flat) = Self::fetch::<T, C>(e, u)?;
+            grow(&mut act, &mut live, f32_bytes(&flat));
             let lay = unit.layout().clone();
             let p = self.block_params(&flat, &lay, l, self.dropout_key(rank, l));
             let s = saved.pop().expect("one saved state per block");
@@ -447,6 +460,8 @@ impl SftModel {
                 }
             };
             let (d, grads) = self.block.backward(&p, &cache, &dx);
+            let grad_bytes = 4 * grads.numel() as i64;
+            grow(&mut act, &mut live, grad_bytes);
             grow(&mut act, &mut live, -(cache_bytes(&cache) as i64));
             drop(cache);
             dx = d;
@@ -462,6 +477,8 @@ impl SftModel {
                 }
             }
             e.grad_ready(u, g)?;
+            drop(values);
+            grow(&mut act, &mut live, -grad_bytes - f32_bytes(&flat));
             debug_assert_eq!(l, saved.len());
         }
 
