@@ -41,20 +41,6 @@ use super::groups::relative;
 use crate::trace::{Io, RankTracer, SwapTraffic, Tracer};
 use crate::{Error, Result};
 
-/// The options of rank `rank`'s gradient swap file (under the optimizer's
-/// `nvme_path`).
-fn swap_options(cfg: &ResolvedConfig, rank: usize) -> SwapOptions {
-    let dir = cfg
-        .zero
-        .offload_optimizer
-        .nvme_path
-        .clone()
-        .unwrap_or_default();
-    let mut options = SwapOptions::from_aio(dir, rank, &cfg.zero.aio);
-    options.tag = "gradients".into();
-    options
-}
-
 /// One region per unit with a gradient (`bytes[u] > 0`).
 fn regions(bytes: &[usize]) -> Vec<RegionSpec> {
     bytes
@@ -65,14 +51,12 @@ fn regions(bytes: &[usize]) -> Vec<RegionSpec> {
         .collect()
 }
 
-/// The length of rank `rank`'s gradient swap file for gradient homes of
-/// `bytes[u]` bytes (0: the unit has no gradient), known before anything
-/// is allocated (the disk-space check).
-pub(crate) fn swap_file_len(cfg: &ResolvedConfig, rank: usize, bytes: &[usize]) -> Result<u64> {
-    Ok(SwapFile::planned_len(
-        &swap_options(cfg, rank),
-        &regions(bytes),
-    )?)
+/// The length of a gradient swap file with `options` (the optimizer's
+/// `nvme_path`, tag `"gradients"`) for gradient homes of `bytes[u]` bytes
+/// (0: the unit has no gradient), known before anything is allocated (the
+/// disk-space check).
+pub(crate) fn swap_file_len(options: &SwapOptions, bytes: &[usize]) -> Result<u64> {
+    Ok(SwapFile::planned_len(options, &regions(bytes))?)
 }
 
 /// Per unit: the bytes of its gradient home (the rank's shard in the
@@ -125,12 +109,12 @@ pub(crate) struct GradSwap {
 }
 
 impl GradSwap {
-    /// Creates the swap file (one region per unit whose home has
-    /// `bytes[u] > 0` bytes of `dtype`) and the pool.
+    /// Creates the swap file with `options` (one region per unit with a
+    /// gradient: [`home_bytes`]) and the pool.
     pub(crate) fn new(
         cfg: &ResolvedConfig,
         plan: &PartitionPlan,
-        rank: usize,
+        (rank, mut options): (usize, SwapOptions),
         tracker: &MemoryTracker,
         faults: Option<FaultPlan>,
     ) -> Result<GradSwap> {
@@ -143,7 +127,6 @@ impl GradSwap {
             .iter()
             .map(|l| relative(l.real_range(rank), rank * l.shard_len))
             .collect();
-        let mut options = swap_options(cfg, rank);
         set_faults(&mut options, faults);
         let specs = regions(&bytes);
         let swap = SwapFile::create(options, &specs)?;

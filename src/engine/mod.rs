@@ -831,7 +831,8 @@ impl<C: Communicator> EngineBuilder<C> {
         }
 
         let gswap = if cfg.zero.offload_optimizer.swap_gradients {
-            let built = GradSwap::new(&cfg, &plan, rank, &tracker, grad_swap_faults);
+            let options = offload::swap_options(&cfg, rank, "gradients");
+            let built = GradSwap::new(&cfg, &plan, (rank, options), &tracker, grad_swap_faults);
             Some(
                 agree_on_setup(
                     &comm,
@@ -1190,7 +1191,8 @@ fn check_disk_space(
         let len = offload::swap_file_len(cfg, rank, &lens)?;
         need(&z.offload_optimizer.nvme_path, len, "optimizer");
         if z.offload_optimizer.swap_gradients {
-            let len = grad_swap::swap_file_len(cfg, rank, &grad_swap::home_bytes(cfg, plan))?;
+            let options = offload::swap_options(cfg, rank, "gradients");
+            let len = grad_swap::swap_file_len(&options, &grad_swap::home_bytes(cfg, plan))?;
             need(&z.offload_optimizer.nvme_path, len, "gradient");
         }
     }

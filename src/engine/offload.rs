@@ -229,8 +229,10 @@ pub(crate) struct Offload {
 /// `out`: `master(i, range, out)`.
 pub(crate) type InitialMaster<'a> = dyn Fn(usize, Range<usize>, &mut [f32]) + 'a;
 
-/// The options of rank `rank`'s optimizer swap file.
-fn swap_options(cfg: &ResolvedConfig, rank: usize) -> SwapOptions {
+/// The options of a swap file `tag` of rank `rank` under the optimizer's
+/// `nvme_path`: the optimizer state's (`"optimizer"`), or the gradient
+/// swap's.
+pub(crate) fn swap_options(cfg: &ResolvedConfig, rank: usize, tag: &str) -> SwapOptions {
     let dir = cfg
         .zero
         .offload_optimizer
@@ -238,7 +240,7 @@ fn swap_options(cfg: &ResolvedConfig, rank: usize) -> SwapOptions {
         .clone()
         .unwrap_or_default();
     let mut options = SwapOptions::from_aio(dir, rank, &cfg.zero.aio);
-    options.tag = "optimizer".into();
+    options.tag = tag.into();
     options
 }
 
@@ -260,7 +262,7 @@ pub(crate) fn swap_file_len(
 ) -> Result<u64> {
     let tiles = tile_bounds(cfg, state_lens);
     Ok(SwapFile::planned_len(
-        &swap_options(cfg, rank),
+        &swap_options(cfg, rank, "optimizer"),
         &tile_regions(tiles.iter().map(ExactSizeIterator::len)),
     )?)
 }
@@ -384,7 +386,7 @@ impl Offload {
             debug_assert_eq!(out.len(), 3 * len);
         };
         let store = if nvme {
-            let mut options = swap_options(cfg, rank);
+            let mut options = swap_options(cfg, rank, "optimizer");
             set_faults(&mut options, faults);
             let specs = tile_regions(tiles.iter().map(Tile::len));
             let swap = SwapFile::create(options, &specs)?;
