@@ -28,6 +28,11 @@ bash scripts/test-cuda.sh
 cargo build --example llama_sft
 bash scripts/mpirun.sh -n 2 cargo run -q --example llama_sft -- --stage 3 --offload cpu --min-accuracy 95
 cargo run -q --example llama_sft -- --stage 2 --offload nvme --activation-checkpointing --min-accuracy 95
+# ZeRO-Infinity: stage 3 with every model state on nvme (the optimizer
+# state, the parameter shards and the swapped gradients), 2 ranks as threads.
+inf_dir=$(mktemp -d)
+cargo run -q --example llama_sft -- --config tests/fixtures/ds_infinity.json --nvme-path "$inf_dir" --min-accuracy 95
+rm -rf "$inf_dir"
 # A Hugging Face directory in and out: the Qwen2 fixture (q/k/v biases, tied
 # embeddings, sharded BF16, its tokenizer and chat template), trained briefly
 # under stage 3 with optimizer offload and exported.
