@@ -236,8 +236,8 @@ impl<C: Communicator> Engine<C> {
                 false,
             ),
             Some(off) => (
-                off.read_unit(i)
-                    .and_then(|(master, _, _)| Ok(HostBuffer::from_slice(&master)?)),
+                off.read_master(i)
+                    .and_then(|master| Ok(HostBuffer::from_slice(&master)?)),
                 off.is_nvme(),
             ),
         };

@@ -722,9 +722,22 @@ impl Offload {
     /// Unit `i`'s state range: `(master, m, v)`, padding included (tiles
     /// kept in host memory after a failed write are read from there).
     pub(crate) fn read_unit(&self, i: usize) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let mut parts = self.read_parts(i, 3)?.into_iter();
+        let mut next = || parts.next().unwrap_or_default();
+        Ok((next(), next(), next()))
+    }
+
+    /// Unit `i`'s master over its state range (as [`Offload::read_unit`],
+    /// without the moments: export).
+    pub(crate) fn read_master(&self, i: usize) -> Result<Vec<f32>> {
+        Ok(self.read_parts(i, 1)?.pop().unwrap_or_default())
+    }
+
+    /// The first `k` of unit `i`'s `[master, m, v]` over its state range.
+    fn read_parts(&self, i: usize, k: usize) -> Result<Vec<Vec<f32>>> {
         let off = self.unit_off[i];
         let n = self.units[i].state_len;
-        let mut out = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+        let mut out = vec![vec![0f32; n]; k];
         for (t, tile) in self.tiles.iter().enumerate() {
             let lo = tile.flat.start.max(off);
             let hi = tile.flat.end.min(off + n);
@@ -733,11 +746,11 @@ impl Offload {
             }
             let mut copy = |state: &[f32]| {
                 let len = tile.len();
-                let a = lo - tile.flat.start..hi - tile.flat.start;
-                let d = lo - off..hi - off;
-                out.0[d.clone()].copy_from_slice(&state[a.clone()]);
-                out.1[d.clone()].copy_from_slice(&state[a.start + len..a.end + len]);
-                out.2[d].copy_from_slice(&state[a.start + 2 * len..a.end + 2 * len]);
+                let a = lo - tile.flat.start;
+                for (p, o) in out.iter_mut().enumerate() {
+                    let at = a + p * len;
+                    o[lo - off..hi - off].copy_from_slice(&state[at..at + (hi - lo)]);
+                }
             };
             match (&self.store, &self.kept[t]) {
                 (_, Some(kept)) => copy(&kept.state),
@@ -751,6 +764,7 @@ impl Offload {
         }
         Ok(out)
     }
+
     /// Calls `f(unit, local, master, m, v)` for every piece of real
     /// elements, tile by tile in flat order (units in registration order,
     /// each unit's pieces in increasing order); `local` is relative to the
