@@ -131,6 +131,17 @@ fn gradient_swap_is_bit_identical() {
             );
         }
     }
+    // Gradients accumulated (and swapped) in bf16: 2 bytes per element on
+    // disk, the same bits as without offload in that dtype.
+    for stage in [1u8, 3] {
+        let mut base_cfg = config(2, stage, 2, Precision::Bf16);
+        base_cfg.grad_accum_dtype = zero::core::DType::BF16;
+        let base = train(2, &base_cfg, 4, MB);
+        let mut c = swap_config(2, stage, 2, Precision::Bf16, (97, 3), &dir);
+        c.grad_accum_dtype = zero::core::DType::BF16;
+        let t = train(2, &c, 4, MB);
+        assert_same_run(&base, &t, &format!("stage {stage} bf16 accumulation"));
+    }
     // overlap_comm flipped (off at stage 3, on at stage 2: reductions
     // while backward goes on, with the stored gradients read ahead).
     for stage in [2u8, 3] {
