@@ -50,16 +50,25 @@
 //! (read) and 62-65% (the step's pattern) of the best raw `O_DIRECT` pass
 //! with 1 MiB transfers and at 64-72%, 82% and 80-85% with 8 MiB ones
 //! while other builds ran on the 2 vCPUs; on the quiet machine the gain is
-//! smaller (65-70% → 67-81%; see the README's offload section). The pool has `thread_count + 1` threads (`thread_count` is
-//! DeepSpeed `aio.intra_op_parallelism` / `thread_count`): the extra thread
-//! keeps a transfer going while another thread checksums, since with one
-//! thread the CRC32 (~16 GB/s on one core, slower on data just DMA'd in)
-//! ran in series with the transfers and cost ~20% of the bandwidth
-//! (measured: 80% of raw `O_DIRECT` with one thread, 100% with two). At
-//! most `queue_depth` transfers (pieces, or runs of joined pieces) are in
-//! flight at once; with synchronous calls each thread has one in flight,
-//! so the effective depth is
-//! `min(thread_count + 1, queue_depth)`.
+//! smaller (65-70% → 67-81%; see the README's offload section).
+//!
+//! At most `min(queue_depth, thread_count + 1)` transfers (pieces, or runs
+//! of joined pieces) are in flight at once (`thread_count` is DeepSpeed
+//! `aio.intra_op_parallelism` / `thread_count`), and the pool has one
+//! thread more than that, `thread_count + 2`, so that checksums do not
+//! take a transfer's place: a read gives its transfer slot back as soon as
+//! its bytes are in and then checks them while another thread starts the
+//! next transfer. A write computes its checksums before its transfer and
+//! holds its slot until it is reported, so with `queue_depth` 1 writes
+//! start and complete strictly in submission order. The CRC32
+//! (`crc32fast`) runs at ~20-30 GB/s on one core over data not in cache;
+//! timed inside the bench's passes the I/O threads spent ~5% of their time
+//! in it and ~95% in transfers, but on the 2 vCPUs loaded by other work
+//! (load 5-6) a build with the checksums left out read 10-17% and wrote
+//! 25-55% faster: the checksum's share grows with the competition for the
+//! CPU, which the raw baseline does not need. With
+//! [`SwapOptions::staging`] reads go through a per-thread staging buffer
+//! (off by default; see there).
 //!
 //! Why threads and not `io_uring` or libaio: on this class of machine
 //! (MEASUREMENTS.md) `O_DIRECT` sequential throughput was the same with
@@ -267,11 +276,13 @@ pub struct SwapOptions {
     /// 4096). Default 1048576.
     pub block_size: usize,
     /// Transfers (runs of joined pieces, see `max_transfer`) in flight at
-    /// once (DeepSpeed `aio.queue_depth`). Default 8.
+    /// once (DeepSpeed `aio.queue_depth`); at most `thread_count + 1` are,
+    /// whatever this says. Default 8.
     pub queue_depth: usize,
     /// I/O threads (DeepSpeed `aio.intra_op_parallelism`, formerly
-    /// `thread_count`); the pool runs one more so that checksums overlap
-    /// transfers (see the module docs). Default 1.
+    /// `thread_count`): `thread_count + 1` transfers are in flight at most
+    /// (within `queue_depth`), and the pool runs one thread more, so that
+    /// checksums overlap transfers (see the module docs). Default 1.
     pub thread_count: usize,
     /// The largest transfer, in bytes: an I/O thread joins consecutive
     /// blocks of one request, contiguous in the file and in the buffer, into
@@ -282,6 +293,17 @@ pub struct SwapOptions {
     /// fine-grained. A value at most `block_size` turns joining off.
     /// Default 8388608.
     pub max_transfer: usize,
+    /// Read through a staging buffer of this many bytes per I/O thread
+    /// (rounded up to a whole block; 0: off): a read transfer (of up to
+    /// this many bytes) lands in the thread's staging buffer, and each
+    /// block is checksummed there and copied to the request's buffer while
+    /// the other threads' transfers go on. On the VMs measured a disk read
+    /// into a few MiB of memory reused ran ~15-25% faster than into memory
+    /// of the state's size (see the README's offload section), which pays
+    /// for the copy; writes never stage. Costs this many bytes of host
+    /// memory per I/O thread ([`SwapFile::staging_bytes`]) and a memory
+    /// copy of every byte read. zero's own setting. Default 0.
+    pub staging: usize,
     /// Open with `O_DIRECT` (falling back, with a warning, where the
     /// filesystem rejects it). Default true.
     pub direct_io: bool,
@@ -306,6 +328,7 @@ impl SwapOptions {
             queue_depth: aio.queue_depth,
             thread_count: aio.thread_count,
             max_transfer: DEFAULT_MAX_TRANSFER,
+            staging: 0,
             direct_io: true,
             preallocate: true,
             #[cfg(feature = "testing")]
@@ -774,7 +797,8 @@ struct FileShared {
     /// Per data block: see [`WRITTEN`].
     blocks: Vec<AtomicU64>,
     block_size: usize,
-    queue_depth: usize,
+    /// Transfers in flight at most: `min(queue_depth, thread_count + 1)`.
+    transfers: usize,
     /// See [`SwapOptions::max_transfer`].
     max_transfer: usize,
     queue: Mutex<Queue>,
@@ -823,11 +847,17 @@ impl FileShared {
 
     /// Runs a run of pieces (consecutive blocks of one request, contiguous
     /// in the file and in the buffer: see [`take_run`]) as one transfer;
-    /// each piece's outcome, `None` on success.
-    fn run(&self, run: &[Piece]) -> Vec<Option<Error>> {
+    /// each piece's outcome, `None` on success. A read gives its transfer
+    /// slot back as soon as its bytes are in, before it checks them.
+    fn run(
+        &self,
+        run: &[Piece],
+        slot: &mut Slot<'_>,
+        staging: Option<&mut AlignedBuf>,
+    ) -> Vec<Option<Error>> {
         match run[0].kind {
             Kind::Write => self.run_write(run),
-            Kind::Read => self.run_read(run),
+            Kind::Read => self.run_read(run, slot, staging),
         }
     }
 
@@ -924,7 +954,15 @@ impl FileShared {
         out
     }
 
-    fn run_read(&self, run: &[Piece]) -> Vec<Option<Error>> {
+    /// With `staging` (see [`SwapOptions::staging`]) the run is read into
+    /// it, and each block that checks out is copied to the request's
+    /// buffer; else it is read into the request's buffer directly.
+    fn run_read(
+        &self,
+        run: &[Piece],
+        slot: &mut Slot<'_>,
+        staging: Option<&mut AlignedBuf>,
+    ) -> Vec<Option<Error>> {
         let mut out: Vec<Option<Error>> = run.iter().map(|_| None).collect();
         let states: Vec<u64> = run
             .iter()
@@ -943,8 +981,13 @@ impl FileShared {
             ));
         }
         let len: usize = run[..todo].iter().map(|p| p.io_len).sum();
-        // SAFETY: the first `todo` pieces' bytes (see `run_bytes`).
-        let data = unsafe { Self::run_bytes(run, len) };
+        let staged = staging.is_some();
+        let data: &mut [u8] = match staging {
+            // `take_run` caps a staged run at the staging buffer's length.
+            Some(buf) => &mut buf[..len],
+            // SAFETY: the first `todo` pieces' bytes (see `run_bytes`).
+            None => unsafe { Self::run_bytes(run, len) },
+        };
         let mut done = 0;
         let mut failed = None;
         while done < len {
@@ -961,6 +1004,8 @@ impl FileShared {
                 }
             }
         }
+        // The disk is free for the next transfer while this thread checks.
+        slot.release();
         // The pieces read in full are checked; the one the transfer stopped
         // in (if any) fails, the ones after it are skipped.
         let mut start = 0;
@@ -1002,6 +1047,11 @@ impl FileShared {
                          the data on disk is corrupt"
                     ),
                 ));
+            } else if staged {
+                // SAFETY: this piece's bytes in the request's buffer (valid
+                // for io_len bytes, touched by no one else meanwhile).
+                let dst = unsafe { std::slice::from_raw_parts_mut(p.ptr.0, p.io_len) };
+                dst.copy_from_slice(&data[start..start + p.io_len]);
             }
             start += p.io_len;
         }
@@ -1011,11 +1061,16 @@ impl FileShared {
 
 /// Takes the next run of pieces from the queue: the first piece, and the
 /// pieces right behind it that continue it (the same request and kind, the
-/// next bytes of the file and of the buffer), up to `max_transfer` bytes.
+/// next bytes of the file and of the buffer), up to `max_transfer` bytes
+/// (a read with a staging buffer of `staging` bytes: up to `staging`).
 /// Pieces are queued in submission order, so a request's blocks are
 /// adjacent.
-fn take_run(q: &mut Queue, max_transfer: usize) -> Vec<Piece> {
+fn take_run(q: &mut Queue, max_transfer: usize, staging: usize) -> Vec<Piece> {
     let mut run: Vec<Piece> = q.pieces.pop_front().into_iter().collect();
+    let max_transfer = match run.first() {
+        Some(p) if p.kind == Kind::Read && staging > 0 => staging,
+        _ => max_transfer,
+    };
     let mut len = run.first().map_or(0, |p| p.io_len);
     while let (Some(last), Some(next)) = (run.last(), q.pieces.front()) {
         let continues = std::ptr::addr_eq(Arc::as_ptr(&last.req), Arc::as_ptr(&next.req))
@@ -1033,15 +1088,41 @@ fn take_run(q: &mut Queue, max_transfer: usize) -> Vec<Piece> {
     run
 }
 
-/// The loop of one I/O thread: take a run of pieces (at most
-/// `queue_depth` runs in flight), run it as one transfer, report each
-/// piece; drain the queue before exiting on shutdown.
-fn worker(shared: Arc<FileShared>) {
+/// A transfer slot (one of `FileShared::transfers`) held by an I/O thread;
+/// given back by [`release`](Self::release) or on drop (also when the
+/// transfer panicked).
+struct Slot<'a> {
+    shared: &'a FileShared,
+    held: bool,
+}
+
+impl Slot<'_> {
+    fn release(&mut self) {
+        if std::mem::take(&mut self.held) {
+            lock(&self.shared.queue).in_flight -= 1;
+            self.shared.work.notify_one();
+        }
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// The loop of one I/O thread: take a run of pieces and a transfer slot
+/// (at most `transfers` in flight), run it as one transfer, report each
+/// piece; drain the queue before exiting on shutdown. A read frees its
+/// slot before it checks its blocks, so another thread's transfer goes on
+/// meanwhile; a write holds it until the write is reported.
+fn worker(shared: Arc<FileShared>, mut staging: Option<AlignedBuf>) {
+    let staging_len = staging.as_ref().map_or(0, |b| b.len());
     loop {
         let run = {
             let mut q = lock(&shared.queue);
             loop {
-                if !q.pieces.is_empty() && q.in_flight < shared.queue_depth {
+                if !q.pieces.is_empty() && q.in_flight < shared.transfers {
                     break;
                 }
                 if q.pieces.is_empty() && q.shutdown {
@@ -1050,7 +1131,11 @@ fn worker(shared: Arc<FileShared>) {
                 q = shared.work.wait(q).unwrap_or_else(PoisonError::into_inner);
             }
             q.in_flight += 1;
-            take_run(&mut q, shared.max_transfer)
+            take_run(&mut q, shared.max_transfer, staging_len)
+        };
+        let mut slot = Slot {
+            shared: &shared,
+            held: true,
         };
         if run.is_empty() {
             continue;
@@ -1059,21 +1144,22 @@ fn worker(shared: Arc<FileShared>) {
             // An earlier piece failed: the request's error stands.
             run.iter().map(|_| None).collect()
         } else {
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shared.run(&run)))
-                .unwrap_or_else(|_| {
-                    run.iter()
-                        .map(|p| Some(shared.piece_error(p, "the I/O thread panicked")))
-                        .collect()
-                })
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                shared.run(&run, &mut slot, staging.as_mut())
+            }))
+            .unwrap_or_else(|_| {
+                run.iter()
+                    .map(|p| Some(shared.piece_error(p, "the I/O thread panicked")))
+                    .collect()
+            })
         };
-        // Report before freeing the slot: with `queue_depth` 1 the pieces
-        // then complete strictly in submission order.
+        // A write reports before freeing its slot: with `queue_depth` 1
+        // the writes then start and complete strictly in submission order.
         for (piece, outcome) in run.iter().zip(outcomes) {
             piece.req.finish(piece.file_offset, outcome);
         }
         drop(run);
-        lock(&shared.queue).in_flight -= 1;
-        shared.work.notify_one();
+        slot.release();
     }
 }
 
@@ -1093,6 +1179,8 @@ pub struct SwapFile {
     warnings: Vec<String>,
     deferred: Arc<Mutex<Vec<Error>>>,
     removed: bool,
+    /// Bytes of each I/O thread's staging buffer (0: reads not staged).
+    staging_per_thread: usize,
 }
 
 impl fmt::Debug for SwapFile {
@@ -1377,7 +1465,7 @@ impl SwapFile {
             regions: layout,
             blocks: (0..nblocks).map(|_| AtomicU64::new(0)).collect(),
             block_size: options.block_size,
-            queue_depth: options.queue_depth,
+            transfers: options.queue_depth.min(options.thread_count + 1),
             max_transfer: options.max_transfer,
             queue: Mutex::new(Queue {
                 pieces: VecDeque::new(),
@@ -1392,7 +1480,7 @@ impl SwapFile {
         });
         let mut swap = SwapFile {
             shared,
-            workers: Vec::with_capacity(options.thread_count + 1),
+            workers: Vec::with_capacity(options.thread_count + 2),
             header,
             header_bytes,
             header_buf: Mutex::new(header_buf),
@@ -1401,12 +1489,22 @@ impl SwapFile {
             warnings,
             deferred: Arc::new(Mutex::new(Vec::new())),
             removed: false,
+            staging_per_thread: match options.staging {
+                0 => 0,
+                n => n.div_ceil(options.block_size).saturating_mul(options.block_size),
+            },
         };
-        for i in 0..=options.thread_count {
+        for i in 0..options.thread_count + 2 {
             let shared = Arc::clone(&swap.shared);
+            let staging = match swap.staging_per_thread {
+                0 => None,
+                n => Some(AlignedBuf::new(n).map_err(|e| {
+                    io_err(&path, format!("cannot allocate the staging buffer of I/O thread {i}: {e}"))
+                })?),
+            };
             let handle = std::thread::Builder::new()
                 .name(format!("zero-aio-r{}-{i}", options.rank))
-                .spawn(move || worker(shared))
+                .spawn(move || worker(shared, staging))
                 .map_err(|e| io_err(&path, format!("cannot start I/O thread {i}: {e}")))?;
             swap.workers.push(handle);
         }
@@ -1423,9 +1521,17 @@ impl SwapFile {
         self.header.run_id
     }
 
-    /// The threads doing I/O and checksums: `thread_count + 1`.
+    /// The threads doing I/O and checksums: `thread_count + 2` (see the
+    /// module docs).
     pub fn io_threads(&self) -> usize {
         self.workers.len()
+    }
+
+    /// Host memory of the I/O threads' staging buffers, in bytes
+    /// ([`SwapOptions::staging`] rounded up to a block, times
+    /// [`io_threads`](Self::io_threads); 0 when reads are not staged).
+    pub fn staging_bytes(&self) -> usize {
+        self.staging_per_thread * self.workers.len()
     }
 
     /// The block size (bytes).

@@ -333,19 +333,32 @@ fn truncated_file_is_a_short_read_error() {
     assert!(msg.contains(&format!("truncated to {cut} bytes")), "{msg}");
 }
 
-/// Blocks joined into one transfer (`max_transfer`) or moved one by one
+/// Blocks joined into one transfer (`max_transfer`) or moved one by one,
+/// read straight into the caller's buffer or through a staging buffer,
 /// give the same bytes, and a damaged block is the same error naming the
-/// same block, whatever the transfer size and thread count.
+/// same block, whatever the transfer size, staging size and thread count.
 #[test]
 fn joined_transfers_give_the_same_bytes_and_errors() {
-    for (max_transfer, threads) in [(BLOCK, 1), (2 * BLOCK, 2), (3 * BLOCK, 1), (8 << 20, 2)] {
+    for (max_transfer, threads, staging) in [
+        (BLOCK, 1, 0),
+        (2 * BLOCK, 2, 0),
+        (3 * BLOCK, 1, 0),
+        (8 << 20, 2, 0),
+        (8 << 20, 1, 1),
+        (8 << 20, 2, 2 * BLOCK + 1),
+        (BLOCK, 1, 8 << 20),
+    ] {
         let dir = tmpdir();
         let (swap, a, b) = small_file_with(SwapOptions {
             max_transfer,
             thread_count: threads,
+            staging,
             ..options(dir.path())
         });
-        let ctx = format!("max_transfer {max_transfer}, {threads} threads");
+        let ctx = format!("max_transfer {max_transfer}, {threads} threads, staging {staging}");
+        // Staging rounds up to whole blocks, one buffer per I/O thread.
+        let per_thread = staging.div_ceil(BLOCK) * BLOCK;
+        assert_eq!(swap.staging_bytes(), per_thread * (threads + 2), "{ctx}");
         let (ra, rb) = (swap.region("a").unwrap(), swap.region("b").unwrap());
         let got = swap
             .read(ra, AlignedBuf::new(a.len()).unwrap())
@@ -956,7 +969,7 @@ fn swap_path(dir: &Path, buf: AlignedBuf, block: usize, threads: usize) -> (Alig
     )
     .unwrap();
     assert!(swap.direct_io());
-    assert_eq!(swap.io_threads(), threads + 1);
+    assert_eq!(swap.io_threads(), threads + 2);
     // One region per request, all in flight, each its own buffer (as the
     // engine's tiles would be); the caller's one buffer is split by copying
     // outside the timed part.
