@@ -65,7 +65,7 @@
 //! tiles and the time the update waited for reads and writes.
 //!
 //! `cargo bench --bench offload [-- --dir /path/on/nvme --elems N --tile E
-//! --buffers B --block BYTES --threads T --max-transfer BYTES --staging BYTES --reps R --pairs K --params P --ranks N
+//! --buffers B --block BYTES --threads T --max-transfer BYTES --reps R --pairs K --params P --ranks N
 //! --stage S --steps K --pipeline MODE --trace FILE --no-step]`
 
 use std::collections::VecDeque;
@@ -91,8 +91,6 @@ struct Args {
     threads: usize,
     /// `SwapOptions::max_transfer`; `None`: its default.
     max_transfer: Option<usize>,
-    /// `SwapOptions::staging`; `None`: its default.
-    staging: Option<usize>,
     reps: usize,
     /// Rounds of swap pass next to raw pass.
     pairs: usize,
@@ -120,7 +118,6 @@ fn parse_args() -> Args {
         block: 1 << 20,
         threads: 1,
         max_transfer: None,
-        staging: None,
         reps: 3,
         pairs: 5,
         params: 100_000_000,
@@ -150,7 +147,6 @@ fn parse_args() -> Args {
             "--block" => a.block = num("--block"),
             "--threads" => a.threads = num("--threads"),
             "--max-transfer" => a.max_transfer = Some(num("--max-transfer")),
-            "--staging" => a.staging = Some(num("--staging")),
             "--reps" => a.reps = num("--reps"),
             "--pairs" => a.pairs = num("--pairs"),
             "--params" => a.params = num("--params"),
@@ -172,11 +168,17 @@ fn parse_args() -> Args {
             "--trace" => a.trace = Some(PathBuf::from(value())),
             "--bench" => {}
             other => fail(&format!(
-                "unknown option {other}; options: --dir D --elems N --tile E --buffers B --block BYTES --threads T --max-transfer BYTES --staging BYTES --reps R --pairs K --params P --ranks N --stage S --steps K --pipeline both|read|write|none --trace FILE --no-step"
+                "unknown option {other}; options: --dir D --elems N --tile E --buffers B --block BYTES --threads T --max-transfer BYTES --reps R --pairs K --params P --ranks N --stage S --steps K --pipeline both|read|write|none --trace FILE --no-step"
             )),
         }
     }
-    if a.tile == 0 || a.elems == 0 || a.buffers == 0 || a.reps == 0 || a.pairs == 0 || a.ranks == 0 || a.steps == 0
+    if a.tile == 0
+        || a.elems == 0
+        || a.buffers == 0
+        || a.reps == 0
+        || a.pairs == 0
+        || a.ranks == 0
+        || a.steps == 0
     {
         fail("--elems, --tile, --buffers, --reps, --pairs, --ranks and --steps must be positive");
     }
@@ -212,7 +214,6 @@ fn create_swap(a: &Args, elems: usize) -> Swap {
                 block_size: a.block,
                 thread_count: a.threads,
                 max_transfer: a.max_transfer.unwrap_or(o.max_transfer),
-                staging: a.staging.unwrap_or(o.staging),
                 ..o
             }
         },
@@ -502,7 +503,7 @@ fn main() {
     let s = create_swap(&a, a.elems);
     let bytes: usize = 3 * s.tile_bytes.iter().sum::<usize>();
     println!(
-        "offload (NVMe tier): {} elements of master+m+v = {:.0} MiB in {} sub-groups of {} elements, {} buffer sets, block {} KiB, {} I/O threads, staging {} KiB, O_DIRECT {}, under {}",
+        "offload (NVMe tier): {} elements of master+m+v = {:.0} MiB in {} sub-groups of {} elements, {} buffer sets, block {} KiB, {} I/O threads, O_DIRECT {}, under {}",
         a.elems,
         bytes as f64 / (1 << 20) as f64,
         s.tiles.len(),
@@ -510,7 +511,6 @@ fn main() {
         a.buffers,
         a.block >> 10,
         s.file.io_threads(),
-        s.file.staging_bytes() >> 10,
         s.file.direct_io(),
         a.dir.display()
     );

@@ -56,19 +56,26 @@
 //! of joined pieces) are in flight at once (`thread_count` is DeepSpeed
 //! `aio.intra_op_parallelism` / `thread_count`), and the pool has one
 //! thread more than that, `thread_count + 2`, so that checksums do not
-//! take a transfer's place: a read gives its transfer slot back as soon as
-//! its bytes are in and then checks them while another thread starts the
-//! next transfer. A write computes its checksums before its transfer and
-//! holds its slot until it is reported, so with `queue_depth` 1 writes
-//! start and complete strictly in submission order. The CRC32
+//! take a transfer's place: a thread gives its transfer slot back as soon
+//! as its bytes are moved, then checksums them (a read checks its blocks;
+//! a write computes theirs from the buffer it just wrote, which does not
+//! change while the request owns it) while another thread starts the next
+//! transfer. With `queue_depth` 1 a thread holds the slot until the run
+//! is reported, so runs start and complete strictly in submission order.
+//! The CRC32
 //! (`crc32fast`) runs at ~20-30 GB/s on one core over data not in cache;
 //! timed inside the bench's passes the I/O threads spent ~5% of their time
 //! in it and ~95% in transfers, but on the 2 vCPUs loaded by other work
 //! (load 5-6) a build with the checksums left out read 10-17% and wrote
 //! 25-55% faster: the checksum's share grows with the competition for the
-//! CPU, which the raw baseline does not need. With
-//! [`SwapOptions::staging`] reads go through a per-thread staging buffer
-//! (off by default; see there).
+//! CPU, which the raw baseline does not need. Before, a thread held its
+//! slot through its checksums, and the pool was `thread_count + 1`
+//! threads: the swap path ran at 58-84% (write), 76-80% (read) and 68-77%
+//! (step pattern) of the raw baseline in `cargo bench --bench offload`,
+//! and at 84-87%, 83-86% and 83-85% after (three runs each, alternated).
+//! Reading through a small per-thread staging buffer and copying out
+//! (memory just used takes the VM's disk reads faster, see the README's
+//! offload section) was tried and gained nothing measurable.
 //!
 //! Why threads and not `io_uring` or libaio: on this class of machine
 //! (MEASUREMENTS.md) `O_DIRECT` sequential throughput was the same with
@@ -293,17 +300,6 @@ pub struct SwapOptions {
     /// fine-grained. A value at most `block_size` turns joining off.
     /// Default 8388608.
     pub max_transfer: usize,
-    /// Read through a staging buffer of this many bytes per I/O thread
-    /// (rounded up to a whole block; 0: off): a read transfer (of up to
-    /// this many bytes) lands in the thread's staging buffer, and each
-    /// block is checksummed there and copied to the request's buffer while
-    /// the other threads' transfers go on. On the VMs measured a disk read
-    /// into a few MiB of memory reused ran ~15-25% faster than into memory
-    /// of the state's size (see the README's offload section), which pays
-    /// for the copy; writes never stage. Costs this many bytes of host
-    /// memory per I/O thread ([`SwapFile::staging_bytes`]) and a memory
-    /// copy of every byte read. zero's own setting. Default 0.
-    pub staging: usize,
     /// Open with `O_DIRECT` (falling back, with a warning, where the
     /// filesystem rejects it). Default true.
     pub direct_io: bool,
@@ -328,7 +324,6 @@ impl SwapOptions {
             queue_depth: aio.queue_depth,
             thread_count: aio.thread_count,
             max_transfer: DEFAULT_MAX_TRANSFER,
-            staging: 0,
             direct_io: true,
             preallocate: true,
             #[cfg(feature = "testing")]
@@ -847,17 +842,23 @@ impl FileShared {
 
     /// Runs a run of pieces (consecutive blocks of one request, contiguous
     /// in the file and in the buffer: see [`take_run`]) as one transfer;
-    /// each piece's outcome, `None` on success. A read gives its transfer
-    /// slot back as soon as its bytes are in, before it checks them.
-    fn run(
-        &self,
-        run: &[Piece],
-        slot: &mut Slot<'_>,
-        staging: Option<&mut AlignedBuf>,
-    ) -> Vec<Option<Error>> {
+    /// each piece's outcome, `None` on success. The transfer slot goes back
+    /// as soon as the bytes are moved, before the checksums (see
+    /// [`transfer_done`](Self::transfer_done)).
+    fn run(&self, run: &[Piece], slot: &mut Slot<'_>) -> Vec<Option<Error>> {
         match run[0].kind {
-            Kind::Write => self.run_write(run),
-            Kind::Read => self.run_read(run, slot, staging),
+            Kind::Write => self.run_write(run, slot),
+            Kind::Read => self.run_read(run, slot),
+        }
+    }
+
+    /// A run's transfer is over: with more than one transfer in flight
+    /// allowed, its slot goes back now, so the next transfer starts while
+    /// this thread checksums; with one, the slot is held until the run is
+    /// reported, so runs start and complete strictly in submission order.
+    fn transfer_done(&self, slot: &mut Slot<'_>) {
+        if self.transfers > 1 {
+            slot.release();
         }
     }
 
@@ -888,18 +889,12 @@ impl FileShared {
         (run.len() - 1, run[run.len() - 1].io_len)
     }
 
-    fn run_write(&self, run: &[Piece]) -> Vec<Option<Error>> {
+    /// Writes the run, then checksums the blocks written (the request's
+    /// buffer does not change while the request owns it).
+    fn run_write(&self, run: &[Piece], slot: &mut Slot<'_>) -> Vec<Option<Error>> {
         let mut out: Vec<Option<Error>> = run.iter().map(|_| None).collect();
-        // Checksums first, and every block marked unwritten until its
-        // bytes are on disk.
-        let crcs: Vec<u32> = run
-            .iter()
-            .map(|p| {
-                // SAFETY: this piece's bytes, as in `run_bytes`.
-                let data = unsafe { std::slice::from_raw_parts(p.ptr.0, p.logical) };
-                crc32fast::hash(data)
-            })
-            .collect();
+        // Every block marked unwritten until its bytes are on disk and its
+        // checksum is known.
         for p in run {
             self.blocks[p.block].store(0, Ordering::Release);
         }
@@ -937,12 +932,16 @@ impl FileShared {
                 }
             }
         }
+        self.transfer_done(slot);
         let (bad, in_bad) = match failed {
             Some(_) => Self::piece_at(run, done),
             None => (todo, 0),
         };
-        for (k, p) in run[..bad.min(todo)].iter().enumerate() {
-            self.blocks[p.block].store(WRITTEN | u64::from(crcs[k]), Ordering::Release);
+        for p in &run[..bad.min(todo)] {
+            // SAFETY: this piece's bytes, as in `run_bytes`.
+            let data = unsafe { std::slice::from_raw_parts(p.ptr.0, p.logical) };
+            let crc = crc32fast::hash(data);
+            self.blocks[p.block].store(WRITTEN | u64::from(crc), Ordering::Release);
         }
         if let Some(why) = failed {
             let p = &run[bad];
@@ -954,15 +953,7 @@ impl FileShared {
         out
     }
 
-    /// With `staging` (see [`SwapOptions::staging`]) the run is read into
-    /// it, and each block that checks out is copied to the request's
-    /// buffer; else it is read into the request's buffer directly.
-    fn run_read(
-        &self,
-        run: &[Piece],
-        slot: &mut Slot<'_>,
-        staging: Option<&mut AlignedBuf>,
-    ) -> Vec<Option<Error>> {
+    fn run_read(&self, run: &[Piece], slot: &mut Slot<'_>) -> Vec<Option<Error>> {
         let mut out: Vec<Option<Error>> = run.iter().map(|_| None).collect();
         let states: Vec<u64> = run
             .iter()
@@ -981,13 +972,8 @@ impl FileShared {
             ));
         }
         let len: usize = run[..todo].iter().map(|p| p.io_len).sum();
-        let staged = staging.is_some();
-        let data: &mut [u8] = match staging {
-            // `take_run` caps a staged run at the staging buffer's length.
-            Some(buf) => &mut buf[..len],
-            // SAFETY: the first `todo` pieces' bytes (see `run_bytes`).
-            None => unsafe { Self::run_bytes(run, len) },
-        };
+        // SAFETY: the first `todo` pieces' bytes (see `run_bytes`).
+        let data = unsafe { Self::run_bytes(run, len) };
         let mut done = 0;
         let mut failed = None;
         while done < len {
@@ -1004,8 +990,7 @@ impl FileShared {
                 }
             }
         }
-        // The disk is free for the next transfer while this thread checks.
-        slot.release();
+        self.transfer_done(slot);
         // The pieces read in full are checked; the one the transfer stopped
         // in (if any) fails, the ones after it are skipped.
         let mut start = 0;
@@ -1047,11 +1032,6 @@ impl FileShared {
                          the data on disk is corrupt"
                     ),
                 ));
-            } else if staged {
-                // SAFETY: this piece's bytes in the request's buffer (valid
-                // for io_len bytes, touched by no one else meanwhile).
-                let dst = unsafe { std::slice::from_raw_parts_mut(p.ptr.0, p.io_len) };
-                dst.copy_from_slice(&data[start..start + p.io_len]);
             }
             start += p.io_len;
         }
@@ -1061,16 +1041,11 @@ impl FileShared {
 
 /// Takes the next run of pieces from the queue: the first piece, and the
 /// pieces right behind it that continue it (the same request and kind, the
-/// next bytes of the file and of the buffer), up to `max_transfer` bytes
-/// (a read with a staging buffer of `staging` bytes: up to `staging`).
+/// next bytes of the file and of the buffer), up to `max_transfer` bytes.
 /// Pieces are queued in submission order, so a request's blocks are
 /// adjacent.
-fn take_run(q: &mut Queue, max_transfer: usize, staging: usize) -> Vec<Piece> {
+fn take_run(q: &mut Queue, max_transfer: usize) -> Vec<Piece> {
     let mut run: Vec<Piece> = q.pieces.pop_front().into_iter().collect();
-    let max_transfer = match run.first() {
-        Some(p) if p.kind == Kind::Read && staging > 0 => staging,
-        _ => max_transfer,
-    };
     let mut len = run.first().map_or(0, |p| p.io_len);
     while let (Some(last), Some(next)) = (run.last(), q.pieces.front()) {
         let continues = std::ptr::addr_eq(Arc::as_ptr(&last.req), Arc::as_ptr(&next.req))
@@ -1113,11 +1088,11 @@ impl Drop for Slot<'_> {
 
 /// The loop of one I/O thread: take a run of pieces and a transfer slot
 /// (at most `transfers` in flight), run it as one transfer, report each
-/// piece; drain the queue before exiting on shutdown. A read frees its
-/// slot before it checks its blocks, so another thread's transfer goes on
-/// meanwhile; a write holds it until the write is reported.
-fn worker(shared: Arc<FileShared>, mut staging: Option<AlignedBuf>) {
-    let staging_len = staging.as_ref().map_or(0, |b| b.len());
+/// piece; drain the queue before exiting on shutdown. The slot goes back
+/// when the transfer is over, before the checksums, so another thread's
+/// transfer goes on meanwhile (with `transfers` 1: when the run is
+/// reported).
+fn worker(shared: Arc<FileShared>) {
     loop {
         let run = {
             let mut q = lock(&shared.queue);
@@ -1131,7 +1106,7 @@ fn worker(shared: Arc<FileShared>, mut staging: Option<AlignedBuf>) {
                 q = shared.work.wait(q).unwrap_or_else(PoisonError::into_inner);
             }
             q.in_flight += 1;
-            take_run(&mut q, shared.max_transfer, staging_len)
+            take_run(&mut q, shared.max_transfer)
         };
         let mut slot = Slot {
             shared: &shared,
@@ -1144,17 +1119,15 @@ fn worker(shared: Arc<FileShared>, mut staging: Option<AlignedBuf>) {
             // An earlier piece failed: the request's error stands.
             run.iter().map(|_| None).collect()
         } else {
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                shared.run(&run, &mut slot, staging.as_mut())
-            }))
-            .unwrap_or_else(|_| {
-                run.iter()
-                    .map(|p| Some(shared.piece_error(p, "the I/O thread panicked")))
-                    .collect()
-            })
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shared.run(&run, &mut slot)))
+                .unwrap_or_else(|_| {
+                    run.iter()
+                        .map(|p| Some(shared.piece_error(p, "the I/O thread panicked")))
+                        .collect()
+                })
         };
-        // A write reports before freeing its slot: with `queue_depth` 1
-        // the writes then start and complete strictly in submission order.
+        // With one transfer at a time the slot is still held: the runs then
+        // start and complete strictly in submission order.
         for (piece, outcome) in run.iter().zip(outcomes) {
             piece.req.finish(piece.file_offset, outcome);
         }
@@ -1179,8 +1152,6 @@ pub struct SwapFile {
     warnings: Vec<String>,
     deferred: Arc<Mutex<Vec<Error>>>,
     removed: bool,
-    /// Bytes of each I/O thread's staging buffer (0: reads not staged).
-    staging_per_thread: usize,
 }
 
 impl fmt::Debug for SwapFile {
@@ -1489,22 +1460,12 @@ impl SwapFile {
             warnings,
             deferred: Arc::new(Mutex::new(Vec::new())),
             removed: false,
-            staging_per_thread: match options.staging {
-                0 => 0,
-                n => n.div_ceil(options.block_size).saturating_mul(options.block_size),
-            },
         };
         for i in 0..options.thread_count + 2 {
             let shared = Arc::clone(&swap.shared);
-            let staging = match swap.staging_per_thread {
-                0 => None,
-                n => Some(AlignedBuf::new(n).map_err(|e| {
-                    io_err(&path, format!("cannot allocate the staging buffer of I/O thread {i}: {e}"))
-                })?),
-            };
             let handle = std::thread::Builder::new()
                 .name(format!("zero-aio-r{}-{i}", options.rank))
-                .spawn(move || worker(shared, staging))
+                .spawn(move || worker(shared))
                 .map_err(|e| io_err(&path, format!("cannot start I/O thread {i}: {e}")))?;
             swap.workers.push(handle);
         }
@@ -1525,13 +1486,6 @@ impl SwapFile {
     /// module docs).
     pub fn io_threads(&self) -> usize {
         self.workers.len()
-    }
-
-    /// Host memory of the I/O threads' staging buffers, in bytes
-    /// ([`SwapOptions::staging`] rounded up to a block, times
-    /// [`io_threads`](Self::io_threads); 0 when reads are not staged).
-    pub fn staging_bytes(&self) -> usize {
-        self.staging_per_thread * self.workers.len()
     }
 
     /// The block size (bytes).

@@ -333,32 +333,29 @@ fn truncated_file_is_a_short_read_error() {
     assert!(msg.contains(&format!("truncated to {cut} bytes")), "{msg}");
 }
 
-/// Blocks joined into one transfer (`max_transfer`) or moved one by one,
-/// read straight into the caller's buffer or through a staging buffer,
+/// Blocks joined into one transfer (`max_transfer`) or moved one by one
 /// give the same bytes, and a damaged block is the same error naming the
-/// same block, whatever the transfer size, staging size and thread count.
+/// same block, whatever the transfer size and thread count (one transfer
+/// at a time, or several, checksums after the slot is given back).
 #[test]
 fn joined_transfers_give_the_same_bytes_and_errors() {
-    for (max_transfer, threads, staging) in [
-        (BLOCK, 1, 0),
-        (2 * BLOCK, 2, 0),
-        (3 * BLOCK, 1, 0),
-        (8 << 20, 2, 0),
+    for (max_transfer, threads, depth) in [
+        (BLOCK, 1, 4),
+        (2 * BLOCK, 2, 4),
+        (3 * BLOCK, 1, 4),
+        (8 << 20, 2, 4),
         (8 << 20, 1, 1),
-        (8 << 20, 2, 2 * BLOCK + 1),
-        (BLOCK, 1, 8 << 20),
+        (BLOCK, 3, 8),
     ] {
         let dir = tmpdir();
         let (swap, a, b) = small_file_with(SwapOptions {
             max_transfer,
             thread_count: threads,
-            staging,
+            queue_depth: depth,
             ..options(dir.path())
         });
-        let ctx = format!("max_transfer {max_transfer}, {threads} threads, staging {staging}");
-        // Staging rounds up to whole blocks, one buffer per I/O thread.
-        let per_thread = staging.div_ceil(BLOCK) * BLOCK;
-        assert_eq!(swap.staging_bytes(), per_thread * (threads + 2), "{ctx}");
+        let ctx = format!("max_transfer {max_transfer}, {threads} threads, queue_depth {depth}");
+        assert_eq!(swap.io_threads(), threads + 2, "{ctx}");
         let (ra, rb) = (swap.region("a").unwrap(), swap.region("b").unwrap());
         let got = swap
             .read(ra, AlignedBuf::new(a.len()).unwrap())
