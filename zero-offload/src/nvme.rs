@@ -66,13 +66,14 @@
 //! (`crc32fast`) runs at ~20-30 GB/s on one core over data not in cache;
 //! timed inside the bench's passes the I/O threads spent ~5% of their time
 //! in it and ~95% in transfers, but on the 2 vCPUs loaded by other work
-//! (load 5-6) a build with the checksums left out read 10-17% and wrote
-//! 25-55% faster: the checksum's share grows with the competition for the
+//! (load 5-6) a build with the checksums left out read 12-19% and wrote
+//! ~57% faster: the checksum's share grows with the competition for the
 //! CPU, which the raw baseline does not need. Before, a thread held its
 //! slot through its checksums, and the pool was `thread_count + 1`
 //! threads: the swap path ran at 58-84% (write), 76-80% (read) and 68-77%
 //! (step pattern) of the raw baseline in `cargo bench --bench offload`,
-//! and at 84-87%, 83-86% and 83-85% after (three runs each, alternated).
+//! and at 84-87%, 83-86% and 83-85% after (three runs each, alternated;
+//! the README's offload section has more).
 //! Reading through a small per-thread staging buffer and copying out
 //! (memory just used takes the VM's disk reads faster, see the README's
 //! offload section) was tried and gained nothing measurable.
