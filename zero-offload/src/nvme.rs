@@ -50,16 +50,33 @@
 //! (read) and 62-65% (the step's pattern) of the best raw `O_DIRECT` pass
 //! with 1 MiB transfers and at 64-72%, 82% and 80-85% with 8 MiB ones
 //! while other builds ran on the 2 vCPUs; on the quiet machine the gain is
-//! smaller (65-70% → 67-81%; see the README's offload section). The pool has `thread_count + 1` threads (`thread_count` is
-//! DeepSpeed `aio.intra_op_parallelism` / `thread_count`): the extra thread
-//! keeps a transfer going while another thread checksums, since with one
-//! thread the CRC32 (~16 GB/s on one core, slower on data just DMA'd in)
-//! ran in series with the transfers and cost ~20% of the bandwidth
-//! (measured: 80% of raw `O_DIRECT` with one thread, 100% with two). At
-//! most `queue_depth` transfers (pieces, or runs of joined pieces) are in
-//! flight at once; with synchronous calls each thread has one in flight,
-//! so the effective depth is
-//! `min(thread_count + 1, queue_depth)`.
+//! smaller (65-70% → 67-81%; see the README's offload section).
+//!
+//! At most `min(queue_depth, thread_count + 1)` transfers (pieces, or runs
+//! of joined pieces) are in flight at once (`thread_count` is DeepSpeed
+//! `aio.intra_op_parallelism` / `thread_count`), and the pool has one
+//! thread more than that, `thread_count + 2`, so that checksums do not
+//! take a transfer's place: a thread gives its transfer slot back as soon
+//! as its bytes are moved, then checksums them (a read checks its blocks;
+//! a write computes theirs from the buffer it just wrote, which does not
+//! change while the request owns it) while another thread starts the next
+//! transfer. With `queue_depth` 1 a thread holds the slot until the run
+//! is reported, so runs start and complete strictly in submission order.
+//! The CRC32
+//! (`crc32fast`) runs at ~20-30 GB/s on one core over data not in cache;
+//! timed inside the bench's passes the I/O threads spent ~5% of their time
+//! in it and ~95% in transfers, but on the 2 vCPUs loaded by other work
+//! (load 5-6) a build with the checksums left out read 12-19% and wrote
+//! ~57% faster: the checksum's share grows with the competition for the
+//! CPU, which the raw baseline does not need. Before, a thread held its
+//! slot through its checksums, and the pool was `thread_count + 1`
+//! threads: the swap path ran at 58-84% (write), 76-80% (read) and 68-77%
+//! (step pattern) of the raw baseline in `cargo bench --bench offload`,
+//! and at 84-87%, 83-86% and 83-85% after (three runs each, alternated;
+//! the README's offload section has more).
+//! Reading through a small per-thread staging buffer and copying out
+//! (memory just used takes the VM's disk reads faster, see the README's
+//! offload section) was tried and gained nothing measurable.
 //!
 //! Why threads and not `io_uring` or libaio: on this class of machine
 //! (MEASUREMENTS.md) `O_DIRECT` sequential throughput was the same with
@@ -267,11 +284,13 @@ pub struct SwapOptions {
     /// 4096). Default 1048576.
     pub block_size: usize,
     /// Transfers (runs of joined pieces, see `max_transfer`) in flight at
-    /// once (DeepSpeed `aio.queue_depth`). Default 8.
+    /// once (DeepSpeed `aio.queue_depth`); at most `thread_count + 1` are,
+    /// whatever this says. Default 8.
     pub queue_depth: usize,
     /// I/O threads (DeepSpeed `aio.intra_op_parallelism`, formerly
-    /// `thread_count`); the pool runs one more so that checksums overlap
-    /// transfers (see the module docs). Default 1.
+    /// `thread_count`): `thread_count + 1` transfers are in flight at most
+    /// (within `queue_depth`), and the pool runs one thread more, so that
+    /// checksums overlap transfers (see the module docs). Default 1.
     pub thread_count: usize,
     /// The largest transfer, in bytes: an I/O thread joins consecutive
     /// blocks of one request, contiguous in the file and in the buffer, into
@@ -774,7 +793,8 @@ struct FileShared {
     /// Per data block: see [`WRITTEN`].
     blocks: Vec<AtomicU64>,
     block_size: usize,
-    queue_depth: usize,
+    /// Transfers in flight at most: `min(queue_depth, thread_count + 1)`.
+    transfers: usize,
     /// See [`SwapOptions::max_transfer`].
     max_transfer: usize,
     queue: Mutex<Queue>,
@@ -823,11 +843,23 @@ impl FileShared {
 
     /// Runs a run of pieces (consecutive blocks of one request, contiguous
     /// in the file and in the buffer: see [`take_run`]) as one transfer;
-    /// each piece's outcome, `None` on success.
-    fn run(&self, run: &[Piece]) -> Vec<Option<Error>> {
+    /// each piece's outcome, `None` on success. The transfer slot goes back
+    /// as soon as the bytes are moved, before the checksums (see
+    /// [`transfer_done`](Self::transfer_done)).
+    fn run(&self, run: &[Piece], slot: &mut Slot<'_>) -> Vec<Option<Error>> {
         match run[0].kind {
-            Kind::Write => self.run_write(run),
-            Kind::Read => self.run_read(run),
+            Kind::Write => self.run_write(run, slot),
+            Kind::Read => self.run_read(run, slot),
+        }
+    }
+
+    /// A run's transfer is over: with more than one transfer in flight
+    /// allowed, its slot goes back now, so the next transfer starts while
+    /// this thread checksums; with one, the slot is held until the run is
+    /// reported, so runs start and complete strictly in submission order.
+    fn transfer_done(&self, slot: &mut Slot<'_>) {
+        if self.transfers > 1 {
+            slot.release();
         }
     }
 
@@ -858,18 +890,12 @@ impl FileShared {
         (run.len() - 1, run[run.len() - 1].io_len)
     }
 
-    fn run_write(&self, run: &[Piece]) -> Vec<Option<Error>> {
+    /// Writes the run, then checksums the blocks written (the request's
+    /// buffer does not change while the request owns it).
+    fn run_write(&self, run: &[Piece], slot: &mut Slot<'_>) -> Vec<Option<Error>> {
         let mut out: Vec<Option<Error>> = run.iter().map(|_| None).collect();
-        // Checksums first, and every block marked unwritten until its
-        // bytes are on disk.
-        let crcs: Vec<u32> = run
-            .iter()
-            .map(|p| {
-                // SAFETY: this piece's bytes, as in `run_bytes`.
-                let data = unsafe { std::slice::from_raw_parts(p.ptr.0, p.logical) };
-                crc32fast::hash(data)
-            })
-            .collect();
+        // Every block marked unwritten until its bytes are on disk and its
+        // checksum is known.
         for p in run {
             self.blocks[p.block].store(0, Ordering::Release);
         }
@@ -907,12 +933,16 @@ impl FileShared {
                 }
             }
         }
+        self.transfer_done(slot);
         let (bad, in_bad) = match failed {
             Some(_) => Self::piece_at(run, done),
             None => (todo, 0),
         };
-        for (k, p) in run[..bad.min(todo)].iter().enumerate() {
-            self.blocks[p.block].store(WRITTEN | u64::from(crcs[k]), Ordering::Release);
+        for p in &run[..bad.min(todo)] {
+            // SAFETY: this piece's bytes, as in `run_bytes`.
+            let data = unsafe { std::slice::from_raw_parts(p.ptr.0, p.logical) };
+            let crc = crc32fast::hash(data);
+            self.blocks[p.block].store(WRITTEN | u64::from(crc), Ordering::Release);
         }
         if let Some(why) = failed {
             let p = &run[bad];
@@ -924,7 +954,7 @@ impl FileShared {
         out
     }
 
-    fn run_read(&self, run: &[Piece]) -> Vec<Option<Error>> {
+    fn run_read(&self, run: &[Piece], slot: &mut Slot<'_>) -> Vec<Option<Error>> {
         let mut out: Vec<Option<Error>> = run.iter().map(|_| None).collect();
         let states: Vec<u64> = run
             .iter()
@@ -961,6 +991,7 @@ impl FileShared {
                 }
             }
         }
+        self.transfer_done(slot);
         // The pieces read in full are checked; the one the transfer stopped
         // in (if any) fails, the ones after it are skipped.
         let mut start = 0;
@@ -1033,15 +1064,41 @@ fn take_run(q: &mut Queue, max_transfer: usize) -> Vec<Piece> {
     run
 }
 
-/// The loop of one I/O thread: take a run of pieces (at most
-/// `queue_depth` runs in flight), run it as one transfer, report each
-/// piece; drain the queue before exiting on shutdown.
+/// A transfer slot (one of `FileShared::transfers`) held by an I/O thread;
+/// given back by [`release`](Self::release) or on drop (also when the
+/// transfer panicked).
+struct Slot<'a> {
+    shared: &'a FileShared,
+    held: bool,
+}
+
+impl Slot<'_> {
+    fn release(&mut self) {
+        if std::mem::take(&mut self.held) {
+            lock(&self.shared.queue).in_flight -= 1;
+            self.shared.work.notify_one();
+        }
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// The loop of one I/O thread: take a run of pieces and a transfer slot
+/// (at most `transfers` in flight), run it as one transfer, report each
+/// piece; drain the queue before exiting on shutdown. The slot goes back
+/// when the transfer is over, before the checksums, so another thread's
+/// transfer goes on meanwhile (with `transfers` 1: when the run is
+/// reported).
 fn worker(shared: Arc<FileShared>) {
     loop {
         let run = {
             let mut q = lock(&shared.queue);
             loop {
-                if !q.pieces.is_empty() && q.in_flight < shared.queue_depth {
+                if !q.pieces.is_empty() && q.in_flight < shared.transfers {
                     break;
                 }
                 if q.pieces.is_empty() && q.shutdown {
@@ -1052,6 +1109,10 @@ fn worker(shared: Arc<FileShared>) {
             q.in_flight += 1;
             take_run(&mut q, shared.max_transfer)
         };
+        let mut slot = Slot {
+            shared: &shared,
+            held: true,
+        };
         if run.is_empty() {
             continue;
         }
@@ -1059,21 +1120,20 @@ fn worker(shared: Arc<FileShared>) {
             // An earlier piece failed: the request's error stands.
             run.iter().map(|_| None).collect()
         } else {
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shared.run(&run)))
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shared.run(&run, &mut slot)))
                 .unwrap_or_else(|_| {
                     run.iter()
                         .map(|p| Some(shared.piece_error(p, "the I/O thread panicked")))
                         .collect()
                 })
         };
-        // Report before freeing the slot: with `queue_depth` 1 the pieces
-        // then complete strictly in submission order.
+        // With one transfer at a time the slot is still held: the runs then
+        // start and complete strictly in submission order.
         for (piece, outcome) in run.iter().zip(outcomes) {
             piece.req.finish(piece.file_offset, outcome);
         }
         drop(run);
-        lock(&shared.queue).in_flight -= 1;
-        shared.work.notify_one();
+        slot.release();
     }
 }
 
@@ -1377,7 +1437,7 @@ impl SwapFile {
             regions: layout,
             blocks: (0..nblocks).map(|_| AtomicU64::new(0)).collect(),
             block_size: options.block_size,
-            queue_depth: options.queue_depth,
+            transfers: options.queue_depth.min(options.thread_count + 1),
             max_transfer: options.max_transfer,
             queue: Mutex::new(Queue {
                 pieces: VecDeque::new(),
@@ -1392,7 +1452,7 @@ impl SwapFile {
         });
         let mut swap = SwapFile {
             shared,
-            workers: Vec::with_capacity(options.thread_count + 1),
+            workers: Vec::with_capacity(options.thread_count + 2),
             header,
             header_bytes,
             header_buf: Mutex::new(header_buf),
@@ -1402,7 +1462,7 @@ impl SwapFile {
             deferred: Arc::new(Mutex::new(Vec::new())),
             removed: false,
         };
-        for i in 0..=options.thread_count {
+        for i in 0..options.thread_count + 2 {
             let shared = Arc::clone(&swap.shared);
             let handle = std::thread::Builder::new()
                 .name(format!("zero-aio-r{}-{i}", options.rank))
@@ -1423,7 +1483,8 @@ impl SwapFile {
         self.header.run_id
     }
 
-    /// The threads doing I/O and checksums: `thread_count + 1`.
+    /// The threads doing I/O and checksums: `thread_count + 2` (see the
+    /// module docs).
     pub fn io_threads(&self) -> usize {
         self.workers.len()
     }

@@ -335,17 +335,27 @@ fn truncated_file_is_a_short_read_error() {
 
 /// Blocks joined into one transfer (`max_transfer`) or moved one by one
 /// give the same bytes, and a damaged block is the same error naming the
-/// same block, whatever the transfer size and thread count.
+/// same block, whatever the transfer size and thread count (one transfer
+/// at a time, or several, checksums after the slot is given back).
 #[test]
 fn joined_transfers_give_the_same_bytes_and_errors() {
-    for (max_transfer, threads) in [(BLOCK, 1), (2 * BLOCK, 2), (3 * BLOCK, 1), (8 << 20, 2)] {
+    for (max_transfer, threads, depth) in [
+        (BLOCK, 1, 4),
+        (2 * BLOCK, 2, 4),
+        (3 * BLOCK, 1, 4),
+        (8 << 20, 2, 4),
+        (8 << 20, 1, 1),
+        (BLOCK, 3, 8),
+    ] {
         let dir = tmpdir();
         let (swap, a, b) = small_file_with(SwapOptions {
             max_transfer,
             thread_count: threads,
+            queue_depth: depth,
             ..options(dir.path())
         });
-        let ctx = format!("max_transfer {max_transfer}, {threads} threads");
+        let ctx = format!("max_transfer {max_transfer}, {threads} threads, queue_depth {depth}");
+        assert_eq!(swap.io_threads(), threads + 2, "{ctx}");
         let (ra, rb) = (swap.region("a").unwrap(), swap.region("b").unwrap());
         let got = swap
             .read(ra, AlignedBuf::new(a.len()).unwrap())
@@ -956,7 +966,7 @@ fn swap_path(dir: &Path, buf: AlignedBuf, block: usize, threads: usize) -> (Alig
     )
     .unwrap();
     assert!(swap.direct_io());
-    assert_eq!(swap.io_threads(), threads + 1);
+    assert_eq!(swap.io_threads(), threads + 2);
     // One region per request, all in flight, each its own buffer (as the
     // engine's tiles would be); the caller's one buffer is split by copying
     // outside the timed part.
