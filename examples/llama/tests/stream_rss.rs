@@ -68,7 +68,7 @@ fn write_model(path: &std::path::Path, cfg: &Config) {
         at = end;
     }
     let mut text = serde_json::to_string(&header).unwrap().into_bytes();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(b' ');
     }
     let mut f = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
