@@ -36,11 +36,11 @@ use zero::core::memory::Tier;
 use zero::core::optim::{LossScaleConfig, LrSchedule, WarmupType};
 use zero::core::{bf16, f16, Element, HostBuffer};
 use zero::trace::{gather_events, overlap, write_chrome_trace, Tracer};
-use zero::Engine;
+use zero::{Engine, Init};
 use zero_llama as llama;
 
 use llama::data::{self, Sample, Task};
-use llama::hf::{ExportSource, HfModel, HfTokenizer};
+use llama::hf::{ExportSource, HfDir, HfTokenizer};
 use llama::lora::LoraConfig;
 use llama::train::{
     forward_flops, generate_from, measure_gemm_peak, EngineSource, LoraSetup, SftModel,
@@ -184,7 +184,8 @@ struct Args {
     /// Default: the 200 held-out numbers.
     #[arg(long)]
     eval_data: Option<PathBuf>,
-    /// Initial weights from a safetensors file with HF-Llama tensor names.
+    /// Initial weights from a safetensors file with HF-Llama tensor names (checked from its
+    /// header, then streamed into the engine range by range).
     #[arg(long)]
     init_from: Option<PathBuf>,
     /// Write one JSON line per optimizer step (loss, lr, grad norm, loss scale, tokens/s,
@@ -463,10 +464,13 @@ struct Setup {
     model: Config,
     seq: usize,
     max_new: usize,
-    init: Option<Vec<Vec<f32>>>,
+    /// The weights of --model-dir or --init-from, one per tensor, read
+    /// from their files as the engine's build asks for each range.
+    init: Option<Vec<Init>>,
     tok: Tok,
-    /// The Hugging Face directory of --model-dir, read.
-    hf: Option<HfModel>,
+    /// The Hugging Face directory of --model-dir, its config read and its
+    /// weights checked.
+    hf: Option<HfDir>,
     /// --lora or --adapter.
     lora: Option<LoraSetup>,
 }
@@ -612,7 +616,7 @@ fn run<T: Element, C: Communicator>(
     let mut b = Engine::builder(cfg, comm)
         .seed(a.seed)
         .tracer(tracer.clone());
-    let model = SftModel::register_lora(
+    let model = SftModel::register_from(
         &mut b,
         s.model,
         s.init.clone(),
@@ -1063,9 +1067,17 @@ fn load_task(args: &Args, tok: &Tok) -> Result<Task, String> {
     Ok(task)
 }
 
+/// The engine's initialisers of weights in files: each streams its tensor.
+fn sources(files: Vec<llama::weights::TensorFile>) -> Vec<Init> {
+    files
+        .into_iter()
+        .map(|f| Init::Source(std::sync::Arc::new(f)))
+        .collect()
+}
+
 fn setup(args: Args) -> Result<Setup, String> {
     let mut hf = match &args.model_dir {
-        Some(d) => Some(HfModel::open(d).map_err(|e| format!("--model-dir {e}"))?),
+        Some(d) => Some(HfDir::open(d).map_err(|e| format!("--model-dir {e}"))?),
         None => None,
     };
     let tok = match &hf {
@@ -1115,14 +1127,14 @@ fn setup(args: Args) -> Result<Setup, String> {
             }
             // The weights move to the engine's initialisation; an export
             // needs only the directory, its config and dtype.
-            (c, Some(std::mem::take(&mut m.params)))
+            (c, Some(sources(std::mem::take(&mut m.weights))))
         }
         None => {
             let model = args.model_config(positions)?;
             let init = match &args.init_from {
-                Some(p) => {
-                    Some(llama::weights::load(p, &model).map_err(|e| format!("--init-from {e}"))?)
-                }
+                Some(p) => Some(sources(
+                    llama::weights::open(p, &model).map_err(|e| format!("--init-from {e}"))?,
+                )),
                 None => None,
             };
             (model, init)

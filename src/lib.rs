@@ -24,7 +24,7 @@ pub mod trace;
 
 pub use engine::{
     is_bias_norm_or_embedding, Engine, EngineBuilder, EngineStats, GradBuffer, GroupPredicate,
-    Init, ParamGroup, StepOutcome, SwapTraffic, UnitGuard, UnitId, UnitState,
+    Init, ParamGroup, StepOutcome, SwapTraffic, TensorSource, UnitGuard, UnitId, UnitState,
 };
 pub use error::{Error, Result};
 pub use trace::Tracer;

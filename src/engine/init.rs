@@ -3,10 +3,31 @@
 //! rank can initialise just the elements it stores and the full tensors are
 //! the same whatever the world size or stage.
 
+use std::fmt;
+use std::ops::Range;
 use std::sync::Arc;
 
+use crate::Result;
+
+/// Where the values of one tensor come from when they are not computed:
+/// weights in a file, read on demand. [`EngineBuilder::build`] asks for the
+/// element ranges this rank stores (a unit shard, an offload tile's piece,
+/// a frozen segment), never for the whole model at once, so a model larger
+/// than memory can start from its pretrained weights.
+///
+/// [`EngineBuilder::build`]: crate::EngineBuilder::build
+pub trait TensorSource: Send + Sync + fmt::Debug {
+    /// Number of elements: the registered tensor's.
+    fn numel(&self) -> usize;
+
+    /// Elements `range` (row-major) of the tensor into `out`
+    /// (`out.len() == range.len()`), as f32. An error names what it read
+    /// (the file and the tensor); `build` returns it.
+    fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<()>;
+}
+
 /// How to initialise one tensor of a unit.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub enum Init {
     /// All zeros.
     Zeros,
@@ -27,6 +48,24 @@ pub enum Init {
     /// Explicit values, row-major, as many as the tensor has elements
     /// (weights loaded from a file).
     Values(Arc<[f32]>),
+    /// Values read on demand, range by range (weights streamed from a
+    /// file): bit for bit what [`Init::Values`] of the same values gives.
+    Source(Arc<dyn TensorSource>),
+}
+
+impl PartialEq for Init {
+    /// Sources are equal when they are the same object.
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Init::Zeros, Init::Zeros) | (Init::Ones, Init::Ones) => true,
+            (Init::Constant(a), Init::Constant(b)) => a == b,
+            (Init::Normal { std: a }, Init::Normal { std: b }) => a == b,
+            (Init::Uniform { bound: a }, Init::Uniform { bound: b }) => a == b,
+            (Init::Values(a), Init::Values(b)) => a == b,
+            (Init::Source(a), Init::Source(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
 }
 
 impl Init {
@@ -35,28 +74,42 @@ impl Init {
         Init::Normal { std }
     }
 
-    /// Element `i` of tensor `tensor` of the unit whose name hashes to
-    /// `unit_key`.
-    pub(crate) fn value(&self, seed: u64, unit_key: u64, tensor: usize, i: usize) -> f32 {
+    /// Elements `range` of tensor `tensor` of the unit whose name hashes
+    /// to `unit_key` into `out` (as long as `range`): a source's error is
+    /// returned.
+    pub(crate) fn fill(
+        &self,
+        seed: u64,
+        unit_key: u64,
+        tensor: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let bits = |i: usize| element_bits(seed, unit_key, tensor, i);
         match self {
-            Init::Zeros => 0.0,
-            Init::Ones => 1.0,
-            Init::Constant(v) => *v,
-            Init::Values(v) => v[i],
+            Init::Zeros => out.fill(0.0),
+            Init::Ones => out.fill(1.0),
+            Init::Constant(v) => out.fill(*v),
+            Init::Values(v) => out.copy_from_slice(&v[range]),
+            Init::Source(s) => s.read(range, out)?,
             Init::Normal { std } => {
-                let r = element_bits(seed, unit_key, tensor, i);
-                // Box-Muller on two 26-bit uniforms; u1 in (0, 1].
-                let u1 = ((r >> 38) + 1) as f64 / (1u64 << 26) as f64;
-                let u2 = ((r >> 12) & ((1 << 26) - 1)) as f64 / (1u64 << 26) as f64;
-                let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
-                (z * f64::from(*std)) as f32
+                for (o, i) in out.iter_mut().zip(range) {
+                    let r = bits(i);
+                    // Box-Muller on two 26-bit uniforms; u1 in (0, 1].
+                    let u1 = ((r >> 38) + 1) as f64 / (1u64 << 26) as f64;
+                    let u2 = ((r >> 12) & ((1 << 26) - 1)) as f64 / (1u64 << 26) as f64;
+                    let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+                    *o = (z * f64::from(*std)) as f32;
+                }
             }
             Init::Uniform { bound } => {
-                let r = element_bits(seed, unit_key, tensor, i);
-                let u = (r >> 40) as f64 / (1u64 << 24) as f64;
-                ((2.0 * u - 1.0) * f64::from(*bound)) as f32
+                for (o, i) in out.iter_mut().zip(range) {
+                    let u = (bits(i) >> 40) as f64 / (1u64 << 24) as f64;
+                    *o = ((2.0 * u - 1.0) * f64::from(*bound)) as f32;
+                }
             }
         }
+        Ok(())
     }
 }
 
@@ -87,6 +140,16 @@ pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Init {
+        /// Element `i` alone.
+        fn value(&self, seed: u64, unit_key: u64, tensor: usize, i: usize) -> f32 {
+            let mut out = [0f32];
+            self.fill(seed, unit_key, tensor, i..i + 1, &mut out)
+                .expect("a computed initialiser");
+            out[0]
+        }
+    }
 
     #[test]
     fn normal_has_the_right_moments_and_is_keyed() {

@@ -121,6 +121,7 @@ mod param_offload;
 mod reducer;
 mod stats;
 
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
@@ -153,8 +154,8 @@ use groups::relative;
 use groups::{group_of, GroupMap};
 pub use groups::{is_bias_norm_or_embedding, GroupPredicate, ParamGroup};
 use health::Health;
-pub use init::Init;
 use init::{fnv1a, mix};
+pub use init::{Init, TensorSource};
 use lease::{exclusive, Releases, Returns};
 pub use lease::{GradBuffer, UnitGuard};
 pub(crate) use offload::tile_bounds as optimizer_tiles;
@@ -603,16 +604,18 @@ impl<C: Communicator> EngineBuilder<C> {
             )));
         }
         for (t, i) in spec.tensors.iter().zip(&init) {
-            if let Init::Values(v) = i {
-                if v.len() != t.numel() {
-                    return Err(usage(format!(
-                        "register(`{}`): tensor `{}` has {} elements but Init::Values holds {}",
-                        spec.name,
-                        t.name,
-                        t.numel(),
-                        v.len()
-                    )));
-                }
+            let given = match i {
+                Init::Values(v) => Some(("Init::Values holds", v.len())),
+                Init::Source(s) => Some(("its Init::Source has", s.numel())),
+                _ => None,
+            };
+            if let Some((what, n)) = given.filter(|&(_, n)| n != t.numel()) {
+                return Err(usage(format!(
+                    "register(`{}`): tensor `{}` has {} elements but {what} {n}",
+                    spec.name,
+                    t.name,
+                    t.numel(),
+                )));
             }
         }
         if self.specs.iter().any(|(s, _)| s.name == spec.name) {
@@ -712,6 +715,7 @@ impl<C: Communicator> EngineBuilder<C> {
             specs: &specs,
             layouts: plan.units(),
             seed,
+            failed: RefCell::new(None),
         };
         // Unit `i`'s first element of this rank's optimizer state, and of
         // its parameters.
@@ -754,7 +758,7 @@ impl<C: Communicator> EngineBuilder<C> {
             if let (Some(p), false, true) = (params.as_mut(), frozen_seg.is_empty(), stage < 3) {
                 if initial.has_values(u) {
                     let mut values = vec![0f32; frozen_seg.len()];
-                    initial.fill(u, frozen_seg.clone(), &mut values);
+                    initial.fill_or_keep(u, frozen_seg.clone(), &mut values);
                     p.store_slice(&backend, frozen_seg.start, &values)?;
                 }
             }
@@ -771,7 +775,7 @@ impl<C: Communicator> EngineBuilder<C> {
             let hi = stored.iter().map(|r| r.end).max();
             if let (Some(lo), Some(hi), true) = (lo, hi, initial.has_values(u)) {
                 let mut values = vec![0f32; hi - lo];
-                initial.fill(u, lo..hi, &mut values);
+                initial.fill_or_keep(u, lo..hi, &mut values);
                 if mlen > 0 {
                     master.copy_from_slice(&values[state_start - lo..][..state_len]);
                 }
@@ -830,6 +834,7 @@ impl<C: Communicator> EngineBuilder<C> {
             });
         }
 
+        initial.agree(&comm)?;
         let gswap = if cfg.zero.offload_optimizer.swap_gradients {
             let options = offload::swap_options(&cfg, rank, "gradients");
             let built = GradSwap::new(&cfg, &plan, (rank, options), &tracker, grad_swap_faults);
@@ -862,7 +867,7 @@ impl<C: Communicator> EngineBuilder<C> {
         let offload = if offloading {
             let master = |i: usize, r: Range<usize>, out: &mut [f32]| {
                 let base = state_base(&plan.units()[i]);
-                initial.fill(i, base + r.start..base + r.end, out);
+                initial.fill_or_keep(i, base + r.start..base + r.end, out);
             };
             let built = Offload::new(&cfg, rank, pdt, ranges, &master, &tracker, swap_faults);
             Some(
@@ -876,6 +881,7 @@ impl<C: Communicator> EngineBuilder<C> {
         } else {
             None
         };
+        initial.agree(&comm)?;
         let poff = if param_offloading {
             let size = pdt.size_in_bytes();
             let bytes = plan.units().iter().map(|l| l.shard_len * size).collect();
@@ -883,7 +889,7 @@ impl<C: Communicator> EngineBuilder<C> {
                 let l = &plan.units()[i];
                 let mut values = vec![0f32; l.shard_len];
                 let base = param_base(l);
-                initial.fill(i, base..base + l.shard_len, &mut values);
+                initial.fill(i, base..base + l.shard_len, &mut values)?;
                 store_as(pdt, &values, out);
                 Ok(())
             };
@@ -923,7 +929,7 @@ impl<C: Communicator> EngineBuilder<C> {
                 }
             };
             let mut values = vec![0f32; r.len()];
-            initial.fill(u, r.clone(), &mut values);
+            initial.fill_or_keep(u, r.clone(), &mut values);
             let label = format!("frozen params `{}`", layout.name);
             let home = match frozen_policy {
                 FrozenParams::Resident => {
@@ -970,6 +976,7 @@ impl<C: Communicator> EngineBuilder<C> {
             };
             frozen.push(Some(home));
         }
+        initial.agree(&comm)?;
         if let Some(u) = units.first_mut() {
             u._allocs.extend(frozen_allocs);
         }
@@ -1052,26 +1059,29 @@ impl<C: Communicator> EngineBuilder<C> {
     }
 }
 
-/// The initial values of the registered units, computed for any element
-/// range on demand (each element from its tensor's [`Init`]).
+/// The initial values of the registered units, computed (or read from
+/// their sources) for any element range on demand.
 struct Initial<'a> {
     specs: &'a [(UnitSpec, Vec<Init>)],
     layouts: &'a [UnitLayout],
     seed: u64,
+    /// The first source error of [`Initial::fill_or_keep`], for
+    /// [`Initial::agree`].
+    failed: RefCell<Option<Error>>,
 }
 
 impl Initial<'_> {
     /// Whether unit `u` has any initialiser but zeros.
     fn has_values(&self, u: usize) -> bool {
-        self.specs[u].1.iter().any(|i| *i != Init::Zeros)
+        self.specs[u].1.iter().any(|i| !matches!(i, Init::Zeros))
     }
 
     /// Unit `u`'s elements `r` (of the padded unit) into `out`; padding is
-    /// zero.
-    fn fill(&self, u: usize, r: Range<usize>, out: &mut [f32]) {
+    /// zero. A source's error is returned.
+    fn fill(&self, u: usize, r: Range<usize>, out: &mut [f32]) -> Result<()> {
         out.fill(0.0);
         if !self.has_values(u) {
-            return;
+            return Ok(());
         }
         let (spec, inits) = &self.specs[u];
         let key = fnv1a(spec.name.as_bytes());
@@ -1081,10 +1091,31 @@ impl Initial<'_> {
             let Some(ti) = spec.tensors.iter().position(|s| s.name == t.name) else {
                 continue;
             };
-            for i in t.offset.max(r.start)..(t.offset + t.numel).min(r.end) {
-                out[i - r.start] = inits[ti].value(self.seed, key, ti, i - t.offset);
+            let (lo, hi) = (t.offset.max(r.start), (t.offset + t.numel).min(r.end));
+            if lo < hi {
+                let out = &mut out[lo - r.start..hi - r.start];
+                inits[ti].fill(self.seed, key, ti, lo - t.offset..hi - t.offset, out)?;
             }
         }
+        Ok(())
+    }
+
+    /// [`Initial::fill`] where the caller cannot return an error (and must
+    /// not: the other ranks go on to a collective): the first error is
+    /// kept for [`Initial::agree`], and later fills give zeros.
+    fn fill_or_keep(&self, u: usize, r: Range<usize>, out: &mut [f32]) {
+        if self.failed.borrow().is_some() {
+            out.fill(0.0);
+        } else if let Err(e) = self.fill(u, r, out) {
+            *self.failed.borrow_mut() = Some(e);
+        }
+    }
+
+    /// Every rank learns whether any rank's [`Initial::fill_or_keep`]
+    /// failed so far, and all return the error together (a collective).
+    fn agree<C: Communicator>(&self, comm: &C) -> Result<()> {
+        let mine = self.failed.borrow_mut().take().map_or(Ok(()), Err);
+        agree_on_setup(comm, mine, "initial parameter values (Init::Source")
     }
 }
 

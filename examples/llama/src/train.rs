@@ -127,12 +127,12 @@ fn range(l: &UnitLayout, name: &str) -> std::ops::Range<usize> {
     l.tensor(name).expect("a registered tensor").range()
 }
 
-/// Normal(0, 0.02) matrices and unit norms, or the given values.
-fn inits(infos: &[TensorInfo], values: &mut dyn Iterator<Item = Option<Vec<f32>>>) -> Vec<Init> {
+/// Normal(0, 0.02) matrices and unit norms, or the given initialisers.
+fn inits(infos: &[TensorInfo], values: &mut dyn Iterator<Item = Option<Init>>) -> Vec<Init> {
     infos
         .iter()
         .map(|t| match values.next().flatten() {
-            Some(v) => Init::Values(Arc::from(v)),
+            Some(i) => i,
             None => match t.kind {
                 Kind::Norm => Init::Ones,
                 Kind::Bias => Init::Zeros,
@@ -189,11 +189,28 @@ impl SftModel {
         threads: usize,
         checkpointing: bool,
     ) -> Result<Self> {
+        let init = init.map(|v| v.into_iter().map(|v| Init::Values(Arc::from(v))).collect());
+        Self::register_from(b, cfg, init, lora, threads, checkpointing)
+    }
+
+    /// [`SftModel::register_lora`] with one initialiser per tensor of
+    /// [`tensors`] (in that order) instead of values: e.g.
+    /// `Init::Source` of [`crate::weights::TensorFile`]s, which the
+    /// engine's build reads range by range (the weights stream from their
+    /// files).
+    pub fn register_from<C: Communicator>(
+        b: &mut EngineBuilder<C>,
+        cfg: Config,
+        init: Option<Vec<Init>>,
+        lora: Option<LoraSetup>,
+        threads: usize,
+        checkpointing: bool,
+    ) -> Result<Self> {
         cfg.validate();
         let all = tensors(&cfg);
-        let mut values: Box<dyn Iterator<Item = Option<Vec<f32>>>> = match init {
+        let mut values: Box<dyn Iterator<Item = Option<Init>>> = match init {
             Some(v) => {
-                assert_eq!(v.len(), all.len(), "one value vector per tensor");
+                assert_eq!(v.len(), all.len(), "one initialiser per tensor");
                 Box::new(v.into_iter().map(Some))
             }
             None => Box::new(std::iter::repeat_with(|| None)),

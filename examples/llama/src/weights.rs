@@ -23,15 +23,20 @@
 //!
 //! # Reading
 //!
-//! Memory is bounded by the model, not by the file: only the header is
-//! parsed up front (8-byte little-endian length, then JSON, validated by the
-//! `safetensors` crate's [`Metadata`]), then each needed tensor's byte range
-//! is read with seek + `read_exact` and converted to f32 (F32, BF16 and F16
-//! are accepted). `SafeTensors::read_metadata` is not used because it insists
-//! on a buffer holding the whole file. A tensor the model does not use is
-//! an error of [`load`] that names it, except derived buffers
-//! (`model.layers.0.self_attn.rotary_emb.inv_freq` in older exports);
-//! [`load_with_report`] returns such tensors instead.
+//! Only the header is parsed up front (8-byte little-endian length, then
+//! JSON, validated by the `safetensors` crate's [`Metadata`]), and every
+//! check (missing tensors, shapes, dtypes, tensors the model does not use)
+//! is done from it without reading any data. [`open`] stops there: it
+//! returns one [`TensorFile`] per tensor, which reads any element range of
+//! its tensor on demand (positioned reads of that range's bytes, converted
+//! to f32: F32, BF16 and F16 are accepted) and is the engine's
+//! [`zero::TensorSource`], so the engine's build streams the weights from
+//! the file shard by shard and the model is never in memory. [`load`]
+//! reads every tensor whole. `SafeTensors::read_metadata` is not used
+//! because it insists on a buffer holding the whole file. A tensor the
+//! model does not use is an error of [`open`] and [`load`] that names it,
+//! except derived buffers (`model.layers.0.self_attn.rotary_emb.inv_freq`
+//! in older exports); [`load_with_report`] returns such tensors instead.
 //!
 //! # Writing
 //!
@@ -44,8 +49,11 @@
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
+use std::io::Read;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use safetensors::tensor::Metadata;
 use safetensors::View;
@@ -109,7 +117,15 @@ impl Dtype {
 /// (naming it), except for derived buffers such as
 /// `rotary_emb.inv_freq` ([`is_derived_buffer`]).
 pub fn load(path: &Path, cfg: &Config) -> Result<Vec<Vec<f32>>, String> {
-    let (params, ignored) = load_with_report(path, cfg)?;
+    open(path, cfg)?.iter().map(TensorFile::read_all).collect()
+}
+
+/// [`load`] without reading the data: every tensor of
+/// [`tensors`]`(cfg)`, in that order, checked from the header (missing,
+/// shape, dtype; a tensor the model does not use is an error), to be read
+/// on demand.
+pub fn open(path: &Path, cfg: &Config) -> Result<Vec<TensorFile>, String> {
+    let (files, ignored) = open_with_report(path, cfg)?;
     let unused: Vec<&String> = ignored.iter().filter(|n| !is_derived_buffer(n)).collect();
     if let Some(first) = unused.first() {
         return Err(format!(
@@ -119,7 +135,7 @@ pub fn load(path: &Path, cfg: &Config) -> Result<Vec<Vec<f32>>, String> {
             unused_hint(first, cfg)
         ));
     }
-    Ok(params)
+    Ok(files)
 }
 
 /// Whether `name` is a buffer that the model computes itself and a
@@ -154,7 +170,7 @@ pub(crate) fn unused_hint(name: &str, cfg: &Config) -> String {
 /// against the file's length, tensors read one at a time.
 pub struct SafetensorsFile {
     path: PathBuf,
-    file: File,
+    file: Arc<File>,
     data_start: u64,
     meta: Metadata,
 }
@@ -190,7 +206,7 @@ impl SafetensorsFile {
         }
         Ok(SafetensorsFile {
             path: path.to_path_buf(),
-            file,
+            file: Arc::new(file),
             data_start,
             meta,
         })
@@ -221,6 +237,13 @@ impl SafetensorsFile {
     /// Reads tensor `name`, which must have shape `shape`, converted to f32
     /// (F32, BF16 or F16). Errors name the file and the tensor.
     pub fn read(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, String> {
+        self.tensor(name, shape)?.read_all()
+    }
+
+    /// Tensor `name`, which must have shape `shape` and dtype F32, BF16 or
+    /// F16, to be read on demand ([`TensorFile`]): checked from the header,
+    /// no data read. Errors name the file and the tensor.
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<TensorFile, String> {
         let path = self.path.display();
         let info = self
             .meta
@@ -233,41 +256,30 @@ impl SafetensorsFile {
                 shape_hint(name, &info.shape, shape)
             ));
         }
+        let dtype = Dtype::from_st(info.dtype).ok_or_else(|| {
+            format!(
+                "{path}: tensor `{name}` has dtype {:?}; only F32, BF16 and F16 are supported",
+                info.dtype
+            )
+        })?;
         let (start, end) = info.data_offsets;
-        let n: usize = shape.iter().product();
-        let file = &mut self.file;
-        file.seek(SeekFrom::Start(self.data_start + start as u64))
-            .map_err(|e| format!("{path}: cannot seek to tensor `{name}`: {e}"))?;
-        let read_err = |e: std::io::Error| format!("{path}: cannot read tensor `{name}`: {e}");
-        let values = match info.dtype {
-            safetensors::Dtype::F32 => {
-                let mut v = vec![0f32; n];
-                file.read_exact(bytemuck::cast_slice_mut(&mut v))
-                    .map_err(read_err)?;
-                for x in &mut v {
-                    *x = f32::from_bits(u32::from_le(x.to_bits()));
-                }
-                v
-            }
-            dt @ (safetensors::Dtype::BF16 | safetensors::Dtype::F16) => {
-                let mut raw = vec![0u16; n];
-                file.read_exact(bytemuck::cast_slice_mut(&mut raw))
-                    .map_err(read_err)?;
-                let bits = raw.iter().map(|&b| u16::from_le(b));
-                if dt == safetensors::Dtype::BF16 {
-                    bits.map(|b| half::bf16::from_bits(b).to_f32()).collect()
-                } else {
-                    bits.map(|b| half::f16::from_bits(b).to_f32()).collect()
-                }
-            }
-            other => {
-                return Err(format!(
-                "{path}: tensor `{name}` has dtype {other:?}; only F32, BF16 and F16 are supported"
-            ))
-            }
-        };
-        debug_assert_eq!(end - start, n * info.dtype.bitsize() / 8);
-        Ok(values)
+        let numel: usize = shape.iter().product();
+        if end - start != numel * dtype.size() {
+            return Err(format!(
+                "{path}: tensor `{name}` takes {} bytes, its shape {shape:?} as {:?} needs {}",
+                end - start,
+                info.dtype,
+                numel * dtype.size()
+            ));
+        }
+        Ok(TensorFile {
+            path: self.path.clone(),
+            file: self.file.clone(),
+            name: name.to_string(),
+            dtype,
+            at: self.data_start + start as u64,
+            numel,
+        })
     }
 
     /// The raw little-endian bytes of tensor `name` as stored.
@@ -280,10 +292,136 @@ impl SafetensorsFile {
         let (start, end) = info.data_offsets;
         let mut v = vec![0u8; end - start];
         self.file
-            .seek(SeekFrom::Start(self.data_start + start as u64))
-            .and_then(|_| self.file.read_exact(&mut v))
+            .read_exact_at(&mut v, self.data_start + start as u64)
             .map_err(|e| format!("{path}: cannot read tensor `{name}`: {e}"))?;
         Ok(v)
+    }
+}
+
+/// Elements converted per read of a BF16 or F16 tensor (a 1 MiB buffer).
+const CHUNK: usize = 1 << 19;
+
+/// One tensor of a safetensors file ([`SafetensorsFile::tensor`]), read
+/// on demand: any element range of it with a positioned read of that
+/// range's bytes (the open file is shared), converted to f32. The page
+/// cache holds what was read, not the process: reading a model larger
+/// than memory this way keeps the resident set at the ranges in flight.
+/// It is the engine's [`zero::TensorSource`]: `Init::Source` of it
+/// streams the tensor into the engine's shards and swap files.
+#[derive(Clone, Debug)]
+pub struct TensorFile {
+    path: PathBuf,
+    file: Arc<File>,
+    name: String,
+    dtype: Dtype,
+    /// Where its first byte is in the file.
+    at: u64,
+    numel: usize,
+}
+
+impl TensorFile {
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The tensor's name in the file.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The dtype it is stored in.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+
+    /// Where its bytes are in the file.
+    pub fn bytes(&self) -> Range<u64> {
+        self.at..self.at + (self.numel * self.dtype.size()) as u64
+    }
+
+    /// The whole tensor as f32. Errors name the file and the tensor.
+    pub fn read_all(&self) -> Result<Vec<f32>, String> {
+        let mut v = vec![0f32; self.numel];
+        self.read_range(0..self.numel, &mut v)
+            .map_err(|e| format!("{}: {e}", self.path.display()))?;
+        Ok(v)
+    }
+
+    /// Elements `range` into `out` (as long as `range`) as f32; an error
+    /// names the tensor and the elements (not the file: the callers add
+    /// it).
+    fn read_range(&self, range: Range<usize>, out: &mut [f32]) -> Result<(), String> {
+        let name = &self.name;
+        if range.end > self.numel || range.start > range.end || out.len() != range.len() {
+            return Err(format!(
+                "tensor `{name}`: elements {range:?} into {} values asked of its {}",
+                out.len(),
+                self.numel
+            ));
+        }
+        let size = self.dtype.size();
+        let at = |i: usize| self.at + (i * size) as u64;
+        let read_err = |r: &Range<usize>, e: std::io::Error| {
+            format!(
+                "tensor `{name}`: cannot read elements {r:?} (bytes {}..{}): {e}",
+                at(r.start),
+                at(r.end)
+            )
+        };
+        match self.dtype {
+            Dtype::F32 => {
+                self.file
+                    .read_exact_at(bytemuck::cast_slice_mut(out), at(range.start))
+                    .map_err(|e| read_err(&range, e))?;
+                for x in out.iter_mut() {
+                    *x = f32::from_bits(u32::from_le(x.to_bits()));
+                }
+            }
+            Dtype::Bf16 | Dtype::F16 => {
+                let mut raw = vec![0u16; range.len().min(CHUNK)];
+                let mut i = range.start;
+                for out in out.chunks_mut(CHUNK) {
+                    let raw = &mut raw[..out.len()];
+                    let r = i..i + out.len();
+                    self.file
+                        .read_exact_at(bytemuck::cast_slice_mut(raw), at(r.start))
+                        .map_err(|e| read_err(&r, e))?;
+                    let bits = raw.iter().map(|&b| u16::from_le(b));
+                    if self.dtype == Dtype::Bf16 {
+                        for (o, b) in out.iter_mut().zip(bits) {
+                            *o = half::bf16::from_bits(b).to_f32();
+                        }
+                    } else {
+                        for (o, b) in out.iter_mut().zip(bits) {
+                            *o = half::f16::from_bits(b).to_f32();
+                        }
+                    }
+                    i = r.end;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl zero::TensorSource for TensorFile {
+    fn numel(&self) -> usize {
+        self.numel
+    }
+
+    fn read(&self, range: Range<usize>, out: &mut [f32]) -> zero::Result<()> {
+        self.read_range(range, out).map_err(|msg| {
+            zero::Error::Core(zero::core::Error::Io {
+                path: self.path.clone(),
+                msg,
+            })
+        })
     }
 }
 
@@ -295,7 +433,21 @@ impl SafetensorsFile {
 /// safetensors file, a tensor missing, a shape that does not match `cfg`, an
 /// unsupported dtype, or data cut short.
 pub fn load_with_report(path: &Path, cfg: &Config) -> Result<(Vec<Vec<f32>>, Vec<String>), String> {
-    let mut f = SafetensorsFile::open(path)?;
+    let (files, ignored) = open_with_report(path, cfg)?;
+    let params = files
+        .iter()
+        .map(TensorFile::read_all)
+        .collect::<Result<_, _>>()?;
+    Ok((params, ignored))
+}
+
+/// [`load_with_report`] without reading the data: the tensors to read on
+/// demand ([`TensorFile`]), checked from the header.
+pub fn open_with_report(
+    path: &Path,
+    cfg: &Config,
+) -> Result<(Vec<TensorFile>, Vec<String>), String> {
+    let f = SafetensorsFile::open(path)?;
     let wanted = tensors(cfg);
     let missing: Vec<&str> = wanted
         .iter()
@@ -310,9 +462,9 @@ pub fn load_with_report(path: &Path, cfg: &Config) -> Result<(Vec<Vec<f32>>, Vec
             missing_hint(first, &f.meta, cfg)
         ));
     }
-    let params = wanted
+    let files = wanted
         .iter()
-        .map(|t| f.read(&t.name, &t.shape))
+        .map(|t| f.tensor(&t.name, &t.shape))
         .collect::<Result<Vec<_>, _>>()?;
     let used: HashSet<&str> = wanted.iter().map(|t| t.name.as_str()).collect();
     let ignored: Vec<String> = f
@@ -320,7 +472,7 @@ pub fn load_with_report(path: &Path, cfg: &Config) -> Result<(Vec<Vec<f32>>, Vec
         .into_iter()
         .filter(|k| !used.contains(k.as_str()))
         .collect();
-    Ok((params, ignored))
+    Ok((files, ignored))
 }
 
 /// Reads and validates the header; returns the file offset of the tensor

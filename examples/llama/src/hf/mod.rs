@@ -5,12 +5,15 @@
 //!
 //! # In
 //!
-//! [`HfModel::open`] reads the config and every weight, and checks before
-//! training starts: a missing tensor, a tensor of the wrong shape or dtype,
-//! a tensor the model does not use (a derived `rotary_emb.inv_freq`
+//! [`HfDir::open`] reads the config and the weights' headers, and checks
+//! before training starts: a missing tensor, a tensor of the wrong shape or
+//! dtype, a tensor the model does not use (a derived `rotary_emb.inv_freq`
 //! aside), an index naming a missing file or a tensor its file lacks, a
 //! shard tensor the index does not list. Each error names the file and the
-//! tensor, shape or key.
+//! tensor, shape or key. It reads no weight: each is a
+//! [`weights::TensorFile`], read range by range when the engine's build
+//! asks (`Init::Source`), so a model larger than memory streams from its
+//! files. [`HfModel::open`] reads every weight into memory as well.
 //!
 //! # Out
 //!
@@ -28,7 +31,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::weights::{self, Dtype, SafetensorsFile, INDEX_FILE};
+use super::weights::{self, Dtype, SafetensorsFile, TensorFile, INDEX_FILE};
 use super::{tensors, Config};
 pub use config::{HfConfig, ModelType};
 pub use tokenizer::HfTokenizer;
@@ -52,13 +55,15 @@ impl HfModel {
     /// Reads `dir/config.json` and the weights, checked as the module's
     /// doc says.
     pub fn open(dir: &Path) -> Result<Self, String> {
-        if !dir.is_dir() {
-            return Err(format!("{}: not a directory", dir.display()));
-        }
-        let hf = config::read(&dir.join("config.json"))?;
-        let (params, dtype) = load_weights(dir, &hf.config)?;
+        let HfDir {
+            dir,
+            hf,
+            weights,
+            dtype,
+        } = HfDir::open(dir)?;
+        let params = read_all(&weights)?;
         Ok(HfModel {
-            dir: dir.to_path_buf(),
+            dir,
             hf,
             params,
             dtype,
@@ -66,13 +71,56 @@ impl HfModel {
     }
 }
 
+/// A model of a Hugging Face directory, its weights checked but not read.
+pub struct HfDir {
+    /// The directory.
+    pub dir: PathBuf,
+    /// Its `config.json`.
+    pub hf: HfConfig,
+    /// Every tensor of [`tensors`]`(&hf.config)`, in that order, to read
+    /// on demand.
+    pub weights: Vec<TensorFile>,
+    /// The dtype the weights are stored in (of the embedding).
+    pub dtype: Dtype,
+}
+
+impl HfDir {
+    /// Reads `dir/config.json` and the weights' headers, checked as the
+    /// module's doc says.
+    pub fn open(dir: &Path) -> Result<Self, String> {
+        if !dir.is_dir() {
+            return Err(format!("{}: not a directory", dir.display()));
+        }
+        let hf = config::read(&dir.join("config.json"))?;
+        let (weights, dtype) = weight_files(dir, &hf.config)?;
+        Ok(HfDir {
+            dir: dir.to_path_buf(),
+            hf,
+            weights,
+            dtype,
+        })
+    }
+}
+
+/// Every tensor of `files` read whole.
+fn read_all(files: &[TensorFile]) -> Result<Vec<Vec<f32>>, String> {
+    files.iter().map(TensorFile::read_all).collect()
+}
+
 /// Reads the weights of directory `dir` for `cfg`: every tensor of
 /// [`tensors`]`(cfg)` in that order, as f32, and the stored dtype.
 pub fn load_weights(dir: &Path, cfg: &Config) -> Result<(Vec<Vec<f32>>, Dtype), String> {
+    let (files, dtype) = weight_files(dir, cfg)?;
+    Ok((read_all(&files)?, dtype))
+}
+
+/// [`load_weights`] without reading the data: the tensors to read on
+/// demand, checked from the headers, and the stored dtype.
+pub fn weight_files(dir: &Path, cfg: &Config) -> Result<(Vec<TensorFile>, Dtype), String> {
     let index_path = dir.join(INDEX_FILE);
     let single = dir.join(WEIGHTS_FILE);
     // Tensor name -> file name, and every file open.
-    let (map, mut files): (BTreeMap<String, String>, HashMap<String, SafetensorsFile>) =
+    let (map, files): (BTreeMap<String, String>, HashMap<String, SafetensorsFile>) =
         if index_path.is_file() {
             read_index(&index_path, dir)?
         } else if single.is_file() {
@@ -140,11 +188,9 @@ pub fn load_weights(dir: &Path, cfg: &Config) -> Result<(Vec<Vec<f32>>, Dtype), 
     let dtype = dtype_of(&files[&map[first]], first)?;
     let mut params = Vec::with_capacity(wanted.len());
     for t in &wanted {
-        let f = files
-            .get_mut(&map[&t.name])
-            .expect("every mapped file is open");
+        let f = &files[&map[&t.name]];
         dtype_of(f, &t.name)?;
-        params.push(f.read(&t.name, &t.shape)?);
+        params.push(f.tensor(&t.name, &t.shape)?);
     }
     Ok((params, dtype))
 }
