@@ -867,7 +867,7 @@ impl<C: Communicator> EngineBuilder<C> {
         let offload = if offloading {
             let master = |i: usize, r: Range<usize>, out: &mut [f32]| {
                 let base = state_base(&plan.units()[i]);
-                initial.fill_or_keep(i, base + r.start..base + r.end, out);
+                initial.fill(i, base + r.start..base + r.end, out)
             };
             let built = Offload::new(&cfg, rank, pdt, ranges, &master, &tracker, swap_faults);
             Some(

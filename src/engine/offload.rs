@@ -227,7 +227,8 @@ pub(crate) struct Offload {
 
 /// Writes unit `i`'s initial master over its state elements `range` into
 /// `out`: `master(i, range, out)`.
-pub(crate) type InitialMaster<'a> = dyn Fn(usize, Range<usize>, &mut [f32]) + 'a;
+/// An error (a pretrained source that cannot be read) ends the build.
+pub(crate) type InitialMaster<'a> = dyn Fn(usize, Range<usize>, &mut [f32]) -> Result<()> + 'a;
 
 /// The options of a swap file `tag` of rank `rank` under the optimizer's
 /// `nvme_path`: the optimizer state's (`"optimizer"`), or the gradient
@@ -369,7 +370,7 @@ impl Offload {
         // each takes a buffer sized for it.
         let mut staging = pool.acquire(staging_bytes)?;
         staging.fill(0);
-        let tile_state = |t: &Tile, out: &mut [f32]| {
+        let tile_state = |t: &Tile, out: &mut [f32]| -> Result<()> {
             let len = t.len();
             out.fill(0.0);
             for (i, &off) in unit_off.iter().enumerate() {
@@ -380,10 +381,11 @@ impl Offload {
                         i,
                         lo - off..hi - off,
                         &mut out[lo - t.flat.start..hi - t.flat.start],
-                    );
+                    )?;
                 }
             }
             debug_assert_eq!(out.len(), 3 * len);
+            Ok(())
         };
         let store = if nvme {
             let mut options = swap_options(cfg, rank, "optimizer");
@@ -394,7 +396,7 @@ impl Offload {
             for (t, tile) in tiles.iter().enumerate() {
                 let id = swap.region(&specs[t].name)?;
                 let mut buf = pool.acquire(tile.bytes())?;
-                tile_state(tile, buf.as_mut_slice_of::<f32>()?);
+                tile_state(tile, buf.as_mut_slice_of::<f32>()?)?;
                 drop(swap.write(id, buf).wait().map_err(|e| e.error)?);
                 regions.push(id);
             }
@@ -406,7 +408,7 @@ impl Offload {
             let mut bufs: Vec<Option<PooledBuffer>> = (0..tiles.len()).map(|_| None).collect();
             for t in order {
                 let mut buf = pool.acquire(tiles[t].bytes())?;
-                tile_state(&tiles[t], buf.as_mut_slice_of::<f32>()?);
+                tile_state(&tiles[t], buf.as_mut_slice_of::<f32>()?)?;
                 bufs[t] = Some(buf);
             }
             Store::Host(bufs.into_iter().flatten().collect())
