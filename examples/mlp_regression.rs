@@ -230,7 +230,7 @@ fn run<T: Element, C: Communicator>(comm: C, a: &Args, cfg: ResolvedConfig) -> z
         for m in 0..ga {
             let first = (((step * ga + m) * world + rank) * micro) as u64;
             let (x, y) = batch(first, micro, 4);
-            loss += model.train_micro_batch::<T, C>(&mut e, &x, &y)? / ga as f32;
+            loss += model.train_micro_batch::<T, C, _>(&mut e, &x, &y)? / ga as f32;
             e.step()?;
         }
         // The loss averaged over ranks, for the log (a collective).
@@ -255,7 +255,7 @@ fn run<T: Element, C: Communicator>(comm: C, a: &Args, cfg: ResolvedConfig) -> z
     }
     // Held out: samples no rank trained on.
     let (x, y) = batch(u64::MAX / 2, 256, 4);
-    let pred = model.predict::<T, C>(&mut e, &x)?;
+    let pred = model.predict::<T, C, _>(&mut e, &x)?;
     let mse = pred
         .iter()
         .zip(&y)

@@ -23,8 +23,9 @@ pub(crate) mod schedule;
 pub mod trace;
 
 pub use engine::{
-    is_bias_norm_or_embedding, Engine, EngineBuilder, EngineStats, GradBuffer, GroupPredicate,
-    Init, ParamGroup, StepOutcome, SwapTraffic, TensorSource, UnitGuard, UnitId, UnitState,
+    is_bias_norm_or_embedding, Engine, EngineBackend, EngineBuilder, EngineComm, EngineStats,
+    GradBuffer, GroupPredicate, Init, ParamGroup, StepOutcome, SwapTraffic, TensorSource,
+    UnitGuard, UnitId, UnitState,
 };
 pub use error::{Error, Result};
 pub use trace::Tracer;

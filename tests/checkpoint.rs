@@ -90,7 +90,7 @@ fn rank_run_as<T: Element, C: Communicator>(comm: C, p: &Plan<'_>) -> zero::Resu
         for m in 0..ga {
             let first = (((s * ga + m) * world + rank) * p.mb) as u64;
             let (x, y) = batch(first, p.mb, p.dims[0]);
-            losses.push(model.train_micro_batch::<T, C>(&mut e, &x, &y)?);
+            losses.push(model.train_micro_batch::<T, C, _>(&mut e, &x, &y)?);
             e.step()?;
         }
     }
@@ -828,12 +828,12 @@ fn save_needs_a_step_boundary() {
         let model = Mlp::register(&mut b, DIMS)?;
         let mut e = b.build()?;
         let (x, y) = batch(0, MB, DIMS[0]);
-        model.train_micro_batch::<bf16, _>(&mut e, &x, &y)?;
+        model.train_micro_batch::<bf16, _, _>(&mut e, &x, &y)?;
         assert!(!e.step()?.boundary);
         let err = e.save_checkpoint(&dir, Value::Null).expect_err("refused");
         assert!(matches!(err, zero::Error::Usage { .. }), "{err}");
         assert!(err.to_string().contains("gradient accumulation"), "{err}");
-        model.train_micro_batch::<bf16, _>(&mut e, &x, &y)?;
+        model.train_micro_batch::<bf16, _, _>(&mut e, &x, &y)?;
         assert!(e.step()?.boundary);
         let p = e.save_checkpoint(&dir, Value::Null)?;
         assert!(p.join("manifest.json").is_file());

@@ -123,7 +123,7 @@ fn train_step<C: Communicator>(model: &Mlp, e: &mut Engine<C>, s: usize) -> zero
     let (world, rank) = (e.world_size(), e.rank());
     let first = ((s * world + rank) * MB) as u64;
     let (x, y) = batch(first, MB, DIMS[0]);
-    model.train_micro_batch::<bf16, C>(e, &x, &y)?;
+    model.train_micro_batch::<bf16, C, _>(e, &x, &y)?;
     e.step()?;
     Ok(())
 }

@@ -131,12 +131,14 @@ fn stages_1_2_overlap_comm_does_not_change_results() {
             let mut seen = Vec::new();
             for s in 0..4 {
                 let (x, y) = batch(((s * world + rank) * MB) as u64, MB, DIMS[0]);
-                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                model
+                    .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                    .unwrap();
                 e.step().unwrap();
                 let first = e.unit_ids()[0];
                 seen.push(e.unit_state(first).unwrap());
                 seen.push(UnitState {
-                    params: model.predict::<bf16, _>(&mut e, &x).unwrap(),
+                    params: model.predict::<bf16, _, _>(&mut e, &x).unwrap(),
                     master: Vec::new(),
                     m: Vec::new(),
                     v: Vec::new(),
@@ -176,9 +178,11 @@ fn stage3_gather_order_change_is_safe() {
             for s in 0..4 {
                 let (x, y) = batch(((s * world + rank) * MB) as u64, MB, DIMS[0]);
                 if s > 0 {
-                    preds.extend(model.predict::<bf16, _>(&mut e, &x).unwrap());
+                    preds.extend(model.predict::<bf16, _, _>(&mut e, &x).unwrap());
                 }
-                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                model
+                    .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                    .unwrap();
                 e.step().unwrap();
             }
             let states: Vec<UnitState> = e
@@ -302,7 +306,9 @@ fn stage3_respects_the_live_parameter_cap() {
         let mut e = b.build().unwrap();
         for s in 0..4 {
             let (x, y) = batch((s * world) as u64 * 8, MB, DIMS[0]);
-            model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+            model
+                .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                .unwrap();
             e.step().unwrap();
         }
         e.stats().clone()
@@ -473,7 +479,9 @@ fn evaluation_mode_leaves_training_alone() {
         for s in 0..4 {
             let first = ((s * world + rank) * MB) as u64;
             let (x, y) = batch(first, MB, DIMS[0]);
-            model.train_micro_batch::<f32, _>(&mut e, &x, &y).unwrap();
+            model
+                .train_micro_batch::<f32, _, _>(&mut e, &x, &y)
+                .unwrap();
             e.step().unwrap();
             e.eval().unwrap();
             assert!(!e.is_training());
@@ -481,7 +489,7 @@ fn evaluation_mode_leaves_training_alone() {
             for &u in model.units.iter().rev() {
                 drop(e.gather(u).unwrap());
             }
-            model.predict::<f32, _>(&mut e, &x).unwrap();
+            model.predict::<f32, _, _>(&mut e, &x).unwrap();
             let err = e
                 .grad_buffer::<f32>(model.units[0])
                 .unwrap_err()
@@ -626,7 +634,9 @@ fn train_with_failed_micro_batch(
             }
             let first = ((s * world + rank) * MB) as u64;
             let (x, y) = batch(first, MB, DIMS[0]);
-            model.train_micro_batch::<f32, _>(&mut e, &x, &y).unwrap();
+            model
+                .train_micro_batch::<f32, _, _>(&mut e, &x, &y)
+                .unwrap();
             e.step().unwrap();
         }
         e.unit_ids()
@@ -719,7 +729,7 @@ fn train_on_backend(
             for m in 0..ga {
                 let first = (((s * ga + m) * world + rank) * MB) as u64;
                 let (x, y) = batch(first, MB, DIMS[0]);
-                model.train_micro_batch::<T, _>(&mut e, &x, &y)?;
+                model.train_micro_batch::<T, _, _>(&mut e, &x, &y)?;
                 e.step()?;
             }
         }

@@ -350,7 +350,7 @@ fn train_segment<T: zero::core::Element, C: Communicator>(
             let first = (((s * ga + m) * world + rank) * MB) as u64;
             let (x, y) = batch(first, MB, DIMS[0]);
             let loss = model
-                .train_micro_batch::<T, C>(&mut e, &x, &y)
+                .train_micro_batch::<T, C, _>(&mut e, &x, &y)
                 .map_err(|e| format!("training: {e}"))?;
             losses.push(loss);
             let o = e.step().map_err(|e| format!("step: {e}"))?;

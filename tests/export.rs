@@ -44,9 +44,9 @@ fn trained<R: Send>(
         for s in 0..steps {
             let (x, y) = batch(((s * world + rank) * MB) as u64, MB, DIMS[0]);
             match cfg.precision {
-                Precision::Fp32 => model.train_micro_batch::<f32, _>(&mut e, &x, &y)?,
-                Precision::Bf16 => model.train_micro_batch::<bf16, _>(&mut e, &x, &y)?,
-                Precision::Fp16 => model.train_micro_batch::<f16, _>(&mut e, &x, &y)?,
+                Precision::Fp32 => model.train_micro_batch::<f32, _, _>(&mut e, &x, &y)?,
+                Precision::Bf16 => model.train_micro_batch::<bf16, _, _>(&mut e, &x, &y)?,
+                Precision::Fp16 => model.train_micro_batch::<f16, _, _>(&mut e, &x, &y)?,
             };
             e.step()?;
         }

@@ -180,7 +180,9 @@ fn host_bytes(dims: &[usize], swap: bool, dir: &Path) -> (u64, u64, u64, u64) {
         for s in 0..2 {
             for m in 0..2 {
                 let (x, y) = batch((((s * 2 + m) * 2 + rank) * MB) as u64, MB, dims[0]);
-                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                model
+                    .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                    .unwrap();
                 e.step().unwrap();
             }
         }
@@ -264,7 +266,9 @@ fn grad_fault_run(stage: u8, fault: FaultPlan, dir: &Path) -> Vec<GradFault> {
             let mut failed = false;
             for m in 0..2 {
                 let (x, y) = batch((((s * 2 + m) * world + rank) * MB) as u64, MB, DIMS[0]);
-                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                model
+                    .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                    .unwrap();
                 if let Err(err) = e.step() {
                     error = err.to_string();
                     failed = true;
@@ -370,7 +374,9 @@ fn opt_fault_run(fault: FaultPlan, dir: &Path, ckpt: &Path) -> Vec<OptFault> {
         'steps: for s in 0..4 {
             for m in 0..2 {
                 let (x, y) = batch((((s * 2 + m) * world + rank) * MB) as u64, MB, DIMS[0]);
-                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                model
+                    .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                    .unwrap();
                 match e.step() {
                     Ok(o) => completed += usize::from(o.boundary),
                     Err(err) => {
@@ -446,7 +452,9 @@ fn a_failed_optimizer_write_with_swapped_gradients_keeps_the_checkpoint() {
         for s in 2..4 {
             for m in 0..2 {
                 let (x, y) = batch((((s * 2 + m) * world + rank) * MB) as u64, MB, DIMS[0]);
-                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                model
+                    .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                    .unwrap();
                 e.step().unwrap();
             }
         }
@@ -518,7 +526,9 @@ fn engine_stats_count_the_swap_traffic() {
             e.reset_stats();
             for m in 0..2 {
                 let (x, y) = batch(((s * 2 + m) * MB) as u64, MB, DIMS[0]);
-                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                model
+                    .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                    .unwrap();
                 e.step().unwrap();
             }
             let st = e.stats();
@@ -575,7 +585,9 @@ fn a_corrupted_gradient_block_fails_the_step_and_loses_nothing() {
                     corrupted = true;
                 }
                 let (x, y) = batch((((s * 2 + m) * world + rank) * MB) as u64, MB, DIMS[0]);
-                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                model
+                    .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                    .unwrap();
                 if let Err(err) = e.step() {
                     errors.push(err.to_string());
                     failed = true;
@@ -645,7 +657,9 @@ fn checkpoints_round_trip_with_swapped_gradients() {
             for s in steps.clone() {
                 for m in 0..2 {
                     let (x, y) = batch((((s * 2 + m) * world + rank) * MB) as u64, MB, DIMS[0]);
-                    model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                    model
+                        .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                        .unwrap();
                     e.step().unwrap();
                 }
             }

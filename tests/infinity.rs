@@ -114,7 +114,7 @@ fn model_states_several_times_the_cap_train_under_it() {
         // The same batch every step: the loss must fall.
         let (x, y) = batch(0, MICRO, INPUTS);
         for _ in 0..STEPS {
-            losses.push(model.train_micro_batch::<zero::core::bf16, _>(&mut e, &x, &y)?);
+            losses.push(model.train_micro_batch::<zero::core::bf16, _, _>(&mut e, &x, &y)?);
             e.step()?;
         }
         let tr = e.tracker();

@@ -150,7 +150,9 @@ fn tiers(world: usize, stage: u8, device: OffloadDevice, dir: &Path) -> Tiers {
         let device_model_states = e.tracker().model_states(Tier::Device);
         for s in 0..2 {
             let (x, y) = batch(((s * world + rank) * MB) as u64, MB, DIMS[0]);
-            model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+            model
+                .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                .unwrap();
             e.step().unwrap();
         }
         Tiers {
@@ -300,7 +302,9 @@ fn damaged_run(stage: u8, damage: Damage, dir: &Path) -> Vec<Damaged> {
             for m in 0..GA {
                 let first = (((s * GA + m) * world + rank) * MB) as u64;
                 let (x, y) = batch(first, MB, DIMS[0]);
-                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                model
+                    .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                    .unwrap();
                 match e.step() {
                     Ok(o) => completed += usize::from(o.boundary),
                     Err(err) => {
@@ -343,7 +347,9 @@ fn reference_params(stage: u8, steps: usize) -> Vec<Vec<Vec<u16>>> {
             for m in 0..GA {
                 let first = (((s * GA + m) * world + rank) * MB) as u64;
                 let (x, y) = batch(first, MB, DIMS[0]);
-                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                model
+                    .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                    .unwrap();
                 e.step().unwrap();
             }
         }
@@ -521,7 +527,9 @@ fn write_fault_run(
             for m in 0..GA {
                 let first = (((s * GA + m) * world + rank) * MB) as u64;
                 let (x, y) = batch(first, MB, DIMS[0]);
-                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                model
+                    .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                    .unwrap();
                 match e.step() {
                     Ok(o) => completed += usize::from(o.boundary),
                     Err(err) => {
@@ -585,7 +593,9 @@ fn resume(stage: u8, path: &Path) -> (Vec<zero::UnitState>, Vec<zero::UnitState>
         for m in 0..GA {
             let first = (((s * GA + m) * world + rank) * MB) as u64;
             let (x, y) = batch(first, MB, DIMS[0]);
-            model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+            model
+                .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                .unwrap();
             e.step().unwrap();
         }
         (loaded, read(&mut e))
@@ -886,7 +896,9 @@ fn param_offload_keeps_no_params_on_the_device() {
                     let mut snaps = vec![snap(&e)];
                     for s in 0..2 {
                         let (x, y) = batch(((s * world + rank) * MB) as u64, MB, DIMS[0]);
-                        model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                        model
+                            .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                            .unwrap();
                         e.step().unwrap();
                         snaps.push(snap(&e));
                     }
@@ -1058,7 +1070,9 @@ fn param_damaged_run(opt: OffloadDevice, damage: ParamDamage, dir: &Path) -> Vec
                 let (x, y) = batch(first, MB, DIMS[0]);
                 // The micro-batch runs (a failed read feeds zeros, so that
                 // no rank leaves the collectives); step reports it.
-                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                model
+                    .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                    .unwrap();
                 match e.step() {
                     Ok(o) => completed += usize::from(o.boundary),
                     Err(err) => {
@@ -1171,7 +1185,9 @@ fn cpu_param_offload_keeps_params_after_an_optimizer_swap_fault() {
             for m in 0..GA {
                 let first = (((s * GA + m) * world + rank) * MB) as u64;
                 let (x, y) = batch(first, MB, DIMS[0]);
-                model.train_micro_batch::<bf16, _>(&mut e, &x, &y).unwrap();
+                model
+                    .train_micro_batch::<bf16, _, _>(&mut e, &x, &y)
+                    .unwrap();
                 match e.step() {
                     Ok(o) => completed += usize::from(o.boundary),
                     Err(err) => {

@@ -145,7 +145,7 @@ fn run(world: usize, cfg: &ResolvedConfig, how: How, steps: usize) -> (Vec<Vec<U
         let built = states(&mut e)?;
         for s in 0..steps {
             let (x, y) = batch(((s * world + rank) * 4) as u64, 4, DIMS[0]);
-            model.train_micro_batch::<bf16, _>(&mut e, &x, &y)?;
+            model.train_micro_batch::<bf16, _, _>(&mut e, &x, &y)?;
             e.step()?;
         }
         Ok::<_, zero::Error>((vec![built, states(&mut e)?], largest))

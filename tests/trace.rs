@@ -78,7 +78,7 @@ fn train_traced<C: Communicator>(
         let span = e
             .tracer()
             .span_with(rank, || format!("micro-batch {s}"), "compute");
-        model.train_micro_batch::<bf16, C>(&mut e, &x, &y)?;
+        model.train_micro_batch::<bf16, C, _>(&mut e, &x, &y)?;
         drop(span);
         e.step()?;
     }
@@ -216,7 +216,7 @@ fn disabled_tracer_records_nothing() {
         let model = Mlp::register(&mut b, DIMS)?;
         let mut e = b.build()?;
         let (x, y) = batch(0, MB, DIMS[0]);
-        model.train_micro_batch::<bf16, _>(&mut e, &x, &y)?;
+        model.train_micro_batch::<bf16, _, _>(&mut e, &x, &y)?;
         e.step()?;
         assert!(!e.tracer().is_enabled());
         Ok::<_, zero::Error>(e.tracer().events())
@@ -321,7 +321,7 @@ fn gather_events_collects_per_rank_tracers_on_rank_0() {
         let model = Mlp::register(&mut b, DIMS)?;
         let mut e = b.build()?;
         let (x, y) = batch((rank * MB) as u64, MB, DIMS[0]);
-        model.train_micro_batch::<bf16, _>(&mut e, &x, &y)?;
+        model.train_micro_batch::<bf16, _, _>(&mut e, &x, &y)?;
         e.step()?;
         // Rank 1 records more than rank 0: unequal byte lengths.
         if rank == 1 {

@@ -56,15 +56,15 @@ use std::time::Instant;
 
 use serde_json::Value;
 use zero_comm::agree::{exchange_u64, first_failure};
-use zero_comm::Communicator;
-use zero_core::backend::CpuBackend;
+use zero_core::backend::HostAccess;
 use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
-use zero_core::{bf16, f16, DType, Element};
+use zero_core::{bf16, convert, f16, DType, Element};
 
-use super::optimizer::{Moments, OptimizerShard};
+use super::devbuf::DevBuf;
+use super::optimizer::{commit_moments, Moments, OptimizerShard};
 use super::param_offload::ParamOffload;
 use super::reducer::GradState;
-use super::{Engine, EngineBuilder, Init, StepOutcome, Unit};
+use super::{Engine, EngineBackend, EngineBuilder, EngineComm, Init, StepOutcome, Unit};
 use crate::agree::agree_on_setup;
 use crate::format::checkpoint::{
     check_files, check_units, prepare, publish, rank_file, read_manifest, step_dir_name, tmp_dir,
@@ -78,7 +78,7 @@ use crate::{Error, Result};
 /// load before the cast to the parameter dtype.
 const CAST_CHUNK: usize = 1 << 16;
 
-impl<C: Communicator> Engine<C> {
+impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// Saves a checkpoint to `root/step{N:08}`, `N` the
     /// [`Engine::global_steps`], and returns its path; a
     /// collective, at an optimizer-step boundary only (no micro-batch in
@@ -457,13 +457,13 @@ impl<C: Communicator> Engine<C> {
 /// `layouts`) from its state: the offloaded store, piece by piece, or
 /// else each unit's host buffers; `bases[u]` is unit `u`'s first element
 /// in the rank's state. Returns the file's length and block CRCs.
-fn write_rank_file(
+fn write_rank_file<B: HostAccess>(
     path: &Path,
     layouts: &[UnitLayout],
     rank: usize,
     bases: &[usize],
-    opt: &OptimizerShard,
-    backend: &CpuBackend,
+    opt: &OptimizerShard<B>,
+    backend: &B,
 ) -> Result<(u64, Vec<u32>)> {
     let mut w = RankFileWriter::create(path, layouts, rank)?;
     match opt.offload() {
@@ -473,7 +473,7 @@ fn write_rank_file(
         None => {
             for (u, &base) in bases.iter().enumerate().take(layouts.len()) {
                 let (master, m, v) = opt.moments(u).host(backend)?;
-                w.write_state(u, base, master, m, v)?;
+                w.write_state(u, base, &master, &m, &v)?;
             }
         }
     }
@@ -484,11 +484,15 @@ fn write_rank_file(
 /// and parameters (in `units`, or their offloaded homes `poff`) from
 /// `reader`; `saved` is the saving plan, `bases[u]` unit `u`'s first
 /// element in the rank's state.
-fn read_state(
+fn read_state<B: HostAccess>(
     reader: &mut Reader<'_>,
     saved: &PartitionPlan,
-    (units, opt, mut poff): (&mut [Unit], &mut OptimizerShard, Option<&mut ParamOffload>),
-    backend: &CpuBackend,
+    (units, opt, mut poff): (
+        &mut [Unit<B>],
+        &mut OptimizerShard<B>,
+        Option<&mut ParamOffload>,
+    ),
+    backend: &B,
     (stage, rank, pdt): (u8, usize, DType),
     bases: &[usize],
 ) -> Result<()> {
@@ -568,9 +572,9 @@ fn read_state(
 /// the parameters (or their offloaded home), and its optimizer state (not
 /// with optimizer offload: `offloaded`; that is filled tile by tile
 /// before). `sbase` is the unit's first element in the rank's state.
-fn load_unit(
+fn load_unit<B: HostAccess>(
     reader: &mut Reader<'_>,
-    (i, unit, moments, backend): (usize, &mut Unit, &mut Moments, &CpuBackend),
+    (i, unit, moments, backend): (usize, &mut Unit<B>, &mut Moments<B>, &B),
     clip: Range<usize>,
     (stage, rank, pdt): (u8, usize, DType),
     (offloaded, state_base): (bool, usize),
@@ -578,7 +582,7 @@ fn load_unit(
     scratch: &mut [f32],
 ) -> Result<()> {
     let l = unit.layout.clone();
-    let (master, mm, v) = moments.host_mut(backend)?;
+    let (mut master, mut mm, mut v) = moments.host_mut(backend)?;
     let within = |r: Range<usize>| {
         let start = r.start.max(clip.start);
         start..r.end.min(clip.end).max(start)
@@ -615,8 +619,12 @@ fn load_unit(
             DType::F16 => job.run_home::<f16>(po, pbase)?,
         },
         None => {
-            let mut p = unit.params_mut().host_mut(backend)?;
-            job.run(|at, x| p.store(at - pbase, x))?;
+            let p = unit.params_mut();
+            match pdt {
+                DType::F32 => job.run_device::<f32, B>(backend, p, pbase)?,
+                DType::BF16 => job.run_device::<bf16, B>(backend, p, pbase)?,
+                DType::F16 => job.run_device::<f16, B>(backend, p, pbase)?,
+            }
         }
     }
     if !state.is_empty() {
@@ -624,7 +632,7 @@ fn load_unit(
         reader.read_into(i, StateArray::M, state.clone(), &mut mm[s.clone()])?;
         reader.read_into(i, StateArray::V, state, &mut v[s])?;
     }
-    Ok(())
+    commit_moments(backend, (master, mm, v))
 }
 
 /// One read of unit `unit`'s saved master over the parameter range
@@ -671,12 +679,30 @@ impl MasterLoad<'_, '_, '_> {
     /// (its shard starts at element `pbase`).
     fn run_home<P: Element>(&mut self, po: &mut ParamOffload, pbase: usize) -> Result<()> {
         po.write_with::<P>(self.unit, |home| {
-            self.run(|at, x| {
-                for (d, s) in home[at - pbase..at - pbase + x.len()].iter_mut().zip(x) {
-                    *d = P::from_f32(*s);
-                }
-            })
+            self.run(|at, x| convert(x, &mut home[at - pbase..][..x.len()], false))
         })
+    }
+
+    /// [`MasterLoad::run`] into the unit's parameters `params` on the
+    /// device tier (its elements start at element `pbase`).
+    fn run_device<P: Element, B: HostAccess>(
+        &mut self,
+        backend: &B,
+        params: &mut DevBuf<B>,
+        pbase: usize,
+    ) -> Result<()> {
+        let dtype = params.dtype();
+        let mut view =
+            params
+                .host_typed_mut::<P>(backend)?
+                .ok_or(zero_core::Error::DTypeMismatch {
+                    op: "load_checkpoint",
+                    expected: dtype,
+                    got: P::DTYPE,
+                })?;
+        self.run(|at, x| convert(x, &mut view[at - pbase..][..x.len()], false))?;
+        backend.commit(view)?;
+        Ok(())
     }
 }
 

@@ -11,10 +11,8 @@
 use std::any::Any;
 use std::ops::Range;
 
-use zero_comm::{Communicator, DeviceCollectives, DeviceWork};
-use zero_core::backend::{
-    AccessKind, Backend, BufferHandle, CpuBackend, CpuBuffer, CpuEvent, Loan, Stream,
-};
+use zero_comm::{DeviceCollectives, DeviceWork};
+use zero_core::backend::{AccessKind, BufferHandle, HostAccess, Stream};
 use zero_core::{bf16, convert, f16, DType, Element};
 
 use super::dynbuf::DynBuf;
@@ -22,10 +20,10 @@ use crate::trace::Tracer;
 use crate::{Error, Result};
 
 /// A buffer of the backend of f32, bf16 or f16.
-pub(crate) enum DevBuf {
-    F32(CpuBuffer<f32>),
-    Bf16(CpuBuffer<bf16>),
-    F16(CpuBuffer<f16>),
+pub(crate) enum DevBuf<B: HostAccess> {
+    F32(B::Buffer<f32>),
+    Bf16(B::Buffer<bf16>),
+    F16(B::Buffer<f16>),
 }
 
 /// Runs `$e` with `$x` bound to the typed buffer inside `$b`.
@@ -53,10 +51,10 @@ macro_rules! map_dev {
 
 pub(crate) use {map_dev, with_dev};
 
-impl DevBuf {
+impl<B: HostAccess> DevBuf<B> {
     /// A zeroed buffer from `comm`'s allocator (MPI's shared window).
-    pub(crate) fn alloc<C: Communicator>(
-        backend: &CpuBackend,
+    pub(crate) fn alloc<C: DeviceCollectives<B>>(
+        backend: &B,
         comm: &C,
         dtype: DType,
         len: usize,
@@ -82,13 +80,13 @@ impl DevBuf {
     }
 
     /// Makes every page resident (a host write).
-    pub(crate) fn prefault(&mut self, backend: &CpuBackend) -> Result<()> {
+    pub(crate) fn prefault(&mut self, backend: &B) -> Result<()> {
         with_dev!(self, b => backend.prefault(b)?);
         Ok(())
     }
 
     /// Zeroes the buffer on `stream`.
-    pub(crate) fn fill_zero(&mut self, backend: &CpuBackend, stream: Stream) -> Result<()> {
+    pub(crate) fn fill_zero(&mut self, backend: &B, stream: Stream) -> Result<()> {
         let n = self.len();
         with_dev!(self, b => backend.fill(stream, b, 0..n, Element::from_f32(0.0))?);
         Ok(())
@@ -96,120 +94,132 @@ impl DevBuf {
 
     /// Zeroes the buffer from the host (checked: every earlier access must
     /// have been synced).
-    pub(crate) fn host_zero(&mut self, backend: &CpuBackend) -> Result<()> {
+    pub(crate) fn host_zero(&mut self, backend: &B) -> Result<()> {
         let n = self.len();
-        with_dev!(self, b => backend.host_slice_mut(b, 0..n)?.fill(Element::from_f32(0.0)));
+        with_dev!(self, b => {
+            let mut v = backend.host_mut(b, 0..n)?;
+            v.fill(Element::from_f32(0.0));
+            backend.commit(v)?;
+        });
         Ok(())
     }
 
     /// The typed contents for the host to read (checked), if the dtype is
     /// `T`'s.
-    pub(crate) fn host_slice<T: Element>(&self, backend: &CpuBackend) -> Result<Option<&[T]>> {
-        with_dev!(self, b => match (b as &dyn Any).downcast_ref::<CpuBuffer<T>>() {
-            Some(t) => Ok(Some(backend.host_slice(t, 0..t.len())?)),
+    pub(crate) fn host_ref<'a, T: Element>(
+        &'a self,
+        backend: &'a B,
+    ) -> Result<Option<B::HostRef<'a, T>>> {
+        match self.typed::<T>() {
+            Some(t) => Ok(Some(backend.host_ref(t, 0..t.len())?)),
             None => Ok(None),
-        })
+        }
     }
 
     /// Lends the buffer to the trainer as the operation `backward` on the
     /// compute stream (it writes all of it).
-    pub(crate) fn lend(self, backend: &CpuBackend) -> Result<(DynLoan, DynBuf)> {
-        fn one<T: Element>(
-            backend: &CpuBackend,
-            b: CpuBuffer<T>,
-        ) -> Result<(Loan<T>, zero_core::HostBuffer<T>)> {
+    pub(crate) fn lend(self, backend: &B) -> Result<(DynLoan<B>, DynBuf<B>)> {
+        fn one<B: HostAccess, T: Element>(
+            backend: &B,
+            b: B::Buffer<T>,
+        ) -> Result<(B::Loan<T>, B::Lent<T>)> {
             let n = b.len();
             Ok(backend.lend(Stream::Compute, "backward", b, &[(0..n, AccessKind::Write)])?)
         }
         Ok(match self {
             DevBuf::F32(b) => {
-                let (l, m) = one(backend, b)?;
-                (DynLoan::F32(l), DynBuf::from_host(m))
+                let (l, m) = one::<B, _>(backend, b)?;
+                (DynLoan::F32(l), DynBuf::from_lent::<f32>(m))
             }
             DevBuf::Bf16(b) => {
-                let (l, m) = one(backend, b)?;
-                (DynLoan::Bf16(l), DynBuf::from_host(m))
+                let (l, m) = one::<B, _>(backend, b)?;
+                (DynLoan::Bf16(l), DynBuf::from_lent::<bf16>(m))
             }
             DevBuf::F16(b) => {
-                let (l, m) = one(backend, b)?;
-                (DynLoan::F16(l), DynBuf::from_host(m))
+                let (l, m) = one::<B, _>(backend, b)?;
+                (DynLoan::F16(l), DynBuf::from_lent::<f16>(m))
             }
         })
     }
 
     /// The typed buffer, if the dtype is `T`'s.
-    pub(crate) fn typed<T: Element>(&self) -> Option<&CpuBuffer<T>> {
-        with_dev!(self, b => (b as &dyn Any).downcast_ref::<CpuBuffer<T>>())
+    pub(crate) fn typed<T: Element>(&self) -> Option<&B::Buffer<T>> {
+        with_dev!(self, b => (b as &dyn Any).downcast_ref::<B::Buffer<T>>())
     }
 
     /// The typed buffer, if the dtype is `T`'s.
-    pub(crate) fn typed_mut<T: Element>(&mut self) -> Option<&mut CpuBuffer<T>> {
-        with_dev!(self, b => (b as &mut dyn Any).downcast_mut::<CpuBuffer<T>>())
+    pub(crate) fn typed_mut<T: Element>(&mut self) -> Option<&mut B::Buffer<T>> {
+        with_dev!(self, b => (b as &mut dyn Any).downcast_mut::<B::Buffer<T>>())
     }
 
-    /// The typed contents for the host to write (checked), if the dtype is
-    /// `T`'s.
-    pub(crate) fn host_slice_mut<T: Element>(
-        &mut self,
-        backend: &CpuBackend,
-    ) -> Result<Option<&mut [T]>> {
+    /// The typed contents for the host to write (checked; commit the view
+    /// with [`HostAccess::commit`]), if the dtype is `T`'s.
+    pub(crate) fn host_typed_mut<'a, T: Element>(
+        &'a mut self,
+        backend: &'a B,
+    ) -> Result<Option<B::HostMut<'a, T>>> {
         match self.typed_mut::<T>() {
             Some(t) => {
                 let n = t.len();
-                Ok(Some(backend.host_slice_mut(t, 0..n)?))
+                Ok(Some(backend.host_mut(t, 0..n)?))
             }
             None => Ok(None),
         }
     }
 
-    /// The bytes of elements `range`, for the host to write (checked).
-    pub(crate) fn host_bytes_mut(
+    /// Runs `f` on the bytes of elements `range` for the host to write
+    /// (checked), then commits them.
+    pub(crate) fn write_bytes<R>(
         &mut self,
-        backend: &CpuBackend,
+        backend: &B,
         range: Range<usize>,
-    ) -> Result<&mut [u8]> {
-        Ok(with_dev!(self, b => bytemuck::cast_slice_mut(backend.host_slice_mut(b, range)?)))
+        f: impl FnOnce(&mut [u8]) -> Result<R>,
+    ) -> Result<R> {
+        with_dev!(self, b => {
+            let mut v = backend.host_mut(b, range)?;
+            let r = f(bytemuck::cast_slice_mut(&mut v[..]))?;
+            backend.commit(v)?;
+            Ok(r)
+        })
     }
 
     /// Elements `range` converted to f32 and appended to `out` (a checked
     /// host read).
     pub(crate) fn extend_f32(
         &self,
-        backend: &CpuBackend,
+        backend: &B,
         range: Range<usize>,
         out: &mut Vec<f32>,
     ) -> Result<()> {
-        with_dev!(self, b => out.extend(backend.host_slice(b, range)?.iter().map(|x| x.to_f32())));
+        with_dev!(self, b => out.extend(backend.host_ref(b, range)?.iter().map(|x| x.to_f32())));
         Ok(())
     }
 
-    /// Stores `src` (any dtype) at `self[at..]`, converting (a checked host
-    /// write).
+    /// Stores `src` (any dtype) at `self[at..at + src.len()]`, converting
+    /// (a checked host write).
     pub(crate) fn store_slice<S: Element>(
         &mut self,
-        backend: &CpuBackend,
+        backend: &B,
         at: usize,
         src: &[S],
     ) -> Result<()> {
-        self.host_mut(backend)?.store(at, src);
+        let r = at..at + src.len();
+        with_dev!(self, b => {
+            let mut v = backend.host_mut(b, r)?;
+            convert(src, &mut v[..], false);
+            backend.commit(v)?;
+        });
         Ok(())
-    }
-
-    /// All of the buffer for the host to write (checked), whatever its
-    /// dtype.
-    pub(crate) fn host_mut(&mut self, backend: &CpuBackend) -> Result<HostSliceMut<'_>> {
-        let n = self.len();
-        Ok(map_dev!(self, HostSliceMut, b => backend.host_slice_mut(b, 0..n)?))
     }
 
     /// `self[at..at + len] = src[src_at..][..len]` on `stream`, converting
     /// (a device copy).
     pub(crate) fn copy_from(
         &mut self,
-        backend: &CpuBackend,
+        backend: &B,
         stream: Stream,
         at: usize,
-        src: &DevBuf,
+        src: &DevBuf<B>,
         src_at: usize,
         len: usize,
     ) -> Result<()> {
@@ -219,43 +229,37 @@ impl DevBuf {
 
     /// All-gather in place with `counts`, on the communication stream
     /// after `after`.
-    pub(crate) fn all_gather<C: Communicator>(
+    pub(crate) fn all_gather<C: DeviceCollectives<B>>(
         self,
-        backend: &CpuBackend,
+        backend: &B,
         comm: &C,
         counts: &[usize],
-        after: &CpuEvent,
-    ) -> DynWork {
+        after: &B::Event,
+    ) -> DynWork<B> {
         map_dev!(self, DynWork, b => comm.device_all_gather(backend, b, counts, after))
     }
 }
 
-/// A buffer lent to the trainer ([`CpuBackend::lend`]).
-pub(crate) enum DynLoan {
-    F32(Loan<f32>),
-    Bf16(Loan<bf16>),
-    F16(Loan<f16>),
+/// A buffer lent to the trainer ([`HostAccess::lend`]).
+pub(crate) enum DynLoan<B: HostAccess> {
+    F32(B::Loan<f32>),
+    Bf16(B::Loan<bf16>),
+    F16(B::Loan<f16>),
 }
 
-impl DynLoan {
+impl<B: HostAccess> DynLoan<B> {
     /// Takes the trainer's memory back under the lent buffer's id.
-    pub(crate) fn give_back(
-        self,
-        backend: &CpuBackend,
-        mem: DynBuf,
-        rank: usize,
-    ) -> Result<DevBuf> {
-        fn one<T: Element>(
-            backend: &CpuBackend,
-            loan: Loan<T>,
-            mem: DynBuf,
+    pub(crate) fn give_back(self, backend: &B, mem: DynBuf<B>, rank: usize) -> Result<DevBuf<B>> {
+        fn one<B: HostAccess, T: Element>(
+            backend: &B,
+            loan: B::Loan<T>,
+            mem: DynBuf<B>,
             rank: usize,
-        ) -> Result<CpuBuffer<T>> {
-            let mem = mem.into_host::<T>().map_err(|m| Error::Usage {
+        ) -> Result<B::Buffer<T>> {
+            let mem = mem.into_lent::<T>().map_err(|m| Error::Usage {
                 rank,
                 what: format!(
-                    "internal: the gradient buffer {:?} was lent as {} and came back as {}",
-                    loan.label(),
+                    "internal: a gradient buffer was lent as {} and came back as {}",
                     T::DTYPE,
                     m.dtype()
                 ),
@@ -263,21 +267,21 @@ impl DynLoan {
             Ok(backend.give_back(loan, mem)?.0)
         }
         Ok(match self {
-            DynLoan::F32(l) => DevBuf::F32(one(backend, l, mem, rank)?),
-            DynLoan::Bf16(l) => DevBuf::Bf16(one(backend, l, mem, rank)?),
-            DynLoan::F16(l) => DevBuf::F16(one(backend, l, mem, rank)?),
+            DynLoan::F32(l) => DevBuf::F32(one::<B, _>(backend, l, mem, rank)?),
+            DynLoan::Bf16(l) => DevBuf::Bf16(one::<B, _>(backend, l, mem, rank)?),
+            DynLoan::F16(l) => DevBuf::F16(one::<B, _>(backend, l, mem, rank)?),
         })
     }
 }
 
 /// A device collective on a bucket, in flight.
-pub(crate) enum DynWork {
-    F32(DeviceWork<CpuBackend, f32>),
-    Bf16(DeviceWork<CpuBackend, bf16>),
-    F16(DeviceWork<CpuBackend, f16>),
+pub(crate) enum DynWork<B: HostAccess> {
+    F32(DeviceWork<B, f32>),
+    Bf16(DeviceWork<B, bf16>),
+    F16(DeviceWork<B, f16>),
 }
 
-impl DynWork {
+impl<B: HostAccess> DynWork<B> {
     /// Whether the collective was refused before it started.
     pub(crate) fn is_refused(&self) -> bool {
         match self {
@@ -289,12 +293,12 @@ impl DynWork {
 
     /// Waits for the collective (recording it into `tracer`) and returns
     /// the bucket and the event after which its result may be used.
-    pub(crate) fn wait(self, tracer: &Tracer, rank: usize) -> Result<(DevBuf, CpuEvent)> {
-        fn one<T: Element>(
+    pub(crate) fn wait(self, tracer: &Tracer, rank: usize) -> Result<(DevBuf<B>, B::Event)> {
+        fn one<B: HostAccess, T: Element>(
             tracer: &Tracer,
             rank: usize,
-            w: DeviceWork<CpuBackend, T>,
-        ) -> Result<(CpuBuffer<T>, CpuEvent)> {
+            w: DeviceWork<B, T>,
+        ) -> Result<(B::Buffer<T>, B::Event)> {
             let op = w.op();
             let (done, timing) = w.wait_timed().map_err(comm_error)?;
             if let Some(t) = timing {
@@ -326,23 +330,5 @@ pub(crate) fn comm_error(e: zero_comm::Error) -> Error {
     match e {
         zero_comm::Error::Core(e @ zero_core::Error::Hazard(_)) => Error::Core(e),
         e => Error::Comm(e),
-    }
-}
-
-/// A host view of a [`DevBuf`] to write, of f32, bf16 or f16.
-pub(crate) enum HostSliceMut<'a> {
-    F32(&'a mut [f32]),
-    Bf16(&'a mut [bf16]),
-    F16(&'a mut [f16]),
-}
-
-impl HostSliceMut<'_> {
-    /// Stores `src` (any dtype) at `[at..]`, converting.
-    pub(crate) fn store<S: Element>(&mut self, at: usize, src: &[S]) {
-        match self {
-            HostSliceMut::F32(d) => convert(src, &mut d[at..at + src.len()], false),
-            HostSliceMut::Bf16(d) => convert(src, &mut d[at..at + src.len()], false),
-            HostSliceMut::F16(d) => convert(src, &mut d[at..at + src.len()], false),
-        }
     }
 }

@@ -13,11 +13,10 @@
 use std::path::{Path, PathBuf};
 
 use zero_comm::agree::first_failure;
-use zero_comm::Communicator;
 use zero_core::partition::{PartitionPlan, UnitLayout};
 use zero_core::HostBuffer;
 
-use super::Engine;
+use super::{Engine, EngineBackend, EngineComm};
 use crate::format::checkpoint::{open_saved, Reader, StateArray};
 use crate::format::safetensors::{ExportDtype, SafetensorsWriter};
 use crate::{Error, Result};
@@ -136,7 +135,7 @@ fn write_masters(
     Ok(())
 }
 
-impl<C: Communicator> Engine<C> {
+impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// Writes the current weights of every unit to the safetensors file
     /// `path` as `dtype`: a collective (every rank calls it; rank 0
     /// writes). The values are the fp32 master (`F32` exactly; `Bf16` and
@@ -232,7 +231,7 @@ impl<C: Communicator> Engine<C> {
                 self.opt
                     .moments(i)
                     .host(&self.backend)
-                    .and_then(|(master, _, _)| Ok(HostBuffer::from_slice(master)?)),
+                    .and_then(|(master, _, _)| Ok(HostBuffer::from_slice(&master)?)),
                 false,
             ),
             Some(off) => (

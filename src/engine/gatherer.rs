@@ -21,13 +21,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use zero_comm::Communicator;
-use zero_core::backend::{Backend, CpuBackend, Stream};
+use zero_core::backend::{HostAccess, Stream};
 use zero_core::config::ResolvedConfig;
 use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
 use zero_core::partition::PartitionPlan;
 use zero_core::DType;
 
+use super::backend::EngineComm;
 use super::devbuf::{DevBuf, DynWork};
 use super::dynbuf::ring_bytes;
 use super::lease::exclusive;
@@ -39,14 +39,14 @@ use crate::{Error, Result};
 
 /// Where stage 3 keeps one unit's frozen segment
 /// (`zero_optimization.frozen_params`).
-pub(crate) enum FrozenHome {
+pub(crate) enum FrozenHome<B: HostAccess> {
     /// The unit's own gathered buffer (trainable segment, then the whole
     /// frozen segment, filled once), on every rank: a gather all-gathers
     /// only the trainable segment into it, and a free keeps it here
     /// (`None` while it is gathered or in flight).
-    Resident(Option<DevBuf>),
+    Resident(Option<DevBuf<B>>),
     /// This rank's shard on the device: all-gathered with the unit.
-    Shard(DevBuf),
+    Shard(DevBuf<B>),
     /// This rank's shard in host memory (the parameter dtype's bytes):
     /// copied into the rank's slot, then all-gathered with the unit.
     Host(Vec<u8>),
@@ -54,23 +54,23 @@ pub(crate) enum FrozenHome {
 
 /// This rank's parameter shards where they stay on the device tier (no
 /// parameter offload): the engine's units.
-pub(crate) trait HomeShards {
+pub(crate) trait HomeShards<B: HostAccess> {
     /// Unit `unit`'s shard (padding included).
-    fn shard(&self, unit: usize) -> &DevBuf;
+    fn shard(&self, unit: usize) -> &DevBuf<B>;
 }
 
 /// Where a launched unit's shard is copied from.
-pub(crate) enum Shards<'a> {
+pub(crate) enum Shards<'a, B: HostAccess> {
     /// The engine's own shards.
-    Home(&'a dyn HomeShards),
+    Home(&'a dyn HomeShards<B>),
     /// `offload_param`: host homes or the swap file (with reads ahead).
     Offloaded(&'a mut ParamOffload),
 }
 
 /// What the gatherer needs from the engine for one call.
-pub(crate) struct GatherIo<'a, C: Communicator> {
+pub(crate) struct GatherIo<'a, C: EngineComm<B>, B: HostAccess> {
     /// The device the gathered buffers and the shards live on.
-    pub(crate) backend: &'a CpuBackend,
+    pub(crate) backend: &'a B,
     /// The stream whose work an all-gather starts after (compute: the
     /// copy of the shard into the gathered buffer).
     pub(crate) after: Stream,
@@ -83,14 +83,14 @@ pub(crate) struct GatherIo<'a, C: Communicator> {
     /// The parameter dtype.
     pub(crate) pdt: DType,
     /// Where the shards are.
-    pub(crate) shards: Shards<'a>,
+    pub(crate) shards: Shards<'a, B>,
     /// Counts gathers, prefetches, hits, order changes, swap reads and the
     /// live peak.
     pub(crate) stats: &'a mut EngineStats,
 }
 
 /// The stage-3 parameter gatherer of one rank (see the module docs).
-pub(crate) struct ParamGatherer {
+pub(crate) struct ParamGatherer<B: HostAccess> {
     schedule: Stage3Schedule,
     /// Per unit: the gathered buffer's length (both segments) and the
     /// trainable shard's.
@@ -98,19 +98,19 @@ pub(crate) struct ParamGatherer {
     shard_len: Vec<usize>,
     /// Per unit: its frozen segment (see [`FrozenHome`]), which goes into
     /// the gathered buffer after the trainable segment.
-    frozen: Vec<Option<FrozenHome>>,
+    frozen: Vec<Option<FrozenHome<B>>>,
     /// Per unit: the all-gather of its frozen shards in flight (into a
     /// buffer of the frozen segment's length), and a launched unit whose
     /// trainable segment needs no all-gather (only frozen tensors).
-    frozen_inflight: Vec<Option<DynWork>>,
-    parked: Vec<Option<DevBuf>>,
+    frozen_inflight: Vec<Option<DynWork<B>>>,
+    parked: Vec<Option<DevBuf<B>>>,
     /// Per unit: the label of its gathered buffers.
     labels: Vec<String>,
     /// Gathered units (full, padded), shared with the trainer's guards.
-    full: Vec<Option<Arc<DevBuf>>>,
-    inflight: Vec<Option<DynWork>>,
+    full: Vec<Option<Arc<DevBuf<B>>>>,
+    inflight: Vec<Option<DynWork<B>>>,
     /// Freed gathered buffers, per length.
-    pool: HashMap<usize, Vec<DevBuf>>,
+    pool: HashMap<usize, Vec<DevBuf<B>>>,
     allocs: Vec<Allocation>,
     /// The schedule's actions of the current call (reused).
     actions: Actions,
@@ -118,14 +118,14 @@ pub(crate) struct ParamGatherer {
     warning: Option<String>,
 }
 
-impl ParamGatherer {
+impl<B: HostAccess> ParamGatherer<B> {
     /// The gatherer of `plan`'s units under `cfg`'s stage-3 knobs, nothing
     /// gathered yet.
     pub(crate) fn new(
         cfg: &ResolvedConfig,
         plan: &PartitionPlan,
-        frozen: Vec<Option<FrozenHome>>,
-    ) -> ParamGatherer {
+        frozen: Vec<Option<FrozenHome<B>>>,
+    ) -> ParamGatherer<B> {
         let units = plan.units();
         let n = units.len();
         ParamGatherer {
@@ -149,12 +149,12 @@ impl ParamGatherer {
     }
 
     /// Unit `i`'s frozen segment or shard, if it has frozen tensors.
-    pub(crate) fn frozen(&self, i: usize) -> Option<&FrozenHome> {
+    pub(crate) fn frozen(&self, i: usize) -> Option<&FrozenHome<B>> {
         self.frozen.get(i).and_then(Option::as_ref)
     }
 
     /// Unit `i`'s frozen segment or shard, to fill (checkpoint load).
-    pub(crate) fn frozen_mut(&mut self, i: usize) -> Option<&mut FrozenHome> {
+    pub(crate) fn frozen_mut(&mut self, i: usize) -> Option<&mut FrozenHome<B>> {
         self.frozen.get_mut(i).and_then(Option::as_mut)
     }
 
@@ -165,7 +165,7 @@ impl ParamGatherer {
 
     /// Unit `i`'s gathered parameters (padded), if they are gathered and
     /// not in flight.
-    pub(crate) fn params(&self, i: usize) -> Option<&Arc<DevBuf>> {
+    pub(crate) fn params(&self, i: usize) -> Option<&Arc<DevBuf<B>>> {
         self.full[i].as_ref()
     }
 
@@ -176,40 +176,48 @@ impl ParamGatherer {
 
     /// Gathers unit `i` (see [`Stage3Schedule::gather`]); its parameters
     /// are readable when this returns.
-    pub(crate) fn gather<C: Communicator>(&mut self, i: usize, io: GatherIo<'_, C>) -> Result<()> {
+    pub(crate) fn gather<C: EngineComm<B>>(
+        &mut self,
+        i: usize,
+        io: GatherIo<'_, C, B>,
+    ) -> Result<()> {
         self.decide_and_run(io, |s, out| s.gather(i, out))
     }
 
     /// Ends one use of unit `i` (see [`Stage3Schedule::release`]).
-    pub(crate) fn release<C: Communicator>(&mut self, i: usize, io: GatherIo<'_, C>) -> Result<()> {
+    pub(crate) fn release<C: EngineComm<B>>(
+        &mut self,
+        i: usize,
+        io: GatherIo<'_, C, B>,
+    ) -> Result<()> {
         self.decide_and_run(io, |s, out| s.release(i, out))
     }
 
     /// An evaluation gather of unit `i` (see
     /// [`Stage3Schedule::gather_eval`]).
-    pub(crate) fn gather_eval<C: Communicator>(
+    pub(crate) fn gather_eval<C: EngineComm<B>>(
         &mut self,
         i: usize,
-        io: GatherIo<'_, C>,
+        io: GatherIo<'_, C, B>,
     ) -> Result<()> {
         self.decide_and_run(io, |s, out| s.gather_eval(i, out))
     }
 
     /// Ends one evaluation use of unit `i` (see
     /// [`Stage3Schedule::release_eval`]).
-    pub(crate) fn release_eval<C: Communicator>(
+    pub(crate) fn release_eval<C: EngineComm<B>>(
         &mut self,
         i: usize,
-        io: GatherIo<'_, C>,
+        io: GatherIo<'_, C, B>,
     ) -> Result<()> {
         self.decide_and_run(io, |s, out| s.release_eval(i, out))
     }
 
     /// The end of a micro-batch: waits for the shard reads issued ahead,
     /// then see [`Stage3Schedule::end_micro_batch`].
-    pub(crate) fn end_micro_batch<C: Communicator>(
+    pub(crate) fn end_micro_batch<C: EngineComm<B>>(
         &mut self,
-        mut io: GatherIo<'_, C>,
+        mut io: GatherIo<'_, C, B>,
     ) -> Result<()> {
         if let Shards::Offloaded(po) = &mut io.shards {
             po.drain_reads();
@@ -219,7 +227,7 @@ impl ParamGatherer {
 
     /// Starts what the next micro-batch gathers first (see
     /// [`Stage3Schedule::prefetch_next`]).
-    pub(crate) fn prefetch_next<C: Communicator>(&mut self, io: GatherIo<'_, C>) -> Result<()> {
+    pub(crate) fn prefetch_next<C: EngineComm<B>>(&mut self, io: GatherIo<'_, C, B>) -> Result<()> {
         self.decide_and_run(io, Stage3Schedule::prefetch_next)
     }
 
@@ -230,14 +238,17 @@ impl ParamGatherer {
     }
 
     /// Gathers (or refreshes, after a step) the persistent units.
-    pub(crate) fn gather_persistent<C: Communicator>(&mut self, io: GatherIo<'_, C>) -> Result<()> {
+    pub(crate) fn gather_persistent<C: EngineComm<B>>(
+        &mut self,
+        io: GatherIo<'_, C, B>,
+    ) -> Result<()> {
         self.decide_and_run(io, Stage3Schedule::gather_persistent)
     }
 
     /// Asks the schedule, then executes its actions.
-    fn decide_and_run<C: Communicator>(
+    fn decide_and_run<C: EngineComm<B>>(
         &mut self,
-        io: GatherIo<'_, C>,
+        io: GatherIo<'_, C, B>,
         decide: impl FnOnce(&mut Stage3Schedule, &mut Actions),
     ) -> Result<()> {
         let mut actions = std::mem::take(&mut self.actions);
@@ -248,7 +259,7 @@ impl ParamGatherer {
         r
     }
 
-    fn run<C: Communicator>(&mut self, actions: &Actions, io: GatherIo<'_, C>) -> Result<()> {
+    fn run<C: EngineComm<B>>(&mut self, actions: &Actions, io: GatherIo<'_, C, B>) -> Result<()> {
         let GatherIo {
             backend,
             after,
@@ -304,7 +315,7 @@ impl ParamGatherer {
     pub(crate) fn settle(
         &mut self,
         i: usize,
-        backend: &CpuBackend,
+        backend: &B,
         world: usize,
         tracer: &Tracer,
         rank: usize,
@@ -335,7 +346,7 @@ impl ParamGatherer {
 
     /// Unit `i`'s resident buffer (after [`ParamGatherer::settle`]), with
     /// `frozen_params` `resident`: in `full[i]` while gathered, else kept.
-    pub(crate) fn resident(&self, i: usize) -> Option<&DevBuf> {
+    pub(crate) fn resident(&self, i: usize) -> Option<&DevBuf<B>> {
         match self.frozen.get(i)? {
             Some(FrozenHome::Resident(slot)) => slot.as_ref().or(self.full[i].as_deref()),
             _ => None,
@@ -344,7 +355,7 @@ impl ParamGatherer {
 
     /// [`ParamGatherer::resident`], to fill (a checkpoint load: no guard
     /// holds it).
-    pub(crate) fn resident_mut(&mut self, i: usize, rank: usize) -> Result<Option<&mut DevBuf>> {
+    pub(crate) fn resident_mut(&mut self, i: usize, rank: usize) -> Result<Option<&mut DevBuf<B>>> {
         match self.frozen.get_mut(i) {
             Some(Some(FrozenHome::Resident(slot))) => match slot.as_mut() {
                 Some(b) => Ok(Some(b)),
@@ -366,14 +377,14 @@ impl ParamGatherer {
     /// Starts the all-gather of unit `i`: into its resident buffer if it
     /// has one (a refresh), else into a pooled or new one.
     #[allow(clippy::too_many_arguments)]
-    fn launch<C: Communicator>(
+    fn launch<C: EngineComm<B>>(
         &mut self,
         i: usize,
-        (backend, after): (&CpuBackend, Stream),
+        (backend, after): (&B, Stream),
         comm: &C,
         tracker: &MemoryTracker,
         pdt: DType,
-        shards: &mut Shards<'_>,
+        shards: &mut Shards<'_, B>,
         stats: &mut EngineStats,
     ) -> Result<()> {
         let (padded, shard) = (self.padded[i], self.shard_len[i]);
@@ -413,8 +424,10 @@ impl ParamGatherer {
             // (device-tier) buffer, or the swap read issued ahead.
             Shards::Offloaded(po) => {
                 stats.param_reads_ahead += u64::from(po.has_read(i));
-                let slot = buf.host_bytes_mut(backend, rank * shard..(rank + 1) * shard)?;
-                match po.load_into(i, slot) {
+                let fetch = buf.write_bytes(backend, rank * shard..(rank + 1) * shard, |slot| {
+                    Ok(po.load_into(i, slot))
+                })?;
+                match fetch {
                     Fetch::Read => stats.param_swap_reads += 1,
                     Fetch::Cached => stats.param_cache_hits += 1,
                     Fetch::Host => {}
@@ -452,9 +465,12 @@ impl ParamGatherer {
                     FrozenHome::Shard(f) => {
                         t.copy_from(backend, Stream::Compute, rank * fs, f, 0, fs)?
                     }
-                    FrozenHome::Host(bytes) => t
-                        .host_bytes_mut(backend, rank * fs..(rank + 1) * fs)?
-                        .copy_from_slice(bytes),
+                    FrozenHome::Host(bytes) => {
+                        t.write_bytes(backend, rank * fs..(rank + 1) * fs, |slot| {
+                            slot.copy_from_slice(bytes);
+                            Ok(())
+                        })?
+                    }
                     FrozenHome::Resident(_) => unreachable!("matched above"),
                 }
                 stats.gather_bytes += ring_bytes(frozen_len, world, pdt);

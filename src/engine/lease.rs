@@ -16,20 +16,34 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use zero_core::backend::CpuBackend;
+use zero_core::backend::{CpuBackend, HostAccess};
 use zero_core::partition::UnitLayout;
-use zero_core::{Element, HostBuffer};
+use zero_core::Element;
 
 use super::devbuf::DevBuf;
 use super::dynbuf::DynBuf;
 use crate::{Error, Result};
 
 /// Buffers dropped by the trainer, waiting for the engine: (unit, buffer).
-#[derive(Clone, Default)]
-pub(crate) struct Returns(Arc<Mutex<Vec<(usize, DynBuf)>>>);
+pub(crate) struct Returns<B: HostAccess>(Arc<Mutex<Dropped<B>>>);
 
-impl Returns {
-    fn push(&self, unit: usize, buf: DynBuf) {
+/// Dropped gradient buffers: (unit, buffer), in drop order.
+type Dropped<B> = Vec<(usize, DynBuf<B>)>;
+
+impl<B: HostAccess> Clone for Returns<B> {
+    fn clone(&self) -> Self {
+        Returns(self.0.clone())
+    }
+}
+
+impl<B: HostAccess> Default for Returns<B> {
+    fn default() -> Self {
+        Returns(Arc::default())
+    }
+}
+
+impl<B: HostAccess> Returns<B> {
+    fn push(&self, unit: usize, buf: DynBuf<B>) {
         self.0
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -37,28 +51,40 @@ impl Returns {
     }
 
     /// Everything dropped since the last call, in drop order.
-    pub(crate) fn take(&self) -> Vec<(usize, DynBuf)> {
+    pub(crate) fn take(&self) -> Dropped<B> {
         std::mem::take(&mut *self.0.lock().unwrap_or_else(PoisonError::into_inner))
     }
 }
 
 /// A unit's gradient buffer for one micro-batch, lent by
 /// [`Engine::grad_buffer`](super::Engine::grad_buffer): the full unit
-/// (real elements and padding), zeroed, in the training dtype. Derefs to
-/// `[T]`. Hand it back with [`Engine::grad_ready`](super::Engine::grad_ready);
-/// dropping it gives it back unused (the unit then has no gradient in this
-/// micro-batch).
+/// (real elements and padding), zeroed, in the training dtype. On the CPU
+/// backend it derefs to `[T]`; on a device backend it is the device buffer
+/// ([`GradBuffer::lent`]), which the trainer's kernels write on the
+/// compute stream. Hand it back with
+/// [`Engine::grad_ready`](super::Engine::grad_ready); dropping it gives it
+/// back unused (the unit then has no gradient in this micro-batch).
 #[must_use = "hand the gradient back with Engine::grad_ready; dropping it discards it"]
-pub struct GradBuffer<T: Element> {
-    buf: Option<HostBuffer<T>>,
+pub struct GradBuffer<T: Element, B: HostAccess = CpuBackend> {
+    buf: Option<B::Lent<T>>,
+    len: usize,
     unit: usize,
-    returns: Returns,
+    returns: Returns<B>,
+    /// The backend that lent it (for [`GradBuffer::write_host`]).
+    backend: B,
 }
 
-impl<T: Element> GradBuffer<T> {
-    pub(crate) fn new(buf: HostBuffer<T>, unit: usize, returns: Returns) -> Self {
+impl<T: Element, B: HostAccess> GradBuffer<T, B> {
+    pub(crate) fn new(
+        buf: B::Lent<T>,
+        (len, unit): (usize, usize),
+        returns: Returns<B>,
+        backend: B,
+    ) -> Self {
         GradBuffer {
             buf: Some(buf),
+            len,
+            backend,
             unit,
             returns,
         }
@@ -69,38 +95,62 @@ impl<T: Element> GradBuffer<T> {
         self.unit
     }
 
+    /// The number of elements (the unit's padded length).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// The buffer, handed back (nothing goes to the return queue).
-    pub(crate) fn into_inner(mut self) -> HostBuffer<T> {
+    pub(crate) fn into_inner(mut self) -> B::Lent<T> {
         self.buf.take().expect("a lent buffer holds its memory")
+    }
+
+    /// What the backend lent: host memory on the CPU backend, the device
+    /// buffer on a GPU (whose kernels write it on the compute stream).
+    pub fn lent(&mut self) -> &mut B::Lent<T> {
+        self.buf.as_mut().expect("a lent buffer holds its memory")
+    }
+
+    /// Runs `f` on the gradient for the host to write, on any backend
+    /// ([`HostAccess::lent_mut`]: on the CPU backend the memory itself,
+    /// on a GPU a copy written back afterwards): a trainer that computes
+    /// its gradients on the host.
+    pub fn write_host<R>(&mut self, f: impl FnOnce(&mut [T]) -> R) -> Result<R> {
+        let buf = self.buf.as_mut().expect("a lent buffer holds its memory");
+        Ok(self.backend.lent_mut(buf, f)?)
     }
 }
 
-impl<T: Element> std::ops::Deref for GradBuffer<T> {
+impl<T: Element> std::ops::Deref for GradBuffer<T, CpuBackend> {
     type Target = [T];
     fn deref(&self) -> &[T] {
         self.buf.as_deref().unwrap_or(&[])
     }
 }
 
-impl<T: Element> std::ops::DerefMut for GradBuffer<T> {
+impl<T: Element> std::ops::DerefMut for GradBuffer<T, CpuBackend> {
     fn deref_mut(&mut self) -> &mut [T] {
         self.buf.as_deref_mut().unwrap_or(&mut [])
     }
 }
 
-impl<T: Element> Drop for GradBuffer<T> {
+impl<T: Element, B: HostAccess> Drop for GradBuffer<T, B> {
     fn drop(&mut self) {
         if let Some(b) = self.buf.take() {
-            self.returns.push(self.unit, DynBuf::from_host(b));
+            self.returns.push(self.unit, DynBuf::from_lent::<T>(b));
         }
     }
 }
 
-impl<T: Element> std::fmt::Debug for GradBuffer<T> {
+impl<T: Element, B: HostAccess> std::fmt::Debug for GradBuffer<T, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GradBuffer")
             .field("unit", &self.unit)
-            .field("len", &self.len())
             .field("dtype", &T::DTYPE)
             .finish()
     }
@@ -124,20 +174,20 @@ impl Releases {
 /// units at once. While any guard of a unit is alive the engine neither
 /// frees nor updates its parameters (`step` refuses to run).
 #[must_use = "the unit is released when the guard drops: bind it with `let p = engine.gather(u)?`"]
-pub struct UnitGuard {
-    params: Arc<DevBuf>,
+pub struct UnitGuard<B: HostAccess = CpuBackend> {
+    params: Arc<DevBuf<B>>,
     /// The device the parameters are on (reads are checked host reads).
-    backend: CpuBackend,
+    backend: B,
     layout: Arc<UnitLayout>,
     unit: usize,
     rank: usize,
     releases: Releases,
 }
 
-impl UnitGuard {
+impl<B: HostAccess> UnitGuard<B> {
     pub(crate) fn new(
-        params: Arc<DevBuf>,
-        backend: CpuBackend,
+        params: Arc<DevBuf<B>>,
+        backend: B,
         layout: Arc<UnitLayout>,
         unit: usize,
         rank: usize,
@@ -158,27 +208,51 @@ impl UnitGuard {
         &self.layout
     }
 
+    /// The elements [`UnitGuard::params`] covers: the real elements of the
+    /// trainable segment; with frozen tensors, followed by that segment's
+    /// padding and the frozen segment's real elements.
+    pub fn params_len(&self) -> usize {
+        let l = &self.layout;
+        if l.frozen_numel > 0 {
+            l.frozen_offset() + l.frozen_numel
+        } else {
+            l.numel
+        }
+    }
+
+    /// The gathered unit as a buffer of the backend, in the training dtype
+    /// `T` (padded: [`UnitGuard::params_len`] elements are the unit's).
+    /// Work that reads it on a stream must be ordered after the gather
+    /// like any other access: the engine's gathers complete before
+    /// `gather` returns, for the compute stream.
+    pub fn buffer<T: Element>(&self) -> Result<&B::Buffer<T>> {
+        Ok(self
+            .params
+            .typed::<T>()
+            .ok_or(zero_core::Error::DTypeMismatch {
+                op: "UnitGuard::buffer",
+                expected: self.params.dtype(),
+                got: T::DTYPE,
+            })?)
+    }
+
+    /// The unit's parameters in the training dtype `T` as a host view
+    /// ([`UnitGuard::params_len`] elements; on the CPU backend the memory
+    /// itself, on a device backend a copy).
+    pub fn host_params<T: Element>(&self) -> Result<B::HostRef<'_, T>> {
+        let n = self.params_len();
+        Ok(self.backend.host_ref(self.buffer::<T>()?, 0..n)?)
+    }
+}
+
+impl UnitGuard<CpuBackend> {
     /// The unit's full parameters in the training dtype `T`: the real
     /// elements of the trainable segment; with frozen tensors, followed
     /// by that segment's padding and the frozen segment's real elements
     /// (find a tensor through [`UnitGuard::layout`] or use
     /// [`UnitGuard::param`]).
     pub fn params<T: Element>(&self) -> Result<&[T]> {
-        let s =
-            self.params
-                .host_slice::<T>(&self.backend)?
-                .ok_or(zero_core::Error::DTypeMismatch {
-                    op: "UnitGuard::params",
-                    expected: self.params.dtype(),
-                    got: T::DTYPE,
-                })?;
-        let l = &self.layout;
-        let end = if l.frozen_numel > 0 {
-            l.frozen_offset() + l.frozen_numel
-        } else {
-            l.numel
-        };
-        Ok(&s[..end])
+        self.host_params::<T>()
     }
 
     /// One tensor of the unit.
@@ -192,7 +266,7 @@ impl UnitGuard {
     }
 }
 
-impl Drop for UnitGuard {
+impl<B: HostAccess> Drop for UnitGuard<B> {
     fn drop(&mut self) {
         self.releases
             .0
@@ -202,7 +276,7 @@ impl Drop for UnitGuard {
     }
 }
 
-impl std::fmt::Debug for UnitGuard {
+impl<B: HostAccess> std::fmt::Debug for UnitGuard<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UnitGuard")
             .field("unit", &self.layout.name)
@@ -215,7 +289,11 @@ impl std::fmt::Debug for UnitGuard {
 /// hand it to a collective); a lease still alive is an internal error
 /// naming unit `unit` (the engine refuses steps while units are
 /// gathered, so it means a bug, not a misuse).
-pub(crate) fn exclusive(shared: Arc<DevBuf>, unit: usize, rank: usize) -> Result<DevBuf> {
+pub(crate) fn exclusive<B: HostAccess>(
+    shared: Arc<DevBuf<B>>,
+    unit: usize,
+    rank: usize,
+) -> Result<DevBuf<B>> {
     Arc::try_unwrap(shared).map_err(|_| Error::Usage {
         rank,
         what: format!("internal: unit #{unit}'s parameters are still held by a UnitGuard"),

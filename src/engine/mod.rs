@@ -104,6 +104,7 @@
 //! shards are written home only after every rank's optimizer step
 //! succeeded: the parameters of the last completed step stay readable.
 
+mod backend;
 mod checkpoint;
 mod devbuf;
 mod dynbuf;
@@ -131,10 +132,10 @@ use faults::FaultPlan;
 use grad_swap::GradSwap;
 use zero_comm::agree::{exchange_u64, first_failure};
 use zero_comm::Communicator;
-use zero_core::backend::{Backend, CpuBackend, CpuMode, Stream};
+use zero_core::backend::{CpuBackend, HostAccess, Stream};
 use zero_core::config::{CheckFor, FrozenParams, OffloadDevice, Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier};
-use zero_core::optim::{clip_coefficient, AdamWStep, CpuAdamW, LossScaler};
+use zero_core::optim::{clip_coefficient, AdamWStep, LossScaler};
 use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
 use zero_core::{bf16, f16, DType, Device, Element, HostBuffer};
 use zero_offload::{check_free_space, DiskNeed};
@@ -144,6 +145,7 @@ pub use crate::format::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
 pub use crate::format::safetensors::ExportDtype;
 use crate::trace::Tracer;
 use crate::{Error, Result};
+pub use backend::{EngineBackend, EngineComm};
 use devbuf::{DevBuf, DynWork};
 use dynbuf::ring_bytes;
 use dynbuf::DynBuf;
@@ -222,10 +224,11 @@ pub struct UnitState {
 }
 
 /// Builds an [`Engine`]: register every unit, then [`EngineBuilder::build`].
-pub struct EngineBuilder<C: Communicator> {
+pub struct EngineBuilder<C: Communicator, B: EngineBackend = CpuBackend> {
     cfg: ResolvedConfig,
     comm: C,
-    device: Device,
+    /// The device asked for (`None`: the backend's).
+    device: Option<Device>,
     seed: u64,
     specs: Vec<(UnitSpec, Vec<Init>)>,
     id: u64,
@@ -237,7 +240,7 @@ pub struct EngineBuilder<C: Communicator> {
     keep_last: usize,
     /// The device backend of the gradient path (`None`: an inline CPU
     /// backend).
-    backend: Option<CpuBackend>,
+    backend: Option<B>,
     /// Test-only: a wait of the gradient path left out.
     skip_wait: Option<SkipWait>,
     /// Parameter groups, in the order added, with their predicates.
@@ -260,13 +263,13 @@ pub struct EngineBuilder<C: Communicator> {
 ///  Home ──step (stages 1–2)──▶ Queued ──launch──▶ Gathering ──complete──▶ Home
 ///  Offloaded (stage 3 with offload_param: the shard lives in ParamOffload)
 /// ```
-enum Params {
+enum Params<B: HostAccess> {
     /// Current and readable; shared with the trainer's [`UnitGuard`]s at
     /// stages 0–2.
-    Home(Arc<DevBuf>),
+    Home(Arc<DevBuf<B>>),
     /// Stages 1–2: updated by the step (this rank's range); the all-gather
     /// of the other ranks' ranges is queued.
-    Queued(Arc<DevBuf>),
+    Queued(Arc<DevBuf<B>>),
     /// Stages 1–2: lent to that all-gather (its handle is in
     /// `Engine::param_gathers`).
     Gathering,
@@ -276,17 +279,17 @@ enum Params {
 }
 
 /// The per-unit state.
-struct Unit {
+struct Unit<B: HostAccess> {
     layout: Arc<UnitLayout>,
-    params: Params,
+    params: Params<B>,
     /// How many `gather`s are not yet `release`d (live [`UnitGuard`]s).
     gathers: usize,
     _allocs: Vec<Allocation>,
 }
 
-impl Unit {
+impl<B: HostAccess> Unit<B> {
     /// The unit's parameters where they are current.
-    fn home(&self) -> Option<&Arc<DevBuf>> {
+    fn home(&self) -> Option<&Arc<DevBuf<B>>> {
         match &self.params {
             Params::Home(p) => Some(p),
             _ => None,
@@ -303,7 +306,7 @@ impl Unit {
     /// their all-gather), and no [`UnitGuard`] holds them (the step refuses
     /// to run while a unit is gathered, and a checkpoint load fills a new
     /// engine).
-    fn params_mut(&mut self) -> &mut DevBuf {
+    fn params_mut(&mut self) -> &mut DevBuf<B> {
         let p = match &mut self.params {
             Params::Home(p) | Params::Queued(p) => p,
             Params::Gathering | Params::Offloaded => {
@@ -333,14 +336,14 @@ impl Unit {
     }
 }
 
-impl HomeShards for Vec<Unit> {
-    fn shard(&self, unit: usize) -> &DevBuf {
+impl<B: HostAccess> HomeShards<B> for Vec<Unit<B>> {
+    fn shard(&self, unit: usize) -> &DevBuf<B> {
         self[unit].home().expect("shards are home")
     }
 }
 
 /// The sharded data-parallel engine of one rank.
-pub struct Engine<C: Communicator> {
+pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     id: u64,
     comm: C,
     cfg: ResolvedConfig,
@@ -350,24 +353,24 @@ pub struct Engine<C: Communicator> {
     world: usize,
     stage: u8,
     pdt: DType,
-    units: Vec<Unit>,
+    units: Vec<Unit<B>>,
     /// The device every buffer of the engine lives on: parameters,
     /// gradients, optimizer state (unless offloaded), buckets.
-    backend: CpuBackend,
+    backend: B,
     /// The stream whose work the parameter all-gathers start after:
     /// compute (a test may remove that wait, see [`SkipWait`]).
     gather_after: Stream,
     /// Gradient buckets, reductions and homes.
-    reducer: GradReducer,
+    reducer: GradReducer<B>,
     /// Gradient buffers the trainer dropped instead of handing back.
-    returns: Returns,
+    returns: Returns<B>,
     /// Units whose guards dropped.
     releases: Releases,
     /// Training (the default) or evaluation mode.
     training: bool,
     /// Stages 1–2: the all-gathers of updated parameters in flight (unit,
     /// handle), in launch order, and their padded elements …
-    param_gathers: VecDeque<(usize, DynWork)>,
+    param_gathers: VecDeque<(usize, DynWork<B>)>,
     param_gather_elems: usize,
     /// … and the units whose all-gather is not launched yet (over
     /// `allgather_bucket_size`). With `overlap_comm` both drain during the
@@ -381,7 +384,7 @@ pub struct Engine<C: Communicator> {
     scaler: Option<LossScaler>,
     last: StepOutcome,
     /// Stage 3: the gathered parameters and their schedule.
-    s3: ParamGatherer,
+    s3: ParamGatherer<B>,
     stats: EngineStats,
     /// The swap traffic at the last `reset_stats` (optimizer, parameter,
     /// gradient files).
@@ -391,7 +394,7 @@ pub struct Engine<C: Communicator> {
     health: Health,
     /// fp32 master, m, v, the AdamW and norm kernels, and the optimizer
     /// offload tiers.
-    opt: OptimizerShard,
+    opt: OptimizerShard<B>,
     /// The error of a rescued step, returned by `step()` once the step is
     /// finished (parameter all-gather included).
     rescued_error: Option<Error>,
@@ -413,15 +416,15 @@ pub struct Engine<C: Communicator> {
 
 static NEXT_ENGINE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-impl<C: Communicator> Engine<C> {
+impl<C: Communicator> Engine<C, CpuBackend> {
     /// Starts building an engine for `cfg` (resolved for this world size)
-    /// over `comm`. Parameters live on `Device::Cpu` until the CUDA backend
-    /// lands ([`EngineBuilder::device`]).
+    /// over `comm`, on the CPU backend unless [`EngineBuilder::backend`]
+    /// gives it another.
     pub fn builder(cfg: ResolvedConfig, comm: C) -> EngineBuilder<C> {
         EngineBuilder {
             cfg,
             comm,
-            device: Device::Cpu,
+            device: None,
             seed: 0,
             specs: Vec::new(),
             id: NEXT_ENGINE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
@@ -441,10 +444,11 @@ impl<C: Communicator> Engine<C> {
     }
 }
 
-impl<C: Communicator> EngineBuilder<C> {
-    /// The device for parameters, gradients and optimizer state.
+impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
+    /// The device for parameters, gradients and optimizer state: `build`
+    /// refuses a backend on another device (default: the backend's).
     pub fn device(mut self, device: Device) -> Self {
-        self.device = device;
+        self.device = Some(device);
         self
     }
 
@@ -526,9 +530,68 @@ impl<C: Communicator> EngineBuilder<C> {
     /// `CpuMode::Chaos` to have every ordering decision proved by the
     /// hazard checker. Give each rank its own backend: one host thread
     /// drives a backend (its clones share it).
-    pub fn backend(mut self, backend: CpuBackend) -> Self {
-        self.backend = Some(backend);
-        self
+    pub fn backend<B2: EngineBackend>(self, backend: B2) -> EngineBuilder<C, B2>
+    where
+        C: EngineComm<B2>,
+    {
+        self.rebuild(|c| c, Some(backend))
+    }
+
+    /// The same builder over another communicator: `f` wraps or replaces
+    /// this one (e.g. pairs it with device collectives,
+    /// [`zero_comm::Paired`], before [`EngineBuilder::backend`] moves the
+    /// builder to a GPU). Every rank must map its communicator alike.
+    pub fn map_comm<C2: EngineComm<B>>(self, f: impl FnOnce(C) -> C2) -> EngineBuilder<C2, B> {
+        let backend = self.backend.clone();
+        self.rebuild(f, backend)
+    }
+
+    /// This builder with `comm` mapped by `f` and backend `backend`.
+    fn rebuild<C2: EngineComm<B2>, B2: EngineBackend>(
+        self,
+        f: impl FnOnce(C) -> C2,
+        backend: Option<B2>,
+    ) -> EngineBuilder<C2, B2> {
+        let EngineBuilder {
+            comm,
+            cfg,
+            device,
+            seed,
+            specs,
+            id,
+            optimizer_threads,
+            swap_faults,
+            param_swap_faults,
+            grad_swap_faults,
+            tracer,
+            keep_last,
+            skip_wait,
+            groups,
+            device_budget,
+            save_frozen,
+            for_load,
+            backend: _,
+        } = self;
+        EngineBuilder {
+            comm: f(comm),
+            cfg,
+            device,
+            seed,
+            specs,
+            id,
+            optimizer_threads,
+            swap_faults,
+            param_swap_faults,
+            grad_swap_faults,
+            tracer,
+            keep_last,
+            skip_wait,
+            groups,
+            device_budget,
+            save_frozen,
+            for_load,
+            backend,
+        }
     }
 
     /// Test-only (feature `testing`): leaves out one wait of the gradient
@@ -634,7 +697,7 @@ impl<C: Communicator> EngineBuilder<C> {
     /// Checks that every rank registered the same units with the same
     /// config (a collective), allocates every buffer of the memory plan and
     /// initialises this rank's parameters.
-    pub fn build(self) -> Result<Engine<C>> {
+    pub fn build(self) -> Result<Engine<C, B>> {
         let EngineBuilder {
             cfg,
             comm,
@@ -657,11 +720,6 @@ impl<C: Communicator> EngineBuilder<C> {
         } = self;
         let rank = comm.rank();
         let world = comm.world_size();
-        if !matches!(device, Device::Cpu) {
-            return Err(Error::Unsupported {
-                what: format!("device {device:?}: the engine runs on the CPU for now"),
-            });
-        }
         if cfg.world_size != world {
             return Err(Error::Usage {
                 rank,
@@ -706,8 +764,17 @@ impl<C: Communicator> EngineBuilder<C> {
                 })
             }
             Some(b) => b,
-            None => CpuBackend::with_adamw(CpuMode::Inline, CpuAdamW::new().with_threads(threads))?,
+            None => B::for_engine(threads)?,
         };
+        if let Some(d) = device.filter(|d| d.to_string() != backend.device().to_string()) {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "EngineBuilder::device({d}) but the backend runs on {}: give the engine a \
+                     backend on {d} (EngineBuilder::backend)",
+                    backend.device()
+                ),
+            });
+        }
         // The initial values, computed on demand: offloaded state and
         // shards are written tile by tile and shard by shard straight to
         // their tier, so the whole model is never in memory.
@@ -819,9 +886,9 @@ impl<C: Communicator> EngineBuilder<C> {
                 });
             }
             moments.push(Moments {
-                master: backend.wrap(master, &format!("master `{name}`"))?,
-                m: backend.wrap(m, &format!("m `{name}`"))?,
-                v: backend.wrap(v, &format!("v `{name}`"))?,
+                master: backend.adopt(master, &format!("master `{name}`"))?,
+                m: backend.adopt(m, &format!("m `{name}`"))?,
+                v: backend.adopt(v, &format!("v `{name}`"))?,
             });
             units.push(Unit {
                 layout: Arc::new(layout.clone()),
@@ -981,7 +1048,7 @@ impl<C: Communicator> EngineBuilder<C> {
             u._allocs.extend(frozen_allocs);
         }
         let s3 = ParamGatherer::new(&cfg, &plan, frozen);
-        let adam = backend.adamw_kernels().clone();
+        let adam = backend.host_adamw(threads);
         let opt = OptimizerShard::new(
             stage,
             rank,
@@ -1168,6 +1235,14 @@ fn choose_frozen_policy<C: Communicator>(
 }
 
 /// Bytes of `T` values (any alignment) as f32.
+/// Writes back host views of device buffers ([`HostAccess::commit`]).
+fn commit_all<B: HostAccess, T: Element>(backend: &B, views: Vec<B::HostMut<'_, T>>) -> Result<()> {
+    for v in views {
+        backend.commit(v)?;
+    }
+    Ok(())
+}
+
 fn bytes_to_f32<T: Element>(bytes: &[u8]) -> Vec<f32> {
     bytes
         .chunks_exact(std::mem::size_of::<T>())
@@ -1312,7 +1387,7 @@ fn check_agreement<C: Communicator>(
     Ok(())
 }
 
-impl<C: Communicator> Engine<C> {
+impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     // ------------------------------------------------------------------
     // Introspection
 
@@ -1490,7 +1565,7 @@ impl<C: Communicator> Engine<C> {
     }
 
     /// The stage-3 gatherer, and what it needs from the engine for a call.
-    fn s3_parts(&mut self) -> (&mut ParamGatherer, GatherIo<'_, C>) {
+    fn s3_parts(&mut self) -> (&mut ParamGatherer<B>, GatherIo<'_, C, B>) {
         let shards = match self.poff.as_mut() {
             Some(po) => Shards::Offloaded(po),
             None => Shards::Home(&self.units),
@@ -1596,11 +1671,11 @@ impl<C: Communicator> Engine<C> {
     /// persistent or needed again soon). The guard borrows nothing from the
     /// engine: keep it while the unit's gradient is written. `step`
     /// refuses to run while a guard is alive.
-    pub fn gather(&mut self, unit: UnitId) -> Result<UnitGuard> {
+    pub fn gather(&mut self, unit: UnitId) -> Result<UnitGuard<B>> {
         self.guard(|e| e.gather_inner(unit))
     }
 
-    fn gather_inner(&mut self, unit: UnitId) -> Result<UnitGuard> {
+    fn gather_inner(&mut self, unit: UnitId) -> Result<UnitGuard<B>> {
         let i = self.check(unit, "gather")?;
         if let Some(first) = self.health.params_lost() {
             return Err(self.usage(format!(
@@ -1765,9 +1840,9 @@ impl<C: Communicator> Engine<C> {
             None => {
                 let (master, m, v) = self.opt.moments(i).host(&self.backend)?;
                 (
-                    gather_f32(self, master)?,
-                    gather_f32(self, m)?,
-                    gather_f32(self, v)?,
+                    gather_f32(self, &master)?,
+                    gather_f32(self, &m)?,
+                    gather_f32(self, &v)?,
                 )
             }
             Some(off) => {
@@ -1920,11 +1995,11 @@ impl<C: Communicator> Engine<C> {
     /// trainer writes (or accumulates) the gradient of its micro-batch loss
     /// — multiplied by [`Engine::loss_scale`] — and hands it back with
     /// [`Engine::grad_ready`].
-    pub fn grad_buffer<T: Element>(&mut self, unit: UnitId) -> Result<GradBuffer<T>> {
+    pub fn grad_buffer<T: Element>(&mut self, unit: UnitId) -> Result<GradBuffer<T, B>> {
         self.guard(|e| e.grad_buffer_inner(unit))
     }
 
-    fn grad_buffer_inner<T: Element>(&mut self, unit: UnitId) -> Result<GradBuffer<T>> {
+    fn grad_buffer_inner<T: Element>(&mut self, unit: UnitId) -> Result<GradBuffer<T, B>> {
         let i = self.check(unit, "grad_buffer")?;
         self.check_training("grad_buffer")?;
         self.check_swap("grad_buffer")?;
@@ -1956,23 +2031,29 @@ impl<C: Communicator> Engine<C> {
             .reducer
             .lend(&self.comm, &self.tracker, &self.tracer, i, self.micro > 0)?;
         let typed = buf
-            .into_host::<T>()
+            .into_lent::<T>()
             .map_err(|_| zero_core::Error::DTypeMismatch {
                 op: "Engine::grad_buffer",
                 expected: self.pdt,
                 got: T::DTYPE,
             })?;
-        Ok(GradBuffer::new(typed, i, self.returns.clone()))
+        let len = self.units[i].layout.padded_numel;
+        Ok(GradBuffer::new(
+            typed,
+            (len, i),
+            self.returns.clone(),
+            self.backend.clone(),
+        ))
     }
 
     /// Hands a unit's gradient back: it joins the current bucket, which is
     /// reduced as soon as it is full (stages 0, 2, 3 while backward goes
     /// on; stage 1 after backward, in [`Engine::step`]).
-    pub fn grad_ready<T: Element>(&mut self, unit: UnitId, grad: GradBuffer<T>) -> Result<()> {
+    pub fn grad_ready<T: Element>(&mut self, unit: UnitId, grad: GradBuffer<T, B>) -> Result<()> {
         self.guard(|e| e.grad_ready_inner(unit, grad))
     }
 
-    fn grad_ready_inner<T: Element>(&mut self, unit: UnitId, grad: GradBuffer<T>) -> Result<()> {
+    fn grad_ready_inner<T: Element>(&mut self, unit: UnitId, grad: GradBuffer<T, B>) -> Result<()> {
         let i = self.check(unit, "grad_ready")?;
         self.check_training("grad_ready")?;
         if grad.unit() != i {
@@ -2011,7 +2092,7 @@ impl<C: Communicator> Engine<C> {
                 T::DTYPE
             )));
         }
-        let buf = DynBuf::from_host(grad.into_inner());
+        let buf = DynBuf::from_lent::<T>(grad.into_inner());
         let add = self.micro > 0;
         if self.stage == 1 {
             // Reduced after the backward pass, in step().
@@ -2337,16 +2418,17 @@ impl<C: Communicator> Engine<C> {
         // parameters stay in the staging buffer and are written back to
         // their home below.
         let param_home = self.poff.is_some();
-        let mut params: Vec<&mut [P]> = Vec::with_capacity(self.units.len());
+        let mut views = Vec::with_capacity(self.units.len());
         if !param_home {
             for u in self.units.iter_mut() {
-                params.push(
+                views.push(
                     u.params_mut()
-                        .host_slice_mut::<P>(&self.backend)?
+                        .host_typed_mut::<P>(&self.backend)?
                         .expect("the parameter dtype"),
                 );
             }
         }
+        let mut params: Vec<&mut [P]> = views.iter_mut().map(|v| &mut v[..]).collect();
         let r = self
             .opt
             .step_offloaded::<G, P>(k, &self.reducer, &mut params);
@@ -2355,6 +2437,7 @@ impl<C: Communicator> Engine<C> {
         };
         if !off.is_nvme() {
             drop(params);
+            commit_all(&self.backend, views)?;
             r?;
             return self.param_write_back::<P>();
         }
@@ -2399,8 +2482,10 @@ impl<C: Communicator> Engine<C> {
             self.health.rescued(e.to_string());
             self.rescued_error = Some(e);
         }
-        off.commit(&mut params)?;
+        let committed = off.commit(&mut params);
         drop(params);
+        commit_all(&self.backend, views)?;
+        committed?;
         self.param_write_back::<P>()
     }
 
@@ -2419,16 +2504,17 @@ impl<C: Communicator> Engine<C> {
             poff,
             ..
         } = self;
-        let mut params: Vec<&mut [P]> = Vec::new();
+        let mut views = Vec::new();
         if poff.is_none() {
             for u in units.iter_mut() {
-                params.push(
+                views.push(
                     u.params_mut()
-                        .host_slice_mut::<P>(backend)?
+                        .host_typed_mut::<P>(backend)?
                         .expect("the parameter dtype"),
                 );
             }
         }
+        let mut params: Vec<&mut [P]> = views.iter_mut().map(|v| &mut v[..]).collect();
         let gs = reducer.grad_swap_mut().expect("swap_gradients");
         let mut emit = |i: usize, staged: &[P]| -> Result<()> {
             match poff.as_mut() {
@@ -2441,6 +2527,7 @@ impl<C: Communicator> Engine<C> {
         };
         let r = opt.step_streamed::<G, P>(k, gs, &mut params, &mut emit);
         drop(params);
+        let r = r.and(commit_all(backend, views));
         let flushed = match poff.as_mut() {
             Some(po) => po.flush(),
             None => Ok(()),
@@ -2626,7 +2713,7 @@ impl<C: Communicator> Engine<C> {
 
     /// Unit `j`'s parameter all-gather `w` is done: the host may read the
     /// parameters again.
-    fn complete_param_gather(&mut self, j: usize, w: DynWork) -> Result<()> {
+    fn complete_param_gather(&mut self, j: usize, w: DynWork<B>) -> Result<()> {
         self.param_gather_elems -= self.units[j].layout.padded_numel;
         let (p, done) = w.wait(&self.tracer, self.rank)?;
         self.backend.sync(&done)?;
@@ -2676,7 +2763,7 @@ impl<C: Communicator> Engine<C> {
     }
 }
 
-impl<C: Communicator> std::fmt::Debug for Engine<C> {
+impl<C: EngineComm<B>, B: EngineBackend> std::fmt::Debug for Engine<C, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
             .field("rank", &self.rank)

@@ -31,7 +31,7 @@
 
 use std::ops::Range;
 
-use zero_core::backend::{AdamWPart, Backend, BufferHandle, CpuBackend, CpuBuffer, Stream};
+use zero_core::backend::{AdamWPart, BufferHandle, HostAccess, Stream};
 use zero_core::optim::{AdamWSlices, AdamWStep, CpuAdamW};
 use zero_core::partition::UnitLayout;
 use zero_core::Element;
@@ -45,38 +45,57 @@ use crate::{Error, Result};
 
 /// The fp32 optimizer state of one unit on the device tier (empty with
 /// optimizer offload).
-pub(crate) struct Moments {
+pub(crate) struct Moments<B: HostAccess> {
     /// fp32 master weights.
-    pub(crate) master: CpuBuffer<f32>,
+    pub(crate) master: B::Buffer<f32>,
     /// AdamW first moment.
-    pub(crate) m: CpuBuffer<f32>,
+    pub(crate) m: B::Buffer<f32>,
     /// AdamW second moment.
-    pub(crate) v: CpuBuffer<f32>,
+    pub(crate) v: B::Buffer<f32>,
 }
 
-impl Moments {
+/// Host views of a unit's master, m and v to write
+/// ([`Moments::host_mut`]); [`MomentsMut::commit`] writes them back.
+pub(crate) type MomentsMut<'a, B> = (
+    <B as HostAccess>::HostMut<'a, f32>,
+    <B as HostAccess>::HostMut<'a, f32>,
+    <B as HostAccess>::HostMut<'a, f32>,
+);
+
+/// Host views of a unit's master, m and v to read ([`Moments::host`]).
+pub(crate) type MomentsRef<'a, B> = (
+    <B as HostAccess>::HostRef<'a, f32>,
+    <B as HostAccess>::HostRef<'a, f32>,
+    <B as HostAccess>::HostRef<'a, f32>,
+);
+
+impl<B: HostAccess> Moments<B> {
     /// Master, m and v for the host to read (checked: after a sync).
-    pub(crate) fn host<'a>(
-        &'a self,
-        backend: &CpuBackend,
-    ) -> Result<(&'a [f32], &'a [f32], &'a [f32])> {
-        let all = |b: &'a CpuBuffer<f32>| backend.host_slice(b, 0..b.len());
+    pub(crate) fn host<'a>(&'a self, backend: &'a B) -> Result<MomentsRef<'a, B>> {
+        let all = |b: &'a B::Buffer<f32>| backend.host_ref(b, 0..b.len());
         Ok((all(&self.master)?, all(&self.m)?, all(&self.v)?))
     }
 
-    /// Master, m and v for the host to write (checked: after a sync).
-    pub(crate) fn host_mut<'a>(
-        &'a mut self,
-        backend: &CpuBackend,
-    ) -> Result<(&'a mut [f32], &'a mut [f32], &'a mut [f32])> {
+    /// Master, m and v for the host to write (checked: after a sync);
+    /// [`commit_moments`] writes them back.
+    pub(crate) fn host_mut<'a>(&'a mut self, backend: &'a B) -> Result<MomentsMut<'a, B>> {
         let Moments { master, m, v } = self;
         let (nm, n) = (master.len(), m.len());
         Ok((
-            backend.host_slice_mut(master, 0..nm)?,
-            backend.host_slice_mut(m, 0..n)?,
-            backend.host_slice_mut(v, 0..n)?,
+            backend.host_mut(master, 0..nm)?,
+            backend.host_mut(m, 0..n)?,
+            backend.host_mut(v, 0..n)?,
         ))
     }
+}
+
+/// Writes back the views of [`Moments::host_mut`].
+pub(crate) fn commit_moments<B: HostAccess>(backend: &B, views: MomentsMut<'_, B>) -> Result<()> {
+    let (master, m, v) = views;
+    backend.commit(master)?;
+    backend.commit(m)?;
+    backend.commit(v)?;
+    Ok(())
 }
 
 /// The element ranges AdamW touches for one unit (see the module doc).
@@ -94,8 +113,8 @@ pub(crate) struct StepRanges {
 }
 
 /// This rank's optimizer state and kernels.
-pub(crate) struct OptimizerShard {
-    state: Vec<Moments>,
+pub(crate) struct OptimizerShard<B: HostAccess> {
+    state: Vec<Moments<B>>,
     ranges: Vec<StepRanges>,
     /// The parameter groups, and per unit its first element of the
     /// state (unit coordinates).
@@ -105,7 +124,7 @@ pub(crate) struct OptimizerShard {
     offload: Option<Offload>,
 }
 
-impl OptimizerShard {
+impl<B: HostAccess> OptimizerShard<B> {
     /// The shard over `state` (one entry per unit) for `stage` on `rank`;
     /// `has_acc(i)`: unit `i`'s gradient home is a separate accumulation
     /// buffer (see [`GradReducer::has_acc`]).
@@ -113,7 +132,7 @@ impl OptimizerShard {
         stage: u8,
         rank: usize,
         layouts: &[UnitLayout],
-        state: Vec<Moments>,
+        state: Vec<Moments<B>>,
         has_acc: impl Fn(usize) -> bool,
         (adam, offload, groups): (CpuAdamW, Option<Offload>, GroupMap),
     ) -> Self {
@@ -153,12 +172,12 @@ impl OptimizerShard {
     }
 
     /// Unit `i`'s device-tier state (empty buffers with optimizer offload).
-    pub(crate) fn moments(&self, i: usize) -> &Moments {
+    pub(crate) fn moments(&self, i: usize) -> &Moments<B> {
         &self.state[i]
     }
 
     /// Unit `i`'s device-tier state, to fill (checkpoint load).
-    pub(crate) fn moments_mut(&mut self, i: usize) -> &mut Moments {
+    pub(crate) fn moments_mut(&mut self, i: usize) -> &mut Moments<B> {
         &mut self.state[i]
     }
 
@@ -177,8 +196,8 @@ impl OptimizerShard {
     /// syncs it to read the terms); the terms summed in unit order.
     pub(crate) fn local_sum_squares<G: Element>(
         &self,
-        backend: &CpuBackend,
-        grads: &GradReducer,
+        backend: &B,
+        grads: &GradReducer<B>,
     ) -> Result<f64> {
         let parts = self
             .ranges
@@ -198,12 +217,12 @@ impl OptimizerShard {
     /// parameters afterwards must be ordered after it.
     pub(crate) fn step_units<'p, G: Element, P: Element>(
         &mut self,
-        backend: &CpuBackend,
+        backend: &B,
         ks: &[AdamWStep],
-        grads: &GradReducer,
-        units: impl Iterator<Item = (usize, &'p mut DevBuf)>,
+        grads: &GradReducer<B>,
+        units: impl Iterator<Item = (usize, &'p mut DevBuf<B>)>,
     ) -> Result<()> {
-        let mut units: Vec<(usize, &mut DevBuf)> = units.collect();
+        let mut units: Vec<(usize, &mut DevBuf<B>)> = units.collect();
         let runs = self.runs(ks, units.iter().map(|(i, _)| *i));
         // One fused call per group and round: the j-th run of the group in
         // every unit (a unit's buffers in one call at most once). Without
@@ -211,7 +230,7 @@ impl OptimizerShard {
         for (g, k) in ks.iter().enumerate() {
             for j in 0.. {
                 let mut parts = Vec::new();
-                let mut state: Vec<Option<&mut Moments>> =
+                let mut state: Vec<Option<&mut Moments<B>>> =
                     self.state.iter_mut().map(Some).collect();
                 for ((i, low), runs) in units.iter_mut().zip(&runs) {
                     let Some(&(_, off, n)) = runs.iter().filter(|r| r.0 == g).nth(j) else {
@@ -227,7 +246,7 @@ impl OptimizerShard {
                             got: P::DTYPE,
                         })
                     })?;
-                    parts.push(AdamWPart::<CpuBackend, G, P> {
+                    parts.push(AdamWPart::<B, G, P> {
                         master: &mut s.master,
                         m: &mut s.m,
                         v: &mut s.v,
@@ -286,22 +305,32 @@ impl OptimizerShard {
     /// valid after the norm's sync of the compute stream.
     pub(crate) fn step_units_host<'p, G: Element, P: Element>(
         &mut self,
-        backend: &CpuBackend,
+        backend: &B,
         ks: &[AdamWStep],
-        grads: &GradReducer,
+        grads: &GradReducer<B>,
         units: impl Iterator<Item = (usize, &'p mut [P])>,
     ) -> Result<()> {
         let units: Vec<(usize, &mut [P])> = units.collect();
         let runs = self.runs(ks, units.iter().map(|(i, _)| *i));
+        let mut state: Vec<Option<&mut Moments<B>>> = self.state.iter_mut().map(Some).collect();
+        let mut views = Vec::with_capacity(units.len());
+        let mut homes = Vec::with_capacity(units.len());
+        for (i, _) in &units {
+            let s = state[*i].take().expect("each unit once");
+            views.push(s.host_mut(backend)?);
+            homes.push(grads.home_slice::<G>(*i)?);
+        }
         // Every run's slices are disjoint: one parallel region per group.
         let mut parts: Vec<Vec<AdamWSlices<'_, G, f32, P>>> =
             ks.iter().map(|_| Vec::new()).collect();
-        let mut state: Vec<Option<&mut Moments>> = self.state.iter_mut().map(Some).collect();
-        for ((i, low), runs) in units.into_iter().zip(&runs) {
+        for ((((i, low), runs), (master, m, v)), home) in units
+            .into_iter()
+            .zip(&runs)
+            .zip(views.iter_mut())
+            .zip(&homes)
+        {
             let r = &self.ranges[i];
-            let s = state[i].take().expect("each unit once");
-            let (master, m, v) = s.host_mut(backend)?;
-            let grad = &grads.home_slice::<G>(i)?[r.grad.clone()];
+            let grad = &home[r.grad.clone()];
             let (mut master, mut m, mut v) = (
                 &mut master[r.state.clone()],
                 &mut m[r.state.clone()],
@@ -326,7 +355,9 @@ impl OptimizerShard {
                 self.adam.step_many(k, parts)?;
             }
         }
-        Ok(())
+        views
+            .into_iter()
+            .try_for_each(|v| commit_moments(backend, v))
     }
 
     /// With `swap_gradients`: AdamW on the offloaded state unit by unit
@@ -354,12 +385,13 @@ impl OptimizerShard {
     pub(crate) fn step_offloaded<G: Element, P: Element>(
         &mut self,
         ks: &[AdamWStep],
-        grads: &GradReducer,
+        grads: &GradReducer<B>,
         params: &mut [&mut [P]],
     ) -> Result<()> {
-        let homes = (0..self.ranges.len())
+        let views = (0..self.ranges.len())
             .map(|i| grads.home_slice::<G>(i))
-            .collect::<Result<Vec<&[G]>>>()?;
+            .collect::<Result<Vec<_>>>()?;
+        let homes: Vec<&[G]> = views.iter().map(|v| &v[..]).collect();
         let gs = GroupedStep {
             ks,
             map: &self.groups,

@@ -59,15 +59,14 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use zero_comm::{Communicator, DeviceCollectives, ReduceOp};
-use zero_core::backend::{
-    Backend, CpuBackend, CpuBuffer, CpuEvent, PackPiece, Stream, UnpackPiece,
-};
+use zero_comm::ReduceOp;
+use zero_core::backend::{HostAccess, PackPiece, Stream, UnpackPiece};
 use zero_core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
 use zero_core::partition::PartitionPlan;
 use zero_core::{DType, Element};
 
+use super::backend::EngineComm;
 use super::devbuf::{map_dev, with_dev, DevBuf, DynLoan, DynWork};
 use super::dynbuf::{ring_bytes, DynBuf};
 use super::grad_swap::GradSwap;
@@ -110,16 +109,16 @@ pub(crate) enum GradState {
 
 /// `len` elements of `src[src_at..]` into `dst[dst_at..]`, converting, on
 /// the compute stream.
-fn pack(
-    backend: &CpuBackend,
-    src: &DevBuf,
+fn pack<B: HostAccess>(
+    backend: &B,
+    src: &DevBuf<B>,
     src_at: usize,
-    dst: &mut DevBuf,
+    dst: &mut DevBuf<B>,
     dst_at: usize,
     len: usize,
 ) -> Result<()> {
     with_dev!(dst, d => with_dev!(src, s => {
-        let piece = PackPiece::<CpuBackend, _> { src: s, src_at, dst_at, len };
+        let piece = PackPiece::<B, _> { src: s, src_at, dst_at, len };
         backend.pack(Stream::Compute, std::slice::from_ref(&piece), d)?
     }));
     Ok(())
@@ -128,17 +127,17 @@ fn pack(
 /// `len` elements of `src[src_at..]` into `dst[dst_at..]`, converting (or
 /// adding), on the communication stream.
 #[allow(clippy::too_many_arguments)]
-fn unpack(
-    backend: &CpuBackend,
-    src: &DevBuf,
+fn unpack<B: HostAccess>(
+    backend: &B,
+    src: &DevBuf<B>,
     src_at: usize,
-    dst: &mut DevBuf,
+    dst: &mut DevBuf<B>,
     dst_at: usize,
     len: usize,
     add: bool,
 ) -> Result<()> {
     with_dev!(dst, d => with_dev!(src, s => {
-        let mut piece = UnpackPiece::<CpuBackend, _> { dst: d, dst_at, src_at, len };
+        let mut piece = UnpackPiece::<B, _> { dst: d, dst_at, src_at, len };
         backend.unpack(Stream::Comm, s, std::slice::from_mut(&mut piece), add)?
     }));
     Ok(())
@@ -147,9 +146,9 @@ fn unpack(
 /// Moves `buf[src..src + len]` down to `buf[dst..]` (`dst < src`) on the
 /// compute stream, in pieces that do not overlap (the backend's
 /// `copy_within` copies disjoint ranges only).
-fn move_down(
-    backend: &CpuBackend,
-    buf: &mut DevBuf,
+fn move_down<B: HostAccess>(
+    backend: &B,
+    buf: &mut DevBuf<B>,
     src: usize,
     dst: usize,
     len: usize,
@@ -170,11 +169,11 @@ fn move_down(
 /// with `add` the unit's stored gradient is read into the window first;
 /// the unpack runs on the communication stream, its norm term there too,
 /// and the window's first `s` elements go to the swap file.
-fn store_unit<G: Element>(
-    backend: &CpuBackend,
+fn store_unit<B: HostAccess, G: Element>(
+    backend: &B,
     gs: &mut GradSwap,
-    w: &mut CpuBuffer<G>,
-    src: (&DevBuf, usize),
+    w: &mut B::Buffer<G>,
+    src: (&DevBuf<B>, usize),
     i: usize,
     s: usize,
     add: bool,
@@ -182,43 +181,45 @@ fn store_unit<G: Element>(
     let (buf, off) = src;
     if add {
         backend.sync(&backend.record(Stream::Comm)?)?;
-        gs.load(i, backend.host_slice_mut(w, 0..s)?);
+        let mut v = backend.host_mut(w, 0..s)?;
+        gs.load(i, &mut v);
+        backend.commit(v)?;
     }
     with_dev!(buf, b => {
-        let mut piece = UnpackPiece::<CpuBackend, _> { dst: &mut *w, dst_at: 0, src_at: off, len: s };
+        let mut piece = UnpackPiece::<B, _> { dst: &mut *w, dst_at: 0, src_at: off, len: s };
         backend.unpack(Stream::Comm, b, std::slice::from_mut(&mut piece), add)?;
     });
     let sums = backend.sum_squares(Stream::Comm, &[(&*w, gs.norm_range(i))])?;
     backend.sync(&backend.record(Stream::Comm)?)?;
     let sum = backend.read_scalars(&sums)?[0];
-    gs.store(i, backend.host_slice(w, 0..s)?, sum);
+    gs.store(i, &backend.host_ref(w, 0..s)?, sum);
     Ok(())
 }
 
 /// A bucket of gradients being filled.
-struct OpenBucket {
-    buf: DevBuf,
+struct OpenBucket<B: HostAccess> {
+    buf: DevBuf<B>,
     units: Vec<usize>,
     elems: usize,
 }
 
 /// A bucket whose reduction is in flight.
-struct InFlight {
-    work: DynWork,
+struct InFlight<B: HostAccess> {
+    work: DynWork<B>,
     units: Vec<usize>,
 }
 
 /// A bucket ready to be packed into, and the event after which the
 /// compute stream may write it (the unpack of its last reduction).
-struct FreeBucket {
-    buf: DevBuf,
-    after: Option<CpuEvent>,
+struct FreeBucket<B: HostAccess> {
+    buf: DevBuf<B>,
+    after: Option<B::Event>,
 }
 
 /// Gradient buckets and homes of one rank.
-pub(crate) struct GradReducer {
+pub(crate) struct GradReducer<B: HostAccess> {
     /// The device the buckets, homes and gradient buffers live on.
-    backend: CpuBackend,
+    backend: B,
     /// Test-only: a wait left out (see [`SkipWait`]).
     skip: Option<SkipWait>,
     stage: u8,
@@ -238,32 +239,32 @@ pub(crate) struct GradReducer {
     padded: Vec<usize>,
     shard: Vec<usize>,
     bucket_cap: usize,
-    free: Vec<FreeBucket>,
-    open: Option<OpenBucket>,
-    inflight: VecDeque<InFlight>,
+    free: Vec<FreeBucket<B>>,
+    open: Option<OpenBucket<B>>,
+    inflight: VecDeque<InFlight<B>>,
     /// The event after the last unpack into the homes (what the host syncs
     /// before it touches them); `None` once synced.
-    unpacked: Option<CpuEvent>,
+    unpacked: Option<B::Event>,
     /// Stage 1: units handed back, reduced after the backward pass.
     deferred: Vec<usize>,
     /// Stages 2–3: transient full gradient buffers by length.
-    pool: HashMap<usize, Vec<DevBuf>>,
+    pool: HashMap<usize, Vec<DevBuf<B>>>,
     /// Stages 0–1: the persistent full gradient buffer in P (`None` while
     /// lent).
-    grads: Vec<Option<DevBuf>>,
+    grads: Vec<Option<DevBuf<B>>>,
     /// The accumulated gradient in A: full (stage 0) or shard; `None` when
     /// it lives in `grads` (A = P without accumulation, stages 0/1, no
     /// optimizer offload). With optimizer offload it is the host-side
     /// gradient shard that feeds the CPU AdamW (accounted in the host
     /// tier).
-    acc: Vec<Option<DevBuf>>,
+    acc: Vec<Option<DevBuf<B>>>,
     /// `swap_gradients`: the accumulated shards live in this swap file
     /// (every `acc` is `None`), each unit unpacked into `window` and
     /// stored from there.
     gswap: Option<GradSwap>,
-    window: Option<DevBuf>,
+    window: Option<DevBuf<B>>,
     /// The buffers lent to the trainer, by unit.
-    loans: Vec<Option<DynLoan>>,
+    loans: Vec<Option<DynLoan<B>>>,
     state: Vec<GradState>,
     allocs: Vec<Allocation>,
 }
@@ -298,16 +299,16 @@ pub(crate) fn buckets(cfg: &ResolvedConfig, plan: &PartitionPlan) -> (usize, usi
     (cap, if overlaps(cfg) { 2 } else { 1 })
 }
 
-impl GradReducer {
+impl<B: HostAccess> GradReducer<B> {
     /// Allocates every gradient home and the bucket buffers of the memory
     /// plan on `backend` (from `comm`'s allocator, prefaulted: the step
     /// takes no page faults).
-    pub(crate) fn new<C: Communicator>(
+    pub(crate) fn new<C: EngineComm<B>>(
         cfg: &ResolvedConfig,
         plan: &PartitionPlan,
         comm: &C,
         tracker: &MemoryTracker,
-        backend: CpuBackend,
+        backend: B,
         skip: Option<SkipWait>,
         gswap: Option<GradSwap>,
     ) -> Result<Self> {
@@ -446,7 +447,7 @@ impl GradReducer {
 
     /// The gradient home of unit `i`: the separate accumulation buffer, or
     /// the persistent one.
-    fn home(&self, i: usize) -> &DevBuf {
+    fn home(&self, i: usize) -> &DevBuf<B> {
         self.acc[i]
             .as_ref()
             .or(self.grads[i].as_ref())
@@ -457,9 +458,9 @@ impl GradReducer {
     /// read: a checked host read, valid once the host synced the compute
     /// stream after [`GradReducer::finish`] (the optimizer's norm does).
     /// `G` must be [`home_dtype`](Self::home_dtype).
-    pub(crate) fn home_slice<G: Element>(&self, i: usize) -> Result<&[G]> {
+    pub(crate) fn home_slice<G: Element>(&self, i: usize) -> Result<B::HostRef<'_, G>> {
         let home = self.home(i);
-        home.host_slice::<G>(&self.backend)?.ok_or_else(|| {
+        home.host_ref::<G>(&self.backend)?.ok_or_else(|| {
             Error::from(zero_core::Error::DTypeMismatch {
                 op: "GradReducer::home_slice",
                 expected: home.dtype(),
@@ -471,7 +472,7 @@ impl GradReducer {
     /// The reduced (and accumulated) gradient of unit `i` on the device,
     /// for the optimizer's kernels (after [`GradReducer::finish`]). `G`
     /// must be [`home_dtype`](Self::home_dtype).
-    pub(crate) fn home_buf<G: Element>(&self, i: usize) -> Result<&CpuBuffer<G>> {
+    pub(crate) fn home_buf<G: Element>(&self, i: usize) -> Result<&B::Buffer<G>> {
         let home = self.home(i);
         home.typed::<G>().ok_or_else(|| {
             Error::from(zero_core::Error::DTypeMismatch {
@@ -498,14 +499,14 @@ impl GradReducer {
     /// is zeroed on the compute stream and lent as the compute stream's
     /// operation `backward`. `add`: later micro-batches of a step
     /// accumulate into the homes.
-    pub(crate) fn lend<C: Communicator>(
+    pub(crate) fn lend<C: EngineComm<B>>(
         &mut self,
         comm: &C,
         tracker: &MemoryTracker,
         tracer: &Tracer,
         i: usize,
         add: bool,
-    ) -> Result<DynBuf> {
+    ) -> Result<DynBuf<B>> {
         let mut buf = self.take_buffer(comm, tracker, tracer, i, add)?;
         buf.fill_zero(&self.backend, Stream::Compute)?;
         let (loan, mem) = buf.lend(&self.backend)?;
@@ -523,7 +524,7 @@ impl GradReducer {
 
     /// The memory of unit `i`'s lent gradient buffer, back from the
     /// trainer under the lent buffer's id.
-    fn give_back(&mut self, i: usize, mem: DynBuf) -> Result<DevBuf> {
+    fn give_back(&mut self, i: usize, mem: DynBuf<B>) -> Result<DevBuf<B>> {
         let loan = self.loans[i].take().ok_or_else(|| Error::Usage {
             rank: self.rank,
             what: format!("internal: unit #{i}'s gradient buffer came back but was not lent"),
@@ -535,12 +536,12 @@ impl GradReducer {
     /// the current bucket, which is reduced as soon as it is full (stages
     /// 0, 2, 3 while backward goes on; stage 1 after backward, in
     /// [`GradReducer::finish`]). Returns the bytes sent.
-    pub(crate) fn hand_back<C: Communicator>(
+    pub(crate) fn hand_back<C: EngineComm<B>>(
         &mut self,
         comm: &C,
         tracer: &Tracer,
         i: usize,
-        mem: DynBuf,
+        mem: DynBuf<B>,
         add: bool,
     ) -> Result<u64> {
         let buf = self.give_back(i, mem)?;
@@ -559,14 +560,14 @@ impl GradReducer {
     }
 
     /// Unit `i`'s gradient buffer, not zeroed.
-    fn take_buffer<C: Communicator>(
+    fn take_buffer<C: EngineComm<B>>(
         &mut self,
         comm: &C,
         tracker: &MemoryTracker,
         tracer: &Tracer,
         i: usize,
         add: bool,
-    ) -> Result<DevBuf> {
+    ) -> Result<DevBuf<B>> {
         if self.stage <= 1 {
             self.wait_for_home(comm, tracer, i, add)?;
             return Ok(self.grads[i].take().expect("grad buffer is home"));
@@ -586,7 +587,7 @@ impl GradReducer {
 
     /// Stage 0/1: the unit's gradient buffer may sit in a bucket (stage 0
     /// with reductions in flight): drain until it is home.
-    fn wait_for_home<C: Communicator>(
+    fn wait_for_home<C: EngineComm<B>>(
         &mut self,
         comm: &C,
         tracer: &Tracer,
@@ -618,12 +619,12 @@ impl GradReducer {
     ///  units a, b:   a = [a0 a1]  b = [b0 b1]     (shard r of each unit)
     ///  buffer:       [a0 b0 .. | a1 b1 ..]  → rank r receives section r
     /// ```
-    fn add_to_bucket<C: Communicator>(
+    fn add_to_bucket<C: EngineComm<B>>(
         &mut self,
         comm: &C,
         tracer: &Tracer,
         i: usize,
-        grad: DevBuf,
+        grad: DevBuf<B>,
         add: bool,
     ) -> Result<u64> {
         let n = self.padded[i];
@@ -693,7 +694,7 @@ impl GradReducer {
     /// gaps between sections of a bucket that is not full (on the compute
     /// stream), on the communication stream after the event recorded
     /// after the packing. Returns the bytes sent.
-    fn launch_open<C: Communicator>(
+    fn launch_open<C: EngineComm<B>>(
         &mut self,
         comm: &C,
         tracer: &Tracer,
@@ -825,7 +826,7 @@ impl GradReducer {
     /// wait for the last unpack into the homes (the optimizer's kernels
     /// read them there; the host reads them only after the norm's sync).
     /// Every unit must have been handed back. Returns the bytes sent.
-    pub(crate) fn finish<C: Communicator>(
+    pub(crate) fn finish<C: EngineComm<B>>(
         &mut self,
         comm: &C,
         tracer: &Tracer,
@@ -856,7 +857,7 @@ impl GradReducer {
     /// Takes back unit `i`'s gradient buffer that the trainer dropped
     /// without handing it back (an error path): the unit has no gradient
     /// in this micro-batch, and the buffer is home again.
-    pub(crate) fn take_back_unused(&mut self, i: usize, mem: DynBuf) -> Result<()> {
+    pub(crate) fn take_back_unused(&mut self, i: usize, mem: DynBuf<B>) -> Result<()> {
         let buf = self.give_back(i, mem)?;
         if self.state[i] == GradState::Lent {
             self.state[i] = GradState::Empty;
@@ -910,7 +911,7 @@ impl GradReducer {
     }
 }
 
-impl Drop for GradReducer {
+impl<B: HostAccess> Drop for GradReducer<B> {
     /// Buffers still used by a stream (an error left work unsynced) are
     /// waited for before they are freed; an error is not reported here
     /// (`Drop` never fails).
@@ -922,7 +923,7 @@ impl Drop for GradReducer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use zero_core::backend::CpuMode;
+    use zero_core::backend::{Backend, CpuBackend, CpuMode};
 
     /// `move_down` is `copy_within` (memmove) on the backend, also when
     /// the ranges overlap (the backend copies disjoint ranges only), on a
@@ -946,7 +947,7 @@ mod tests {
                 dev.sync(&done).unwrap();
                 let mut want = init.clone();
                 want.copy_within(src..src + len, dst);
-                let got = buf.host_slice::<f32>(&dev).unwrap().unwrap();
+                let got = buf.host_ref::<f32>(&dev).unwrap().unwrap();
                 assert_eq!(got, &want[..], "{mode:?} {src} {dst} {len}");
             }
         }

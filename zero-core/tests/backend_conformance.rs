@@ -19,7 +19,8 @@
 //! refused.
 
 use zero_core::backend::{
-    AdamWPart, Backend, BufferHandle, CpuBackend, CpuMode, PackPiece, Stream, UnpackPiece,
+    AccessKind, AdamWPart, Backend, BufferHandle, CpuBackend, CpuMode, HostAccess, PackPiece,
+    Stream, UnpackPiece,
 };
 use zero_core::optim::{sum_squares, AdamWParams, AdamWSlices, AdamWStep, CpuAdamW, NORM_CHUNK};
 use zero_core::{bf16, convert, f16, DType, Element, Error, Result};
@@ -66,6 +67,9 @@ conformance!(
     pack_unpack_more_ranges_than_one_launch,
     bad_ranges_are_errors_and_change_nothing,
     events_order_work_across_streams,
+    host_views_read_and_write_back,
+    adopt_keeps_the_contents,
+    a_lent_buffer_comes_back_the_same,
 );
 
 /// Runs `check` on a CPU backend in `mode`, then syncs everything (which
@@ -733,6 +737,63 @@ fn events_order_work_across_streams<B: Backend>(dev: &B) -> Result<()> {
     // work is done.
     dev.sync_all()?;
     dev.write_host(&mut host, 0..n)?.fill(0.0);
+    Ok(())
+}
+
+/// [`HostAccess`] views: a read view holds the range's elements; a
+/// mutable view changes exactly its range once committed, and the
+/// device's work afterwards sees the change; a range outside the buffer is
+/// an error.
+fn host_views_read_and_write_back<B: HostAccess>(dev: &B) -> Result<()> {
+    let data: Vec<f32> = Rng(41).vec(1000);
+    let mut buf = upload(dev, &data, "viewed")?;
+    assert_eq!(bits(&dev.host_ref(&buf, 100..300)?), bits(&data[100..300]));
+    let mut view = dev.host_mut(&mut buf, 200..250)?;
+    assert_eq!(bits(&view), bits(&data[200..250]));
+    view.iter_mut().for_each(|x| *x = -*x);
+    dev.commit(view)?;
+    let mut want = data.clone();
+    want[200..250].iter_mut().for_each(|x| *x = -*x);
+    assert_eq!(bits(&download(dev, &buf)?), bits(&want));
+    // The device sees the committed values.
+    let mut copy = dev.alloc::<f32>(1000, "copy")?;
+    dev.copy_d2d(Compute, &buf, 0, &mut copy, 0, 1000)?;
+    assert_eq!(bits(&download_after(dev, Compute, &copy)?), bits(&want));
+    assert!(matches!(
+        dev.host_ref(&buf, 990..1001),
+        Err(Error::InvalidSize { .. })
+    ));
+    Ok(())
+}
+
+/// A buffer adopted from host memory holds its contents, of every dtype.
+fn adopt_keeps_the_contents<B: HostAccess>(dev: &B) -> Result<()> {
+    fn one<B: HostAccess, T: Element>(dev: &B) -> Result<()> {
+        let data = odd_bits::<T>();
+        let mut mem = zero_core::HostBuffer::<T>::zeros(data.len())?;
+        mem.copy_from_slice(&data);
+        let buf = dev.adopt(mem, "adopted")?;
+        assert_eq!(buf.len(), data.len());
+        assert_eq!(buf.label(), "adopted");
+        assert_eq!(raw_bits(&download(dev, &buf)?), raw_bits(&data));
+        Ok(())
+    }
+    one::<B, f32>(dev)?;
+    one::<B, bf16>(dev)?;
+    one::<B, f16>(dev)
+}
+
+/// A buffer lent (as the trainer's gradient buffer is) comes back with the
+/// same id and label, holding what was written while it was lent.
+fn a_lent_buffer_comes_back_the_same<B: HostAccess>(dev: &B) -> Result<()> {
+    let mut buf = dev.alloc::<f32>(64, "lent")?;
+    dev.fill(Compute, &mut buf, 0..64, 1.5)?;
+    let id = buf.id();
+    let (loan, lent) = dev.lend(Compute, "backward", buf, &[(0..64, AccessKind::Write)])?;
+    let (buf, event) = dev.give_back(loan, lent)?;
+    assert_eq!((buf.id(), buf.label(), buf.len()), (id, "lent", 64));
+    dev.sync(&event)?;
+    assert_eq!(download(dev, &buf)?, vec![1.5f32; 64]);
     Ok(())
 }
 

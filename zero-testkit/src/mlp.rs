@@ -5,11 +5,12 @@
 //! `[out]`; hidden layers use tanh. The loss is the mean squared error of
 //! the micro-batch. Compute is f32 whatever the parameter dtype `T`:
 //! parameters are read as `T` and converted, gradients are written as `T`.
+//! It runs on any backend: it reads the gathered parameters through host
+//! views and writes its gradients with `GradBuffer::write_host`.
 
-use zero::comm::Communicator;
 use zero::core::partition::{TensorSpec, UnitSpec};
 use zero::core::Element;
-use zero::{Engine, EngineBuilder, Init, Result, UnitGuard, UnitId};
+use zero::{Engine, EngineBackend, EngineBuilder, EngineComm, Init, Result, UnitGuard, UnitId};
 
 /// Layer sizes and the registered units.
 pub struct Mlp {
@@ -21,7 +22,10 @@ pub struct Mlp {
 
 impl Mlp {
     /// Registers one unit per layer (`layer0`, `layer1`, …).
-    pub fn register<C: Communicator>(b: &mut EngineBuilder<C>, dims: &[usize]) -> Result<Self> {
+    pub fn register<C: EngineComm<B>, B: EngineBackend>(
+        b: &mut EngineBuilder<C, B>,
+        dims: &[usize],
+    ) -> Result<Self> {
         let mut units = Vec::new();
         for l in 0..dims.len() - 1 {
             let (i, o) = (dims[l], dims[l + 1]);
@@ -58,22 +62,27 @@ impl Mlp {
         z
     }
 
-    fn read<T: Element>(p: &UnitGuard, name: &str) -> Result<Vec<f32>> {
-        Ok(p.param::<T>(name)?.iter().map(|x| x.to_f32()).collect())
+    fn read<T: Element, B: EngineBackend>(p: &UnitGuard<B>, name: &str) -> Result<Vec<f32>> {
+        let t = p.layout().tensor(name).expect("an MLP tensor").clone();
+        let all = p.host_params::<T>()?;
+        Ok(all[t.offset..t.offset + t.numel]
+            .iter()
+            .map(|x| x.to_f32())
+            .collect())
     }
 
     /// Predictions for `x` (`n × dims[0]`).
-    pub fn predict<T: Element, C: Communicator>(
+    pub fn predict<T: Element, C: EngineComm<B>, B: EngineBackend>(
         &self,
-        e: &mut Engine<C>,
+        e: &mut Engine<C, B>,
         x: &[f32],
     ) -> Result<Vec<f32>> {
         let n = x.len() / self.dims[0];
         let mut a = x.to_vec();
         for (l, &u) in self.units.iter().enumerate() {
             let p = e.gather(u)?;
-            let w = Self::read::<T>(&p, "weight")?;
-            let b = Self::read::<T>(&p, "bias")?;
+            let w = Self::read::<T, B>(&p, "weight")?;
+            let b = Self::read::<T, B>(&p, "bias")?;
             drop(p);
             a = self.layer(l, &w, &b, &a, n);
         }
@@ -83,9 +92,9 @@ impl Mlp {
     /// One micro-batch: forward, loss, backward, `grad_ready` per unit (in
     /// reverse order). Gradients are of `loss * loss_scale`. Returns the
     /// micro-batch loss. Call [`Engine::step`] afterwards.
-    pub fn train_micro_batch<T: Element, C: Communicator>(
+    pub fn train_micro_batch<T: Element, C: EngineComm<B>, B: EngineBackend>(
         &self,
-        e: &mut Engine<C>,
+        e: &mut Engine<C, B>,
         x: &[f32],
         y: &[f32],
     ) -> Result<f32> {
@@ -94,8 +103,8 @@ impl Mlp {
         let mut acts = vec![x.to_vec()];
         for (l, &u) in self.units.iter().enumerate() {
             let p = e.gather(u)?;
-            let w = Self::read::<T>(&p, "weight")?;
-            let b = Self::read::<T>(&p, "bias")?;
+            let w = Self::read::<T, B>(&p, "weight")?;
+            let b = Self::read::<T, B>(&p, "bias")?;
             drop(p);
             let next = self.layer(l, &w, &b, acts.last().expect("input"), n);
             acts.push(next);
@@ -118,7 +127,7 @@ impl Mlp {
             let u = self.units[l];
             let (i, o) = (self.dims[l], self.dims[l + 1]);
             let p = e.gather(u)?;
-            let w = Self::read::<T>(&p, "weight")?;
+            let w = Self::read::<T, B>(&p, "weight")?;
             let layout = p.layout().clone();
             let mut g = e.grad_buffer::<T>(u)?;
             drop(p);
@@ -136,12 +145,14 @@ impl Mlp {
                     }
                 }
             }
-            for (k, v) in gw.iter().enumerate() {
-                g[wo + k] = T::from_f32(*v);
-            }
-            for (k, v) in gb.iter().enumerate() {
-                g[bo + k] = T::from_f32(*v);
-            }
+            g.write_host(|g| {
+                for (k, v) in gw.iter().enumerate() {
+                    g[wo + k] = T::from_f32(*v);
+                }
+                for (k, v) in gb.iter().enumerate() {
+                    g[bo + k] = T::from_f32(*v);
+                }
+            })?;
             if l > 0 {
                 // Through the weights, then tanh' = 1 - a^2.
                 let mut prev = vec![0f32; n * i];

@@ -6,7 +6,7 @@ use zero::core::backend::{CpuBackend, CpuMode};
 use zero::core::config::{Precision, ResolvedConfig};
 use zero::core::optim::LossScaleConfig;
 use zero::core::{bf16, f16, Element};
-use zero::{Engine, EngineBuilder, StepOutcome, UnitState};
+use zero::{Engine, EngineBackend, EngineBuilder, EngineComm, StepOutcome, UnitState};
 
 use crate::mlp::{batch, Mlp};
 
@@ -28,13 +28,17 @@ pub struct Trained {
 }
 
 /// A backend the engine tests run on (see [`test_device!`](crate::test_device)):
-/// today the CPU backend, production-like (`Inline`) or with the hazard
-/// checker (`Checked`). The CUDA backend joins when the engine runs on it
-/// (issue 19).
+/// the CPU backend, production-like (`Inline`) or with the hazard checker
+/// (`Checked`), and with the `cuda` feature the CUDA backend on GPU 0,
+/// its ranks' device collectives staged through host memory
+/// ([`zero::comm::HostStaged`]: the GPU machines here have one GPU).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TestDevice {
     /// [`CpuBackend`] in a mode.
     Cpu(CpuMode),
+    /// `CudaBackend` on GPU 0.
+    #[cfg(feature = "cuda")]
+    Cuda,
 }
 
 impl Default for TestDevice {
@@ -45,22 +49,54 @@ impl Default for TestDevice {
 }
 
 impl TestDevice {
-    /// Every device these tests can run on here.
+    /// Every device these tests can run on here: the CPU backend's modes,
+    /// and with the `cuda` feature the GPU where one is present.
     pub fn present() -> Vec<TestDevice> {
-        vec![
+        #[allow(unused_mut)]
+        let mut all = vec![
             TestDevice::Cpu(CpuMode::Inline),
             TestDevice::Cpu(CpuMode::Checked),
-        ]
+        ];
+        #[cfg(feature = "cuda")]
+        if cuda_backend().is_some() {
+            all.push(TestDevice::Cuda);
+        }
+        all
     }
 
-    /// A builder on this device (one backend per rank).
+    /// A builder on this CPU device (one backend per rank); an error for
+    /// the GPU, whose builder has another type (see [`train_setup`]).
     pub fn builder<C: Communicator>(
         self,
         cfg: ResolvedConfig,
         comm: C,
     ) -> zero::Result<zero::EngineBuilder<C>> {
-        let TestDevice::Cpu(mode) = self;
-        Ok(Engine::builder(cfg, comm).backend(CpuBackend::new(mode)?))
+        match self {
+            TestDevice::Cpu(mode) => Ok(Engine::builder(cfg, comm).backend(CpuBackend::new(mode)?)),
+            #[cfg(feature = "cuda")]
+            TestDevice::Cuda => Err(zero::Error::Unsupported {
+                what: "TestDevice::builder on the GPU: its builder has another type; train \
+                       through runs::train_setup"
+                    .into(),
+            }),
+        }
+    }
+}
+
+/// The CUDA backend on GPU 0, or `None` (with the reason on stderr) when
+/// no GPU is present; a GPU that is there but cannot start the backend
+/// fails the test.
+#[cfg(feature = "cuda")]
+pub fn cuda_backend() -> Option<zero::core::backend::CudaBackend> {
+    use std::io::Write;
+    match zero::core::backend::CudaBackend::new(0) {
+        Ok(dev) => Some(dev),
+        Err(zero::core::Error::NoDevice { reason, .. }) => {
+            // Straight to stderr: libtest hides `eprintln!` of passing tests.
+            let _ = writeln!(std::io::stderr(), "cuda: skipped: no GPU ({reason})");
+            None
+        }
+        Err(e) => panic!("a GPU is present but the CUDA backend cannot start: {e}"),
     }
 }
 
@@ -91,9 +127,28 @@ macro_rules! test_device {
                 ));
             }
 
+            /// On the GPU where one is present (feature `cuda`); without
+            /// one it prints `cuda: skipped: no GPU (...)` and passes.
+            #[cfg(feature = "cuda")]
+            #[test]
+            fn cuda() {
+                if $crate::runs::cuda_backend().is_some() {
+                    run($crate::runs::TestDevice::Cuda);
+                }
+            }
+
             #[test]
             fn covers_every_device_present() {
-                assert_eq!($crate::runs::TestDevice::present().len(), 2);
+                #[allow(unused_mut)]
+                let mut tested = vec![
+                    $crate::runs::TestDevice::Cpu(zero::core::backend::CpuMode::Inline),
+                    $crate::runs::TestDevice::Cpu(zero::core::backend::CpuMode::Checked),
+                ];
+                #[cfg(feature = "cuda")]
+                if $crate::runs::cuda_backend().is_some() {
+                    tested.push($crate::runs::TestDevice::Cuda);
+                }
+                assert_eq!($crate::runs::TestDevice::present(), tested);
             }
         }
     };
@@ -133,12 +188,43 @@ pub fn train_setup<T: Element, C: Communicator>(
     mb: usize,
     setup: impl FnOnce(EngineBuilder<C>) -> EngineBuilder<C>,
 ) -> zero::Result<Trained> {
-    let world = comm.world_size();
-    let rank = comm.rank();
+    match device {
+        TestDevice::Cpu(mode) => {
+            let b = Engine::builder(cfg.clone(), comm).backend(CpuBackend::new(mode)?);
+            train_built::<T, _, _>(setup(b.seed(5)), cfg, steps, mb)
+        }
+        #[cfg(feature = "cuda")]
+        TestDevice::Cuda => {
+            use std::sync::Arc;
+            use zero::comm::{HostStaged, Paired};
+            let Some(gpu) = cuda_backend() else {
+                return Err(zero::Error::Unsupported {
+                    what: "TestDevice::Cuda without a GPU (TestDevice::present leaves it out)"
+                        .into(),
+                });
+            };
+            let b = setup(Engine::builder(cfg.clone(), comm).seed(5))
+                .map_comm(|c| {
+                    let c = Arc::new(c);
+                    Paired::new(c.clone(), HostStaged::new(c))
+                })
+                .backend(gpu);
+            train_built::<T, _, _>(b, cfg, steps, mb)
+        }
+    }
+}
+
+/// Registers the MLP on `b`, builds and trains (see [`train_with`]).
+fn train_built<T: Element, C: EngineComm<B>, B: EngineBackend>(
+    mut b: EngineBuilder<C, B>,
+    cfg: &ResolvedConfig,
+    steps: usize,
+    mb: usize,
+) -> zero::Result<Trained> {
     let ga = cfg.gradient_accumulation_steps;
-    let mut b = setup(device.builder(cfg.clone(), comm)?.seed(5));
     let model = Mlp::register(&mut b, DIMS)?;
     let mut e = b.build()?;
+    let (world, rank) = (e.world_size(), e.rank());
     let mut outcomes = Vec::new();
     let mut losses = Vec::new();
     for s in 0..steps {
@@ -147,7 +233,7 @@ pub fn train_setup<T: Element, C: Communicator>(
             // the stage; a single rank with the full batch reads them all.
             let first = (((s * ga + m) * world + rank) * mb) as u64;
             let (x, y) = batch(first, mb, DIMS[0]);
-            losses.push(model.train_micro_batch::<T, C>(&mut e, &x, &y)?);
+            losses.push(model.train_micro_batch::<T, C, B>(&mut e, &x, &y)?);
             let o = e.step()?;
             if o.boundary {
                 outcomes.push(o);

@@ -71,12 +71,15 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod hazard;
+mod host;
 
 pub use cpu::{CpuBackend, CpuBuffer, CpuEvent, CpuMode, CpuScalars, Loan, POISON};
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    CudaBackend, CudaBackendEvent, CudaBuffer, CudaHostBuffer, CudaScalars, View as CudaView,
+    CudaBackend, CudaBackendEvent, CudaBuffer, CudaHostBuffer, CudaHostMut, CudaLoan, CudaScalars,
+    View as CudaView,
 };
+pub use host::HostAccess;
 
 /// A stream of one rank's device: compute, communication, host-to-device
 /// and device-to-host copies (the same kinds as the CUDA streams of

@@ -60,6 +60,10 @@ use cudarc::driver::{
     PushKernelArg, SyncOnDrop,
 };
 
+mod host;
+
+pub use host::{CudaHostMut, CudaLoan};
+
 use super::checks::{bounds, disjoint, item_error, range_len};
 use super::{AdamWPart, Backend, BufferHandle, BufferId, PackPiece, Stream, UnpackPiece};
 use crate::cuda::kernels::{

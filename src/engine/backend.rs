@@ -1,0 +1,60 @@
+//! What the engine needs of its backend and its communicator, beyond the
+//! backend's primitives: [`EngineBackend`] (host access to the buffers,
+//! and the backend the engine makes for itself) and [`EngineComm`] (host
+//! and device collectives).
+
+use zero_comm::{Communicator, DeviceCollectives};
+use zero_core::backend::{Backend, CpuBackend, CpuMode, HostAccess};
+use zero_core::optim::CpuAdamW;
+
+use crate::Result;
+
+/// The communicator of an engine on backend `B`: host collectives (to
+/// agree, to exchange flags and norms) and device collectives on `B`'s
+/// buffers (every [`Communicator`] has them on the CPU backend).
+pub trait EngineComm<B: Backend>: Communicator + DeviceCollectives<B> {}
+
+impl<B: Backend, C: Communicator + DeviceCollectives<B>> EngineComm<B> for C {}
+
+#[cfg(feature = "cuda")]
+impl EngineBackend for zero_core::backend::CudaBackend {
+    /// The engine does not choose a GPU for a rank: its caller does.
+    fn for_engine(_threads: usize) -> Result<Self> {
+        Err(crate::Error::Unsupported {
+            what: "an engine on CUDA needs its GPU: EngineBuilder::backend(CudaBackend::new(ordinal)?)"
+                .into(),
+        })
+    }
+
+    fn host_adamw(&self, threads: usize) -> CpuAdamW {
+        CpuAdamW::new().with_threads(threads)
+    }
+}
+
+/// A backend the engine runs on: host access to its buffers
+/// ([`HostAccess`]), and the backend the engine makes for itself when
+/// [`EngineBuilder::backend`] gave none.
+pub trait EngineBackend: HostAccess {
+    /// The backend of an engine built without [`EngineBuilder::backend`],
+    /// whose optimizer kernels use `threads` host threads.
+    fn for_engine(threads: usize) -> Result<Self>;
+
+    /// The host AdamW of the offloaded optimizer (`offload_optimizer`),
+    /// with `threads` threads unless the backend has its own.
+    fn host_adamw(&self, threads: usize) -> CpuAdamW;
+}
+
+impl EngineBackend for CpuBackend {
+    /// An inline CPU backend (it checks nothing and costs nothing).
+    fn for_engine(threads: usize) -> Result<Self> {
+        Ok(CpuBackend::with_adamw(
+            CpuMode::Inline,
+            CpuAdamW::new().with_threads(threads),
+        )?)
+    }
+
+    /// The backend's own kernels: the device tier is host memory.
+    fn host_adamw(&self, _threads: usize) -> CpuAdamW {
+        self.adamw_kernels().clone()
+    }
+}
