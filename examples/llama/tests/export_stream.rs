@@ -161,16 +161,20 @@ const OUTPUTS: [(&str, Dtype, u64); 5] = [
     ("hf-bf16-sharded", Dtype::Bf16, SHARD),
 ];
 
+/// Every tensor's values, in [`tensors`] order.
+type Params = Vec<Vec<f32>>;
+
 /// One rank: one optimizer step (so that the weights and adapters are
 /// trained ones), then every export of [`OUTPUTS`] into `dir`, streamed
-/// (rank 0 writes), and the whole model as the old path read it.
+/// (rank 0 writes); returns the model as the old path read it, without
+/// and with the adapters merged.
 fn export_rank<T: Element, C: Communicator>(
     comm: C,
     cfg: &ResolvedConfig,
     model_cfg: Config,
     lora: Option<LoraSetup>,
     dir: &Path,
-) -> zero::Result<(Vec<Vec<f32>>, Vec<Vec<f32>>)> {
+) -> zero::Result<(Params, Params)> {
     let rank = comm.rank();
     let task = data::addition_task(3);
     let seq = data::max_len(&task.train);
