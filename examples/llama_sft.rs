@@ -30,6 +30,7 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use zero::comm::agree::first_failure;
 use zero::comm::{launch, CommOptions, Communicator, ReduceOp};
 use zero::core::config::{AutoValues, DeepSpeedConfig, OffloadDevice, Precision, ResolvedConfig};
 use zero::core::memory::Tier;
@@ -876,13 +877,30 @@ fn run<T: Element, C: Communicator>(
         }
     }
     if let Some(path) = &a.export {
-        // A collective read of every unit; rank 0 writes the file. With
-        // LoRA (--merge-lora, checked before training) the adapters are
-        // folded in.
-        let params = model.merged_snapshot(&mut e)?;
-        if lead {
-            export(path, s, &params, T::DTYPE == zero::core::DType::F32)
-                .map_err(|what| zero::Error::Usage { rank, what })?;
+        // Streamed: every rank reads the units one at a time in the same
+        // order (collectives in stages 1-3), rank 0 writes each as it
+        // comes. With LoRA (--merge-lora, checked before training) the
+        // adapters are folded into each block.
+        let mut engine_err = None;
+        let written = export(
+            path,
+            s,
+            &mut |part| {
+                model.part_tensors(&mut e, part).map_err(|err| {
+                    let what = err.to_string();
+                    engine_err = Some(err);
+                    what
+                })
+            },
+            lead,
+            T::DTYPE == zero::core::DType::F32,
+        );
+        if let Some(err) = engine_err {
+            return Err(err);
+        }
+        // Every rank ends with rank 0's error, if it had one.
+        if let Some((_, what)) = first_failure(e.comm(), written.as_ref().err())? {
+            return Err(zero::Error::Usage { rank, what });
         }
     }
 
@@ -978,15 +996,25 @@ fn run<T: Element, C: Communicator>(
     })
 }
 
-/// Writes `params` to `path` as --export says: a `.safetensors` file, or
-/// a Hugging Face directory.
-fn export(path: &std::path::Path, s: &Setup, params: &[Vec<f32>], f32: bool) -> Result<(), String> {
+/// Writes the model to `path` as --export says: a `.safetensors` file, or
+/// a Hugging Face directory, its values streamed from `fetch` one unit at
+/// a time. Only `write` (rank 0) writes; the other ranks fetch the same
+/// units in the same order.
+fn export(
+    path: &std::path::Path,
+    s: &Setup,
+    fetch: &mut llama::weights::FetchPart<'_>,
+    write: bool,
+    f32: bool,
+) -> Result<(), String> {
     use llama::weights::Dtype;
     let fail = |e: String| format!("--export {e}");
     let trained = if f32 { Dtype::F32 } else { Dtype::Bf16 };
     if path.extension().is_some_and(|e| e == "safetensors") {
-        llama::weights::save(path, &s.model, params, trained).map_err(fail)?;
-        println!("exported the weights to {}", path.display());
+        llama::weights::save_from(path, &s.model, trained, fetch, write).map_err(fail)?;
+        if write {
+            println!("exported the weights to {}", path.display());
+        }
         return Ok(());
     }
     // The model's own positions, not the training run's.
@@ -1004,22 +1032,21 @@ fn export(path: &std::path::Path, s: &Setup, params: &[Vec<f32>], f32: bool) -> 
         }
         None => (trained, None),
     };
-    let files = llama::hf::export(
-        path,
-        &cfg,
-        params,
+    let out = llama::hf::Export {
         dtype,
         source,
-        (Some(data::BOS), Some(data::EOS)),
-        llama::hf::DEFAULT_SHARD_BYTES,
-    )
-    .map_err(fail)?;
-    println!(
-        "exported a Hugging Face directory ({}) to {}: {}",
-        dtype.torch_name(),
-        path.display(),
-        files.join(", ")
-    );
+        bos_eos: (Some(data::BOS), Some(data::EOS)),
+        max_shard_bytes: llama::hf::DEFAULT_SHARD_BYTES,
+    };
+    let files = llama::hf::export_from(path, &cfg, fetch, out, write).map_err(fail)?;
+    if write {
+        println!(
+            "exported a Hugging Face directory ({}) to {}: {}",
+            dtype.torch_name(),
+            path.display(),
+            files.join(", ")
+        );
+    }
     Ok(())
 }
 

@@ -142,7 +142,7 @@ use zero_offload::{check_free_space, DiskNeed};
 
 use crate::agree::agree_on_setup;
 pub use crate::format::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
-pub use crate::format::safetensors::ExportDtype;
+pub use crate::format::safetensors::{ExportDtype, SafetensorsWriter};
 use crate::trace::Tracer;
 use crate::{Error, Result};
 pub use backend::{EngineBackend, EngineComm};
@@ -1815,12 +1815,30 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// [`UnitGuard::params`] instead), except after a failed swap write,
     /// which loses nothing: then it returns the state after that step.
     pub fn unit_state(&mut self, unit: UnitId) -> Result<UnitState> {
-        self.guard(|e| e.unit_state_inner(unit))
+        self.guard(|e| e.unit_state_inner(unit, true))
     }
 
-    fn unit_state_inner(&mut self, unit: UnitId) -> Result<UnitState> {
-        let i = self.check(unit, "unit_state")?;
-        self.check_swap("unit_state")?;
+    /// A unit's parameters alone ([`UnitState::params`]: the training
+    /// dtype's values as f32, trainable then frozen real elements), as
+    /// [`Engine::unit_state`] reads them (a collective in stages 1–3; no
+    /// gather, so stage 3's gather order is left alone) without reading
+    /// or gathering the master and the moments: a third of the memory
+    /// and traffic, what an export of the weights needs.
+    pub fn unit_params(&mut self, unit: UnitId) -> Result<Vec<f32>> {
+        self.guard(|e| e.unit_state_inner(unit, false))
+            .map(|s| s.params)
+    }
+
+    /// [`Engine::unit_state`]; without `optimizer`, the parameters alone
+    /// ([`Engine::unit_params`]: the other fields empty).
+    fn unit_state_inner(&mut self, unit: UnitId, optimizer: bool) -> Result<UnitState> {
+        let call = if optimizer {
+            "unit_state"
+        } else {
+            "unit_params"
+        };
+        let i = self.check(unit, call)?;
+        self.check_swap(call)?;
         self.finish_param_gathers()?;
         let numel = self.units[i].layout.numel;
         let shard = self.units[i].layout.shard_len;
@@ -1837,6 +1855,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             Ok(recv[..numel].to_vec())
         };
         let (master, m, v) = match self.opt.offload() {
+            _ if !optimizer => (Vec::new(), Vec::new(), Vec::new()),
             None => {
                 let (master, m, v) = self.opt.moments(i).host(&self.backend)?;
                 (

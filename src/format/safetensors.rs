@@ -146,17 +146,39 @@ pub(crate) fn tensor_names(units: &[UnitLayout]) -> std::result::Result<Vec<Stri
     Ok(qualified)
 }
 
-/// The safetensors header (length prefix and padding included) and the
-/// length of the data section.
+/// The safetensors header of the units `units` (length prefix and
+/// padding included) and the length of the data section.
 fn header(units: &[UnitLayout], dtype: ExportDtype) -> std::result::Result<(Vec<u8>, u64), String> {
     let names = tensor_names(units)?;
+    let shapes = units
+        .iter()
+        .flat_map(|u| u.tensors.iter().map(|t| &t.shape[..]));
+    header_of(names.iter().map(String::as_str).zip(shapes), dtype)
+}
+
+/// The safetensors header of `tensors` (names and shapes, in file order)
+/// as `dtype`, and the length of the data section. With the tensors
+/// sorted by name it is, byte for byte, the header the `safetensors`
+/// crate's `serialize` writes for them with `{"format": "pt"}` (which
+/// sorts by dtype, then name).
+fn header_of<'a>(
+    tensors: impl Iterator<Item = (&'a str, &'a [usize])>,
+    dtype: ExportDtype,
+) -> std::result::Result<(Vec<u8>, u64), String> {
     let mut json = String::from(r#"{"__metadata__":{"format":"pt"}"#);
     let mut at = 0u64;
-    let tensors = units.iter().flat_map(|u| u.tensors.iter());
-    for (name, t) in names.iter().zip(tensors) {
-        let end = at + (t.numel * dtype.size()) as u64;
+    let mut seen = std::collections::HashSet::new();
+    for (name, shape) in tensors {
+        if name == "__metadata__" {
+            return Err("a tensor is named `__metadata__`, reserved by safetensors".into());
+        }
+        if !seen.insert(name) {
+            return Err(format!("two tensors are named `{name}`"));
+        }
+        let numel: usize = shape.iter().product();
+        let end = at + (numel * dtype.size()) as u64;
         let key = serde_json::to_string(name).map_err(|e| e.to_string())?;
-        let shape: Vec<String> = t.shape.iter().map(usize::to_string).collect();
+        let shape: Vec<String> = shape.iter().map(usize::to_string).collect();
         write!(
             json,
             r#",{key}:{{"dtype":"{}","shape":[{}],"data_offsets":[{at},{end}]}}"#,
@@ -176,13 +198,15 @@ fn header(units: &[UnitLayout], dtype: ExportDtype) -> std::result::Result<(Vec<
     Ok((out, at))
 }
 
-/// Streams one safetensors file: the header first, then every unit's
-/// values in order ([`SafetensorsWriter::write`]); [`finish`] checks that
-/// every value came, fsyncs and renames `PATH.tmp` over `PATH`. Dropped
-/// unfinished, it removes `PATH.tmp`.
+/// Streams one safetensors file: the header first (computed from the
+/// names and shapes, before any value), then every tensor's values in
+/// file order ([`SafetensorsWriter::write`], in pieces of any size);
+/// [`finish`] checks that every value came, fsyncs and renames `PATH.tmp`
+/// over `PATH`. Dropped unfinished, it removes `PATH.tmp`. Memory: the
+/// write buffer and the cast bytes of the largest piece given.
 ///
 /// [`finish`]: SafetensorsWriter::finish
-pub(crate) struct SafetensorsWriter {
+pub struct SafetensorsWriter {
     out: Option<BufWriter<File>>,
     path: PathBuf,
     tmp: PathBuf,
@@ -197,7 +221,29 @@ impl SafetensorsWriter {
     /// Creates `PATH.tmp` for the units `units` (in order) as `dtype`, and
     /// writes the header.
     pub(crate) fn create(path: &Path, units: &[UnitLayout], dtype: ExportDtype) -> Result<Self> {
-        let (head, data) = header(units, dtype).map_err(|e| err(path, e))?;
+        let head = header(units, dtype).map_err(|e| err(path, e))?;
+        Self::start(path, head, dtype)
+    }
+
+    /// Creates `PATH.tmp` for the tensors `tensors` (names and shapes, in
+    /// the order their values will come) as `dtype`, and writes the
+    /// header, with `__metadata__` `{"format": "pt"}`. Given the tensors
+    /// sorted by name, the file is byte for byte what the `safetensors`
+    /// crate's `serialize_to_file` writes for them. Errors name `path`: a
+    /// tensor named twice or `__metadata__`, a file that cannot be
+    /// created.
+    pub fn create_tensors(
+        path: &Path,
+        tensors: &[(&str, &[usize])],
+        dtype: ExportDtype,
+    ) -> Result<Self> {
+        let head = header_of(tensors.iter().copied(), dtype).map_err(|e| err(path, e))?;
+        Self::start(path, head, dtype)
+    }
+
+    /// Creates `PATH.tmp` and writes the header `head` of a data section
+    /// of `data` bytes.
+    fn start(path: &Path, (head, data): (Vec<u8>, u64), dtype: ExportDtype) -> Result<Self> {
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(".tmp");
         let tmp = PathBuf::from(tmp);
@@ -230,8 +276,11 @@ impl SafetensorsWriter {
         Ok(())
     }
 
-    /// Appends the next `values` (in unit and tensor order), cast.
-    pub(crate) fn write(&mut self, values: &[f32]) -> Result<()> {
+    /// Appends the next `values` (in file order: units and their tensors,
+    /// or the order given to [`SafetensorsWriter::create_tensors`]), cast.
+    /// Errors name the file: more values than the header declares, a
+    /// failed write.
+    pub fn write(&mut self, values: &[f32]) -> Result<()> {
         let mut bytes = std::mem::take(&mut self.bytes);
         bytes.clear();
         self.dtype.encode(values, &mut bytes);
@@ -250,8 +299,9 @@ impl SafetensorsWriter {
     }
 
     /// Flushes, fsyncs and renames the file into place: its length and
-    /// CRC32.
-    pub(crate) fn finish(mut self) -> Result<(u64, u32)> {
+    /// CRC32. Errors name the file: fewer values than the header declares,
+    /// a failed write, fsync or rename.
+    pub fn finish(mut self) -> Result<(u64, u32)> {
         if self.written != self.total {
             return Err(err(
                 &self.path,
@@ -401,6 +451,81 @@ mod tests {
         assert_eq!("BF16".parse::<ExportDtype>(), Ok(ExportDtype::Bf16));
         assert_eq!("fp32".parse::<ExportDtype>(), Ok(ExportDtype::F32));
         assert!("int8".parse::<ExportDtype>().is_err());
+    }
+
+    /// Given tensors sorted by name, the writer's file is byte for byte
+    /// what the `safetensors` crate's `serialize` writes (the order,
+    /// header and padding of `safetensors.torch.save_file`), in every
+    /// dtype; a tensor named twice or `__metadata__` is an error naming
+    /// the file.
+    #[test]
+    fn named_tensors_match_the_safetensors_crate() {
+        let d = crate::format::TestDir::new("safetensors-named");
+        // Unsorted here; sorted below as the crate sorts them.
+        let tensors: [(&str, &[usize]); 4] = [
+            ("model.layers.10.w", &[3, 2]),
+            ("lm_head.weight", &[5]),
+            ("model.layers.1.w\u{e9}", &[2, 1, 2]),
+            ("scalar", &[]),
+        ];
+        let mut sorted = tensors.to_vec();
+        sorted.sort_by(|a, b| a.0.cmp(b.0));
+        let values: Vec<Vec<f32>> = sorted
+            .iter()
+            .enumerate()
+            .map(|(t, (_, s))| {
+                (0..s.iter().product::<usize>())
+                    .map(|i| (i as f32 - 2.0) * 0.37 + t as f32 * 1e-3)
+                    .collect()
+            })
+            .collect();
+        for dtype in [ExportDtype::F32, ExportDtype::Bf16, ExportDtype::F16] {
+            let path = d.0.join("named.safetensors");
+            let mut w = SafetensorsWriter::create_tensors(&path, &sorted, dtype).unwrap();
+            for v in &values {
+                w.write(v).unwrap();
+            }
+            w.finish().unwrap();
+            let st = match dtype {
+                ExportDtype::F32 => safetensors::Dtype::F32,
+                ExportDtype::Bf16 => safetensors::Dtype::BF16,
+                ExportDtype::F16 => safetensors::Dtype::F16,
+            };
+            let bytes: Vec<Vec<u8>> = values
+                .iter()
+                .map(|v| {
+                    let mut b = Vec::new();
+                    dtype.encode(v, &mut b);
+                    b
+                })
+                .collect();
+            // Given in the unsorted order: the crate sorts them.
+            let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = tensors
+                .iter()
+                .map(|(n, s)| {
+                    let k = sorted.iter().position(|(m, _)| m == n).unwrap();
+                    let view = safetensors::tensor::TensorView::new(st, s.to_vec(), &bytes[k]);
+                    (*n, view.unwrap())
+                })
+                .collect();
+            let meta = std::collections::HashMap::from([("format".into(), "pt".into())]);
+            let want = safetensors::serialize(views, Some(meta)).unwrap();
+            assert_eq!(fs::read(&path).unwrap(), want, "{dtype:?}");
+        }
+        let twice: [(&str, &[usize]); 2] = [("a", &[1]), ("a", &[2])];
+        let e = SafetensorsWriter::create_tensors(
+            &d.0.join("twice.safetensors"),
+            &twice,
+            ExportDtype::F32,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            e.contains("twice.safetensors: two tensors are named `a`"),
+            "{e}"
+        );
+        assert!(!d.0.join("twice.safetensors.tmp").exists());
     }
 
     /// The writer's file parses back with the `safetensors` crate, its

@@ -518,7 +518,7 @@ impl SftModel {
     }
 
     /// Every tensor's full value, in [`tensors`] order, read with
-    /// [`Engine::unit_state`] (a collective in stages 1–3: every rank calls
+    /// [`Engine::unit_params`] (a collective in stages 1–3: every rank calls
     /// it; it does not gather, so the stage-3 gather order of training is
     /// left alone). Evaluation uses this snapshot, so it holds the whole
     /// model in f32 on each rank while it runs.
@@ -554,26 +554,66 @@ impl SftModel {
         Ok(out)
     }
 
-    /// [`SftModel::snapshot`] with the adapters folded into the base
-    /// weights ([`lora::merge`], PEFT's `merge_and_unload`): what
-    /// evaluation and a merged export use. Without LoRA, the snapshot.
-    pub fn merged_snapshot<C: Communicator>(&self, e: &mut Engine<C>) -> Result<Vec<Vec<f32>>> {
-        let mut base = self.snapshot(e)?;
-        if let Some((lc, _)) = &self.lora {
-            let ad = self.snapshot_adapters(e)?;
-            merge_adapters(&self.cfg, lc, &mut base, &ad);
+    /// The tensors of `part` that [`tensors`] lists, in that order, read
+    /// with [`Engine::unit_params`] (with LoRA, a block with
+    /// [`Engine::unit_state`], whose master holds the adapters alone; a
+    /// collective in stages 1–3, as [`SftModel::snapshot`]), with LoRA's
+    /// adapters folded into each
+    /// block ([`lora::merge`], PEFT's `merge_and_unload`, from their fp32
+    /// master): the embedding, a block's [`block_tensors`], or the final
+    /// norm and (untied) `lm_head.weight` ([`Part::range`]). What a
+    /// merged export writes, one unit at a time ([`crate::weights::save_from`]):
+    /// the values of [`SftModel::snapshot`] with [`merge_adapters`] of
+    /// [`SftModel::snapshot_adapters`], bit for bit.
+    pub fn part_tensors<C: Communicator>(
+        &self,
+        e: &mut Engine<C>,
+        part: Part,
+    ) -> Result<Vec<Vec<f32>>> {
+        let c = &self.cfg;
+        let all = tensors(c);
+        match part {
+            Part::Embed => self.unit_tensors(e, self.embed, &all[..1]),
+            Part::Layer(l) => {
+                let u = self.layers[l];
+                let Some((lc, _)) = &self.lora else {
+                    return self.unit_tensors(e, u, &block_tensors(c, l));
+                };
+                let st = e.unit_state(u)?;
+                let lay = e.layout(u)?;
+                let mut base: Vec<Vec<f32>> = block_tensors(c, l)
+                    .iter()
+                    .map(|t| st.params[state_range(lay, &t.name)].to_vec())
+                    .collect();
+                // The adapters are trainable: their fp32 master, as
+                // `SftModel::snapshot_adapters` reads them.
+                let ad: Vec<&[f32]> = lora::lora_tensors(c, lc, l)
+                    .iter()
+                    .map(|t| &st.master[range(lay, &t.name)])
+                    .collect();
+                let mut pairs = ad.chunks_exact(2);
+                for (i, (name, _)) in TARGETS.iter().enumerate() {
+                    if !lc.targets(name) {
+                        continue;
+                    }
+                    let ab = pairs.next().expect("an A and a B per target");
+                    let (d_in, d_out) = lora::module_dims(c, name).expect("a TARGETS module");
+                    lora::merge(&mut base[i], ab[0], ab[1], d_in, d_out, lc.r, lc.scale());
+                }
+                Ok(base)
+            }
+            Part::Head => self.unit_tensors(e, self.head, &all[c.norm_index()..]),
         }
-        Ok(base)
     }
 
-    /// Tensors `infos` of unit `u`, read with [`Engine::unit_state`].
+    /// Tensors `infos` of unit `u`, read with [`Engine::unit_params`].
     fn unit_tensors<C: Communicator>(
         &self,
         e: &mut Engine<C>,
         u: UnitId,
         infos: &[TensorInfo],
     ) -> Result<Vec<Vec<f32>>> {
-        let flat = e.unit_state(u)?.params;
+        let flat = e.unit_params(u)?;
         let lay = e.layout(u)?;
         Ok(infos
             .iter()
@@ -638,6 +678,39 @@ pub enum Part {
     Head,
 }
 
+impl Part {
+    /// Every part of the model of `cfg`, in [`tensors`] order.
+    pub fn all(cfg: &Config) -> impl Iterator<Item = Part> {
+        std::iter::once(Part::Embed)
+            .chain((0..cfg.n_layers).map(Part::Layer))
+            .chain(std::iter::once(Part::Head))
+    }
+
+    /// The positions in [`tensors`]`(cfg)` of the part's own tensors
+    /// (the tied embedding is the embedding's, not the head's).
+    pub fn range(self, cfg: &Config) -> std::ops::Range<usize> {
+        match self {
+            Part::Embed => 0..1,
+            Part::Layer(l) => cfg.layer_range(l),
+            Part::Head => {
+                let n = cfg.norm_index();
+                n..n + if cfg.tie_embeddings { 1 } else { 2 }
+            }
+        }
+    }
+
+    /// The part that tensor `i` of [`tensors`]`(cfg)` belongs to.
+    pub fn of(cfg: &Config, i: usize) -> Part {
+        if i == 0 {
+            Part::Embed
+        } else if i < cfg.norm_index() {
+            Part::Layer((i - 1) / cfg.block_len())
+        } else {
+            Part::Head
+        }
+    }
+}
+
 /// Where [`generate_from`] gets the model, one [`Part`] at a time, and
 /// how the ranks that decode together agree. A source over an engine
 /// reads each part when asked ([`EngineSource`]: a collective in stages
@@ -697,45 +770,11 @@ pub struct EngineSource<'a, C: Communicator> {
 impl<C: Communicator> ParamSource for EngineSource<'_, C> {
     fn fetch(&mut self, part: Part) -> Result<Vec<Vec<f32>>> {
         let m = self.model;
-        let c = &m.cfg;
-        let all = tensors(c);
-        match part {
-            Part::Embed => m.unit_tensors(self.e, m.embed, &all[..1]),
-            Part::Layer(l) => {
-                let u = m.layers[l];
-                let st = self.e.unit_state(u)?;
-                let lay = self.e.layout(u)?;
-                let mut base: Vec<Vec<f32>> = block_tensors(c, l)
-                    .iter()
-                    .map(|t| st.params[state_range(lay, &t.name)].to_vec())
-                    .collect();
-                if let Some((lc, _)) = &m.lora {
-                    // The adapters are trainable: their fp32 master, as
-                    // `SftModel::snapshot_adapters` reads them.
-                    let ad: Vec<&[f32]> = lora::lora_tensors(c, lc, l)
-                        .iter()
-                        .map(|t| &st.master[range(lay, &t.name)])
-                        .collect();
-                    let mut pairs = ad.chunks_exact(2);
-                    for (i, (name, _)) in TARGETS.iter().enumerate() {
-                        if !lc.targets(name) {
-                            continue;
-                        }
-                        let ab = pairs.next().expect("an A and a B per target");
-                        let (d_in, d_out) = lora::module_dims(c, name).expect("a TARGETS module");
-                        lora::merge(&mut base[i], ab[0], ab[1], d_in, d_out, lc.r, lc.scale());
-                    }
-                }
-                Ok(base)
-            }
-            Part::Head => {
-                let mut out = m.unit_tensors(self.e, m.head, &all[c.norm_index()..])?;
-                if c.tie_embeddings {
-                    out.extend(m.unit_tensors(self.e, m.embed, &all[..1])?);
-                }
-                Ok(out)
-            }
+        let mut out = m.part_tensors(self.e, part)?;
+        if part == Part::Head && m.cfg.tie_embeddings {
+            out.extend(m.part_tensors(self.e, Part::Embed)?);
         }
+        Ok(out)
     }
 
     fn lengths(&mut self, mine: &[usize]) -> Result<Vec<usize>> {

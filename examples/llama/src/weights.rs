@@ -44,9 +44,15 @@
 //! (what `transformers` expects), as F32, BF16 or F16, atomically: into
 //! `PATH.tmp`, fsync, rename. [`save_sharded`] splits the tensors over
 //! `model-0000k-of-0000n.safetensors` files with
-//! `model.safetensors.index.json`, as `transformers` does.
+//! `model.safetensors.index.json`, as `transformers` does. The files are
+//! written by zero's streaming writer (`zero::engine::SafetensorsWriter`,
+//! the one of `Engine::export_safetensors`), tensors in name order: byte
+//! for byte what `safetensors::serialize_to_file` (and
+//! `safetensors.torch.save_file`) write. [`save_from`] and
+//! [`save_sharded_from`] take the values one [`Part`] at a time from a
+//! [`FetchPart`] (an engine's units, `SftModel::part_tensors`) and write
+//! each as it comes: host memory holds one unit, not the model.
 
-use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::Read;
@@ -56,8 +62,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use safetensors::tensor::Metadata;
-use safetensors::View;
+use zero::engine::{ExportDtype, SafetensorsWriter};
 
+use super::train::Part;
 use super::{tensors, Config};
 
 /// The safetensors crate's limit on the JSON header (100 MB).
@@ -109,6 +116,15 @@ impl Dtype {
         match self {
             Dtype::F32 => 4,
             Dtype::Bf16 | Dtype::F16 => 2,
+        }
+    }
+
+    /// zero's export dtype of the same name (its writer's).
+    pub fn export(self) -> ExportDtype {
+        match self {
+            Dtype::F32 => ExportDtype::F32,
+            Dtype::Bf16 => ExportDtype::Bf16,
+            Dtype::F16 => ExportDtype::F16,
         }
     }
 }
@@ -558,59 +574,60 @@ fn shape_hint(name: &str, file: &[usize], want: &[usize]) -> String {
     format!(" ({})", diffs.join("; "))
 }
 
-/// One tensor for `serialize_to_file`, converted lazily so that at most one
-/// BF16 copy exists at a time.
-struct Out<'a> {
-    data: &'a [f32],
-    shape: &'a [usize],
-    dtype: Dtype,
-}
-
-impl View for Out<'_> {
-    fn dtype(&self) -> safetensors::Dtype {
-        self.dtype.st()
-    }
-    fn shape(&self) -> &[usize] {
-        self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        match self.dtype {
-            Dtype::F32 if cfg!(target_endian = "little") => {
-                Cow::Borrowed(bytemuck::cast_slice(self.data))
-            }
-            Dtype::F32 => Cow::Owned(self.data.iter().flat_map(|x| x.to_le_bytes()).collect()),
-            Dtype::Bf16 => Cow::Owned(
-                self.data
-                    .iter()
-                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-                    .collect(),
-            ),
-            Dtype::F16 => Cow::Owned(
-                self.data
-                    .iter()
-                    .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
-                    .collect(),
-            ),
-        }
-    }
-    fn data_len(&self) -> usize {
-        self.data.len() * self.dtype.st().bitsize() / 8
-    }
-}
-
 /// Writes `params` (in [`tensors`]`(cfg)` order) to `path`
 /// under their HF-Llama names, as `dtype`, with `__metadata__` `{"format":
 /// "pt"}`. Atomic: the file is written to `PATH.tmp`, fsynced, then renamed
-/// over `path`.
+/// over `path`. [`save_from`] with the values in memory.
 pub fn save<P: AsRef<[f32]>>(
     path: &Path,
     cfg: &Config,
     params: &[P],
     dtype: Dtype,
 ) -> Result<(), String> {
-    let infos = checked_infos(path, cfg, params)?;
-    let all: Vec<usize> = (0..infos.len()).collect();
-    write_file(path, &infos, params, &all, dtype)
+    checked_infos(path, cfg, params)?;
+    save_from(path, cfg, dtype, &mut in_memory(cfg, params), true)
+}
+
+/// Where a streamed export ([`save_from`], [`save_sharded_from`],
+/// [`super::hf::export_from`]) gets the model: the tensors of one
+/// [`Part`] at a time, those of [`Part::range`] in [`tensors`] order
+/// (`SftModel::part_tensors` over an engine; [`in_memory`]). An error
+/// ends the export.
+pub type FetchPart<'a> = dyn FnMut(Part) -> Result<Vec<Vec<f32>>, String> + 'a;
+
+/// A [`FetchPart`] of values in memory (in [`tensors`]`(cfg)` order):
+/// each part's tensors copied when asked.
+pub fn in_memory<'a, P: AsRef<[f32]>>(
+    cfg: &'a Config,
+    params: &'a [P],
+) -> impl FnMut(Part) -> Result<Vec<Vec<f32>>, String> + 'a {
+    move |part| {
+        Ok(params[part.range(cfg)]
+            .iter()
+            .map(|p| p.as_ref().to_vec())
+            .collect())
+    }
+}
+
+/// [`save`], streamed: the values come from `fetch` one [`Part`] at a
+/// time and go straight to the file, so memory holds one part and its
+/// cast bytes, not the model. The file is the same, byte for byte.
+///
+/// With `write` false nothing is written: the parts are fetched all the
+/// same, in the same order. That is what the ranks of an engine that do
+/// not write call, so that the collectives of their fetches
+/// (`SftModel::part_tensors`) match those of the rank that writes. A
+/// failed write does not stop the fetches either: the error (naming the
+/// file) comes back once every part was fetched.
+pub fn save_from(
+    path: &Path,
+    cfg: &Config,
+    dtype: Dtype,
+    fetch: &mut FetchPart<'_>,
+    write: bool,
+) -> Result<(), String> {
+    let all: Vec<usize> = (0..tensors(cfg).len()).collect();
+    stream_files(cfg, &[(path.to_path_buf(), all)], dtype, fetch, write)
 }
 
 /// Writes tensors `infos` (names and shapes) with values `params` to
@@ -634,8 +651,13 @@ pub fn save_named<P: AsRef<[f32]>>(
             ));
         }
     }
-    let all: Vec<usize> = (0..infos.len()).collect();
-    write_file(path, infos, params, &all, dtype)
+    let order = file_order(infos, (0..infos.len()).collect());
+    let mut w = create(path, infos, &order, dtype)?;
+    for &i in &order {
+        w.write(params[i].as_ref()).map_err(st_err)?;
+    }
+    w.finish().map_err(st_err)?;
+    Ok(())
 }
 
 /// The file names and the index of [`save_sharded`].
@@ -648,6 +670,7 @@ pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// own), in tensor order, and `model.safetensors.index.json` with
 /// `metadata.total_size` and the `weight_map`. Each file is atomic
 /// ([`save`]); returns the names of the files written.
+/// [`save_sharded_from`] with the values in memory.
 pub fn save_sharded<P: AsRef<[f32]>>(
     dir: &Path,
     cfg: &Config,
@@ -655,14 +678,36 @@ pub fn save_sharded<P: AsRef<[f32]>>(
     dtype: Dtype,
     max_shard_bytes: u64,
 ) -> Result<Vec<String>, String> {
-    let infos = checked_infos(dir, cfg, params)?;
+    checked_infos(dir, cfg, params)?;
+    save_sharded_from(
+        dir,
+        cfg,
+        dtype,
+        max_shard_bytes,
+        &mut in_memory(cfg, params),
+        true,
+    )
+}
+
+/// [`save_sharded`], streamed as [`save_from`] is (`write` false: fetch
+/// only, and return no names). A part whose tensors fall in two files is
+/// fetched once for each.
+pub fn save_sharded_from(
+    dir: &Path,
+    cfg: &Config,
+    dtype: Dtype,
+    max_shard_bytes: u64,
+    fetch: &mut FetchPart<'_>,
+    write: bool,
+) -> Result<Vec<String>, String> {
+    let infos = tensors(cfg);
     let bytes = |i: usize| (infos[i].numel() * dtype.size()) as u64;
     let total: u64 = (0..infos.len()).map(bytes).sum();
     if total <= max_shard_bytes {
         let name = "model.safetensors".to_string();
         let all: Vec<usize> = (0..infos.len()).collect();
-        write_file(&dir.join(&name), &infos, params, &all, dtype)?;
-        return Ok(vec![name]);
+        stream_files(cfg, &[(dir.join(&name), all)], dtype, fetch, write)?;
+        return Ok(if write { vec![name] } else { Vec::new() });
     }
     let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
     let mut size = 0u64;
@@ -677,15 +722,23 @@ pub fn save_sharded<P: AsRef<[f32]>>(
         }
     }
     let n = shards.len();
-    let mut names = Vec::with_capacity(n + 1);
+    let names: Vec<String> = (1..=n)
+        .map(|k| format!("model-{k:05}-of-{n:05}.safetensors"))
+        .collect();
     let mut weight_map = serde_json::Map::new();
-    for (k, shard) in shards.iter().enumerate() {
-        let name = format!("model-{:05}-of-{n:05}.safetensors", k + 1);
-        write_file(&dir.join(&name), &infos, params, shard, dtype)?;
+    for (name, shard) in names.iter().zip(&shards) {
         for &i in shard {
             weight_map.insert(infos[i].name.clone(), name.clone().into());
         }
-        names.push(name);
+    }
+    let files: Vec<(PathBuf, Vec<usize>)> = names
+        .iter()
+        .map(|name| dir.join(name))
+        .zip(shards)
+        .collect();
+    stream_files(cfg, &files, dtype, fetch, write)?;
+    if !write {
+        return Ok(Vec::new());
     }
     let index = serde_json::json!({
         "metadata": { "total_size": total },
@@ -693,12 +746,13 @@ pub fn save_sharded<P: AsRef<[f32]>>(
     });
     let text = serde_json::to_string_pretty(&index).expect("JSON of strings and numbers");
     write_atomic(&dir.join(INDEX_FILE), text.as_bytes())?;
+    let mut names = names;
     names.push(INDEX_FILE.to_string());
     Ok(names)
 }
 
 /// The tensor list of `cfg` after checking that `params` fits it.
-fn checked_infos<P: AsRef<[f32]>>(
+pub(crate) fn checked_infos<P: AsRef<[f32]>>(
     path: &Path,
     cfg: &Config,
     params: &[P],
@@ -726,39 +780,120 @@ fn checked_infos<P: AsRef<[f32]>>(
     Ok(infos)
 }
 
-/// Writes tensors `which` of `infos`/`params` to `path`, atomically.
-fn write_file<P: AsRef<[f32]>>(
+/// Tensors `which` of `infos` in the order a safetensors file holds them:
+/// by name (the `safetensors` crate's and `safetensors.torch.save_file`'s
+/// order for tensors of one dtype), so that the files are what they were
+/// when `safetensors::serialize_to_file` wrote them.
+fn file_order(infos: &[super::TensorInfo], mut which: Vec<usize>) -> Vec<usize> {
+    which.sort_by(|&a, &b| infos[a].name.cmp(&infos[b].name));
+    which
+}
+
+/// The error of the library's writer: its path and what went wrong.
+fn st_err(e: zero::Error) -> String {
+    match e {
+        zero::Error::Checkpoint { path, what } => format!("{}: {what}", path.display()),
+        e => e.to_string(),
+    }
+}
+
+/// Creates the file `path` of tensors `order` of `infos` (in that order)
+/// as `dtype`: zero's streaming writer ([`SafetensorsWriter`]), header
+/// written.
+fn create(
     path: &Path,
     infos: &[super::TensorInfo],
-    params: &[P],
-    which: &[usize],
+    order: &[usize],
     dtype: Dtype,
+) -> Result<SafetensorsWriter, String> {
+    let named: Vec<(&str, &[usize])> = order
+        .iter()
+        .map(|&i| (infos[i].name.as_str(), &infos[i].shape[..]))
+        .collect();
+    SafetensorsWriter::create_tensors(path, &named, dtype.export()).map_err(st_err)
+}
+
+/// Writes each file of `files` (its path and its tensors, positions in
+/// [`tensors`]`(cfg)`), one after the other, with the values of `fetch`
+/// (see [`save_from`]). Each file holds its tensors in [`file_order`],
+/// which mixes the parts (`lm_head.weight` first, `model.norm.weight`
+/// last, layer 10 after layer 1): a part is fetched when the file reaches
+/// its first tensor there, and its other tensors in that file wait,
+/// as they are, until the file reaches them; those of other files are
+/// dropped. Memory: one part, what waits of earlier parts (the final
+/// norm), and the cast bytes of one tensor.
+fn stream_files(
+    cfg: &Config,
+    files: &[(PathBuf, Vec<usize>)],
+    dtype: Dtype,
+    fetch: &mut FetchPart<'_>,
+    write: bool,
 ) -> Result<(), String> {
-    let fail = |msg: String| format!("{}: {msg}", path.display());
-    let views = which.iter().map(|&i| {
-        let out = Out {
-            data: params[i].as_ref(),
-            shape: &infos[i].shape,
-            dtype,
-        };
-        (infos[i].name.as_str(), out)
-    });
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let tmp = tmp_path(path);
-    let written = safetensors::serialize_to_file(views, Some(meta), &tmp)
-        .map_err(|e| e.to_string())
-        .and_then(|()| {
-            // `serialize_to_file` flushes but does not sync; fsync of any
-            // descriptor of the file covers its data.
-            File::open(&tmp)
-                .and_then(|f| f.sync_all())
-                .map_err(|e| format!("fsync: {e}"))
-        });
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(fail(format!("cannot write {}: {e}", tmp.display())));
+    let infos = tensors(cfg);
+    // The first failed write; the fetches go on after it.
+    let mut failed: Option<String> = None;
+    for (path, which) in files {
+        let order = file_order(&infos, which.clone());
+        let mut out = None;
+        if write && failed.is_none() {
+            match create(path, &infos, &order, dtype) {
+                Ok(w) => out = Some(w),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        let mut waiting: HashMap<usize, Vec<f32>> = HashMap::new();
+        for &i in &order {
+            let values = match waiting.remove(&i) {
+                Some(v) => v,
+                None => {
+                    let part = Part::of(cfg, i);
+                    let range = part.range(cfg);
+                    let got = fetch(part)?;
+                    if got.len() != range.len() {
+                        return Err(format!(
+                            "{}: {part:?} came with {} tensors, not {}",
+                            path.display(),
+                            got.len(),
+                            range.len()
+                        ));
+                    }
+                    let mut mine = Vec::new();
+                    for (j, v) in range.zip(got) {
+                        if v.len() != infos[j].numel() {
+                            return Err(format!(
+                                "{}: tensor `{}` came with {} values, its shape {:?} needs {}",
+                                path.display(),
+                                infos[j].name,
+                                v.len(),
+                                infos[j].shape,
+                                infos[j].numel()
+                            ));
+                        }
+                        if j == i {
+                            mine = v;
+                        } else if which.contains(&j) {
+                            waiting.insert(j, v);
+                        }
+                    }
+                    mine
+                }
+            };
+            if let Some(w) = out.as_mut() {
+                if let Err(e) = w.write(&values) {
+                    failed.get_or_insert(st_err(e));
+                    out = None;
+                }
+            }
+        }
+        if let Some(w) = out {
+            if let Err(e) = w.finish() {
+                failed.get_or_insert(st_err(e));
+            }
+        }
     }
-    rename_into_place(&tmp, path)
+    failed.map_or(Ok(()), Err)
 }
 
 /// `PATH.tmp`.

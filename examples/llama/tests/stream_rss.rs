@@ -1,24 +1,32 @@
-//! Pretrained weights stream from their file into the engine: building a
+//! Weights stream between their files and the engine. In: building a
 //! Llama of 55.6 M parameters (212 MiB as f32) from an F32 safetensors file
 //! (`weights::open`, `Init::Source`) with the optimizer state and the
 //! parameters on nvme (ZeRO-Infinity) grows the process's peak RSS
 //! (`VmHWM`) by no more than the engine's plan plus slack, far below the
 //! model's f32 size, which reading the weights (`weights::load`, what
-//! `Init::Values` needs) adds on its own.
+//! `Init::Values` needs) adds on its own. Out: `llama_sft --export`
+//! (`hf::export_from` over `SftModel::part_tensors`) holds a few units,
+//! not the model.
 //!
-//! Its own test binary: `VmHWM` is the peak of the whole process.
+//! Its own test binary, its tests one at a time ([`SERIAL`]): `VmHWM` is
+//! the peak of the whole process.
 
 use std::io::Write;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use zero::comm::ThreadGroup;
 use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::memory::Tier;
 use zero::{Engine, Init};
+use zero_llama::hf::{self, Export};
 use zero_llama::train::SftModel;
+use zero_llama::weights::{Dtype, SafetensorsFile};
 use zero_llama::{block_tensors, tensors, weights, Config};
 
 const MB: u64 = 1 << 20;
+
+/// The tests measure the process's peak RSS: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
 
 /// A field of `/proc/self/status`, in bytes.
 fn status_bytes(field: &str) -> u64 {
@@ -87,12 +95,9 @@ fn write_model(path: &std::path::Path, cfg: &Config) {
     f.into_inner().unwrap().sync_all().unwrap();
 }
 
-#[test]
-fn an_engine_streams_its_weights_from_the_file() {
-    let dir = std::env::temp_dir().join(format!("zero-llama-stream-rss-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let model = Config {
+/// The model: 55.6 M parameters, 212 MiB as f32, a block 12.3 MiB.
+fn model() -> Config {
+    Config {
         vocab: 4096,
         dim: 512,
         n_layers: 16,
@@ -101,15 +106,15 @@ fn an_engine_streams_its_weights_from_the_file() {
         hidden: 1408,
         max_seq: 64,
         ..Config::tiny()
-    };
-    let path = dir.join("model.safetensors");
-    write_model(&path, &model);
-    let numel: usize = tensors(&model).iter().map(|t| t.numel()).sum();
-    let f32_bytes = 4 * numel as u64;
+    }
+}
 
+/// Stage 3 in bf16 with the optimizer state and the parameters on nvme
+/// under `dir` (ZeRO-Infinity), a block's parameters per swap buffer.
+fn infinity(dir: &std::path::Path, model: &Config) -> ResolvedConfig {
     let mut cfg = ResolvedConfig::simple(3, 1, 1);
     cfg.precision = Precision::Bf16;
-    let unit = 4 * model.dim * model.dim + 3 * model.dim * model.hidden + 2 * model.dim;
+    let unit: usize = block_tensors(model, 0).iter().map(|t| t.numel()).sum();
     let z = &mut cfg.zero;
     z.reduce_bucket_size = 1 << 18;
     z.prefetch_bucket_size = 1 << 18;
@@ -124,6 +129,22 @@ fn an_engine_streams_its_weights_from_the_file() {
     z.offload_param.buffer_size = unit;
     z.offload_param.max_in_cpu = 0;
     z.aio.block_size = 1 << 20;
+    cfg
+}
+
+#[test]
+fn an_engine_streams_its_weights_from_the_file() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("zero-llama-stream-rss-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = model();
+    let path = dir.join("model.safetensors");
+    write_model(&path, &model);
+    let numel: usize = tensors(&model).iter().map(|t| t.numel()).sum();
+    let f32_bytes = 4 * numel as u64;
+
+    let cfg = infinity(&dir, &model);
 
     // The weights streamed: checked from the header, read as the build
     // asks.
@@ -192,6 +213,101 @@ fn an_engine_streams_its_weights_from_the_file() {
         "reading the weights grew the peak RSS by only {} MiB of {} MiB",
         held / MB,
         f32_bytes / MB
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `llama_sft --export` holds one unit, not the model: exporting a Llama
+/// of 55.6 M parameters (212 MiB as f32) from an engine at stage 3 with
+/// the optimizer state and the parameters on nvme to a Hugging Face
+/// directory ([`hf::export_from`] over [`SftModel::part_tensors`]) grows
+/// the peak RSS by a few units' values, far below the model's f32 size,
+/// which reading the model whole ([`SftModel::snapshot`], what the export
+/// held before) adds on its own.
+#[test]
+fn an_export_streams_the_model_unit_by_unit() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("zero-llama-export-rss-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = model();
+    let numel: usize = tensors(&model).iter().map(|t| t.numel()).sum();
+    let f32_bytes = 4 * numel as u64;
+    // The largest unit: a block (12.3 MiB as f32; the embedding is 8 MiB).
+    let unit: usize = block_tensors(&model, 0).iter().map(|t| t.numel()).sum();
+    let unit_bytes = 4 * unit as u64;
+
+    let cfg = infinity(&dir, &model);
+
+    let out = dir.join("export");
+    let (streamed, held, first) = ThreadGroup::run(1, |comm| {
+        let mut b = Engine::builder(cfg.clone(), comm).seed(3);
+        let m = SftModel::register(&mut b, model, None, 1, false)?;
+        let mut e = b.build()?;
+
+        let base = reset_peak();
+        let export = Export {
+            dtype: Dtype::Bf16,
+            source: None,
+            bos_eos: (None, None),
+            max_shard_bytes: hf::DEFAULT_SHARD_BYTES,
+        };
+        hf::export_from(
+            &out,
+            &model,
+            &mut |part| m.part_tensors(&mut e, part).map_err(|e| e.to_string()),
+            export,
+            true,
+        )
+        .map_err(|what| zero::Error::Usage { rank: 0, what })?;
+        let streamed = grown_since(base);
+
+        // For comparison: the whole model read at once, as the export
+        // did before it streamed.
+        let base = reset_peak();
+        let whole = m.snapshot(&mut e)?;
+        let held = grown_since(base);
+        Ok::<_, zero::Error>((streamed, held, whole[1][..8].to_vec()))
+    })
+    .unwrap()
+    .remove(0)
+    .unwrap();
+
+    // The values arrived: the first block's first values, rounded to bf16.
+    let mut f = SafetensorsFile::open(&out.join("model.safetensors")).unwrap();
+    let q = &block_tensors(&model, 0)[0];
+    let got = f.read(&q.name, &q.shape).unwrap();
+    let want: Vec<f32> = first
+        .iter()
+        .map(|&x| half::bf16::from_f32(x).to_f32())
+        .collect();
+    assert_eq!(got[..8], want[..], "the first block's first values");
+
+    // Four units' f32 values (the unit's parameters as read and as
+    // gathered, its tensors, their bf16 bytes) and 32 MiB for buffers and
+    // the allocator.
+    let bound = 4 * unit_bytes + 32 * MB;
+    println!(
+        "{numel} parameters ({} MiB as f32, a unit {:.1} MiB): peak RSS grew by {} MiB exporting \
+         unit by unit, by {} MiB reading the model whole; the bound {} MiB",
+        f32_bytes / MB,
+        unit_bytes as f64 / MB as f64,
+        streamed / MB,
+        held / MB,
+        bound / MB
+    );
+    assert!(
+        streamed <= bound,
+        "the streamed export grew the peak RSS by {} MiB, over {} MiB",
+        streamed / MB,
+        bound / MB
+    );
+    // It tells: the whole model in memory is over the bound on its own.
+    assert!(
+        held > bound,
+        "reading the model whole grew the peak RSS by only {} MiB, the bound is {} MiB",
+        held / MB,
+        bound / MB
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -271,7 +271,7 @@ pub const DEFAULT_SHARD_BYTES: u64 = 5_000_000_000;
 /// Writes `params` (in [`tensors`]`(cfg)` order) as a Hugging Face
 /// directory `dir` (created if needed): see the module's doc. `bos`/`eos`
 /// go into a made config when there is no source. Returns the names of the
-/// files written, sorted.
+/// files written, sorted. [`export_from`] with the values in memory.
 pub fn export<P: AsRef<[f32]>>(
     dir: &Path,
     cfg: &Config,
@@ -281,8 +281,51 @@ pub fn export<P: AsRef<[f32]>>(
     bos_eos: (Option<u32>, Option<u32>),
     max_shard_bytes: u64,
 ) -> Result<Vec<String>, String> {
+    weights::checked_infos(dir, cfg, params)?;
+    let out = Export {
+        dtype,
+        source,
+        bos_eos,
+        max_shard_bytes,
+    };
+    export_from(dir, cfg, &mut weights::in_memory(cfg, params), out, true)
+}
+
+/// How [`export_from`] writes a directory.
+pub struct Export<'a> {
+    /// The weights' dtype (`config.json`'s `dtype` / `torch_dtype`).
+    pub dtype: Dtype,
+    /// The directory the model came from, if any.
+    pub source: Option<ExportSource<'a>>,
+    /// BOS and EOS for a made config (no source).
+    pub bos_eos: (Option<u32>, Option<u32>),
+    /// The largest weights file ([`DEFAULT_SHARD_BYTES`]).
+    pub max_shard_bytes: u64,
+}
+
+/// [`export`], the weights streamed: they come from `fetch` one part at a
+/// time and go straight to their file ([`weights::save_sharded_from`]),
+/// so host memory holds one unit of the model, not the model. With
+/// `write` false (the ranks of an engine that do not write) the parts are
+/// fetched in the same order and nothing is written; it returns no names.
+pub fn export_from(
+    dir: &Path,
+    cfg: &Config,
+    fetch: &mut weights::FetchPart<'_>,
+    out: Export<'_>,
+    write: bool,
+) -> Result<Vec<String>, String> {
+    let Export {
+        dtype,
+        source,
+        bos_eos,
+        max_shard_bytes,
+    } = out;
+    if !write {
+        return weights::save_sharded_from(dir, cfg, dtype, max_shard_bytes, fetch, false);
+    }
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: cannot create: {e}", dir.display()))?;
-    let mut written = weights::save_sharded(dir, cfg, params, dtype, max_shard_bytes)?;
+    let mut written = weights::save_sharded_from(dir, cfg, dtype, max_shard_bytes, fetch, true)?;
     let json = |v: &Value| serde_json::to_string_pretty(v).expect("JSON value") + "\n";
     let config = match &source {
         Some(s) => {
