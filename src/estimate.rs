@@ -88,6 +88,7 @@ use std::collections::HashMap;
 use std::fmt;
 
 use zero_core::config::{CheckFor, FrozenParams, OffloadDevice, Precision, ResolvedConfig};
+use zero_core::cuda::arena::{ArenaPlan, BufferRequest};
 use zero_core::memory::{Allocation, Category, MemoryReport, MemoryTracker, Tier};
 use zero_core::partition::{PartitionPlan, TensorSpec, UnitSpec};
 use zero_core::DType;
@@ -490,6 +491,10 @@ pub struct Estimate {
     /// order: ZeRO's figure (16Ψ, 4Ψ+12Ψ/N, …, plus padding and the
     /// gradient-accumulation buffer where the engine keeps one).
     built_states: [u64; 3],
+    /// The device-tier buffers the engine allocates when it is built, by
+    /// name, and their bytes in all.
+    device_buffers: Vec<BufferRequest>,
+    built_device: u64,
     /// The tracker after two optimizer steps: `peak` fields are the
     /// estimate.
     report: MemoryReport,
@@ -517,6 +522,29 @@ impl Estimate {
     /// figure, without the stage-2/3 gradient buffers of the backward pass.
     pub fn model_states(&self, tier: Tier) -> u64 {
         self.built_states[tier_index(tier)]
+    }
+
+    /// The device memory of rank `rank` as an arena plan
+    /// ([`ArenaPlan`]): every buffer the engine allocates on the device
+    /// when it is built, by name, and one more for what a step adds at its
+    /// peak (gathered units, the gradient buffers of the backward pass):
+    /// its total is [`Estimate::tier_peak`] of the device tier (plus
+    /// alignment), and [`ArenaPlan::check_capacity`] says, when it does
+    /// not fit, which buffers are the largest and how many bytes are
+    /// missing. The trainer's activations are not in it.
+    pub fn device_plan(&self, rank: usize) -> Result<ArenaPlan> {
+        let step = self
+            .tier_peak(Tier::Device)
+            .saturating_sub(self.built_device);
+        let mut all = self.device_buffers.clone();
+        if step > 0 {
+            all.push(BufferRequest::new(
+                "a step's gathered units and gradient buffers (peak)",
+                Category::GatheredParams,
+                step,
+            ));
+        }
+        Ok(ArenaPlan::new(rank, all)?)
     }
 
     /// The simulated tracker's report (peaks are the estimate).
@@ -562,6 +590,7 @@ pub fn estimate(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Result<
     cfg.check_runnable(&plan, CheckFor::Estimate)?;
     let mut sim = Sim::build(cfg, plan);
     let built_states = Tier::ALL.map(|t| sim.tracker.model_states(t));
+    let built_device = sim.tracker.tier_current(Tier::Device);
     let events = script(model, &sim.plan, cfg.micro_batch_size, work);
     let ga = cfg.gradient_accumulation_steps.max(1);
     for k in 0..2 * ga {
@@ -576,6 +605,8 @@ pub fn estimate(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Result<
         trainable_numel: sim.plan.trainable_numel(),
         padded_numel: sim.plan.padded_numel(),
         built_states,
+        device_buffers: std::mem::take(&mut sim.named),
+        built_device,
         report: sim.tracker.report(),
     })
 }
@@ -674,6 +705,8 @@ struct Sim {
     stage: u8,
     /// Everything allocated for the engine's life.
     allocs: Vec<Allocation>,
+    /// The device-tier buffers of the build, by name.
+    named: Vec<BufferRequest>,
     /// Stages 2/3: free pooled gradient buffers per length.
     grad_pool: HashMap<usize, usize>,
     /// Stage 3: the engine's gather schedule …
@@ -740,8 +773,18 @@ impl Sim {
         };
         let mut allocs = Vec::new();
         let mut track = |tier, cat, bytes: u64| allocs.push(tracker.allocate(tier, cat, bytes));
+        // The device-tier buffers of the build, by name (for the engine's
+        // check against the device's free memory).
+        let mut named = Vec::new();
         let mut state_lens = Vec::new();
         for u in plan.units() {
+            let mut device = |what: &str, cat, bytes: u64| {
+                named.push(BufferRequest::new(
+                    format!("{what} `{}`", u.name),
+                    cat,
+                    bytes,
+                ));
+            };
             let (full, shard) = (u.padded_numel as u64, u.shard_len as u64);
             let state_len = if stage == 0 { full } else { shard };
             // Stages 0–2 hold both segments; stage 3 its trainable shard
@@ -755,33 +798,42 @@ impl Sim {
             if stage == 3 && u.frozen_padded > 0 {
                 let fs = u.frozen_shard_len() as u64 * psize;
                 match frozen {
-                    FrozenParams::Shard => track(Tier::Device, Category::Params, fs),
+                    FrozenParams::Shard => {
+                        track(Tier::Device, Category::Params, fs);
+                        device("frozen shard", Category::Params, fs);
+                    }
                     FrozenParams::Offload => track(Tier::Host, Category::Params, fs),
                     // Resident: the unit's own gathered buffer, kept.
                     _ => {
-                        track(
-                            Tier::Device,
-                            Category::Params,
-                            u.frozen_padded as u64 * psize,
-                        );
+                        let frozen = u.frozen_padded as u64 * psize;
+                        track(Tier::Device, Category::Params, frozen);
+                        device("frozen params", Category::Params, frozen);
                         track(Tier::Device, Category::GatheredParams, full * psize);
+                        device("gathered", Category::GatheredParams, full * psize);
                     }
                 }
             }
             if !offloading {
                 track(Tier::Device, Category::Master, state_len * 4);
+                device("master", Category::Master, state_len * 4);
                 track(Tier::Device, Category::Moments, state_len * 8);
+                device("m and v", Category::Moments, state_len * 8);
             }
             if !param_offloading {
                 track(Tier::Device, Category::Params, p_len * psize);
+                device("params", Category::Params, p_len * psize);
             }
             if stage <= 1 {
                 track(Tier::Device, Category::Grads, full * psize);
+                device("grad", Category::Grads, full * psize);
             }
             if !alias && !swap_grads {
                 let len = if stage == 0 { full } else { shard };
                 let tier = if offloading { Tier::Host } else { Tier::Device };
                 track(tier, Category::Grads, len * asize);
+                if !offloading {
+                    device("grad home", Category::Grads, len * asize);
+                }
             }
         }
         if swap_grads {
@@ -807,12 +859,17 @@ impl Sim {
         }
         // Buckets: the engine's.
         let (bucket_cap, count) = crate::engine::bucket_plan(cfg, &plan);
-        for _ in 0..count {
+        for k in 0..count {
             track(
                 Tier::Device,
                 Category::CommBuffers,
                 bucket_cap as u64 * csize,
             );
+            named.push(BufferRequest::new(
+                format!("bucket {k}"),
+                Category::CommBuffers,
+                bucket_cap as u64 * csize,
+            ));
         }
         if offloading {
             optimizer_offload(cfg, psize as usize, &state_lens, &mut track);
@@ -829,6 +886,7 @@ impl Sim {
         let mut sim = Sim {
             plan,
             tracker,
+            named,
             psize,
             stage,
             allocs,
@@ -841,6 +899,25 @@ impl Sim {
         };
         if stage == 3 {
             sim.stage3(Stage3Schedule::gather_persistent);
+            // The units kept gathered for the engine's life
+            // (`param_persistence_threshold`).
+            let named: u64 = sim
+                .named
+                .iter()
+                .filter(|b| b.category() == Category::GatheredParams)
+                .map(BufferRequest::bytes)
+                .sum();
+            let kept = sim
+                .tracker
+                .current(Tier::Device, Category::GatheredParams)
+                .saturating_sub(named);
+            if kept > 0 {
+                sim.named.push(BufferRequest::new(
+                    "units kept gathered (param_persistence_threshold)",
+                    Category::GatheredParams,
+                    kept,
+                ));
+            }
         }
         sim
     }

@@ -221,6 +221,50 @@ fn table_orders_device_memory_as_zero_promises() {
     assert!(full.peak(Tier::Device, Category::Activations) > act[0]);
 }
 
+/// The device plan an engine checks against the GPU's free memory before
+/// it allocates: its buffers add up to the estimate's device peak in every
+/// setup (so the named buffers of the build are exactly what the
+/// estimator accounts), and a device too small is an error naming the
+/// rank, the bytes missing and the largest buffers.
+#[test]
+fn the_device_plan_is_the_device_peak_and_names_what_does_not_fit() {
+    let model = Model::from_unit_sizes(&[3000, 50_000, 70_001, 12_345]).unwrap();
+    for setup in Setup::ALL {
+        for (ga, precision) in [
+            (1, Precision::Bf16),
+            (2, Precision::Bf16),
+            (1, Precision::Fp32),
+        ] {
+            let mut cfg = setup.apply(&classic(0, 2));
+            cfg.gradient_accumulation_steps = ga;
+            cfg.precision = precision;
+            cfg.grad_accum_dtype = DType::F32;
+            let e = estimate(&model, &cfg, &Workload::default())
+                .unwrap_or_else(|e| panic!("{}: {e}", setup.label()));
+            let plan = e.device_plan(1).unwrap();
+            let sum: u64 = plan.buffers().iter().map(|b| b.bytes).sum();
+            assert_eq!(
+                sum,
+                e.tier_peak(Tier::Device),
+                "{} ga {ga} {precision:?}: {:?}",
+                setup.label(),
+                plan.buffers()
+                    .iter()
+                    .map(|b| (&b.name, b.bytes))
+                    .collect::<Vec<_>>()
+            );
+        }
+    }
+    let e = estimate(&model, &classic(0, 2), &Workload::default()).unwrap();
+    let plan = e.device_plan(1).unwrap();
+    let need = plan.total_bytes();
+    plan.check_capacity(need).unwrap();
+    let err = plan.check_capacity(need / 2).unwrap_err().to_string();
+    for part in ["rank 1", "missing", "m and v `unit.2`"] {
+        assert!(err.contains(part), "{part:?} not in: {err}");
+    }
+}
+
 #[test]
 fn refused_configs_name_the_key() {
     let m = seven_b();

@@ -29,6 +29,10 @@ impl EngineBackend for zero_core::backend::CudaBackend {
     fn host_adamw(&self, threads: usize) -> CpuAdamW {
         CpuAdamW::new().with_threads(threads)
     }
+
+    fn device_free(&self) -> Result<Option<u64>> {
+        Ok(Some(self.memory_info()?.0))
+    }
 }
 
 /// A backend the engine runs on: host access to its buffers
@@ -42,6 +46,12 @@ pub trait EngineBackend: HostAccess {
     /// The host AdamW of the offloaded optimizer (`offload_optimizer`),
     /// with `threads` threads unless the backend has its own.
     fn host_adamw(&self, threads: usize) -> CpuAdamW;
+
+    /// The device memory free now, in bytes, where the device tier is a
+    /// device of its own (`None` on the CPU backend, whose device tier is
+    /// host memory): `build` checks its memory plan against it before it
+    /// allocates anything.
+    fn device_free(&self) -> Result<Option<u64>>;
 }
 
 impl EngineBackend for CpuBackend {
@@ -56,5 +66,9 @@ impl EngineBackend for CpuBackend {
     /// The backend's own kernels: the device tier is host memory.
     fn host_adamw(&self, _threads: usize) -> CpuAdamW {
         self.adamw_kernels().clone()
+    }
+
+    fn device_free(&self) -> Result<Option<u64>> {
+        Ok(None)
     }
 }

@@ -766,6 +766,22 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             Some(b) => b,
             None => B::for_engine(threads)?,
         };
+        // Before anything is allocated, on every rank: the memory plan
+        // against the device's free memory, an error naming the rank, the
+        // largest buffers and the bytes missing.
+        if let Some(free) = backend.device_free().transpose() {
+            let fits = free.and_then(|free| {
+                let model = crate::estimate::Model::from_units(unit_specs.clone())?;
+                let work = crate::estimate::Workload::default();
+                let plan = crate::estimate::estimate(&model, &cfg, &work)?.device_plan(rank)?;
+                Ok(plan.check_capacity(free)?)
+            });
+            agree_on_setup(
+                &comm,
+                fits,
+                "device memory (the memory plan against the free memory",
+            )?;
+        }
         if let Some(d) = device.filter(|d| d.to_string() != backend.device().to_string()) {
             return Err(Error::Unsupported {
                 what: format!(

@@ -87,6 +87,15 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// The device's free and total memory in bytes (`cuMemGetInfo`).
+    pub fn memory_info(&self) -> Result<(u64, u64)> {
+        self.inner.begin()?;
+        let (free, total) = result::mem_get_info().map_err(cuda_error("cuMemGetInfo"))?;
+        Ok((free as u64, total as u64))
+    }
+}
+
 impl HostAccess for CudaBackend {
     type HostRef<'a, T: Element> = Vec<T>;
     type HostMut<'a, T: Element> = CudaHostMut<'a, T>;
