@@ -527,11 +527,14 @@ impl Estimate {
     /// The device memory of rank `rank` as an arena plan
     /// ([`ArenaPlan`]): every buffer the engine allocates on the device
     /// when it is built, by name, and one more for what a step adds at its
-    /// peak (gathered units, the gradient buffers of the backward pass):
-    /// its total is [`Estimate::tier_peak`] of the device tier (plus
-    /// alignment), and [`ArenaPlan::check_capacity`] says, when it does
-    /// not fit, which buffers are the largest and how many bytes are
-    /// missing. The trainer's activations are not in it.
+    /// peak (gathered units, the gradient buffers of the backward pass).
+    /// Its total is [`Estimate::tier_peak`] of the device tier plus, with
+    /// optimizer offload, the gradient homes (and the `swap_gradients`
+    /// window) that feed the host AdamW: host memory on the CPU backend,
+    /// which this estimate accounts, but device memory on a GPU, where
+    /// they are read through host views. [`ArenaPlan::check_capacity`]
+    /// says, when it does not fit, which buffers are the largest and how
+    /// many bytes are missing. The trainer's activations are not in it.
     pub fn device_plan(&self, rank: usize) -> Result<ArenaPlan> {
         let step = self
             .tier_peak(Tier::Device)
@@ -831,9 +834,9 @@ impl Sim {
                 let len = if stage == 0 { full } else { shard };
                 let tier = if offloading { Tier::Host } else { Tier::Device };
                 track(tier, Category::Grads, len * asize);
-                if !offloading {
-                    device("grad home", Category::Grads, len * asize);
-                }
+                // With optimizer offload on a device backend the home is
+                // device memory too (the host tier on the CPU backend).
+                device("grad home", Category::Grads, len * asize);
             }
         }
         if swap_grads {
@@ -841,6 +844,12 @@ impl Sim {
             // `GradSwap`'s file and pool.
             let largest = plan.units().iter().map(|u| u.shard_len).max().unwrap_or(0);
             track(Tier::Host, Category::Grads, largest.max(1) as u64 * asize);
+            // Device memory on a device backend, as the homes above.
+            named.push(BufferRequest::new(
+                "gradient window",
+                Category::Grads,
+                largest.max(1) as u64 * asize,
+            ));
             let homes = crate::engine::grad_home_bytes(cfg, &plan);
             let regions: Vec<(String, u64)> = homes
                 .iter()

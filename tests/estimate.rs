@@ -230,23 +230,37 @@ fn table_orders_device_memory_as_zero_promises() {
 fn the_device_plan_is_the_device_peak_and_names_what_does_not_fit() {
     let model = Model::from_unit_sizes(&[3000, 50_000, 70_001, 12_345]).unwrap();
     for setup in Setup::ALL {
-        for (ga, precision) in [
-            (1, Precision::Bf16),
-            (2, Precision::Bf16),
-            (1, Precision::Fp32),
-        ] {
+        let variants = [
+            (1, Precision::Bf16, false),
+            (2, Precision::Bf16, false),
+            (1, Precision::Fp32, false),
+            (2, Precision::Bf16, true),
+        ];
+        for (ga, precision, swap) in variants {
             let mut cfg = setup.apply(&classic(0, 2));
             cfg.gradient_accumulation_steps = ga;
             cfg.precision = precision;
             cfg.grad_accum_dtype = DType::F32;
+            if swap {
+                if cfg.zero.offload_optimizer.device != OffloadDevice::Nvme {
+                    continue;
+                }
+                cfg.zero.offload_optimizer.swap_gradients = true;
+            }
             let e = estimate(&model, &cfg, &Workload::default())
                 .unwrap_or_else(|e| panic!("{}: {e}", setup.label()));
             let plan = e.device_plan(1).unwrap();
             let sum: u64 = plan.buffers().iter().map(|b| b.bytes).sum();
+            // With optimizer offload, the gradient homes: host memory here,
+            // device memory on a GPU.
+            let homes = match e.offload_optimizer {
+                OffloadDevice::None => 0,
+                _ => e.peak(Tier::Host, Category::Grads),
+            };
             assert_eq!(
                 sum,
-                e.tier_peak(Tier::Device),
-                "{} ga {ga} {precision:?}: {:?}",
+                e.tier_peak(Tier::Device) + homes,
+                "{} ga {ga} {precision:?} swap {swap}: {:?}",
                 setup.label(),
                 plan.buffers()
                     .iter()

@@ -88,6 +88,80 @@ zero_testkit::test_device!(offload_is_bit_identical_on_every_device, |device| {
     let _ = std::fs::remove_dir_all(&dir);
 });
 
+/// The offloaded optimizer as it runs on a GPU (gradient homes copied down
+/// into host buffers on the device-to-host stream, the host AdamW on
+/// those, the updated parameters copied up on the host-to-device stream),
+/// forced on the CPU backend: on the checked and the chaos backends (the
+/// hazard checker proves every copy's order; chaos runs the streams on
+/// threads) it ends bit-identical to the run without offload, for every
+/// stage, world sizes 1–3, cpu and nvme, and the staging buffers are in
+/// the host tier.
+#[test]
+fn the_staged_offload_of_a_device_is_ordered_and_bit_identical() {
+    use zero::core::backend::{CpuBackend, CpuMode};
+    let dir = tmp_dir("staged");
+    let steps = 4;
+    for world in 1..=3 {
+        for stage in 0..=3u8 {
+            let ga = 2;
+            let base = train(world, &config(world, stage, ga, Precision::Bf16), steps, MB);
+            for device in [OffloadDevice::Cpu, OffloadDevice::Nvme] {
+                for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 3 }] {
+                    let mut c =
+                        offload_config(world, stage, ga, Precision::Bf16, device, 97, 3, &dir);
+                    c.zero.offload_optimizer.pipeline_read = true;
+                    c.zero.offload_optimizer.pipeline_write = true;
+                    let t = ThreadGroup::run(world, |comm| {
+                        train_setup::<bf16, _>(TestDevice::Cpu(mode), comm, &c, steps, MB, |b| {
+                            b.stage_offload_for_tests()
+                        })
+                    })
+                    .expect("ranks ran")
+                    .into_iter()
+                    .next()
+                    .expect("rank 0")
+                    .unwrap_or_else(|e| panic!("{mode:?} {device:?}: {e}"));
+                    let what = format!(
+                        "world {world} stage {stage}: staged offload {device:?} on {mode:?} vs none"
+                    );
+                    assert_same_run(&base, &t, &what);
+                }
+            }
+        }
+    }
+    // The staging is there, in the host tier: a copy of the gradient
+    // homes and of the parameters.
+    let c = offload_config(2, 2, 1, Precision::Bf16, OffloadDevice::Cpu, 97, 3, &dir);
+    let host = |staged: bool| {
+        ThreadGroup::run(2, |comm| -> zero::Result<(u64, u64)> {
+            let mut b =
+                Engine::builder(c.clone(), comm).backend(CpuBackend::new(CpuMode::Checked)?);
+            if staged {
+                b = b.stage_offload_for_tests();
+            }
+            Mlp::register(&mut b, DIMS)?;
+            let e = b.build()?;
+            let t = e.tracker();
+            Ok((
+                t.current(Tier::Host, Category::Grads),
+                t.current(Tier::Host, Category::Params),
+            ))
+        })
+        .expect("ranks ran")
+        .remove(0)
+        .expect("built")
+    };
+    let (plain, staged) = (host(false), host(true));
+    assert_eq!(plain.1, 0);
+    assert_eq!(
+        staged.0,
+        2 * plain.0,
+        "a pinned copy of every gradient home"
+    );
+    assert!(staged.1 > 0, "pinned parameters");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Every stage (0 included), world sizes 1–3, gradient accumulation 2 or 3
 /// with clipping: cpu and nvme optimizer offload end with the parameters,
 /// master, m and v of the run without offload, bit for bit, whatever the

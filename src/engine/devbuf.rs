@@ -240,6 +240,60 @@ impl<B: HostAccess> DevBuf<B> {
     }
 }
 
+/// A host buffer of the backend ([`Backend::HostBuffer`]: pinned on a GPU)
+/// of f32, bf16 or f16: the staging of the offloaded optimizer on a
+/// device backend.
+pub(crate) enum DynHost<B: HostAccess> {
+    F32(B::HostBuffer<f32>),
+    Bf16(B::HostBuffer<bf16>),
+    F16(B::HostBuffer<f16>),
+}
+
+impl<B: HostAccess> DynHost<B> {
+    /// A zeroed host buffer of `len` elements of `dtype`.
+    pub(crate) fn alloc(backend: &B, dtype: DType, len: usize, label: &str) -> Result<Self> {
+        Ok(match dtype {
+            DType::F32 => DynHost::F32(backend.alloc_host(len, label)?),
+            DType::BF16 => DynHost::Bf16(backend.alloc_host(len, label)?),
+            DType::F16 => DynHost::F16(backend.alloc_host(len, label)?),
+        })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            DynHost::F32(b) => b.len(),
+            DynHost::Bf16(b) => b.len(),
+            DynHost::F16(b) => b.len(),
+        }
+    }
+
+    pub(crate) fn bytes(&self) -> u64 {
+        let size = match self {
+            DynHost::F32(_) => 4,
+            DynHost::Bf16(_) | DynHost::F16(_) => 2,
+        };
+        (self.len() * size) as u64
+    }
+
+    /// The typed buffer, if the dtype is `T`'s.
+    pub(crate) fn typed<T: Element>(&self) -> Option<&B::HostBuffer<T>> {
+        match self {
+            DynHost::F32(b) => (b as &dyn Any).downcast_ref(),
+            DynHost::Bf16(b) => (b as &dyn Any).downcast_ref(),
+            DynHost::F16(b) => (b as &dyn Any).downcast_ref(),
+        }
+    }
+
+    /// The typed buffer, if the dtype is `T`'s.
+    pub(crate) fn typed_mut<T: Element>(&mut self) -> Option<&mut B::HostBuffer<T>> {
+        match self {
+            DynHost::F32(b) => (b as &mut dyn Any).downcast_mut(),
+            DynHost::Bf16(b) => (b as &mut dyn Any).downcast_mut(),
+            DynHost::F16(b) => (b as &mut dyn Any).downcast_mut(),
+        }
+    }
+}
+
 /// A buffer lent to the trainer ([`HostAccess::lend`]).
 pub(crate) enum DynLoan<B: HostAccess> {
     F32(B::Loan<f32>),

@@ -120,6 +120,7 @@ mod offload;
 mod optimizer;
 mod param_offload;
 mod reducer;
+mod staging;
 mod stats;
 
 use std::cell::RefCell;
@@ -171,6 +172,7 @@ pub use reducer::SkipWait;
 #[cfg(not(feature = "testing"))]
 use reducer::SkipWait;
 use reducer::{GradReducer, GradState};
+use staging::OffloadStage;
 pub use stats::{EngineStats, SwapTraffic};
 
 /// A registered unit of one engine.
@@ -254,6 +256,10 @@ pub struct EngineBuilder<C: Communicator, B: EngineBackend = CpuBackend> {
     /// and parameters completely, so the build leaves their pages to be
     /// faulted in by the load instead of pre-faulting them.
     pub(crate) for_load: bool,
+    /// Test-only: the offloaded optimizer stages its gradients and
+    /// parameters through host buffers on the copy streams, as on a GPU,
+    /// also on the CPU backend.
+    stage_offload: bool,
 }
 
 /// Where a unit's own parameters are (stages 0–2: the full padded unit;
@@ -398,6 +404,9 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     /// The error of a rescued step, returned by `step()` once the step is
     /// finished (parameter all-gather included).
     rescued_error: Option<Error>,
+    /// The offloaded optimizer's pinned staging on a device backend (see
+    /// [`staging`]).
+    offload_stage: Option<OffloadStage<B>>,
     /// Stage 3 parameter offload (`offload_param.device` cpu or nvme): the
     /// home of every unit's shard.
     poff: Option<ParamOffload>,
@@ -438,6 +447,7 @@ impl<C: Communicator> Engine<C, CpuBackend> {
             skip_wait: None,
             groups: Vec::new(),
             for_load: false,
+            stage_offload: false,
             device_budget: None,
             save_frozen: false,
         }
@@ -570,6 +580,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             device_budget,
             save_frozen,
             for_load,
+            stage_offload,
             backend: _,
         } = self;
         EngineBuilder {
@@ -590,6 +601,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             device_budget,
             save_frozen,
             for_load,
+            stage_offload,
             backend,
         }
     }
@@ -601,6 +613,18 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
     #[doc(hidden)]
     pub fn skip_wait_for_tests(mut self, which: SkipWait) -> Self {
         self.skip_wait = Some(which);
+        self
+    }
+
+    /// Test-only (feature `testing`): the offloaded optimizer (without
+    /// parameter offload or `swap_gradients`) stages its gradients and
+    /// parameters through host buffers on the copy streams, as it does on
+    /// a GPU, also on the CPU backend, so that the hazard checker proves
+    /// that path's order.
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
+    pub fn stage_offload_for_tests(mut self) -> Self {
+        self.stage_offload = true;
         self
     }
 
@@ -717,6 +741,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             for_load,
             device_budget,
             save_frozen,
+            stage_offload,
         } = self;
         let rank = comm.rank();
         let world = comm.world_size();
@@ -937,7 +962,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             &plan,
             &comm,
             &tracker,
-            backend.clone(),
+            (backend.clone(), backend.device_free()?.is_none()),
             skip_wait,
             gswap,
         )?;
@@ -1065,6 +1090,27 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         }
         let s3 = ParamGatherer::new(&cfg, &plan, frozen);
         let adam = backend.host_adamw(threads);
+        // The offloaded optimizer on a device: pinned copies of the
+        // gradient homes and of the parameters (parameter offload and
+        // swap_gradients keep theirs in host memory already).
+        let offload_stage = match reducer.home_dtype() {
+            Some(adt)
+                if offloading
+                    && !param_offloading
+                    && !cfg.zero.offload_optimizer.swap_gradients
+                    && (stage_offload || backend.device_free()?.is_some()) =>
+            {
+                let homes: Vec<_> = (0..units.len())
+                    .map(|i| (adt, reducer.home_len(i)))
+                    .collect();
+                let params: Vec<_> = units
+                    .iter()
+                    .map(|u| (pdt, u.home().map_or(0, |p| p.len())))
+                    .collect();
+                Some(OffloadStage::new(&backend, &tracker, &homes, &params)?)
+            }
+            _ => None,
+        };
         let opt = OptimizerShard::new(
             stage,
             rank,
@@ -1111,6 +1157,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             health: Health::Ok,
             opt,
             rescued_error: None,
+            offload_stage,
             poff,
             tracer,
             cfg,
@@ -2453,26 +2500,45 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         // parameters stay in the staging buffer and are written back to
         // their home below.
         let param_home = self.poff.is_some();
-        let mut views = Vec::with_capacity(self.units.len());
-        if !param_home {
-            for u in self.units.iter_mut() {
-                views.push(
-                    u.params_mut()
-                        .host_typed_mut::<P>(&self.backend)?
-                        .expect("the parameter dtype"),
-                );
-            }
+        // The gradients and the parameters the host AdamW reads and writes:
+        // pinned copies on a device backend (staged), else host views of
+        // the homes and of the units' parameters (the memory itself on the
+        // CPU backend).
+        if let Some(stage) = self.offload_stage.as_mut() {
+            stage.grads_down::<G>(&self.backend, &self.reducer)?;
         }
-        let mut params: Vec<&mut [P]> = views.iter_mut().map(|v| &mut v[..]).collect();
-        let r = self
-            .opt
-            .step_offloaded::<G, P>(k, &self.reducer, &mut params);
+        let mut grad_views = Vec::new();
+        let mut views = Vec::new();
+        let (homes, mut params): (Vec<&[G]>, Vec<&mut [P]>) = match self.offload_stage.as_mut() {
+            Some(stage) => stage.host_views::<G, P>(&self.backend)?,
+            None => {
+                for i in 0..self.units.len() {
+                    grad_views.push(self.reducer.home_slice::<G>(i)?);
+                }
+                if !param_home {
+                    for u in self.units.iter_mut() {
+                        views.push(
+                            u.params_mut()
+                                .host_typed_mut::<P>(&self.backend)?
+                                .expect("the parameter dtype"),
+                        );
+                    }
+                }
+                (
+                    grad_views.iter().map(|v| &v[..]).collect(),
+                    views.iter_mut().map(|v| &mut v[..]).collect(),
+                )
+            }
+        };
+        let r = self.opt.step_offloaded::<G, P>(k, &homes, &mut params);
         let Some(off) = self.opt.offload_mut() else {
             return Ok(());
         };
         if !off.is_nvme() {
-            drop(params);
+            drop((homes, params));
+            drop(grad_views);
             commit_all(&self.backend, views)?;
+            self.params_up::<P>()?;
             r?;
             return self.param_write_back::<P>();
         }
@@ -2518,10 +2584,32 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             self.rescued_error = Some(e);
         }
         let committed = off.commit(&mut params);
-        drop(params);
+        drop((homes, params));
+        drop(grad_views);
         commit_all(&self.backend, views)?;
+        self.params_up::<P>()?;
         committed?;
         self.param_write_back::<P>()
+    }
+
+    /// With the offloaded optimizer staged: the updated range of every
+    /// unit's parameters up to the device (see [`staging`]).
+    fn params_up<P: Element>(&mut self) -> Result<()> {
+        let Engine {
+            units,
+            backend,
+            opt,
+            offload_stage,
+            ..
+        } = self;
+        let (Some(stage), Some(off)) = (offload_stage.as_ref(), opt.offload()) else {
+            return Ok(());
+        };
+        let dsts = units
+            .iter_mut()
+            .enumerate()
+            .map(|(i, u)| (u.params_mut(), off.param_range(i)));
+        stage.params_up::<P>(backend, dsts)
     }
 
     /// `swap_gradients`: AdamW unit by unit over the swapped gradients (see

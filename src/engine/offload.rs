@@ -488,6 +488,11 @@ impl Offload {
         }
     }
 
+    /// The elements of unit `unit`'s parameter buffer the step writes.
+    pub(crate) fn param_range(&self, unit: usize) -> Range<usize> {
+        self.units[unit].params.clone()
+    }
+
     /// One AdamW step over every tile. `grads[i]` is unit `i`'s accumulated
     /// gradient (its state range), `params[i]` its parameter buffer.
     /// With `cpu` the updated parameters are copied out as the pipeline

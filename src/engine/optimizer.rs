@@ -379,25 +379,21 @@ impl<B: HostAccess> OptimizerShard<B> {
     }
 
     /// With optimizer offload: AdamW on the offloaded state, tile by tile
-    /// (see [`Offload::step`]), reading each unit's gradient home and
-    /// writing `params` (empty with parameter offload: the updated
-    /// parameters stay staged).
+    /// (see [`Offload::step`]), reading each unit's gradient home `homes`
+    /// (host memory) and writing `params` (empty with parameter offload:
+    /// the updated parameters stay staged).
     pub(crate) fn step_offloaded<G: Element, P: Element>(
         &mut self,
         ks: &[AdamWStep],
-        grads: &GradReducer<B>,
+        homes: &[&[G]],
         params: &mut [&mut [P]],
     ) -> Result<()> {
-        let views = (0..self.ranges.len())
-            .map(|i| grads.home_slice::<G>(i))
-            .collect::<Result<Vec<_>>>()?;
-        let homes: Vec<&[G]> = views.iter().map(|v| &v[..]).collect();
         let gs = GroupedStep {
             ks,
             map: &self.groups,
             bases: &self.bases,
         };
         let off = self.offload.as_mut().expect("optimizer offload");
-        off.step(&self.adam, &gs, &homes, params)
+        off.step(&self.adam, &gs, homes, params)
     }
 }

@@ -302,13 +302,15 @@ pub(crate) fn buckets(cfg: &ResolvedConfig, plan: &PartitionPlan) -> (usize, usi
 impl<B: HostAccess> GradReducer<B> {
     /// Allocates every gradient home and the bucket buffers of the memory
     /// plan on `backend` (from `comm`'s allocator, prefaulted: the step
-    /// takes no page faults).
+    /// takes no page faults). `device_is_host`: the backend's buffers are
+    /// host memory (the CPU backend), so the gradient homes that feed the
+    /// offloaded optimizer are accounted in the host tier.
     pub(crate) fn new<C: EngineComm<B>>(
         cfg: &ResolvedConfig,
         plan: &PartitionPlan,
         comm: &C,
         tracker: &MemoryTracker,
-        backend: B,
+        (backend, device_is_host): (B, bool),
         skip: Option<SkipWait>,
         gswap: Option<GradSwap>,
     ) -> Result<Self> {
@@ -342,9 +344,14 @@ impl<B: HostAccess> GradReducer<B> {
                 let label = format!("grad home `{}`", layout.name);
                 let mut a = DevBuf::alloc(&backend, comm, adt, len, &label)?;
                 a.prefault(&backend)?;
-                // With optimizer offload the gradient shard feeding AdamW
-                // is host memory (device→host as buckets complete).
-                let tier = if offloading { Tier::Host } else { Tier::Device };
+                // With optimizer offload on the CPU backend the gradient
+                // shard feeding AdamW is host memory; on a device it is
+                // device memory, read through host views at the step.
+                let tier = if offloading && device_is_host {
+                    Tier::Host
+                } else {
+                    Tier::Device
+                };
                 allocs.push(tracker.allocate(tier, Category::Grads, a.bytes()));
                 Some(a)
             });
@@ -355,7 +362,12 @@ impl<B: HostAccess> GradReducer<B> {
                 let len = plan.units().iter().map(|l| l.shard_len).max().unwrap_or(0);
                 let mut w = DevBuf::alloc(&backend, comm, adt, len.max(1), "gradient window")?;
                 w.prefault(&backend)?;
-                allocs.push(tracker.allocate(Tier::Host, Category::Grads, w.bytes()));
+                let tier = if device_is_host {
+                    Tier::Host
+                } else {
+                    Tier::Device
+                };
+                allocs.push(tracker.allocate(tier, Category::Grads, w.bytes()));
                 Some(w)
             }
             None => None,
@@ -447,6 +459,11 @@ impl<B: HostAccess> GradReducer<B> {
 
     /// The gradient home of unit `i`: the separate accumulation buffer, or
     /// the persistent one.
+    /// The length of unit `i`'s gradient home.
+    pub(crate) fn home_len(&self, i: usize) -> usize {
+        self.home(i).len()
+    }
+
     fn home(&self, i: usize) -> &DevBuf<B> {
         self.acc[i]
             .as_ref()
