@@ -37,9 +37,9 @@ impl EngineBackend for zero_core::backend::CudaBackend {
 
 /// A backend the engine runs on: host access to its buffers
 /// ([`HostAccess`]), and the backend the engine makes for itself when
-/// [`EngineBuilder::backend`] gave none.
+/// [`EngineBuilder::backend`](super::EngineBuilder::backend) gave none.
 pub trait EngineBackend: HostAccess {
-    /// The backend of an engine built without [`EngineBuilder::backend`],
+    /// The backend of an engine built without [`EngineBuilder::backend`](super::EngineBuilder::backend),
     /// whose optimizer kernels use `threads` host threads.
     fn for_engine(threads: usize) -> Result<Self>;
 

@@ -469,7 +469,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
     }
 
     /// Threads for the optimizer step and the gradient-norm pass (the CPU
-    /// kernels of [`CpuAdamW`]). Default: this machine's cores divided by
+    /// kernels of [`CpuAdamW`](zero_core::optim::CpuAdamW)). Default: this machine's cores divided by
     /// the ranks running on it ([`Communicator::ranks_on_host`]), at least
     /// one, so that ranks sharing a machine do not oversubscribe its cores.
     /// It configures the default backend's kernels: with
