@@ -81,10 +81,8 @@
 //! default, 2 in bf16).
 
 use std::collections::BTreeMap;
-use std::fs::OpenOptions;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 use zero::comm::{Communicator, ReduceOp, ThreadComm, ThreadGroup};
@@ -93,10 +91,15 @@ use zero::core::memory::Tier;
 use zero::core::{bf16, HostBuffer};
 use zero::engine::SwapTraffic;
 use zero::estimate::{estimate, format_bytes, LlamaDims, Model, Workload};
-use zero::offload::AlignedBuf;
 use zero::trace::{write_chrome_trace, Event};
 use zero::{Engine, EngineStats, Tracer};
 use zero_llama as llama;
+
+// (The offload bench uses the rest of it.)
+#[allow(dead_code)]
+#[path = "common/raw_io.rs"]
+mod raw_io;
+use raw_io::RawFile;
 
 use llama::data;
 use llama::train::SftModel;
@@ -659,95 +662,28 @@ fn splits(events: &[Event]) -> Vec<Split> {
 // The raw baseline
 
 /// The best raw `O_DIRECT` write and read of a file of `bytes` under
-/// `dir`, in bytes per second: 1, 2 and 4 threads × 1, 4 and 16 MiB
-/// requests, each thread with its own scratch buffer, after one untimed
-/// write of the whole file (as the swap files are written before they
-/// are read). Also every pass, for the report.
+/// `dir`, in bytes per second (the shared grid of `common/raw_io.rs`:
+/// 1, 2 and 4 threads × 1, 4 and 16 MiB requests, each thread with its
+/// own scratch buffer, after one untimed write of the whole file, as the
+/// swap files are written before they are read). Also every pass, for the
+/// report.
 fn raw_baseline(dir: &Path, bytes: u64) -> ((f64, f64), Vec<String>) {
-    const BLOCKS: [usize; 3] = [1 << 20, 4 << 20, 16 << 20];
-    const JOBS: [usize; 3] = [1, 2, 4];
-    let bytes = bytes.div_ceil(16 * MIB) * 16 * MIB;
-    let free = zero::offload::free_space(dir)
-        .unwrap_or_else(|e| fail(&format!("the raw baseline: {e}")))
-        .available;
-    if free < bytes {
-        fail(&format!(
-            "the raw baseline needs {} under {}, {} are free (lower --raw-bytes)",
-            format_bytes(bytes),
-            dir.display(),
-            format_bytes(free)
-        ));
-    }
-    let path = dir.join(format!("zero-infinity-raw-{}.bin", std::process::id()));
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(&path)
-        .unwrap_or_else(|e| fail(&format!("{}: {e} (O_DIRECT)", path.display())));
-    struct Remove(PathBuf);
-    impl Drop for Remove {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-    let _remove = Remove(path.clone());
-    // SAFETY: the descriptor is open and owned by `file` for the call.
-    let rc =
-        unsafe { libc::posix_fallocate(std::os::fd::AsRawFd::as_raw_fd(&file), 0, bytes as i64) };
-    if rc != 0 {
-        fail(&format!(
-            "{}: posix_fallocate of {} failed: {}",
-            path.display(),
-            format_bytes(bytes),
-            std::io::Error::from_raw_os_error(rc)
-        ));
-    }
-    let pass = |write: bool, jobs: usize, block: usize| -> f64 {
-        let blocks = bytes as usize / block;
-        let t = Instant::now();
-        std::thread::scope(|sc| {
-            for j in 0..jobs {
-                let file = &file;
-                let path = &path;
-                sc.spawn(move || {
-                    let mut buf = AlignedBuf::new(block)
-                        .unwrap_or_else(|e| fail(&format!("a raw buffer: {e}")));
-                    buf.iter_mut()
-                        .enumerate()
-                        .for_each(|(i, x)| *x = (i % 251) as u8);
-                    for k in (j..blocks).step_by(jobs) {
-                        let at = (k * block) as u64;
-                        let r = if write {
-                            file.write_all_at(&buf, at)
-                        } else {
-                            file.read_exact_at(&mut buf, at)
-                        };
-                        r.unwrap_or_else(|e| {
-                            fail(&format!("raw I/O on {} at {at}: {e}", path.display()))
-                        });
-                    }
-                });
-            }
-        });
-        (blocks * block) as f64 / t.elapsed().as_secs_f64()
-    };
-    pass(true, 1, 16 << 20);
+    let raw = RawFile::create(dir, bytes as usize, MIB as usize, false);
+    let grid = raw.grid();
+    let times = raw.grid_times(1);
+    let speed = |d: Duration| bytes as f64 / d.as_secs_f64();
     let (mut best_w, mut best_r, mut lines) = (0f64, 0f64, Vec::new());
-    for &jobs in &JOBS {
-        for &block in &BLOCKS {
-            let (w, r) = (pass(true, jobs, block), pass(false, jobs, block));
-            lines.push(format!(
-                "  {jobs} thread(s) × {:>2} MiB: write {:.2} GB/s, read {:.2} GB/s",
-                block as u64 / MIB,
-                w / 1e9,
-                r / 1e9
-            ));
-            best_w = best_w.max(w);
-            best_r = best_r.max(r);
-        }
+    for (p, t) in grid.iter().zip(&times) {
+        let (w, r) = (speed(t[0].0), speed(t[0].1));
+        lines.push(format!(
+            "  {} thread(s) × {:>2} MiB: write {:.2} GB/s, read {:.2} GB/s",
+            p.jobs,
+            p.block as u64 / MIB,
+            w / 1e9,
+            r / 1e9
+        ));
+        best_w = best_w.max(w);
+        best_r = best_r.max(r);
     }
     ((best_w, best_r), lines)
 }

@@ -69,9 +69,7 @@
 //! --stage S --steps K --pipeline MODE --trace FILE --no-step]`
 
 use std::collections::VecDeque;
-use std::fs::OpenOptions;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use zero::comm::{Communicator, ThreadGroup};
@@ -81,6 +79,10 @@ use zero::core::partition::{TensorSpec, UnitSpec};
 use zero::offload::{AlignedBuf, IoTicket, RegionId, RegionSpec, SwapFile, SwapOptions};
 use zero::trace::{write_chrome_trace, Event};
 use zero::{Engine, Init, Tracer};
+
+#[path = "common/raw_io.rs"]
+mod raw_io;
+use raw_io::{fastest_of, RawFile, RawPass};
 
 struct Args {
     dir: PathBuf,
@@ -312,187 +314,6 @@ fn pass(s: &Swap, free: &mut Vec<Bufs>, read: bool, write: bool) -> Duration {
     t0.elapsed()
 }
 
-/// Queue depths of the raw baseline: `jobs` threads, each with one
-/// request in flight (fio's `numjobs` at `iodepth=1`, as `psync` runs).
-const RAW_JOBS: [usize; 3] = [1, 2, 4];
-
-/// Request sizes of the raw baseline besides the swap's own block size
-/// (on these VMs' virtual disks 4 MiB requests ran 2-3x faster than 1 MiB
-/// ones at any depth).
-const RAW_BLOCKS: [usize; 2] = [4 << 20, 16 << 20];
-
-/// One raw pass: `jobs` threads of `block`-byte requests, to and from one
-/// scratch buffer per thread (`whole` false, as fio does) or the blocks of
-/// one buffer of the file's size (`whole`, as the state's own memory is).
-/// On these VMs either may be the faster: both are tried.
-#[derive(Clone, Copy, Debug)]
-struct RawPass {
-    jobs: usize,
-    block: usize,
-    whole: bool,
-}
-
-/// The raw baseline's file: preallocated, `O_DIRECT`, written once in
-/// full (untimed) when created, as the swap file is, and then overwritten
-/// and read by every timed pass (no unwritten-extent conversion, the same
-/// blocks from run to run). Removed when dropped.
-struct RawFile {
-    file: std::fs::File,
-    path: PathBuf,
-    /// The file's size: the state's bytes rounded up to the largest block.
-    bytes: usize,
-    /// The state's bytes: times are scaled to them.
-    state: usize,
-    /// Request sizes tried (the swap's block size first).
-    blocks: Vec<usize>,
-    /// Memory of the file's size, for the passes to and from it.
-    mem: std::sync::Mutex<AlignedBuf>,
-}
-
-impl RawFile {
-    fn create(dir: &Path, state: usize, block: usize) -> RawFile {
-        let mut blocks = vec![block];
-        blocks.extend(RAW_BLOCKS.iter().filter(|&&b| b != block));
-        let largest = blocks.iter().copied().max().unwrap_or(block);
-        let bytes = state.div_ceil(largest) * largest;
-        let path = dir.join(format!("zero-raw-bench-{}.bin", std::process::id()));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(&path)
-            .unwrap_or_else(|e| fail(&format!("{}: {e} (O_DIRECT)", path.display())));
-        // SAFETY: the fd is open and owned by `file` for the call.
-        let rc = unsafe {
-            libc::posix_fallocate(std::os::fd::AsRawFd::as_raw_fd(&file), 0, bytes as i64)
-        };
-        if rc != 0 {
-            fail(&format!(
-                "{}: posix_fallocate failed ({rc})",
-                path.display()
-            ));
-        }
-        let mut mem = AlignedBuf::new(bytes).unwrap_or_else(|e| fail(&e.to_string()));
-        mem.iter_mut()
-            .enumerate()
-            .for_each(|(i, b)| *b = (i % 251) as u8);
-        let raw = RawFile {
-            file,
-            path,
-            bytes,
-            state,
-            blocks,
-            mem: std::sync::Mutex::new(mem),
-        };
-        raw.pass(
-            true,
-            RawPass {
-                jobs: 1,
-                block: largest,
-                whole: true,
-            },
-        );
-        raw
-    }
-
-    /// One write or read of the whole file in `block` requests by `jobs`
-    /// threads, block `i` by thread `i % jobs` (the disk sees the file in
-    /// order with `jobs` requests in flight); the time scaled to the
-    /// state's bytes.
-    fn pass(&self, write: bool, p: RawPass) -> Duration {
-        let RawPass { jobs, block, whole } = p;
-        let blocks = self.bytes / block;
-        let mut mem = self.mem.lock().unwrap_or_else(|e| e.into_inner());
-        let mut parts: Vec<Vec<&mut [u8]>> = (0..jobs).map(|_| Vec::new()).collect();
-        for (i, c) in mem.chunks_mut(block).take(blocks).enumerate() {
-            parts[i % jobs].push(c);
-        }
-        let t = Instant::now();
-        std::thread::scope(|sc| {
-            for (j, mine) in parts.into_iter().enumerate() {
-                sc.spawn(move || {
-                    let mut scratch = (!whole).then(|| {
-                        let mut b = AlignedBuf::new(block).unwrap_or_else(|e| fail(&e.to_string()));
-                        b.iter_mut().enumerate().for_each(|(i, x)| *x = i as u8);
-                        b
-                    });
-                    for (k, part) in mine.into_iter().enumerate() {
-                        let at = ((j + k * jobs) * block) as u64;
-                        let data: &mut [u8] = match scratch.as_mut() {
-                            Some(b) => b,
-                            None => part,
-                        };
-                        let r = if write {
-                            self.file.write_all_at(data, at)
-                        } else {
-                            self.file.read_exact_at(data, at)
-                        };
-                        r.unwrap_or_else(|e| fail(&format!("raw I/O at {at}: {e}")));
-                    }
-                });
-            }
-        });
-        // Scaled to the state's bytes from those moved (a block size that
-        // does not divide the file leaves its tail out).
-        t.elapsed()
-            .mul_f64(self.state as f64 / (blocks * block) as f64)
-    }
-
-    /// The passes tried, in the order of [`best`](Self::best)'s times.
-    fn grid(&self) -> Vec<RawPass> {
-        let mut grid = Vec::new();
-        for whole in [false, true] {
-            for &block in &self.blocks {
-                for &jobs in &RAW_JOBS {
-                    grid.push(RawPass { jobs, block, whole });
-                }
-            }
-        }
-        grid
-    }
-
-    /// The grid run `reps` times: per pass of [`grid`](Self::grid), its
-    /// (write, read) times, one per repetition.
-    fn grid_times(&self, reps: usize) -> Vec<Vec<(Duration, Duration)>> {
-        let grid = self.grid();
-        let mut times = vec![Vec::with_capacity(reps); grid.len()];
-        for _ in 0..reps {
-            for (p, t) in grid.iter().zip(&mut times) {
-                t.push((self.pass(true, *p), self.pass(false, *p)));
-            }
-        }
-        times
-    }
-
-    /// The fastest pass of each direction over the grid run `reps` times,
-    /// by its median (the disk's best, as fio would find it, measured as
-    /// often as the swap path is): (write pass, read pass).
-    fn fastest(&self, reps: usize) -> (RawPass, RawPass) {
-        let times = self.grid_times(reps);
-        fastest_of(&self.grid(), &times)
-    }
-}
-
-/// The passes of `grid` with the least median write and read time in
-/// `times` (per pass, its (write, read) times).
-fn fastest_of(grid: &[RawPass], times: &[Vec<(Duration, Duration)>]) -> (RawPass, RawPass) {
-    let pick = |dir: fn(&(Duration, Duration)) -> Duration| {
-        grid.iter()
-            .zip(times)
-            .min_by_key(|(_, t)| median(t.iter().map(dir).collect()))
-            .map_or(grid[0], |(p, _)| *p)
-    };
-    (pick(|t| t.0), pick(|t| t.1))
-}
-
-impl Drop for RawFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
@@ -517,7 +338,7 @@ fn main() {
     let mut free = buffers(&s, a.buffers);
     // The state's first write, untimed: the file then holds every block.
     pass(&s, &mut free, false, true);
-    let raw = RawFile::create(&a.dir, bytes, a.block);
+    let raw = RawFile::create(&a.dir, bytes, a.block, true);
     let grid = raw.grid();
     // The grid, `--reps` times: the fastest pass of each direction.
     let times = raw.grid_times(a.reps);
@@ -851,7 +672,7 @@ fn step_overhead(a: &Args) {
         serial_opt.push(z.opt);
         io.push(t);
     }
-    let raw = RawFile::create(&a.dir, bytes, a.block);
+    let raw = RawFile::create(&a.dir, bytes, a.block, true);
     let (best_w, best_r) = raw.fastest(a.reps);
     let disk = raw.pass(true, best_w) + raw.pass(false, best_r);
     println!(

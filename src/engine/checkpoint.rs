@@ -335,7 +335,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// (reading the state into it).
     pub fn load_checkpoint(builder: EngineBuilder<C>, path: &Path) -> Result<(Engine<C>, Value)> {
         let read = read_manifest(path).and_then(|(dir, m)| {
-            let registered: Vec<&UnitSpec> = builder.specs.iter().map(|(s, _)| s).collect();
+            let registered: Vec<&UnitSpec> = builder.s.specs.iter().map(|(s, _)| s).collect();
             let plan = check_units(&dir.join(MANIFEST_FILE), &m, &registered)?;
             check_files(&dir, &m, &plan)?;
             Ok((dir, m, plan))
@@ -351,15 +351,15 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         // values. Frozen tensors are not in the checkpoint: they keep the
         // values the trainer registered.
         let mut builder = builder;
-        for (spec, inits) in &mut builder.specs {
+        for (spec, inits) in &mut builder.s.specs {
             for (t, init) in spec.tensors.iter().zip(inits.iter_mut()) {
                 if t.trainable {
                     *init = Init::Zeros;
                 }
             }
         }
-        builder.for_load = true;
-        let (tracer, rank) = (builder.tracer.clone(), builder.comm.rank());
+        builder.s.for_load = true;
+        let (tracer, rank) = (builder.s.tracer.clone(), builder.comm.rank());
         let t0 = Instant::now();
         let built = builder.build();
         tracer.record(rank, "checkpoint build", "checkpoint", t0, Instant::now());

@@ -227,8 +227,17 @@ pub struct UnitState {
 
 /// Builds an [`Engine`]: register every unit, then [`EngineBuilder::build`].
 pub struct EngineBuilder<C: Communicator, B: EngineBackend = CpuBackend> {
-    cfg: ResolvedConfig,
     comm: C,
+    /// The device backend every buffer lives on (`None`: the one
+    /// [`EngineBackend::for_engine`] makes).
+    backend: Option<B>,
+    /// Everything else (the same whatever the communicator and backend).
+    s: Settings,
+}
+
+/// What an [`EngineBuilder`] collects besides its communicator and backend.
+struct Settings {
+    cfg: ResolvedConfig,
     /// The device asked for (`None`: the backend's).
     device: Option<Device>,
     seed: u64,
@@ -240,9 +249,6 @@ pub struct EngineBuilder<C: Communicator, B: EngineBackend = CpuBackend> {
     grad_swap_faults: Option<FaultPlan>,
     tracer: Tracer,
     keep_last: usize,
-    /// The device backend of the gradient path (`None`: an inline CPU
-    /// backend).
-    backend: Option<B>,
     /// Test-only: a wait of the gradient path left out.
     skip_wait: Option<SkipWait>,
     /// Parameter groups, in the order added, with their predicates.
@@ -431,25 +437,27 @@ impl<C: Communicator> Engine<C, CpuBackend> {
     /// gives it another.
     pub fn builder(cfg: ResolvedConfig, comm: C) -> EngineBuilder<C> {
         EngineBuilder {
-            cfg,
             comm,
-            device: None,
-            seed: 0,
-            specs: Vec::new(),
-            id: NEXT_ENGINE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            optimizer_threads: None,
-            swap_faults: None,
-            param_swap_faults: None,
-            grad_swap_faults: None,
-            tracer: Tracer::disabled(),
-            keep_last: 0,
             backend: None,
-            skip_wait: None,
-            groups: Vec::new(),
-            for_load: false,
-            stage_offload: false,
-            device_budget: None,
-            save_frozen: false,
+            s: Settings {
+                cfg,
+                device: None,
+                seed: 0,
+                specs: Vec::new(),
+                id: NEXT_ENGINE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                optimizer_threads: None,
+                swap_faults: None,
+                param_swap_faults: None,
+                grad_swap_faults: None,
+                tracer: Tracer::disabled(),
+                keep_last: 0,
+                skip_wait: None,
+                groups: Vec::new(),
+                for_load: false,
+                stage_offload: false,
+                device_budget: None,
+                save_frozen: false,
+            },
         }
     }
 }
@@ -458,13 +466,13 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
     /// The device for parameters, gradients and optimizer state: `build`
     /// refuses a backend on another device (default: the backend's).
     pub fn device(mut self, device: Device) -> Self {
-        self.device = Some(device);
+        self.s.device = Some(device);
         self
     }
 
     /// The seed of the deterministic initialisers (default 0).
     pub fn seed(mut self, seed: u64) -> Self {
-        self.seed = seed;
+        self.s.seed = seed;
         self
     }
 
@@ -476,7 +484,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
     /// [`EngineBuilder::backend`] set the threads there instead
     /// ([`CpuBackend::with_adamw`]; `build` refuses both).
     pub fn optimizer_threads(mut self, threads: usize) -> Self {
-        self.optimizer_threads = Some(threads.max(1));
+        self.s.optimizer_threads = Some(threads.max(1));
         self
     }
 
@@ -486,7 +494,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
     /// for production use. Ignored without nvme offload.
     #[cfg(feature = "testing")]
     pub fn swap_faults(mut self, faults: FaultPlan) -> Self {
-        self.swap_faults = Some(faults);
+        self.s.swap_faults = Some(faults);
         self
     }
 
@@ -497,7 +505,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
     /// production use. Ignored without nvme parameter offload.
     #[cfg(feature = "testing")]
     pub fn param_swap_faults(mut self, faults: FaultPlan) -> Self {
-        self.param_swap_faults = Some(faults);
+        self.s.param_swap_faults = Some(faults);
         self
     }
 
@@ -507,7 +515,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
     /// for production use. Ignored without the gradient swap.
     #[cfg(feature = "testing")]
     pub fn grad_swap_faults(mut self, faults: FaultPlan) -> Self {
-        self.grad_swap_faults = Some(faults);
+        self.s.grad_swap_faults = Some(faults);
         self
     }
 
@@ -517,7 +525,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
     /// [`crate::trace`]. With the threads backend every rank may get a
     /// clone of one tracer.
     pub fn tracer(mut self, tracer: Tracer) -> Self {
-        self.tracer = tracer;
+        self.s.tracer = tracer;
         self
     }
 
@@ -525,7 +533,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
     /// root: after a save, the oldest `step*` directories beyond the
     /// newest `n` are deleted. Default 0: keep all.
     pub fn keep_last_checkpoints(mut self, n: usize) -> Self {
-        self.keep_last = n;
+        self.s.keep_last = n;
         self
     }
 
@@ -562,47 +570,10 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         f: impl FnOnce(C) -> C2,
         backend: Option<B2>,
     ) -> EngineBuilder<C2, B2> {
-        let EngineBuilder {
-            comm,
-            cfg,
-            device,
-            seed,
-            specs,
-            id,
-            optimizer_threads,
-            swap_faults,
-            param_swap_faults,
-            grad_swap_faults,
-            tracer,
-            keep_last,
-            skip_wait,
-            groups,
-            device_budget,
-            save_frozen,
-            for_load,
-            stage_offload,
-            backend: _,
-        } = self;
         EngineBuilder {
-            comm: f(comm),
-            cfg,
-            device,
-            seed,
-            specs,
-            id,
-            optimizer_threads,
-            swap_faults,
-            param_swap_faults,
-            grad_swap_faults,
-            tracer,
-            keep_last,
-            skip_wait,
-            groups,
-            device_budget,
-            save_frozen,
-            for_load,
-            stage_offload,
+            comm: f(self.comm),
             backend,
+            s: self.s,
         }
     }
 
@@ -612,7 +583,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
     #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn skip_wait_for_tests(mut self, which: SkipWait) -> Self {
-        self.skip_wait = Some(which);
+        self.s.skip_wait = Some(which);
         self
     }
 
@@ -624,7 +595,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
     #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn stage_offload_for_tests(mut self) -> Self {
-        self.stage_offload = true;
+        self.s.stage_offload = true;
         self
     }
 
@@ -640,7 +611,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         group: ParamGroup,
         member: impl Fn(&str, &str) -> bool + Send + 'static,
     ) -> Self {
-        self.groups.push((group, Box::new(member)));
+        self.s.groups.push((group, Box::new(member)));
         self
     }
 
@@ -652,7 +623,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
     /// takes the frozen tensors from the registration (the base model's
     /// own files).
     pub fn checkpoint_frozen(mut self, include: bool) -> Self {
-        self.save_frozen = include;
+        self.s.save_frozen = include;
         self
     }
 
@@ -662,7 +633,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
     /// on this machine, once the engine's other buffers are allocated). See
     /// [`FrozenParams`] for the rule.
     pub fn device_budget(mut self, bytes: u64) -> Self {
-        self.device_budget = Some(bytes);
+        self.s.device_budget = Some(bytes);
         self
     }
 
@@ -705,16 +676,16 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
                 )));
             }
         }
-        if self.specs.iter().any(|(s, _)| s.name == spec.name) {
+        if self.s.specs.iter().any(|(s, _)| s.name == spec.name) {
             return Err(usage(format!(
                 "register(`{}`): a unit of that name is already registered",
                 spec.name
             )));
         }
-        self.specs.push((spec, init));
+        self.s.specs.push((spec, init));
         Ok(UnitId {
-            engine: self.id,
-            index: self.specs.len() - 1,
+            engine: self.s.id,
+            index: self.s.specs.len() - 1,
         })
     }
 
@@ -723,25 +694,28 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
     /// initialises this rank's parameters.
     pub fn build(self) -> Result<Engine<C, B>> {
         let EngineBuilder {
-            cfg,
             comm,
-            device,
-            seed,
-            specs,
-            id,
-            optimizer_threads,
-            swap_faults,
-            param_swap_faults,
-            grad_swap_faults,
-            tracer,
-            keep_last,
             backend,
-            skip_wait,
-            groups,
-            for_load,
-            device_budget,
-            save_frozen,
-            stage_offload,
+            s:
+                Settings {
+                    cfg,
+                    device,
+                    seed,
+                    specs,
+                    id,
+                    optimizer_threads,
+                    swap_faults,
+                    param_swap_faults,
+                    grad_swap_faults,
+                    tracer,
+                    keep_last,
+                    skip_wait,
+                    groups,
+                    for_load,
+                    device_budget,
+                    save_frozen,
+                    stage_offload,
+                },
         } = self;
         let rank = comm.rank();
         let world = comm.world_size();
