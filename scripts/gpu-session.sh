@@ -21,10 +21,11 @@
 #      the CUDA backend, NCCL and host-staged (--test nccl_device);
 #      zero-offload's pinned pool registered with the driver (--test cuda_pin);
 #   5. the engine on the CUDA backend (the `test_device!` cases named
-#      `::cuda` of tests/engine.rs and tests/offload.rs: stages 0-3, and
-#      optimizer and parameter offload, trained on the GPU, ranks as
-#      threads with host-staged device collectives, bit-identical to the
-#      CPU backend);
+#      `::cuda` of tests/engine.rs, tests/offload.rs and
+#      tests/checkpoint.rs: stages 0-3, optimizer and parameter offload,
+#      trained on the GPU, ranks as threads with host-staged device
+#      collectives, bit-identical to the CPU backend; checkpoints saved on
+#      the GPU loaded on the CPU and back);
 #   6. the GPU benchmark, benches/cuda.rs ($OUT/cuda.json).
 #
 # Usage:
@@ -131,13 +132,14 @@ if [ "$mode" = build ]; then
     "llama_cuda_nvrtc|test:nvrtc|test -p zero-llama --features cuda --test nvrtc --no-run"
     "engine_cuda|test:engine|test -p zero --no-default-features --features cuda --test engine --no-run"
     "engine_offload_cuda|test:offload|test -p zero --no-default-features --features cuda --test offload --no-run"
+    "engine_checkpoint_cuda|test:checkpoint|test -p zero --no-default-features --features cuda --test checkpoint --no-run"
     "cuda-bench|bench:cuda|test -p zero --no-default-features --features cuda --bench cuda --no-run"
   )
   # Where each one runs from (cargo runs tests in their package's folder).
   declare -A cwd=(
     [zero-core-lib]=zero-core [cuda_adamw]=zero-core [cuda_arena]=zero-core
     [cuda_streams]=zero-core [nvrtc]=zero-core [backend_conformance]=zero-core
-    [nccl]=zero-comm [nccl_device]=zero-comm [cuda_pin]=zero-offload [cuda-bench]= [engine_cuda]= [engine_offload_cuda]=
+    [nccl]=zero-comm [nccl_device]=zero-comm [cuda_pin]=zero-offload [cuda-bench]= [engine_cuda]= [engine_offload_cuda]= [engine_checkpoint_cuda]=
     [llama_cuda]=examples/llama [llama_cuda_nvrtc]=examples/llama
   )
   for b in "${builds[@]}"; do
@@ -414,7 +416,7 @@ if [ "$mode" = cargo ]; then
   step test-nccl "$CARGO" test -p zero-comm --no-default-features --features cuda --test nccl --test nccl_device
   step test-cuda_pin "$CARGO" test -p zero-offload --features cuda --test cuda_pin
   step test-llama_cuda "$CARGO" test -p zero-llama --features cuda --test cuda_kernels --test nvrtc
-  step test-engine_cuda "$CARGO" test -p zero --no-default-features --features cuda --test engine --test offload -- ::cuda
+  step test-engine_cuda "$CARGO" test -p zero --no-default-features --features cuda --test engine --test offload --test checkpoint -- ::cuda
   step bench-cuda "$CARGO" bench -p zero --no-default-features --features cuda --bench cuda -- "${bench_args[@]}"
 else
   dir=$(cd "$prebuilt" 2>/dev/null && pwd) || {
@@ -435,7 +437,7 @@ else
     fi
     if [ "$name" = cuda-bench ]; then
       step bench-cuda bash -c 'cd "$1" && shift && exec "$@"' _ "$REPO${where:+/$where}" "$exe" --bench "${bench_args[@]}"
-    elif [ "$name" = engine_cuda ] || [ "$name" = engine_offload_cuda ]; then
+    elif [ "${name#engine_}" != "$name" ]; then
       step "test-$name" bash -c 'cd "$1" && shift && exec "$@"' _ "$REPO${where:+/$where}" "$exe" ::cuda
     else
       step "test-$name" bash -c 'cd "$1" && shift && exec "$@"' _ "$REPO${where:+/$where}" "$exe"
@@ -447,7 +449,7 @@ section "summary"
 {
   echo "mode: $mode; $(($(date +%s) - started)) s"
   printf '%s\n' "${summary[@]}"
-  for name in test-zero-core test-zero-core-lib test-cuda_adamw test-cuda_arena test-cuda_streams test-nvrtc test-backend_conformance test-nccl test-llama_cuda test-llama_cuda_nvrtc test-engine_cuda test-engine_offload_cuda; do
+  for name in test-zero-core test-zero-core-lib test-cuda_adamw test-cuda_arena test-cuda_streams test-nvrtc test-backend_conformance test-nccl test-llama_cuda test-llama_cuda_nvrtc test-engine_cuda test-engine_offload_cuda test-engine_checkpoint_cuda; do
     f="$OUT/$name.log"
     [ -f "$f" ] || continue
     n=$(grep -c -E "skipped|^SKIP" "$f" || true)

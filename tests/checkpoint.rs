@@ -10,7 +10,7 @@ use zero::comm::{Communicator, ThreadGroup};
 use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::{bf16, f16, Element};
 use zero::offload::FaultPlan;
-use zero::{Engine, UnitState};
+use zero::{Engine, EngineBackend, EngineBuilder, EngineComm, UnitState};
 use zero_testkit::mlp::{batch, Mlp};
 use zero_testkit::runs::*;
 
@@ -845,3 +845,97 @@ fn save_needs_a_step_boundary() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Trains the MLP `steps` steps on the builder's backend and saves a
+/// checkpoint under `root`: its path and every unit's state.
+struct SaveOn<'a> {
+    root: &'a Path,
+    steps: usize,
+}
+
+impl OnDevice for SaveOn<'_> {
+    type Out = (PathBuf, Vec<UnitState>);
+    fn run<C: EngineComm<B>, B: EngineBackend>(
+        self,
+        mut b: EngineBuilder<C, B>,
+    ) -> zero::Result<Self::Out> {
+        let model = Mlp::register(&mut b, DIMS)?;
+        let mut e = b.build()?;
+        let (world, rank) = (e.world_size(), e.rank());
+        for s in 0..self.steps {
+            let (x, y) = batch(((s * world + rank) * MB) as u64, MB, DIMS[0]);
+            model.train_micro_batch::<bf16, C, B>(&mut e, &x, &y)?;
+            e.step()?;
+        }
+        let states = e
+            .unit_ids()
+            .into_iter()
+            .map(|u| e.unit_state(u))
+            .collect::<zero::Result<Vec<_>>>()?;
+        Ok((e.save_checkpoint(self.root, Value::Null)?, states))
+    }
+}
+
+/// Loads the checkpoint at `path` on the builder's backend: every unit's
+/// state.
+struct LoadOn<'a> {
+    path: &'a Path,
+}
+
+impl OnDevice for LoadOn<'_> {
+    type Out = Vec<UnitState>;
+    fn run<C: EngineComm<B>, B: EngineBackend>(
+        self,
+        mut b: EngineBuilder<C, B>,
+    ) -> zero::Result<Self::Out> {
+        Mlp::register(&mut b, DIMS)?;
+        let (mut e, _) = Engine::load_checkpoint(b, self.path)?;
+        e.unit_ids().into_iter().map(|u| e.unit_state(u)).collect()
+    }
+}
+
+// A checkpoint saved on one backend loads on another with the same state,
+// bit for bit: saved on every backend present and loaded on the inline CPU
+// backend, and the other way round (on a GPU: saved on the GPU, loaded on
+// the CPU, and back), stages 1 and 3, with and without optimizer offload.
+zero_testkit::test_device!(checkpoints_move_between_backends, |device| {
+    let inline = TestDevice::default();
+    for stage in [1u8, 3] {
+        for offload in [OffloadDevice::None, OffloadDevice::Cpu] {
+            let mut cfg = config(2, stage, 1, Precision::Bf16);
+            cfg.zero.offload_optimizer.device = offload;
+            for (from, to) in [(device, inline), (inline, device)] {
+                let root = tmp_dir(&format!("across-{device:?}-{stage}-{offload:?}-{from:?}"));
+                let saved = ThreadGroup::run(2, |comm| {
+                    from.with_builder(
+                        &cfg,
+                        comm,
+                        |b| b.seed(5),
+                        SaveOn {
+                            root: &root,
+                            steps: 3,
+                        },
+                    )
+                })
+                .expect("ranks ran");
+                let saved: Vec<_> = saved
+                    .into_iter()
+                    .map(|r| r.unwrap_or_else(|e| panic!("save on {from:?}: {e}")))
+                    .collect();
+                let path = saved[0].0.clone();
+                let loaded = ThreadGroup::run(2, |comm| {
+                    to.with_builder(&cfg, comm, |b| b, LoadOn { path: &path })
+                })
+                .expect("ranks ran");
+                for (r, (l, (_, s))) in loaded.into_iter().zip(&saved).enumerate() {
+                    let l = l.unwrap_or_else(|e| panic!("load on {to:?}: {e}"));
+                    let what = format!(
+                        "stage {stage} offload {offload:?}: saved on {from:?}, loaded on {to:?}, rank {r}"
+                    );
+                    assert_bits_eq(s, &l, &what);
+                }
+                let _ = std::fs::remove_dir_all(&root);
+            }
+        }
+    }
+});

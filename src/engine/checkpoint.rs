@@ -333,7 +333,10 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// ([`EngineBuilder::tracer`]) each rank records the spans
     /// `checkpoint build` (building the engine) and `checkpoint load`
     /// (reading the state into it).
-    pub fn load_checkpoint(builder: EngineBuilder<C>, path: &Path) -> Result<(Engine<C>, Value)> {
+    pub fn load_checkpoint(
+        builder: EngineBuilder<C, B>,
+        path: &Path,
+    ) -> Result<(Engine<C, B>, Value)> {
         let read = read_manifest(path).and_then(|(dir, m)| {
             let registered: Vec<&UnitSpec> = builder.s.specs.iter().map(|(s, _)| s).collect();
             let plan = check_units(&dir.join(MANIFEST_FILE), &m, &registered)?;

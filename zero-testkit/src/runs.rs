@@ -188,28 +188,76 @@ pub fn train_setup<T: Element, C: Communicator>(
     mb: usize,
     setup: impl FnOnce(EngineBuilder<C>) -> EngineBuilder<C>,
 ) -> zero::Result<Trained> {
-    match device {
-        TestDevice::Cpu(mode) => {
-            let b = Engine::builder(cfg.clone(), comm).backend(CpuBackend::new(mode)?);
-            train_built::<T, _, _>(setup(b.seed(5)), cfg, steps, mb)
+    struct Train<'a, T> {
+        cfg: &'a ResolvedConfig,
+        steps: usize,
+        mb: usize,
+        _t: std::marker::PhantomData<T>,
+    }
+    impl<T: Element> OnDevice for Train<'_, T> {
+        type Out = Trained;
+        fn run<C: EngineComm<B>, B: EngineBackend>(
+            self,
+            b: EngineBuilder<C, B>,
+        ) -> zero::Result<Trained> {
+            train_built::<T, C, B>(b, self.cfg, self.steps, self.mb)
         }
-        #[cfg(feature = "cuda")]
-        TestDevice::Cuda => {
-            use std::sync::Arc;
-            use zero::comm::{HostStaged, Paired};
-            let Some(gpu) = cuda_backend() else {
-                return Err(zero::Error::Unsupported {
-                    what: "TestDevice::Cuda without a GPU (TestDevice::present leaves it out)"
-                        .into(),
-                });
-            };
-            let b = setup(Engine::builder(cfg.clone(), comm).seed(5))
-                .map_comm(|c| {
-                    let c = Arc::new(c);
-                    Paired::new(c.clone(), HostStaged::new(c))
-                })
-                .backend(gpu);
-            train_built::<T, _, _>(b, cfg, steps, mb)
+    }
+    let job = Train::<T> {
+        cfg,
+        steps,
+        mb,
+        _t: std::marker::PhantomData,
+    };
+    device.with_builder(cfg, comm, |b| setup(b.seed(5)), job)
+}
+
+/// Work on an engine builder of any backend (what a generic closure would
+/// be): [`TestDevice::with_builder`] runs it on the device's builder.
+pub trait OnDevice {
+    /// What the work returns.
+    type Out;
+    /// Does the work on `b`.
+    fn run<C: EngineComm<B>, B: EngineBackend>(
+        self,
+        b: EngineBuilder<C, B>,
+    ) -> zero::Result<Self::Out>;
+}
+
+impl TestDevice {
+    /// Runs `job` on a builder on this device for `cfg` over `comm`, after
+    /// `setup` (applied on the CPU builder, before the communicator and
+    /// backend are set: on the GPU the ranks' device collectives are
+    /// staged through host memory, `zero::comm::HostStaged`).
+    pub fn with_builder<C: Communicator, J: OnDevice>(
+        self,
+        cfg: &ResolvedConfig,
+        comm: C,
+        setup: impl FnOnce(EngineBuilder<C>) -> EngineBuilder<C>,
+        job: J,
+    ) -> zero::Result<J::Out> {
+        match self {
+            TestDevice::Cpu(mode) => {
+                job.run(setup(Engine::builder(cfg.clone(), comm)).backend(CpuBackend::new(mode)?))
+            }
+            #[cfg(feature = "cuda")]
+            TestDevice::Cuda => {
+                use std::sync::Arc;
+                use zero::comm::{HostStaged, Paired};
+                let Some(gpu) = cuda_backend() else {
+                    return Err(zero::Error::Unsupported {
+                        what: "TestDevice::Cuda without a GPU (TestDevice::present leaves it out)"
+                            .into(),
+                    });
+                };
+                let b = setup(Engine::builder(cfg.clone(), comm))
+                    .map_comm(|c| {
+                        let c = Arc::new(c);
+                        Paired::new(c.clone(), HostStaged::new(c))
+                    })
+                    .backend(gpu);
+                job.run(b)
+            }
         }
     }
 }
