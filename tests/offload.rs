@@ -15,7 +15,7 @@ use zero::comm::{Communicator, ThreadComm, ThreadGroup};
 use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::memory::{Category, Tier};
 use zero::core::partition::{TensorSpec, UnitSpec};
-use zero::core::{bf16, DType};
+use zero::core::{bf16, f16, DType};
 use zero::offload::FaultPlan;
 use zero::{Engine, Init};
 use zero_testkit::mlp::{batch, Mlp};
@@ -127,6 +127,39 @@ fn the_staged_offload_of_a_device_is_ordered_and_bit_identical() {
                     assert_same_run(&base, &t, &what);
                 }
             }
+        }
+    }
+    // fp16 with skipped steps (nothing is stepped, the homes are written
+    // again), gradient accumulation 3, stages 1 and 3.
+    for stage in [1u8, 3] {
+        let base = train(2, &config(2, stage, 3, Precision::Fp16), 6, MB);
+        for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 4 }] {
+            let c = offload_config(
+                2,
+                stage,
+                3,
+                Precision::Fp16,
+                OffloadDevice::Cpu,
+                97,
+                3,
+                &dir,
+            );
+            let t = ThreadGroup::run(2, |comm| {
+                train_setup::<f16, _>(TestDevice::Cpu(mode), comm, &c, 6, MB, |b| {
+                    b.stage_offload_for_tests()
+                })
+            })
+            .expect("ranks ran")
+            .into_iter()
+            .next()
+            .expect("rank 0")
+            .unwrap_or_else(|e| panic!("fp16 {mode:?}: {e}"));
+            assert!(t.outcomes.iter().any(|o| o.skipped), "fp16 skips steps");
+            assert_same_run(
+                &base,
+                &t,
+                &format!("fp16 stage {stage}: staged offload on {mode:?}"),
+            );
         }
     }
     // The staging is there, in the host tier: a copy of the gradient

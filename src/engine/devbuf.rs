@@ -227,6 +227,30 @@ impl<B: HostAccess> DevBuf<B> {
         Ok(())
     }
 
+    /// `dst[..len] = self[..len]` (the same dtype), a device-to-host copy
+    /// on `stream`.
+    pub(crate) fn copy_to_host(
+        &self,
+        backend: &B,
+        stream: Stream,
+        dst: &mut DynHost<B>,
+        len: usize,
+    ) -> Result<()> {
+        match (self, dst) {
+            (DevBuf::F32(s), DynHost::F32(d)) => backend.copy_d2h(stream, s, 0, d, 0, len)?,
+            (DevBuf::Bf16(s), DynHost::Bf16(d)) => backend.copy_d2h(stream, s, 0, d, 0, len)?,
+            (DevBuf::F16(s), DynHost::F16(d)) => backend.copy_d2h(stream, s, 0, d, 0, len)?,
+            (s, d) => {
+                return Err(Error::from(zero_core::Error::DTypeMismatch {
+                    op: "DevBuf::copy_to_host",
+                    expected: s.dtype(),
+                    got: d.dtype(),
+                }))
+            }
+        }
+        Ok(())
+    }
+
     /// All-gather in place with `counts`, on the communication stream
     /// after `after`.
     pub(crate) fn all_gather<C: DeviceCollectives<B>>(
@@ -267,12 +291,16 @@ impl<B: HostAccess> DynHost<B> {
         }
     }
 
+    pub(crate) fn dtype(&self) -> DType {
+        match self {
+            DynHost::F32(_) => DType::F32,
+            DynHost::Bf16(_) => DType::BF16,
+            DynHost::F16(_) => DType::F16,
+        }
+    }
+
     pub(crate) fn bytes(&self) -> u64 {
-        let size = match self {
-            DynHost::F32(_) => 4,
-            DynHost::Bf16(_) | DynHost::F16(_) => 2,
-        };
-        (self.len() * size) as u64
+        (self.len() * self.dtype().size_in_bytes()) as u64
     }
 
     /// The typed buffer, if the dtype is `T`'s.

@@ -931,7 +931,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         } else {
             None
         };
-        let reducer = GradReducer::new(
+        let mut reducer = GradReducer::new(
             &cfg,
             &plan,
             &comm,
@@ -1067,23 +1067,20 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         // The offloaded optimizer on a device: pinned copies of the
         // gradient homes and of the parameters (parameter offload and
         // swap_gradients keep theirs in host memory already).
-        let offload_stage = match reducer.home_dtype() {
-            Some(adt)
-                if offloading
-                    && !param_offloading
-                    && !cfg.zero.offload_optimizer.swap_gradients
-                    && (stage_offload || backend.device_free()?.is_some()) =>
-            {
-                let homes: Vec<_> = (0..units.len())
-                    .map(|i| (adt, reducer.home_len(i)))
-                    .collect();
-                let params: Vec<_> = units
-                    .iter()
-                    .map(|u| (pdt, u.home().map_or(0, |p| p.len())))
-                    .collect();
-                Some(OffloadStage::new(&backend, &tracker, &homes, &params)?)
-            }
-            _ => None,
+        let offload_stage = if offloading
+            && !param_offloading
+            && !cfg.zero.offload_optimizer.swap_gradients
+            && reducer.home_dtype().is_some()
+            && (stage_offload || backend.device_free()?.is_some())
+        {
+            reducer.stage_homes(&tracker)?;
+            let params: Vec<_> = units
+                .iter()
+                .map(|u| (pdt, u.home().map_or(0, |p| p.len())))
+                .collect();
+            Some(OffloadStage::new(&backend, &tracker, &params)?)
+        } else {
+            None
         };
         let opt = OptimizerShard::new(
             stage,
@@ -2150,6 +2147,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         }
         let buf = DynBuf::from_lent::<T>(grad.into_inner());
         let add = self.micro > 0;
+        self.reducer
+            .set_last_micro(self.micro + 1 >= self.cfg.gradient_accumulation_steps);
         if self.stage == 1 {
             // Reduced after the backward pass, in step().
             self.reducer
@@ -2219,6 +2218,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         self.finish_param_gathers()?;
         let span = self.tracer.span(self.rank, "reduce", "comm");
         let t = Instant::now();
+        self.reducer
+            .set_last_micro(self.micro + 1 >= self.cfg.gradient_accumulation_steps);
         let r = self
             .reducer
             .finish(&self.comm, &self.tracer, self.micro > 0);
@@ -2478,13 +2479,13 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         // pinned copies on a device backend (staged), else host views of
         // the homes and of the units' parameters (the memory itself on the
         // CPU backend).
-        if let Some(stage) = self.offload_stage.as_mut() {
-            stage.grads_down::<G>(&self.backend, &self.reducer)?;
-        }
         let mut grad_views = Vec::new();
         let mut views = Vec::new();
         let (homes, mut params): (Vec<&[G]>, Vec<&mut [P]>) = match self.offload_stage.as_mut() {
-            Some(stage) => stage.host_views::<G, P>(&self.backend)?,
+            Some(stage) => (
+                self.reducer.staged_homes::<G>()?,
+                stage.params_mut::<P>(&self.backend)?,
+            ),
             None => {
                 for i in 0..self.units.len() {
                     grad_views.push(self.reducer.home_slice::<G>(i)?);

@@ -67,7 +67,7 @@ use zero_core::partition::PartitionPlan;
 use zero_core::{DType, Element};
 
 use super::backend::EngineComm;
-use super::devbuf::{map_dev, with_dev, DevBuf, DynLoan, DynWork};
+use super::devbuf::{map_dev, with_dev, DevBuf, DynHost, DynLoan, DynWork};
 use super::dynbuf::{ring_bytes, DynBuf};
 use super::grad_swap::GradSwap;
 use crate::trace::Tracer;
@@ -263,6 +263,18 @@ pub(crate) struct GradReducer<B: HostAccess> {
     /// stored from there.
     gswap: Option<GradSwap>,
     window: Option<DevBuf<B>>,
+    /// The offloaded optimizer on a device (see `staging.rs`): a host
+    /// copy of every gradient home, filled bucket by bucket on the
+    /// device-to-host stream as the last micro-batch of a step reduces
+    /// (empty otherwise) …
+    staged: Vec<DynHost<B>>,
+    /// … the event after the copies so far, for the step to wait for, and
+    /// for the next writes of the homes (their unpacks on the
+    /// communication stream, a zeroing by the host) …
+    staged_copies: Option<B::Event>,
+    homes_copied: Option<B::Event>,
+    /// … and whether this micro-batch is the last of its step.
+    last_micro: bool,
     /// The buffers lent to the trainer, by unit.
     loans: Vec<Option<DynLoan<B>>>,
     state: Vec<GradState>,
@@ -410,6 +422,10 @@ impl<B: HostAccess> GradReducer<B> {
             acc,
             gswap,
             window,
+            staged: Vec::new(),
+            staged_copies: None,
+            homes_copied: None,
+            last_micro: cfg.gradient_accumulation_steps <= 1,
             loans: (0..n).map(|_| None).collect(),
             state: plan
                 .units()
@@ -459,9 +475,51 @@ impl<B: HostAccess> GradReducer<B> {
 
     /// The gradient home of unit `i`: the separate accumulation buffer, or
     /// the persistent one.
-    /// The length of unit `i`'s gradient home.
-    pub(crate) fn home_len(&self, i: usize) -> usize {
-        self.home(i).len()
+    /// The offloaded optimizer on a device: every gradient home gets a
+    /// host copy (accounted in the host tier), filled as the last
+    /// micro-batch of each step reduces.
+    pub(crate) fn stage_homes(&mut self, tracker: &MemoryTracker) -> Result<()> {
+        for i in 0..self.acc.len() {
+            let home = self.home(i);
+            let h = DynHost::alloc(
+                &self.backend,
+                home.dtype(),
+                home.len(),
+                &format!("staged grads {i}"),
+            )?;
+            self.allocs
+                .push(tracker.allocate(Tier::Host, Category::Grads, h.bytes()));
+            self.staged.push(h);
+        }
+        Ok(())
+    }
+
+    /// Whether the micro-batch being reduced is the last of its step.
+    pub(crate) fn set_last_micro(&mut self, last: bool) {
+        self.last_micro = last;
+    }
+
+    /// The host copies of every gradient home (see
+    /// [`GradReducer::stage_homes`]) once the last micro-batch reduced:
+    /// the host waits for the copies.
+    pub(crate) fn staged_homes<G: Element>(&mut self) -> Result<Vec<&[G]>> {
+        let copies = self.staged_copies.take().ok_or_else(|| {
+            self.internal("the staged gradients were not copied down in this step")
+        })?;
+        self.backend.sync(&copies)?;
+        self.staged
+            .iter()
+            .map(|h| {
+                let t = h.typed::<G>().ok_or_else(|| {
+                    Error::from(zero_core::Error::DTypeMismatch {
+                        op: "GradReducer::staged_homes",
+                        expected: h.dtype(),
+                        got: G::DTYPE,
+                    })
+                })?;
+                Ok(self.backend.read_host(t, 0..h.len())?)
+            })
+            .collect()
     }
 
     fn home(&self, i: usize) -> &DevBuf<B> {
@@ -785,6 +843,11 @@ impl<B: HostAccess> GradReducer<B> {
             .then(|| tracer.span(self.rank, "grad to host", "offload"));
         let backend = &self.backend;
         backend.wait(Stream::Comm, &done)?;
+        if let Some(copied) = self.homes_copied.take() {
+            // The homes were copied down in the last step: rewrite them
+            // after that.
+            backend.wait(Stream::Comm, &copied)?;
+        }
         let world = self.world;
         let rank = self.rank;
         if self.stage == 0 {
@@ -821,6 +884,25 @@ impl<B: HostAccess> GradReducer<B> {
             }
         }
         let unpacked = backend.record(Stream::Comm)?;
+        if self.last_micro && !self.staged.is_empty() {
+            // The offloaded optimizer on a device: these units' homes are
+            // final; down to the host while the backward pass goes on.
+            backend.wait(Stream::DeviceToHost, &unpacked)?;
+            for &i in &f.units {
+                let home = self.acc[i]
+                    .as_ref()
+                    .expect("offloading keeps separate homes");
+                home.copy_to_host(
+                    backend,
+                    Stream::DeviceToHost,
+                    &mut self.staged[i],
+                    home.len(),
+                )?;
+            }
+            let copied = backend.record(Stream::DeviceToHost)?;
+            self.staged_copies = Some(copied.clone());
+            self.homes_copied = Some(copied);
+        }
         self.free.push(FreeBucket {
             buf,
             after: Some(unpacked.clone()),
@@ -915,6 +997,9 @@ impl<B: HostAccess> GradReducer<B> {
             *s = GradState::Empty;
         }
         self.sync_homes()?;
+        if let Some(copied) = self.homes_copied.take() {
+            self.backend.sync(&copied)?;
+        }
         let packed = self.backend.record(Stream::Compute)?;
         self.backend.sync(&packed)?;
         let backend = &self.backend;

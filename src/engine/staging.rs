@@ -3,17 +3,20 @@
 //!
 //! On the CPU backend the offloaded AdamW reads the gradient homes and
 //! writes the parameters in place (host views are the memory). On a GPU
-//! the homes and parameters are device memory, so the step stages them:
+//! the homes and parameters are device memory, so they are staged. In the
+//! last micro-batch of a step each bucket's units go down as soon as their
+//! reduced gradient is in their homes (`GradReducer::stage_homes`), while
+//! the backward pass goes on; the step waits for the last copy, runs the
+//! host AdamW, and sends each unit's updated range up:
 //!
 //! ```text
-//!   compute ──[norm: sum_squares]──●e
-//!                                    ╲ wait(d2h, e)
-//!   d2h     ──────────────────────────◆──[copy homes → pinned grads]──●down
-//!                                                                       ╲ sync
-//!   host    ─────────────────────────────────────────────────────────────◆──[CPU AdamW
+//!   comm    ──[reduce bucket k]──[unpack into homes]──●u_k
+//!                                                       ╲ wait(d2h, u_k)
+//!   d2h     ─────────────────────────────────────────────◆──[homes of bucket k → pinned]──●c
+//!                                                                                          ╲ sync (step)
+//!   host    ────────────────────────────────────────────────────────────────────────────────◆──[CPU AdamW
 //!           tile by tile: pinned grads → pinned params]
-//!   h2d     ──────────────────────────────────────────────────────────────────[copy each
-//!           unit's updated range → device params]──●up ─▶ wait(compute, up), wait(comm, up)
+//!   h2d     ──[each unit's updated range → device params]──●up ─▶ wait(compute, up), wait(comm, up)
 //! ```
 //!
 //! Every copy is a backend operation ordered by events, so the CPU
@@ -27,39 +30,28 @@ use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
 use zero_core::{DType, Element};
 
 use super::devbuf::{DevBuf, DynHost};
-use super::reducer::GradReducer;
 use crate::{Error, Result};
-
-/// Pinned host copies of every unit's gradient home and parameters.
-pub(crate) struct OffloadStage<B: HostAccess> {
-    grads: Vec<DynHost<B>>,
-    params: Vec<DynHost<B>>,
-    _allocs: Vec<Allocation>,
-}
-
-/// Every unit's staged gradients (read) and parameters (written).
-pub(crate) type HostViews<'a, G, P> = (Vec<&'a [G]>, Vec<&'a mut [P]>);
 
 fn dtype_error(op: &'static str, expected: DType, got: DType) -> Error {
     Error::from(zero_core::Error::DTypeMismatch { op, expected, got })
 }
 
+/// Pinned host copies of every unit's parameters (the gradient homes'
+/// copies are the reducer's: `GradReducer::stage_homes`).
+pub(crate) struct OffloadStage<B: HostAccess> {
+    params: Vec<DynHost<B>>,
+    _allocs: Vec<Allocation>,
+}
+
 impl<B: HostAccess> OffloadStage<B> {
-    /// Host buffers the size of each unit's gradient home
-    /// (`homes`: dtype and length) and parameter buffer (`params`).
+    /// Host buffers the size of each unit's parameter buffer (`params`:
+    /// dtype and length).
     pub(crate) fn new(
         backend: &B,
         tracker: &MemoryTracker,
-        homes: &[(DType, usize)],
         params: &[(DType, usize)],
     ) -> Result<Self> {
         let mut allocs = Vec::new();
-        let mut grads = Vec::with_capacity(homes.len());
-        for (i, &(dtype, len)) in homes.iter().enumerate() {
-            let g = DynHost::alloc(backend, dtype, len, &format!("staged grads {i}"))?;
-            allocs.push(tracker.allocate(Tier::Host, Category::Grads, g.bytes()));
-            grads.push(g);
-        }
         let mut staged = Vec::with_capacity(params.len());
         for (i, &(dtype, len)) in params.iter().enumerate() {
             let p = DynHost::alloc(backend, dtype, len, &format!("staged params {i}"))?;
@@ -67,62 +59,23 @@ impl<B: HostAccess> OffloadStage<B> {
             staged.push(p);
         }
         Ok(OffloadStage {
-            grads,
             params: staged,
             _allocs: allocs,
         })
     }
 
-    /// Copies every unit's gradient home down on the device-to-host
-    /// stream, after the compute stream's work so far (the last unpack
-    /// into the homes, the norm), and waits for the copies.
-    pub(crate) fn grads_down<G: Element>(
-        &mut self,
-        backend: &B,
-        reducer: &GradReducer<B>,
-    ) -> Result<()> {
-        let ready = backend.record(Stream::Compute)?;
-        backend.wait(Stream::DeviceToHost, &ready)?;
-        for (i, g) in self.grads.iter_mut().enumerate() {
-            let home = reducer.home_buf::<G>(i)?;
-            let n = g.len();
-            let g = g
-                .typed_mut::<G>()
-                .ok_or_else(|| dtype_error("OffloadStage::grads_down", DType::F32, G::DTYPE))?;
-            backend.copy_d2h(Stream::DeviceToHost, home, 0, g, 0, n)?;
-        }
-        backend.sync(&backend.record(Stream::DeviceToHost)?)?;
-        Ok(())
-    }
-
-    /// The staged gradients of every unit, for the host AdamW (after
-    /// [`OffloadStage::grads_down`]), and the staged parameters it writes.
-    pub(crate) fn host_views<'a, G: Element, P: Element>(
-        &'a mut self,
-        backend: &'a B,
-    ) -> Result<HostViews<'a, G, P>> {
-        let grads = self
-            .grads
-            .iter()
-            .map(|g| {
-                let t = g
-                    .typed::<G>()
-                    .ok_or_else(|| dtype_error("OffloadStage::host_views", DType::F32, G::DTYPE))?;
-                Ok(backend.read_host(t, 0..g.len())?)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let params = self
-            .params
+    /// The staged parameters of every unit, for the host AdamW to write.
+    pub(crate) fn params_mut<P: Element>(&mut self, backend: &B) -> Result<Vec<&mut [P]>> {
+        self.params
             .iter_mut()
             .map(|p| {
-                let n = p.len();
+                let (n, dtype) = (p.len(), p.dtype());
                 let t = p
                     .typed_mut::<P>()
-                    .ok_or_else(|| dtype_error("OffloadStage::host_views", DType::F32, P::DTYPE))?;
+                    .ok_or_else(|| dtype_error("OffloadStage::params_mut", dtype, P::DTYPE))?;
                 Ok(backend.write_host(t, 0..n)?)
             })
-            .collect::<Result<Vec<_>>>()?;
-        Ok((grads, params))
+            .collect()
     }
 
     /// Copies the updated range `ranges[i]` of every unit's staged
