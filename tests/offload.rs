@@ -129,6 +129,34 @@ fn the_staged_offload_of_a_device_is_ordered_and_bit_identical() {
             }
         }
     }
+    // Parameter offload (cpu, nvme) with any optimizer offload: the
+    // shards go up to the gathered buffers through host buffers on the
+    // host-to-device stream.
+    for world in 1..=3 {
+        let base = train(world, &config(world, 3, 2, Precision::Bf16), steps, MB);
+        for param in [OffloadDevice::Cpu, OffloadDevice::Nvme] {
+            for opt in [OffloadDevice::None, OffloadDevice::Cpu, OffloadDevice::Nvme] {
+                for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 5 }] {
+                    let c = param_config(world, 2, param, opt, &dir);
+                    let t = ThreadGroup::run(world, |comm| {
+                        train_setup::<bf16, _>(TestDevice::Cpu(mode), comm, &c, steps, MB, |b| {
+                            b.stage_offload_for_tests()
+                        })
+                    })
+                    .expect("ranks ran")
+                    .into_iter()
+                    .next()
+                    .expect("rank 0")
+                    .unwrap_or_else(|e| panic!("{mode:?} param {param:?} opt {opt:?}: {e}"));
+                    let what = format!(
+                        "world {world}: staged offload_param {param:?} offload_optimizer {opt:?} \
+                         on {mode:?} vs none"
+                    );
+                    assert_same_run(&base, &t, &what);
+                }
+            }
+        }
+    }
     // fp16 with skipped steps (nothing is stepped, the homes are written
     // again), gradient accumulation 3, stages 1 and 3.
     for stage in [1u8, 3] {

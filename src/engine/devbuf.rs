@@ -303,6 +303,46 @@ impl<B: HostAccess> DynHost<B> {
         (self.len() * self.dtype().size_in_bytes()) as u64
     }
 
+    /// Runs `f` on the bytes of elements `range` for the host to write
+    /// (after every earlier access was synced).
+    pub(crate) fn write_bytes<R>(
+        &mut self,
+        backend: &B,
+        range: Range<usize>,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R> {
+        Ok(match self {
+            DynHost::F32(b) => f(bytemuck::cast_slice_mut(backend.write_host(b, range)?)),
+            DynHost::Bf16(b) => f(bytemuck::cast_slice_mut(backend.write_host(b, range)?)),
+            DynHost::F16(b) => f(bytemuck::cast_slice_mut(backend.write_host(b, range)?)),
+        })
+    }
+
+    /// `dst[at..at + len] = self[..len]` (the same dtype), a host-to-device
+    /// copy on `stream`.
+    pub(crate) fn copy_to_device(
+        &self,
+        backend: &B,
+        stream: Stream,
+        dst: &mut DevBuf<B>,
+        at: usize,
+        len: usize,
+    ) -> Result<()> {
+        match (self, dst) {
+            (DynHost::F32(s), DevBuf::F32(d)) => backend.copy_h2d(stream, s, 0, d, at, len)?,
+            (DynHost::Bf16(s), DevBuf::Bf16(d)) => backend.copy_h2d(stream, s, 0, d, at, len)?,
+            (DynHost::F16(s), DevBuf::F16(d)) => backend.copy_h2d(stream, s, 0, d, at, len)?,
+            (s, d) => {
+                return Err(Error::from(zero_core::Error::DTypeMismatch {
+                    op: "DynHost::copy_to_device",
+                    expected: d.dtype(),
+                    got: s.dtype(),
+                }))
+            }
+        }
+        Ok(())
+    }
+
     /// The typed buffer, if the dtype is `T`'s.
     pub(crate) fn typed<T: Element>(&self) -> Option<&B::HostBuffer<T>> {
         match self {

@@ -28,7 +28,7 @@ use zero_core::partition::PartitionPlan;
 use zero_core::DType;
 
 use super::backend::EngineComm;
-use super::devbuf::{DevBuf, DynWork};
+use super::devbuf::{DevBuf, DynHost, DynWork};
 use super::dynbuf::ring_bytes;
 use super::lease::exclusive;
 use super::param_offload::{Fetch, ParamOffload};
@@ -89,6 +89,42 @@ pub(crate) struct GatherIo<'a, C: EngineComm<B>, B: HostAccess> {
     pub(crate) stats: &'a mut EngineStats,
 }
 
+/// On a device backend, the host buffers (pinned on a GPU) that offloaded
+/// shards go up through, in turn, each with the event after its last
+/// upload.
+struct Uploads<B: HostAccess> {
+    ring: Vec<(DynHost<B>, Option<B::Event>)>,
+    next: usize,
+}
+
+impl<B: HostAccess> Uploads<B> {
+    /// `fill` writes the next buffer's first `len` elements on the host
+    /// (once its last upload is done); they go up into `dst[at..]` on the
+    /// host-to-device stream, after the compute stream's work so far, and
+    /// the compute stream waits for them (as for a copy of a shard there).
+    fn upload<R>(
+        &mut self,
+        backend: &B,
+        (dst, at, len): (&mut DevBuf<B>, usize, usize),
+        fill: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R> {
+        let n = self.ring.len();
+        let (host, pending) = &mut self.ring[self.next];
+        self.next = (self.next + 1) % n;
+        if let Some(up) = pending.take() {
+            backend.sync(&up)?;
+        }
+        let r = host.write_bytes(backend, 0..len, fill)?;
+        let before = backend.record(Stream::Compute)?;
+        backend.wait(Stream::HostToDevice, &before)?;
+        host.copy_to_device(backend, Stream::HostToDevice, dst, at, len)?;
+        let up = backend.record(Stream::HostToDevice)?;
+        backend.wait(Stream::Compute, &up)?;
+        *pending = Some(up);
+        Ok(r)
+    }
+}
+
 /// The stage-3 parameter gatherer of one rank (see the module docs).
 pub(crate) struct ParamGatherer<B: HostAccess> {
     schedule: Stage3Schedule,
@@ -112,6 +148,9 @@ pub(crate) struct ParamGatherer<B: HostAccess> {
     /// Freed gathered buffers, per length.
     pool: HashMap<usize, Vec<DevBuf<B>>>,
     allocs: Vec<Allocation>,
+    /// On a device: the host buffers offloaded shards go up through
+    /// (`None`: they are written into the gathered buffers by the host).
+    uploads: Option<Uploads<B>>,
     /// The schedule's actions of the current call (reused).
     actions: Actions,
     /// The warning of the last call, for the engine to issue.
@@ -143,9 +182,30 @@ impl<B: HostAccess> ParamGatherer<B> {
             inflight: (0..n).map(|_| None).collect(),
             pool: HashMap::new(),
             allocs: Vec::new(),
+            uploads: None,
             actions: Actions::default(),
             warning: None,
         }
+    }
+
+    /// On a device backend: offloaded shards (and frozen segments in host
+    /// memory) go up to the gathered buffers through `count` host buffers
+    /// of `len` elements of `dtype` (accounted in the host tier).
+    pub(crate) fn stage_uploads(
+        &mut self,
+        backend: &B,
+        tracker: &MemoryTracker,
+        (count, len, dtype): (usize, usize, DType),
+    ) -> Result<()> {
+        let mut ring = Vec::with_capacity(count);
+        for k in 0..count {
+            let h = DynHost::alloc(backend, dtype, len, &format!("shard upload {k}"))?;
+            self.allocs
+                .push(tracker.allocate(Tier::Host, Category::Params, h.bytes()));
+            ring.push((h, None));
+        }
+        self.uploads = Some(Uploads { ring, next: 0 });
+        Ok(())
     }
 
     /// Unit `i`'s frozen segment or shard, if it has frozen tensors.
@@ -424,9 +484,14 @@ impl<B: HostAccess> ParamGatherer<B> {
             // (device-tier) buffer, or the swap read issued ahead.
             Shards::Offloaded(po) => {
                 stats.param_reads_ahead += u64::from(po.has_read(i));
-                let fetch = buf.write_bytes(backend, rank * shard..(rank + 1) * shard, |slot| {
-                    Ok(po.load_into(i, slot))
-                })?;
+                let fetch = match self.uploads.as_mut() {
+                    Some(up) => up.upload(backend, (&mut buf, rank * shard, shard), |slot| {
+                        po.load_into(i, slot)
+                    })?,
+                    None => buf.write_bytes(backend, rank * shard..(rank + 1) * shard, |slot| {
+                        Ok(po.load_into(i, slot))
+                    })?,
+                };
                 match fetch {
                     Fetch::Read => stats.param_swap_reads += 1,
                     Fetch::Cached => stats.param_cache_hits += 1,
@@ -465,12 +530,15 @@ impl<B: HostAccess> ParamGatherer<B> {
                     FrozenHome::Shard(f) => {
                         t.copy_from(backend, Stream::Compute, rank * fs, f, 0, fs)?
                     }
-                    FrozenHome::Host(bytes) => {
-                        t.write_bytes(backend, rank * fs..(rank + 1) * fs, |slot| {
+                    FrozenHome::Host(bytes) => match self.uploads.as_mut() {
+                        Some(up) => up.upload(backend, (&mut t, rank * fs, fs), |slot| {
+                            slot.copy_from_slice(bytes)
+                        })?,
+                        None => t.write_bytes(backend, rank * fs..(rank + 1) * fs, |slot| {
                             slot.copy_from_slice(bytes);
                             Ok(())
-                        })?
-                    }
+                        })?,
+                    },
                     FrozenHome::Resident(_) => unreachable!("matched above"),
                 }
                 stats.gather_bytes += ring_bytes(frozen_len, world, pdt);

@@ -589,9 +589,10 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
 
     /// Test-only (feature `testing`): the offloaded optimizer (without
     /// parameter offload or `swap_gradients`) stages its gradients and
-    /// parameters through host buffers on the copy streams, as it does on
-    /// a GPU, also on the CPU backend, so that the hazard checker proves
-    /// that path's order.
+    /// parameters through host buffers on the copy streams, and offloaded
+    /// parameter shards go up to their gathers through host buffers, as
+    /// on a GPU, also on the CPU backend, so that the hazard checker proves
+    /// those paths' order.
     #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn stage_offload_for_tests(mut self) -> Self {
@@ -1062,7 +1063,24 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         if let Some(u) = units.first_mut() {
             u._allocs.extend(frozen_allocs);
         }
-        let s3 = ParamGatherer::new(&cfg, &plan, frozen);
+        let mut s3 = ParamGatherer::new(&cfg, &plan, frozen);
+        // On a device, shards kept in host memory go up to the gathered
+        // buffers through host buffers (pinned on a GPU) on the
+        // host-to-device stream.
+        if stage == 3
+            && (param_offloading || frozen_policy == FrozenParams::Offload)
+            && (stage_offload || backend.device_free()?.is_some())
+        {
+            let len = plan
+                .units()
+                .iter()
+                .map(|l| l.shard_len.max(l.frozen_shard_len()))
+                .max()
+                .unwrap_or(0)
+                .max(1);
+            let count = cfg.zero.offload_param.buffer_count.max(2);
+            s3.stage_uploads(&backend, &tracker, (count, len, pdt))?;
+        }
         let adam = backend.host_adamw(threads);
         // The offloaded optimizer on a device: pinned copies of the
         // gradient homes and of the parameters (parameter offload and
