@@ -96,6 +96,26 @@ zero_testkit::test_device!(offload_is_bit_identical_on_every_device, |device| {
 /// threads) it ends bit-identical to the run without offload, for every
 /// stage, world sizes 1–3, cpu and nvme, and the staging buffers are in
 /// the host tier.
+/// Trains `steps` steps on `world` thread ranks on a CPU backend in
+/// `mode`, the offload staged as on a device; rank 0's view.
+fn staged_run<T: zero::core::Element>(
+    world: usize,
+    mode: zero::core::backend::CpuMode,
+    c: &ResolvedConfig,
+    steps: usize,
+) -> Trained {
+    ThreadGroup::run(world, |comm| {
+        train_setup::<T, _>(TestDevice::Cpu(mode), comm, c, steps, MB, |b| {
+            b.stage_offload_for_tests()
+        })
+    })
+    .expect("ranks ran")
+    .into_iter()
+    .next()
+    .expect("rank 0")
+    .unwrap_or_else(|e| panic!("staged on {mode:?}: {e}"))
+}
+
 #[test]
 fn the_staged_offload_of_a_device_is_ordered_and_bit_identical() {
     use zero::core::backend::{CpuBackend, CpuMode};
@@ -111,16 +131,7 @@ fn the_staged_offload_of_a_device_is_ordered_and_bit_identical() {
                         offload_config(world, stage, ga, Precision::Bf16, device, 97, 3, &dir);
                     c.zero.offload_optimizer.pipeline_read = true;
                     c.zero.offload_optimizer.pipeline_write = true;
-                    let t = ThreadGroup::run(world, |comm| {
-                        train_setup::<bf16, _>(TestDevice::Cpu(mode), comm, &c, steps, MB, |b| {
-                            b.stage_offload_for_tests()
-                        })
-                    })
-                    .expect("ranks ran")
-                    .into_iter()
-                    .next()
-                    .expect("rank 0")
-                    .unwrap_or_else(|e| panic!("{mode:?} {device:?}: {e}"));
+                    let t = staged_run::<bf16>(world, mode, &c, steps);
                     let what = format!(
                         "world {world} stage {stage}: staged offload {device:?} on {mode:?} vs none"
                     );
@@ -138,16 +149,7 @@ fn the_staged_offload_of_a_device_is_ordered_and_bit_identical() {
             for opt in [OffloadDevice::None, OffloadDevice::Cpu, OffloadDevice::Nvme] {
                 for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 5 }] {
                     let c = param_config(world, 2, param, opt, &dir);
-                    let t = ThreadGroup::run(world, |comm| {
-                        train_setup::<bf16, _>(TestDevice::Cpu(mode), comm, &c, steps, MB, |b| {
-                            b.stage_offload_for_tests()
-                        })
-                    })
-                    .expect("ranks ran")
-                    .into_iter()
-                    .next()
-                    .expect("rank 0")
-                    .unwrap_or_else(|e| panic!("{mode:?} param {param:?} opt {opt:?}: {e}"));
+                    let t = staged_run::<bf16>(world, mode, &c, steps);
                     let what = format!(
                         "world {world}: staged offload_param {param:?} offload_optimizer {opt:?} \
                          on {mode:?} vs none"
@@ -172,16 +174,7 @@ fn the_staged_offload_of_a_device_is_ordered_and_bit_identical() {
                 3,
                 &dir,
             );
-            let t = ThreadGroup::run(2, |comm| {
-                train_setup::<f16, _>(TestDevice::Cpu(mode), comm, &c, 6, MB, |b| {
-                    b.stage_offload_for_tests()
-                })
-            })
-            .expect("ranks ran")
-            .into_iter()
-            .next()
-            .expect("rank 0")
-            .unwrap_or_else(|e| panic!("fp16 {mode:?}: {e}"));
+            let t = staged_run::<f16>(2, mode, &c, 6);
             assert!(t.outcomes.iter().any(|o| o.skipped), "fp16 skips steps");
             assert_same_run(
                 &base,
