@@ -3,10 +3,10 @@
 //!
 //! The engine reads and writes device buffers from the host in a few
 //! places that are not on the hot path of a step on the device: filling
-//! parameters at build, reading them for a checkpoint, an export or
-//! [`unit_state`], the offloaded optimizer (the CPU AdamW reads the
-//! gradient shard and writes the parameters), and lending a gradient
-//! buffer to the trainer. [`HostAccess`] names those operations so that
+//! parameters at build, reading them for a checkpoint, an export or the
+//! engine's `unit_state`, the offloaded optimizer on the CPU backend (the
+//! CPU AdamW reads the gradient shard and writes the parameters in
+//! place), and lending a gradient buffer to the trainer. [`HostAccess`] names those operations so that
 //! the engine is written once for every backend:
 //!
 //! - [`host_ref`](HostAccess::host_ref) / [`host_mut`](HostAccess::host_mut)
@@ -22,8 +22,6 @@
 //!   back under the same id: host memory on the CPU backend (the trainer
 //!   writes a slice), the device buffer itself on a GPU (the trainer's
 //!   kernels write it on the compute stream).
-//!
-//! [`unit_state`]: https://docs.rs/zero (the engine's `Engine::unit_state`)
 
 use std::ops::{Deref, DerefMut, Range};
 
