@@ -159,6 +159,34 @@ fn the_staged_offload_of_a_device_is_ordered_and_bit_identical() {
             }
         }
     }
+    // swap_gradients: the gradient window goes to and from its swap file
+    // through a host buffer, copied on the communication stream.
+    for world in 1..=3 {
+        for stage in [1u8, 3] {
+            let base = train(world, &config(world, stage, 2, Precision::Bf16), steps, MB);
+            for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 6 }] {
+                let mut c = offload_config(
+                    world,
+                    stage,
+                    2,
+                    Precision::Bf16,
+                    OffloadDevice::Nvme,
+                    97,
+                    3,
+                    &dir,
+                );
+                if stage == 3 {
+                    c.zero =
+                        param_config(world, 2, OffloadDevice::Nvme, OffloadDevice::Nvme, &dir).zero;
+                }
+                c.zero.offload_optimizer.swap_gradients = true;
+                let t = staged_run::<bf16>(world, mode, &c, steps);
+                let what =
+                    format!("world {world} stage {stage}: staged swap_gradients on {mode:?}");
+                assert_same_run(&base, &t, &what);
+            }
+        }
+    }
     // fp16 with skipped steps (nothing is stepped, the homes are written
     // again), gradient accumulation 3, stages 1 and 3.
     for stage in [1u8, 3] {

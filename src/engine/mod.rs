@@ -589,10 +589,10 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
 
     /// Test-only (feature `testing`): the offloaded optimizer (without
     /// parameter offload or `swap_gradients`) stages its gradients and
-    /// parameters through host buffers on the copy streams, and offloaded
-    /// parameter shards go up to their gathers through host buffers, as
-    /// on a GPU, also on the CPU backend, so that the hazard checker proves
-    /// those paths' order.
+    /// parameters through host buffers on the copy streams, offloaded
+    /// parameter shards go up to their gathers through host buffers, and
+    /// the `swap_gradients` window through one, as on a GPU, also on the
+    /// CPU backend, so that the hazard checker proves those paths' order.
     #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn stage_offload_for_tests(mut self) -> Self {
@@ -1062,6 +1062,11 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         initial.agree(&comm)?;
         if let Some(u) = units.first_mut() {
             u._allocs.extend(frozen_allocs);
+        }
+        if cfg.zero.offload_optimizer.swap_gradients
+            && (stage_offload || backend.device_free()?.is_some())
+        {
+            reducer.stage_window(&tracker)?;
         }
         let mut s3 = ParamGatherer::new(&cfg, &plan, frozen);
         // On a device, shards kept in host memory go up to the gathered

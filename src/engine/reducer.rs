@@ -168,31 +168,46 @@ fn move_down<B: HostAccess>(
 /// through the window `w` (the host syncs each stream it reads after):
 /// with `add` the unit's stored gradient is read into the window first;
 /// the unpack runs on the communication stream, its norm term there too,
-/// and the window's first `s` elements go to the swap file.
+/// and the window's first `s` elements go to the swap file. On a device
+/// the window goes through the host buffer `staged` (pinned on a GPU),
+/// copied on the communication stream; else through host views.
 fn store_unit<B: HostAccess, G: Element>(
     backend: &B,
     gs: &mut GradSwap,
-    w: &mut B::Buffer<G>,
+    (w, staged): (&mut B::Buffer<G>, Option<&mut B::HostBuffer<G>>),
     src: (&DevBuf<B>, usize),
-    i: usize,
-    s: usize,
-    add: bool,
+    (i, s, add): (usize, usize, bool),
 ) -> Result<()> {
     let (buf, off) = src;
+    let mut staged = staged;
     if add {
         backend.sync(&backend.record(Stream::Comm)?)?;
-        let mut v = backend.host_mut(w, 0..s)?;
-        gs.load(i, &mut v);
-        backend.commit(v)?;
+        match staged.as_deref_mut() {
+            Some(h) => {
+                gs.load(i, backend.write_host(h, 0..s)?);
+                backend.copy_h2d(Stream::Comm, h, 0, w, 0, s)?;
+            }
+            None => {
+                let mut v = backend.host_mut(w, 0..s)?;
+                gs.load(i, &mut v);
+                backend.commit(v)?;
+            }
+        }
     }
     with_dev!(buf, b => {
         let mut piece = UnpackPiece::<B, _> { dst: &mut *w, dst_at: 0, src_at: off, len: s };
         backend.unpack(Stream::Comm, b, std::slice::from_mut(&mut piece), add)?;
     });
     let sums = backend.sum_squares(Stream::Comm, &[(&*w, gs.norm_range(i))])?;
+    if let Some(h) = staged.as_deref_mut() {
+        backend.copy_d2h(Stream::Comm, w, 0, h, 0, s)?;
+    }
     backend.sync(&backend.record(Stream::Comm)?)?;
     let sum = backend.read_scalars(&sums)?[0];
-    gs.store(i, &backend.host_ref(w, 0..s)?, sum);
+    match staged {
+        Some(h) => gs.store(i, backend.read_host(h, 0..s)?, sum),
+        None => gs.store(i, &backend.host_ref(w, 0..s)?, sum),
+    }
     Ok(())
 }
 
@@ -263,6 +278,9 @@ pub(crate) struct GradReducer<B: HostAccess> {
     /// stored from there.
     gswap: Option<GradSwap>,
     window: Option<DevBuf<B>>,
+    /// On a device: the host buffer (pinned on a GPU) the window goes
+    /// through.
+    window_host: Option<DynHost<B>>,
     /// The offloaded optimizer on a device (see `staging.rs`): a host
     /// copy of every gradient home, filled bucket by bucket on the
     /// device-to-host stream as the last micro-batch of a step reduces
@@ -422,6 +440,7 @@ impl<B: HostAccess> GradReducer<B> {
             acc,
             gswap,
             window,
+            window_host: None,
             staged: Vec::new(),
             staged_copies: None,
             homes_copied: None,
@@ -490,6 +509,18 @@ impl<B: HostAccess> GradReducer<B> {
             self.allocs
                 .push(tracker.allocate(Tier::Host, Category::Grads, h.bytes()));
             self.staged.push(h);
+        }
+        Ok(())
+    }
+
+    /// `swap_gradients` on a device: the window goes to and from the swap
+    /// file through a host buffer of its size (accounted in the host tier).
+    pub(crate) fn stage_window(&mut self, tracker: &MemoryTracker) -> Result<()> {
+        if let Some(w) = &self.window {
+            let h = DynHost::alloc(&self.backend, w.dtype(), w.len(), "gradient window (host)")?;
+            self.allocs
+                .push(tracker.allocate(Tier::Host, Category::Grads, h.bytes()));
+            self.window_host = Some(h);
         }
         Ok(())
     }
@@ -868,8 +899,12 @@ impl<B: HostAccess> GradReducer<B> {
             for &i in &f.units {
                 let s = self.shard[i];
                 if let (Some(gs), Some(w)) = (self.gswap.as_mut(), self.window.as_mut()) {
+                    let wh = self.window_host.as_mut();
                     let _span = tracer.span(rank, "grad to swap", "offload");
-                    with_dev!(&mut *w, b => store_unit(backend, gs, b, (&buf, off), i, s, add)?);
+                    with_dev!(&mut *w, b => {
+                        let h = wh.and_then(|h| h.typed_mut());
+                        store_unit(backend, gs, (b, h), (&buf, off), (i, s, add))?
+                    });
                     off += s;
                     continue;
                 }
