@@ -73,11 +73,14 @@ pub mod cuda;
 mod hazard;
 mod host;
 
-pub use cpu::{CpuBackend, CpuBuffer, CpuEvent, CpuMode, CpuScalars, Loan, POISON};
+pub use cpu::{
+    CpuBackend, CpuBuffer, CpuEvent, CpuMode, CpuScalars, In, LaunchArgs, Loan, Out, Running,
+    POISON,
+};
 #[cfg(feature = "cuda")]
 pub use cuda::{
     CudaBackend, CudaBackendEvent, CudaBuffer, CudaHostBuffer, CudaHostMut, CudaLoan, CudaScalars,
-    View as CudaView,
+    ReadView as CudaReadView, View as CudaView,
 };
 pub use host::HostAccess;
 

@@ -52,11 +52,13 @@ use crate::{Device, Element, Error, HostBuffer, Result};
 
 mod chaos;
 mod kernels;
+mod launch;
 
 use chaos::Workers;
 use kernels::{store, Raw};
 
 pub use chaos::POISON;
+pub use launch::{In, LaunchArgs, Out, Running};
 
 /// How a [`CpuBackend`] runs and checks its operations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

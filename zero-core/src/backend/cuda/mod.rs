@@ -223,6 +223,31 @@ impl<T> DevicePtrMut<T> for View<'_, T> {
     }
 }
 
+/// A range of device memory to read, as cudarc's kernel-argument traits
+/// want it, without any event: the read-only counterpart of [`View`], made
+/// by [`CudaBackend::read_view`].
+pub struct ReadView<'a, T> {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    stream: &'a Arc<CudaStream>,
+    _marker: PhantomData<T>,
+}
+
+impl<T> DeviceSlice<T> for ReadView<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for ReadView<'_, T> {
+    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Record(None))
+    }
+}
+
 /// The [`Backend`] on one CUDA GPU; see the [module](self) docs. Cloning
 /// shares it (streams, kernels).
 #[derive(Clone)]
@@ -495,6 +520,28 @@ impl CudaBackend {
         let len = range_len(OP, &range)?;
         bounds(OP, &buf.label, buf.id, buf.len, range.start, len)?;
         Ok(buf.view(range.start, len, self.inner.stream(stream)))
+    }
+
+    /// `buf[range]` to read, as [`raw_view`](CudaBackend::raw_view) gives
+    /// it to write: a cudarc device slice on `stream` with no event of its
+    /// own, for a library call or kernel enqueued on `stream` that only
+    /// reads it. Errors: another backend's buffer, a range outside it.
+    pub fn read_view<'a, T: Element>(
+        &'a self,
+        stream: Stream,
+        buf: &'a CudaBuffer<T>,
+        range: Range<usize>,
+    ) -> Result<ReadView<'a, T>> {
+        const OP: &str = "read_view";
+        self.own(buf, OP)?;
+        let len = range_len(OP, &range)?;
+        bounds(OP, &buf.label, buf.id, buf.len, range.start, len)?;
+        Ok(ReadView {
+            ptr: buf.addr(range.start),
+            len,
+            stream: self.inner.stream(stream),
+            _marker: PhantomData,
+        })
     }
 
     /// The CUDA stream behind `stream`.
