@@ -1453,6 +1453,13 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         self.rank
     }
 
+    /// The device backend the engine runs on: a trainer enqueues its own
+    /// work (forward and backward) on its compute stream, where the
+    /// engine's gathers and reductions are ordered with it.
+    pub fn device_backend(&self) -> &B {
+        &self.backend
+    }
+
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
         self.world

@@ -320,11 +320,7 @@ impl Block {
             self.adapt(p, 4, &xn2, &mut h1, &mut lc);
             let mut h3 = linear_forward(&xn2, p.up, rows, dim, c.hidden, th);
             self.adapt(p, 5, &xn2, &mut h3, &mut lc);
-            let a: Vec<f32> = h1
-                .iter()
-                .zip(&h3)
-                .map(|(&z, &u)| z * sigmoid(z) * u)
-                .collect();
+            let a = swiglu_act(&h1, &h3);
             let mut m = linear_forward(&a, p.down, rows, c.hidden, dim, th);
             self.adapt(p, 6, &a, &mut m, &mut lc);
             (m, SwigluCache { h1, h3, a })
@@ -438,12 +434,7 @@ impl Block {
         self.frozen_linear_backward(l, cache, 6, dy, &cache.mlp.a, p.down, &mut da, &mut lg);
         let mut dh1 = vec![0.0; rows * hidden];
         let mut dh3 = vec![0.0; rows * hidden];
-        for i in 0..rows * hidden {
-            let z = cache.mlp.h1[i];
-            let sg = sigmoid(z);
-            dh3[i] = da[i] * z * sg;
-            dh1[i] = da[i] * cache.mlp.h3[i] * sg * (1.0 + z * (1.0 - sg));
-        }
+        swiglu_act_backward(&da, &cache.mlp.h1, &cache.mlp.h3, &mut dh1, &mut dh3);
         drop(da);
         let mut dxn2 = vec![0.0; rows * dim];
         self.frozen_linear_backward(l, cache, 4, &dh1, &cache.xn2, p.gate, &mut dxn2, &mut lg);

@@ -13,6 +13,7 @@
 pub mod block;
 pub mod cuda;
 pub mod data;
+pub mod device;
 pub mod hf;
 pub mod lora;
 pub mod ops;

@@ -434,6 +434,50 @@ impl AttnShape {
     }
 }
 
+/// Causal softmax in place on `[t, t]` score matrices: row `i` over
+/// columns `0..=i`, the rest set to 0.
+pub fn softmax_causal(p: &mut [f32], t: usize) {
+    for row_start in (0..p.len()).step_by(t * t) {
+        let m = &mut p[row_start..row_start + t * t];
+        for i in 0..t {
+            let row = &mut m[i * t..(i + 1) * t];
+            let max = row[..=i].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let mut sum = 0.0;
+            for x in &mut row[..=i] {
+                *x = (*x - max).exp();
+                sum += *x;
+            }
+            let r = 1.0 / sum;
+            for x in &mut row[..=i] {
+                *x *= r;
+            }
+            for x in &mut row[i + 1..] {
+                *x = 0.0;
+            }
+        }
+    }
+}
+
+/// Backward of [`softmax_causal`] on `[t, t]` matrices: `ds` holds `dP` on
+/// entry and `dS = P ∘ (dP − rowsum(dP ∘ P)) · scale` (0 above the
+/// diagonal) on return.
+pub fn softmax_causal_backward(p: &[f32], ds: &mut [f32], t: usize, scale: f32) {
+    for (pm, dm) in p.chunks_exact(t * t).zip(ds.chunks_exact_mut(t * t)) {
+        for i in 0..t {
+            let pr = &pm[i * t..(i + 1) * t];
+            let dr = &mut dm[i * t..(i + 1) * t];
+            let dot: f32 = pr[..=i].iter().zip(&dr[..=i]).map(|(a, b)| a * b).sum();
+            for j in 0..t {
+                dr[j] = if j <= i {
+                    pr[j] * (dr[j] - dot) * scale
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+}
+
 /// Causal softmax attention. `q` `[batch*seq, n_heads*hd]`, `k`, `v`
 /// `[batch*seq, n_kv_heads*hd]`; query head `h` reads kv head
 /// `h / (n_heads / n_kv_heads)`. Returns the output `[batch*seq, n_heads*hd]`
@@ -470,22 +514,7 @@ pub fn attention_forward(
                 .alpha(scale)
                 .threads(threads);
             matmul(p, &q[qo..], &k[ko..], mm);
-            for i in 0..t {
-                let row = &mut p[i * t..(i + 1) * t];
-                let max = row[..=i].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                let mut sum = 0.0;
-                for x in &mut row[..=i] {
-                    *x = (*x - max).exp();
-                    sum += *x;
-                }
-                let r = 1.0 / sum;
-                for x in &mut row[..=i] {
-                    *x *= r;
-                }
-                for x in &mut row[i + 1..] {
-                    *x = 0.0;
-                }
-            }
+            softmax_causal(p, t);
             let mm = Mm::new(t, hd, t).ld(t, kd, qd).threads(threads);
             matmul(&mut out[qo..], p, &v[ko..], mm);
         }
@@ -538,19 +567,7 @@ pub fn attention_backward(
                 &dout[qo..],
                 Mm::new(t, hd, t).ta().ld(t, qd, kd).acc().threads(threads),
             );
-            // dS = P ∘ (dP − rowsum(dP ∘ P)) · scale
-            for i in 0..t {
-                let pr = &p[i * t..(i + 1) * t];
-                let dr = &mut ds[i * t..(i + 1) * t];
-                let dot: f32 = pr[..=i].iter().zip(&dr[..=i]).map(|(a, b)| a * b).sum();
-                for j in 0..t {
-                    dr[j] = if j <= i {
-                        pr[j] * (dr[j] - dot) * scale
-                    } else {
-                        0.0
-                    };
-                }
-            }
+            softmax_causal_backward(p, &mut ds, t, scale);
             // dQ = dS K, dK += dSᵀ Q
             matmul(
                 &mut dq[qo..],
@@ -576,6 +593,25 @@ pub fn sigmoid(z: f32) -> f32 {
     1.0 / (1.0 + (-z).exp())
 }
 
+/// `silu(h1) ∘ h3`, elementwise.
+pub fn swiglu_act(h1: &[f32], h3: &[f32]) -> Vec<f32> {
+    h1.iter()
+        .zip(h3)
+        .map(|(&z, &u)| z * sigmoid(z) * u)
+        .collect()
+}
+
+/// Backward of [`swiglu_act`]: writes `dh1` and `dh3` for the output
+/// gradient `da`.
+pub fn swiglu_act_backward(da: &[f32], h1: &[f32], h3: &[f32], dh1: &mut [f32], dh3: &mut [f32]) {
+    for i in 0..da.len() {
+        let z = h1[i];
+        let sg = sigmoid(z);
+        dh3[i] = da[i] * z * sg;
+        dh1[i] = da[i] * h3[i] * sg * (1.0 + z * (1.0 - sg));
+    }
+}
+
 /// Activations kept by [`swiglu_forward`].
 pub struct SwigluCache {
     /// The gate projection `x W1ᵀ`.
@@ -599,11 +635,7 @@ pub fn swiglu_forward(
     let rows = x.len() / dim;
     let h1 = linear_forward(x, w1, rows, dim, hidden, threads);
     let h3 = linear_forward(x, w3, rows, dim, hidden, threads);
-    let a: Vec<f32> = h1
-        .iter()
-        .zip(&h3)
-        .map(|(&z, &u)| z * sigmoid(z) * u)
-        .collect();
+    let a = swiglu_act(&h1, &h3);
     let y = linear_forward(&a, w2, rows, hidden, dim, threads);
     (y, SwigluCache { h1, h3, a })
 }
@@ -650,12 +682,7 @@ pub fn swiglu_backward(
     );
     let mut dh1 = vec![0.0; rows * hidden];
     let mut dh3 = vec![0.0; rows * hidden];
-    for i in 0..rows * hidden {
-        let z = c.h1[i];
-        let sg = sigmoid(z);
-        dh3[i] = da[i] * z * sg;
-        dh1[i] = da[i] * c.h3[i] * sg * (1.0 + z * (1.0 - sg));
-    }
+    swiglu_act_backward(&da, &c.h1, &c.h3, &mut dh1, &mut dh3);
     linear_backward(&dh1, x, w1, &mut g.w1, dx, (rows, dim, hidden), threads);
     linear_backward(&dh3, x, w3, &mut g.w3, dx, (rows, dim, hidden), threads);
     g

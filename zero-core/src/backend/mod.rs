@@ -316,6 +316,15 @@ pub trait Backend: Send + Sync + 'static {
     /// A zeroed buffer of `len` elements; `label` names it in messages.
     fn alloc<T: Element>(&self, len: usize, label: &str) -> Result<Self::Buffer<T>>;
 
+    /// Frees `buf` once the work enqueued so far on every stream is done,
+    /// without blocking: what dropping a CUDA buffer does (a stream-ordered
+    /// free), the default. On the CPU backend in the checked modes a plain
+    /// drop is a host write, refused while unsynced work uses the buffer;
+    /// this is the way to free it in stream order there.
+    fn release<T: Element>(&self, buf: Self::Buffer<T>) {
+        drop(buf);
+    }
+
     /// A zeroed host buffer of `len` elements for asynchronous copies.
     fn alloc_host<T: Element>(&self, len: usize, label: &str) -> Result<Self::HostBuffer<T>>;
 

@@ -432,8 +432,9 @@ mod tests {
         let kept = std::sync::Arc::new(kept);
         let k = kept.clone();
         let arg = dev.input(&x, 0..8).unwrap();
-        // SAFETY of the test: the argument is only stashed, never read
-        // after the job; `get` below must refuse the stale launch.
+        // SAFETY: the argument is only stashed, never read after the job
+        // (`get` below must refuse the stale launch before reading), and
+        // `x` outlives both launches.
         let arg: In<'static, f32> = unsafe { std::mem::transmute(arg) };
         dev.launch(Stream::Compute, "stash", arg, move |_, a| {
             *k.lock().unwrap() = Some(a);

@@ -757,6 +757,16 @@ impl Backend for CpuBackend {
         Arc::ptr_eq(&buf.owner, &self.inner)
     }
 
+    fn release<T: Element>(&self, buf: CpuBuffer<T>) {
+        let (mem, id, _, owner) = buf.into_parts();
+        if owner.checked {
+            // Not a host access: the buffer leaves the checker, and its
+            // memory is freed once every queue ran past this point (at
+            // once in Checked mode, where everything enqueued already ran).
+            owner.release(id, mem, false);
+        }
+    }
+
     fn alloc_host<T: Element>(&self, len: usize, label: &str) -> Result<CpuBuffer<T>> {
         self.alloc(len, label)
     }

@@ -1,0 +1,906 @@
+//! [`DeviceModel`]: the registered Llama trained with its activations in a
+//! device backend's buffers, every op on the compute stream.
+//!
+//! The sequence of ops is the CPU trainer's ([`SftModel::train_micro_batch`]
+//! over [`crate::Block`]), op for op: the same products with the same
+//! shapes, strides and accumulation order, so on the CPU backend with f32
+//! parameters both give the same bits. Attention runs as batched products
+//! per head (the batch over the sequences of the micro-batch), the causal
+//! softmax over every head at once.
+
+use zero::core::backend::{Backend, BufferHandle, Stream};
+use zero::core::memory::{Category, Tier};
+use zero::core::partition::UnitLayout;
+use zero::core::Element;
+use zero::engine::EngineComm;
+use zero::trace::Tracer;
+use zero::{Engine, Error, Result};
+
+use super::{dst_at, src, src_at, Batch, Dst, LlamaDevice, Src};
+use crate::ops::Mm;
+use crate::train::{MicroStats, SftModel};
+use crate::{block_tensors, tensors, Config};
+
+/// A Llama registered with an engine ([`SftModel::register`]), trained on
+/// the engine's device backend.
+pub struct DeviceModel<B: LlamaDevice> {
+    /// The registered model (units, configuration, checkpointing).
+    pub model: SftModel,
+    ops: B::Ops,
+}
+
+/// A block's tensors' offsets in its gathered buffer (and gradient
+/// buffer): `wq, wk, wv, wo, gate, up, down, attn_norm, mlp_norm`.
+struct BlockAt([usize; 9]);
+
+impl BlockAt {
+    fn of(cfg: &Config, l: usize, lay: &UnitLayout) -> Result<Self> {
+        let mut at = [0; 9];
+        for (o, t) in at.iter_mut().zip(block_tensors(cfg, l)) {
+            *o = offset(lay, &t.name)?;
+        }
+        Ok(BlockAt(at))
+    }
+}
+
+fn offset(lay: &UnitLayout, name: &str) -> Result<usize> {
+    lay.tensor(name)
+        .map(|t| t.offset)
+        .ok_or_else(|| Error::Unsupported {
+            what: format!("tensor {name} is not in unit {}", lay.name),
+        })
+}
+
+/// The activations of one block's forward that its backward reads.
+struct Acts<B: Backend, T: Element> {
+    x: Tmp<B, T>,
+    xn1: Tmp<B, T>,
+    inv1: Tmp<B, f32>,
+    q: Tmp<B, T>,
+    k: Tmp<B, T>,
+    v: Tmp<B, T>,
+    probs: Tmp<B, T>,
+    attn: Tmp<B, T>,
+    h: Tmp<B, T>,
+    xn2: Tmp<B, T>,
+    inv2: Tmp<B, f32>,
+    h1: Tmp<B, T>,
+    h3: Tmp<B, T>,
+    a: Tmp<B, T>,
+}
+
+impl<B: Backend, T: Element> Acts<B, T> {
+    fn bytes(&self) -> u64 {
+        let t = [
+            &self.x,
+            &self.xn1,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.probs,
+            &self.attn,
+            &self.h,
+            &self.xn2,
+            &self.h1,
+            &self.h3,
+            &self.a,
+        ];
+        let n: usize = t.iter().map(|b| b.len()).sum();
+        (n * size_of::<T>() + 4 * (self.inv1.len() + self.inv2.len())) as u64
+    }
+}
+
+/// A block's forward: what its backward reads, and its output.
+type Forward<B, T> = (Box<Acts<B, T>>, Tmp<B, T>);
+
+/// What forward keeps of a block.
+enum Saved<B: Backend, T: Element> {
+    Full(Box<Acts<B, T>>),
+    /// Activation checkpointing: the block input only.
+    Input(Tmp<B, T>),
+}
+
+/// A buffer of the trainer's, freed in stream order when dropped
+/// ([`Backend::release`]): the work enqueued on it runs first.
+struct Tmp<B: Backend, T: Element> {
+    buf: Option<B::Buffer<T>>,
+    dev: B,
+}
+
+fn tmp<B: Backend + Clone, T: Element>(dev: &B, len: usize, label: &str) -> Result<Tmp<B, T>> {
+    Ok(Tmp {
+        buf: Some(dev.alloc::<T>(len, label)?),
+        dev: dev.clone(),
+    })
+}
+
+impl<B: Backend, T: Element> std::ops::Deref for Tmp<B, T> {
+    type Target = B::Buffer<T>;
+    fn deref(&self) -> &B::Buffer<T> {
+        self.buf.as_ref().expect("a live buffer")
+    }
+}
+
+impl<B: Backend, T: Element> std::ops::DerefMut for Tmp<B, T> {
+    fn deref_mut(&mut self) -> &mut B::Buffer<T> {
+        self.buf.as_mut().expect("a live buffer")
+    }
+}
+
+impl<B: Backend, T: Element> Tmp<B, T> {
+    fn src(&self) -> Src<'_, B, T> {
+        self.src_at(0)
+    }
+    fn src_at(&self, at: usize) -> Src<'_, B, T> {
+        Src { buf: self, at }
+    }
+    fn dst(&mut self) -> Dst<'_, B, T> {
+        self.dst_at(0)
+    }
+    fn dst_at(&mut self, at: usize) -> Dst<'_, B, T> {
+        Dst { buf: self, at }
+    }
+}
+
+impl<B: Backend, T: Element> Drop for Tmp<B, T> {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            self.dev.release(b);
+        }
+    }
+}
+
+/// The sequences' shapes of a micro-batch.
+#[derive(Clone, Copy)]
+struct Shape {
+    batch: usize,
+    seq: usize,
+    rows: usize,
+    dim: usize,
+    hd: usize,
+    heads: usize,
+    kv: usize,
+    qd: usize,
+    kd: usize,
+    hidden: usize,
+}
+
+impl Shape {
+    fn new(c: &Config, batch: usize, seq: usize) -> Self {
+        let hd = c.head_dim();
+        Shape {
+            batch,
+            seq,
+            rows: batch * seq,
+            dim: c.dim,
+            hd,
+            heads: c.n_heads,
+            kv: c.n_kv_heads,
+            qd: c.n_heads * hd,
+            kd: c.n_kv_heads * hd,
+            hidden: c.hidden,
+        }
+    }
+
+    /// Elements of one head's `[t, t]` matrices of every sequence.
+    fn mats(&self) -> usize {
+        self.batch * self.heads * self.seq * self.seq
+    }
+
+    /// The kv head of query head `h`.
+    fn kv_of(&self, h: usize) -> usize {
+        h / (self.heads / self.kv)
+    }
+}
+
+/// `y[rows, out] = x[rows, in] Wᵀ`.
+fn linear(rows: usize, d_in: usize, d_out: usize) -> Mm {
+    Mm::new(rows, d_out, d_in).tb()
+}
+
+/// The contiguous runs `(first row, rows)` of `picked` (increasing).
+fn runs(picked: &[usize]) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for &r in picked {
+        match out.last_mut() {
+            Some((s, n)) if *s + *n == r => *n += 1,
+            _ => out.push((r, 1)),
+        }
+    }
+    out
+}
+
+impl<B: LlamaDevice> DeviceModel<B> {
+    /// The model on `backend` (the engine's, [`Engine::device_backend`]);
+    /// `threads`: the CPU backend's GEMM threads.
+    ///
+    /// Errors: LoRA adapters or q/k/v biases (Qwen2), which the device
+    /// trainer does not run yet ([`Error::Unsupported`]).
+    pub fn new(model: SftModel, backend: &B, threads: usize) -> Result<Self> {
+        if model.lora.is_some() {
+            return Err(Error::Unsupported {
+                what: "LoRA on a device backend (the device trainer runs full fine-tuning; \
+                       use --device cpu for LoRA)"
+                    .into(),
+            });
+        }
+        if model.cfg.qkv_bias {
+            return Err(Error::Unsupported {
+                what: "q/k/v biases (Qwen2) on a device backend (use --device cpu)".into(),
+            });
+        }
+        let ops = backend.llama_ops(&model.cfg, threads)?;
+        Ok(DeviceModel { model, ops })
+    }
+
+    /// One micro-batch on this rank, as [`SftModel::train_micro_batch`]:
+    /// forward, loss, backward, `grad_ready` per unit in reverse order, on
+    /// the engine's backend. Call [`Engine::step`] afterwards.
+    pub fn train_micro_batch<T: Element, C: EngineComm<B>>(
+        &self,
+        e: &mut Engine<C, B>,
+        tokens: &[u32],
+        targets: &[i32],
+        batch: usize,
+        seq: usize,
+        tracer: &Tracer,
+    ) -> Result<MicroStats> {
+        let m = &self.model;
+        let c = &m.cfg;
+        let s = Shape::new(c, batch, seq);
+        let rank = e.rank();
+        if tokens.len() != s.rows || targets.len() != s.rows {
+            return Err(Error::Usage {
+                rank,
+                what: format!(
+                    "{} tokens and {} targets for {batch} sequences of {seq}",
+                    tokens.len(),
+                    targets.len()
+                ),
+            });
+        }
+        let owned = e.device_backend().clone();
+        let dev = &owned;
+        let ops = &self.ops;
+        let mut act = e.tracker().allocate(Tier::Device, Category::Activations, 0);
+        let (mut live, mut peak) = (0u64, 0u64);
+        let mut grow = |by: i64| {
+            live = (live as i64 + by) as u64;
+            peak = peak.max(live);
+            act.resize(live);
+        };
+        let ids = dev.upload_ids(ops, tokens)?;
+
+        // Forward.
+        let fwd = tracer.span(rank, "forward", "compute");
+        let mut x = tmp::<B, T>(dev, s.rows * s.dim, "x")?;
+        {
+            let g = e.gather(m.embed)?;
+            dev.embedding_forward(ops, src(g.buffer::<T>()?), &ids, x.dst(), s.dim)?;
+        }
+        grow(bytes::<B, T>(&x));
+        let mut saved: Vec<Saved<B, T>> = Vec::with_capacity(c.n_layers);
+        for (l, &u) in m.layers.iter().enumerate() {
+            let g = e.gather(u)?;
+            let at = BlockAt::of(c, l, g.layout())?;
+            let (acts, y) = self.block_forward(dev, g.buffer::<T>()?, &at, x, s)?;
+            drop(g);
+            let s_ = if m.checkpointing {
+                Saved::Input(acts.x)
+            } else {
+                Saved::Full(acts)
+            };
+            grow(saved_bytes(&s_) as i64);
+            saved.push(s_);
+            x = y;
+        }
+        drop(fwd);
+
+        // Head: the final norm and the LM head on the rows that carry loss,
+        // then its backward at once.
+        let bwd = tracer.span(rank, "backward", "compute");
+        let picked: Vec<usize> = (0..s.rows).filter(|&r| targets[r] >= 0).collect();
+        let np = picked.len();
+        let picked_targets: Vec<i32> = picked.iter().map(|&r| targets[r]).collect();
+        let tgt = dev.upload_targets(ops, &picked_targets)?;
+        let runs = runs(&picked);
+        let scale = e.loss_scale();
+        let head = e.gather(m.head)?;
+        let tied = if c.tie_embeddings {
+            Some(e.gather(m.embed)?)
+        } else {
+            None
+        };
+        let hp = head.buffer::<T>()?;
+        let head_names = &tensors(c)[c.norm_index()..];
+        let norm_at = offset(head.layout(), &head_names[0].name)?;
+        let (wbuf, w_at) = match &tied {
+            Some(t) => (t.buffer::<T>()?, 0),
+            None => (hp, offset(head.layout(), &head_names[1].name)?),
+        };
+        let mut hx = tmp::<B, T>(dev, np * s.dim, "head input")?;
+        let mut k = 0;
+        for &(r0, n) in &runs {
+            dev.copy_d2d(
+                Stream::Compute,
+                &x,
+                r0 * s.dim,
+                &mut hx,
+                k * s.dim,
+                n * s.dim,
+            )?;
+            k += n;
+        }
+        let mut xn = tmp::<B, T>(dev, np * s.dim, "head norm")?;
+        let mut inv = tmp::<B, f32>(dev, np, "head inv rms")?;
+        dev.rmsnorm_forward(
+            ops,
+            hx.src(),
+            src_at(hp, norm_at),
+            xn.dst(),
+            inv.dst(),
+            np,
+            s.dim,
+            c.norm_eps,
+        )?;
+        let mut logits = tmp::<B, T>(dev, np * c.vocab, "logits")?;
+        dev.gemm(
+            ops,
+            logits.dst(),
+            xn.src(),
+            src_at(wbuf, w_at),
+            linear(np, s.dim, c.vocab),
+            Batch::ONE,
+        )?;
+        let mut dlogits = tmp::<B, T>(dev, np * c.vocab, "dlogits")?;
+        let mut loss = tmp::<B, f32>(dev, 1, "loss")?;
+        dev.cross_entropy(ops, logits.src(), &tgt, dlogits.dst(), loss.dst(), c.vocab)?;
+        drop(logits);
+        // The loss scale enters as the products' alpha (the CPU trainer
+        // scales dlogits first: the same bits for a power-of-two scale).
+        let head_len = e.layout(m.head)?.numel;
+        let mut gh = tmp::<B, T>(dev, head_len, "lm_head grad")?;
+        let mut dhead_tied = if c.tie_embeddings {
+            Some(tmp::<B, T>(dev, c.vocab * s.dim, "tied head grad")?)
+        } else {
+            None
+        };
+        let dw = match dhead_tied.as_mut() {
+            Some(d) => d.dst(),
+            None => gh.dst_at(w_at),
+        };
+        dev.gemm(
+            ops,
+            dw,
+            dlogits.src(),
+            xn.src(),
+            Mm::new(c.vocab, s.dim, np).ta().alpha(scale),
+            Batch::ONE,
+        )?;
+        let mut dxn = tmp::<B, T>(dev, np * s.dim, "head dnorm")?;
+        dev.gemm(
+            ops,
+            dxn.dst(),
+            dlogits.src(),
+            src_at(wbuf, w_at),
+            Mm::new(np, s.dim, c.vocab).alpha(scale),
+            Batch::ONE,
+        )?;
+        drop(dlogits);
+        let mut dnorm = tmp::<B, f32>(dev, s.dim, "head norm grad")?;
+        let mut dhx = tmp::<B, T>(dev, np * s.dim, "head dx")?;
+        dev.rmsnorm_backward(
+            ops,
+            dxn.src(),
+            hx.src(),
+            src_at(hp, norm_at),
+            inv.src(),
+            dhx.dst(),
+            dnorm.dst(),
+            np,
+            s.dim,
+            false,
+        )?;
+        drop((tied, head));
+        dev.cast(Stream::Compute, &dnorm, 0, &mut gh, norm_at, s.dim, false)?;
+        let mut g = e.grad_buffer::<T>(m.head)?;
+        dev.write_grad(ops, &gh, g.lent(), head_len)?;
+        e.grad_ready(m.head, g)?;
+        let mut demb = tmp::<B, f32>(dev, c.vocab * s.dim, "embedding grad")?;
+        if let Some(d) = &dhead_tied {
+            dev.cast(Stream::Compute, d, 0, &mut demb, 0, c.vocab * s.dim, false)?;
+        }
+        drop(dhead_tied);
+        let mut dx = tmp::<B, T>(dev, s.rows * s.dim, "dx")?;
+        let mut k = 0;
+        for &(r0, n) in &runs {
+            dev.copy_d2d(
+                Stream::Compute,
+                &dhx,
+                k * s.dim,
+                &mut dx,
+                r0 * s.dim,
+                n * s.dim,
+            )?;
+            k += n;
+        }
+        drop((hx, xn, inv, dxn, dhx, x));
+
+        // Blocks, last to first.
+        for (l, &u) in m.layers.iter().enumerate().rev() {
+            let g = e.gather(u)?;
+            let at = BlockAt::of(c, l, g.layout())?;
+            let sv = saved.pop().ok_or_else(|| Error::Usage {
+                rank,
+                what: format!("no saved activations for layer {l}"),
+            })?;
+            grow(-(saved_bytes(&sv) as i64));
+            let acts = match sv {
+                Saved::Full(a) => a,
+                Saved::Input(x) => self.block_forward(dev, g.buffer::<T>()?, &at, x, s)?.0,
+            };
+            grow(acts.bytes() as i64);
+            let len = g.layout().numel;
+            let mut gb = tmp::<B, T>(dev, len, "block grad")?;
+            let next = self.block_backward(dev, g.buffer::<T>()?, &at, &acts, dx, &mut gb, s)?;
+            drop(g);
+            grow(-(acts.bytes() as i64));
+            drop(acts);
+            dx = next;
+            let mut lent = e.grad_buffer::<T>(u)?;
+            dev.write_grad(ops, &gb, lent.lent(), len)?;
+            e.grad_ready(u, lent)?;
+        }
+
+        // Embedding: no parameters needed, so no gather.
+        let plan = dev.embed_plan(ops, tokens, c.vocab)?;
+        dev.embedding_backward(ops, dx.src(), &plan, demb.dst(), s.dim)?;
+        let n = c.vocab * s.dim;
+        let mut ge = tmp::<B, T>(dev, n, "embedding grad")?;
+        dev.cast(Stream::Compute, &demb, 0, &mut ge, 0, n, false)?;
+        let mut g = e.grad_buffer::<T>(m.embed)?;
+        dev.write_grad(ops, &ge, g.lent(), n)?;
+        e.grad_ready(m.embed, g)?;
+        drop(bwd);
+
+        dev.sync(&dev.record(Stream::Compute)?)?;
+        let loss = dev.host_ref(&loss, 0..1)?[0];
+        Ok(MicroStats {
+            loss,
+            target_tokens: np,
+            activation_bytes: peak,
+        })
+    }
+
+    /// A block's forward from input `x`: what its backward reads, and the
+    /// output `y = h + down(silu(gate) ∘ up)`.
+    fn block_forward<T: Element>(
+        &self,
+        dev: &B,
+        p: &B::Buffer<T>,
+        at: &BlockAt,
+        x: Tmp<B, T>,
+        s: Shape,
+    ) -> Result<Forward<B, T>> {
+        let (c, ops) = (&self.model.cfg, &self.ops);
+        let [wq, wk, wv, wo, gate, up, down, n1, n2] = at.0;
+        let (rows, dim) = (s.rows, s.dim);
+        let mut xn1 = tmp::<B, T>(dev, rows * dim, "xn1")?;
+        let mut inv1 = tmp::<B, f32>(dev, rows, "inv1")?;
+        dev.rmsnorm_forward(
+            ops,
+            x.src(),
+            src_at(p, n1),
+            xn1.dst(),
+            inv1.dst(),
+            rows,
+            dim,
+            c.norm_eps,
+        )?;
+        let mut q = tmp::<B, T>(dev, rows * s.qd, "q")?;
+        let mut k = tmp::<B, T>(dev, rows * s.kd, "k")?;
+        let mut v = tmp::<B, T>(dev, rows * s.kd, "v")?;
+        dev.gemm(
+            ops,
+            q.dst(),
+            xn1.src(),
+            src_at(p, wq),
+            linear(rows, dim, s.qd),
+            Batch::ONE,
+        )?;
+        dev.gemm(
+            ops,
+            k.dst(),
+            xn1.src(),
+            src_at(p, wk),
+            linear(rows, dim, s.kd),
+            Batch::ONE,
+        )?;
+        dev.gemm(
+            ops,
+            v.dst(),
+            xn1.src(),
+            src_at(p, wv),
+            linear(rows, dim, s.kd),
+            Batch::ONE,
+        )?;
+        dev.rope(ops, q.dst(), rows, s.seq, s.heads, false)?;
+        dev.rope(ops, k.dst(), rows, s.seq, s.kv, false)?;
+        let t = s.seq;
+        let scale = 1.0 / (s.hd as f32).sqrt();
+        let mut scores = tmp::<B, T>(dev, s.mats(), "scores")?;
+        for h in 0..s.heads {
+            let g = s.kv_of(h);
+            dev.gemm(
+                ops,
+                scores.dst_at(h * t * t),
+                q.src_at(h * s.hd),
+                k.src_at(g * s.hd),
+                Mm::new(t, t, s.hd).tb().ld(s.qd, s.kd, t).alpha(scale),
+                Batch {
+                    count: s.batch,
+                    a: t * s.qd,
+                    b: t * s.kd,
+                    out: s.heads * t * t,
+                },
+            )?;
+        }
+        let mut probs = tmp::<B, T>(dev, s.mats(), "probs")?;
+        dev.softmax_forward(ops, scores.src(), probs.dst(), s.batch * s.heads, t)?;
+        drop(scores);
+        let mut attn = tmp::<B, T>(dev, rows * s.qd, "attn")?;
+        for h in 0..s.heads {
+            let g = s.kv_of(h);
+            dev.gemm(
+                ops,
+                attn.dst_at(h * s.hd),
+                probs.src_at(h * t * t),
+                v.src_at(g * s.hd),
+                Mm::new(t, s.hd, t).ld(t, s.kd, s.qd),
+                Batch {
+                    count: s.batch,
+                    a: s.heads * t * t,
+                    b: t * s.kd,
+                    out: t * s.qd,
+                },
+            )?;
+        }
+        let mut h = tmp::<B, T>(dev, rows * dim, "h")?;
+        dev.copy_d2d(Stream::Compute, &x, 0, &mut h, 0, rows * dim)?;
+        dev.gemm(
+            ops,
+            h.dst(),
+            attn.src(),
+            src_at(p, wo),
+            linear(rows, s.qd, dim).acc(),
+            Batch::ONE,
+        )?;
+        let mut xn2 = tmp::<B, T>(dev, rows * dim, "xn2")?;
+        let mut inv2 = tmp::<B, f32>(dev, rows, "inv2")?;
+        dev.rmsnorm_forward(
+            ops,
+            h.src(),
+            src_at(p, n2),
+            xn2.dst(),
+            inv2.dst(),
+            rows,
+            dim,
+            c.norm_eps,
+        )?;
+        let mut h1 = tmp::<B, T>(dev, rows * s.hidden, "h1")?;
+        let mut h3 = tmp::<B, T>(dev, rows * s.hidden, "h3")?;
+        dev.gemm(
+            ops,
+            h1.dst(),
+            xn2.src(),
+            src_at(p, gate),
+            linear(rows, dim, s.hidden),
+            Batch::ONE,
+        )?;
+        dev.gemm(
+            ops,
+            h3.dst(),
+            xn2.src(),
+            src_at(p, up),
+            linear(rows, dim, s.hidden),
+            Batch::ONE,
+        )?;
+        let mut a = tmp::<B, T>(dev, rows * s.hidden, "swiglu")?;
+        dev.swiglu_forward(ops, h1.src(), h3.src(), a.dst(), rows * s.hidden)?;
+        let mut mlp = tmp::<B, T>(dev, rows * dim, "mlp out")?;
+        dev.gemm(
+            ops,
+            mlp.dst(),
+            a.src(),
+            src_at(p, down),
+            linear(rows, s.hidden, dim),
+            Batch::ONE,
+        )?;
+        let mut y = tmp::<B, T>(dev, rows * dim, "y")?;
+        dev.copy_d2d(Stream::Compute, &h, 0, &mut y, 0, rows * dim)?;
+        dev.cast(Stream::Compute, &mlp, 0, &mut y, 0, rows * dim, true)?;
+        let acts = Box::new(Acts {
+            x,
+            xn1,
+            inv1,
+            q,
+            k,
+            v,
+            probs,
+            attn,
+            h,
+            xn2,
+            inv2,
+            h1,
+            h3,
+            a,
+        });
+        Ok((acts, y))
+    }
+
+    /// A block's backward for output gradient `dy`: writes the weight
+    /// gradients into `gb` (the unit's gradient layout) and returns `dx`.
+    #[allow(clippy::too_many_arguments)]
+    fn block_backward<T: Element>(
+        &self,
+        dev: &B,
+        p: &B::Buffer<T>,
+        at: &BlockAt,
+        c: &Acts<B, T>,
+        dy: Tmp<B, T>,
+        gb: &mut B::Buffer<T>,
+        s: Shape,
+    ) -> Result<Tmp<B, T>> {
+        let ops = &self.ops;
+        let [wq, wk, wv, wo, gate, up, down, n1, n2] = at.0;
+        let (rows, dim, hid) = (s.rows, s.dim, s.hidden);
+        let one = Batch::ONE;
+        // MLP branch.
+        let mut da = tmp::<B, T>(dev, rows * hid, "da")?;
+        dev.gemm(
+            ops,
+            dst_at(gb, down),
+            dy.src(),
+            c.a.src(),
+            Mm::new(dim, hid, rows).ta(),
+            one,
+        )?;
+        dev.gemm(
+            ops,
+            da.dst(),
+            dy.src(),
+            src_at(p, down),
+            Mm::new(rows, hid, dim),
+            one,
+        )?;
+        let mut dh1 = tmp::<B, T>(dev, rows * hid, "dh1")?;
+        let mut dh3 = tmp::<B, T>(dev, rows * hid, "dh3")?;
+        dev.swiglu_backward(
+            ops,
+            da.src(),
+            c.h1.src(),
+            c.h3.src(),
+            dh1.dst(),
+            dh3.dst(),
+            rows * hid,
+        )?;
+        drop(da);
+        let mut dxn2 = tmp::<B, T>(dev, rows * dim, "dxn2")?;
+        dev.gemm(
+            ops,
+            dst_at(gb, gate),
+            dh1.src(),
+            c.xn2.src(),
+            Mm::new(hid, dim, rows).ta(),
+            one,
+        )?;
+        dev.gemm(
+            ops,
+            dxn2.dst(),
+            dh1.src(),
+            src_at(p, gate),
+            Mm::new(rows, dim, hid),
+            one,
+        )?;
+        dev.gemm(
+            ops,
+            dst_at(gb, up),
+            dh3.src(),
+            c.xn2.src(),
+            Mm::new(hid, dim, rows).ta(),
+            one,
+        )?;
+        dev.gemm(
+            ops,
+            dxn2.dst(),
+            dh3.src(),
+            src_at(p, up),
+            Mm::new(rows, dim, hid).acc(),
+            one,
+        )?;
+        drop((dh1, dh3));
+        let mut dh = tmp::<B, T>(dev, rows * dim, "dh")?;
+        dev.copy_d2d(Stream::Compute, &dy, 0, &mut dh, 0, rows * dim)?;
+        drop(dy);
+        let mut dn2 = tmp::<B, f32>(dev, dim, "mlp norm grad")?;
+        dev.rmsnorm_backward(
+            ops,
+            dxn2.src(),
+            c.h.src(),
+            src_at(p, n2),
+            c.inv2.src(),
+            dh.dst(),
+            dn2.dst(),
+            rows,
+            dim,
+            true,
+        )?;
+        drop(dxn2);
+        // Attention branch.
+        let mut dattn = tmp::<B, T>(dev, rows * s.qd, "dattn")?;
+        dev.gemm(
+            ops,
+            dst_at(gb, wo),
+            dh.src(),
+            c.attn.src(),
+            Mm::new(dim, s.qd, rows).ta(),
+            one,
+        )?;
+        dev.gemm(
+            ops,
+            dattn.dst(),
+            dh.src(),
+            src_at(p, wo),
+            Mm::new(rows, s.qd, dim),
+            one,
+        )?;
+        let t = s.seq;
+        let scale = 1.0 / (s.hd as f32).sqrt();
+        let mut dp = tmp::<B, T>(dev, s.mats(), "dprobs")?;
+        let mut dq = tmp::<B, T>(dev, rows * s.qd, "dq")?;
+        let mut dk = tmp::<B, T>(dev, rows * s.kd, "dk")?;
+        let mut dv = tmp::<B, T>(dev, rows * s.kd, "dv")?;
+        let per_seq = |a: usize, b: usize, out: usize| Batch {
+            count: s.batch,
+            a,
+            b,
+            out,
+        };
+        let mats = s.heads * t * t;
+        for h in 0..s.heads {
+            let g = s.kv_of(h);
+            // dP = dO Vᵀ
+            dev.gemm(
+                ops,
+                dp.dst_at(h * t * t),
+                dattn.src_at(h * s.hd),
+                c.v.src_at(g * s.hd),
+                Mm::new(t, t, s.hd).tb().ld(s.qd, s.kd, t),
+                per_seq(t * s.qd, t * s.kd, mats),
+            )?;
+            // dV += Pᵀ dO
+            dev.gemm(
+                ops,
+                dv.dst_at(g * s.hd),
+                c.probs.src_at(h * t * t),
+                dattn.src_at(h * s.hd),
+                Mm::new(t, s.hd, t).ta().ld(t, s.qd, s.kd).acc(),
+                per_seq(mats, t * s.qd, t * s.kd),
+            )?;
+        }
+        let mut ds = tmp::<B, T>(dev, s.mats(), "dscores")?;
+        dev.softmax_backward(
+            ops,
+            c.probs.src(),
+            dp.src(),
+            ds.dst(),
+            s.batch * s.heads,
+            t,
+            scale,
+        )?;
+        drop(dp);
+        for h in 0..s.heads {
+            let g = s.kv_of(h);
+            // dQ = dS K
+            dev.gemm(
+                ops,
+                dq.dst_at(h * s.hd),
+                ds.src_at(h * t * t),
+                c.k.src_at(g * s.hd),
+                Mm::new(t, s.hd, t).ld(t, s.kd, s.qd),
+                per_seq(mats, t * s.kd, t * s.qd),
+            )?;
+            // dK += dSᵀ Q
+            dev.gemm(
+                ops,
+                dk.dst_at(g * s.hd),
+                ds.src_at(h * t * t),
+                c.q.src_at(h * s.hd),
+                Mm::new(t, s.hd, t).ta().ld(t, s.qd, s.kd).acc(),
+                per_seq(mats, t * s.qd, t * s.kd),
+            )?;
+        }
+        drop((ds, dattn));
+        dev.rope(ops, dq.dst(), rows, t, s.heads, true)?;
+        dev.rope(ops, dk.dst(), rows, t, s.kv, true)?;
+        let mut dxn1 = tmp::<B, T>(dev, rows * dim, "dxn1")?;
+        dev.gemm(
+            ops,
+            dst_at(gb, wq),
+            dq.src(),
+            c.xn1.src(),
+            Mm::new(s.qd, dim, rows).ta(),
+            one,
+        )?;
+        dev.gemm(
+            ops,
+            dxn1.dst(),
+            dq.src(),
+            src_at(p, wq),
+            Mm::new(rows, dim, s.qd),
+            one,
+        )?;
+        dev.gemm(
+            ops,
+            dst_at(gb, wk),
+            dk.src(),
+            c.xn1.src(),
+            Mm::new(s.kd, dim, rows).ta(),
+            one,
+        )?;
+        dev.gemm(
+            ops,
+            dxn1.dst(),
+            dk.src(),
+            src_at(p, wk),
+            Mm::new(rows, dim, s.kd).acc(),
+            one,
+        )?;
+        dev.gemm(
+            ops,
+            dst_at(gb, wv),
+            dv.src(),
+            c.xn1.src(),
+            Mm::new(s.kd, dim, rows).ta(),
+            one,
+        )?;
+        dev.gemm(
+            ops,
+            dxn1.dst(),
+            dv.src(),
+            src_at(p, wv),
+            Mm::new(rows, dim, s.kd).acc(),
+            one,
+        )?;
+        drop((dq, dk, dv));
+        let mut dx = tmp::<B, T>(dev, rows * dim, "dx")?;
+        dev.copy_d2d(Stream::Compute, &dh, 0, &mut dx, 0, rows * dim)?;
+        let mut dn1 = tmp::<B, f32>(dev, dim, "attn norm grad")?;
+        dev.rmsnorm_backward(
+            ops,
+            dxn1.src(),
+            c.x.src(),
+            src_at(p, n1),
+            c.inv1.src(),
+            dx.dst(),
+            dn1.dst(),
+            rows,
+            dim,
+            true,
+        )?;
+        dev.cast(Stream::Compute, &dn1, 0, gb, n1, dim, false)?;
+        dev.cast(Stream::Compute, &dn2, 0, gb, n2, dim, false)?;
+        Ok(dx)
+    }
+}
+
+fn bytes<B: Backend, T: Element>(b: &Tmp<B, T>) -> i64 {
+    (b.len() * size_of::<T>()) as i64
+}
+
+fn saved_bytes<B: Backend, T: Element>(s: &Saved<B, T>) -> u64 {
+    match s {
+        Saved::Full(a) => a.bytes(),
+        Saved::Input(x) => bytes::<B, T>(x) as u64,
+    }
+}

@@ -1,0 +1,287 @@
+//! The device trainer ([`DeviceModel`]) on the CPU backend under the hazard
+//! checker, against the CPU trainer ([`SftModel::train_micro_batch`]):
+//!
+//! - with f32 parameters it gives the CPU trainer's losses, parameters,
+//!   master weights and moments bit for bit, at stages 0–3 on 1–2 ranks,
+//!   with tied embeddings, activation checkpointing and gradient
+//!   accumulation, in Checked and Chaos mode (so every op of the
+//!   composition the GPU runs is ordered with the engine's gathers and
+//!   reductions, and each tensor's gradient lands where the CPU trainer
+//!   puts it);
+//! - with bf16 parameters (bf16 activations, as on the GPU) it is
+//!   bit-identical across stages and its losses stay within bf16 rounding
+//!   of the CPU trainer's f32 activations;
+//! - what it does not run (LoRA, q/k/v biases) is an error naming it.
+
+use zero::comm::{Communicator, ThreadComm, ThreadGroup};
+use zero::core::backend::{CpuBackend, CpuMode};
+use zero::core::config::{Precision, ResolvedConfig};
+use zero::core::optim::LrSchedule;
+use zero::core::{bf16, Element};
+use zero::{Engine, Tracer, UnitState};
+use zero_llama as llama;
+
+use llama::data::{self, Sample};
+use llama::device::DeviceModel;
+use llama::lora::LoraConfig;
+use llama::train::{LoraSetup, SftModel};
+use llama::Config;
+
+const MB: usize = 2;
+const SEED: u64 = 7;
+
+fn train_set() -> Vec<Sample> {
+    data::addition_task(SEED).train
+}
+
+fn model_config(tied: bool) -> Config {
+    Config {
+        vocab: data::VOCAB,
+        dim: 32,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: 2,
+        hidden: 48,
+        max_seq: data::max_len(&train_set()),
+        tie_embeddings: tied,
+        ..Config::tiny()
+    }
+}
+
+fn engine_config(world: usize, stage: u8, ga: usize, precision: Precision) -> ResolvedConfig {
+    let mut c = ResolvedConfig::simple(stage, world, MB);
+    c.gradient_accumulation_steps = ga;
+    c.train_batch_size = MB * ga * world;
+    c.precision = precision;
+    c.optimizer.lr = 1e-3;
+    c.optimizer.weight_decay = 0.01;
+    c.scheduler = LrSchedule::Constant { lr: 1e-3 };
+    c.gradient_clipping = 1.0;
+    c.zero.reduce_bucket_size = 5000;
+    c.zero.allgather_bucket_size = 6000;
+    c.zero.param_persistence_threshold = 0;
+    c
+}
+
+/// Which trainer runs, on which backend.
+#[derive(Clone, Copy, Debug)]
+enum Trainer {
+    /// [`SftModel::train_micro_batch`] on the inline CPU backend.
+    Cpu,
+    /// [`DeviceModel::train_micro_batch`] on the CPU backend in this mode.
+    Device(CpuMode),
+}
+
+#[derive(Clone, Copy)]
+struct Run {
+    world: usize,
+    stage: u8,
+    ga: usize,
+    steps: usize,
+    tied: bool,
+    checkpointing: bool,
+}
+
+struct RankRun {
+    losses: Vec<f32>,
+    states: Vec<UnitState>,
+}
+
+fn train_rank<T: Element>(
+    comm: ThreadComm,
+    r: Run,
+    p: Precision,
+    t: Trainer,
+) -> zero::Result<RankRun> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let train = train_set();
+    let seq = data::max_len(&train);
+    let order = data::epoch_order(train.len(), 0, SEED);
+    let cfg = engine_config(world, r.stage, r.ga, p);
+    let mut b = Engine::builder(cfg, comm).seed(SEED);
+    let model = SftModel::register(&mut b, model_config(r.tied), None, 1, r.checkpointing)?;
+    let tracer = Tracer::disabled();
+    let batch = |k: usize| {
+        let first = (k * world + rank) * MB;
+        let samples: Vec<&Sample> = (first..first + MB)
+            .map(|i| &train[order[i % order.len()]])
+            .collect();
+        data::make_batch(&samples, seq).expect("samples fit")
+    };
+    let mut losses = Vec::new();
+    let states = match t {
+        Trainer::Cpu => {
+            let mut e = b.build()?;
+            for k in 0..r.steps * r.ga {
+                let (tokens, targets) = batch(k);
+                let st =
+                    model.train_micro_batch::<T, _>(&mut e, &tokens, &targets, MB, seq, &tracer)?;
+                losses.push(st.loss);
+                e.step()?;
+            }
+            e.unit_ids()
+                .into_iter()
+                .map(|u| e.unit_state(u))
+                .collect::<zero::Result<Vec<_>>>()?
+        }
+        Trainer::Device(mode) => {
+            let mut e = b.backend(CpuBackend::new(mode)?).build()?;
+            let dm = DeviceModel::new(model, e.device_backend(), 1)?;
+            for k in 0..r.steps * r.ga {
+                let (tokens, targets) = batch(k);
+                let st =
+                    dm.train_micro_batch::<T, _>(&mut e, &tokens, &targets, MB, seq, &tracer)?;
+                assert!(st.target_tokens > 0 && st.activation_bytes > 0);
+                losses.push(st.loss);
+                e.step()?;
+            }
+            e.unit_ids()
+                .into_iter()
+                .map(|u| e.unit_state(u))
+                .collect::<zero::Result<Vec<_>>>()?
+        }
+    };
+    Ok(RankRun { losses, states })
+}
+
+fn run(r: Run, p: Precision, t: Trainer) -> Vec<RankRun> {
+    ThreadGroup::run(r.world, |comm: ThreadComm| match p {
+        Precision::Bf16 => train_rank::<bf16>(comm, r, p, t),
+        _ => train_rank::<f32>(comm, r, p, t),
+    })
+    .expect("ranks ran")
+    .into_iter()
+    .map(|x| x.unwrap_or_else(|e| panic!("{t:?} failed: {e}")))
+    .collect()
+}
+
+fn assert_bits(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    if let Some(i) = a
+        .iter()
+        .zip(b)
+        .position(|(x, y)| x.to_bits() != y.to_bits())
+    {
+        panic!("{what}: element {i}: {} vs {}", a[i], b[i]);
+    }
+}
+
+fn assert_same(a: &[RankRun], b: &[RankRun], what: &str) {
+    for (r, (x, y)) in a.iter().zip(b).enumerate() {
+        assert_bits(&x.losses, &y.losses, &format!("{what}: rank {r} losses"));
+        for (u, (p, q)) in x.states.iter().zip(&y.states).enumerate() {
+            for (f, s, t) in [
+                ("params", &p.params, &q.params),
+                ("master", &p.master, &q.master),
+                ("m", &p.m, &q.m),
+                ("v", &p.v, &q.v),
+            ] {
+                assert_bits(s, t, &format!("{what}: rank {r} unit {u} {f}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn the_device_trainer_is_the_cpu_trainer_bit_for_bit() {
+    let base = Run {
+        world: 2,
+        stage: 0,
+        ga: 1,
+        steps: 2,
+        tied: false,
+        checkpointing: false,
+    };
+    let cases = [
+        base,
+        Run { stage: 3, ..base },
+        Run {
+            stage: 2,
+            ga: 2,
+            ..base
+        },
+        Run {
+            world: 1,
+            stage: 1,
+            tied: true,
+            ..base
+        },
+        Run {
+            stage: 3,
+            tied: true,
+            checkpointing: true,
+            ..base
+        },
+    ];
+    for r in cases {
+        let want = run(r, Precision::Fp32, Trainer::Cpu);
+        for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 3 }] {
+            let what = format!(
+                "world {} stage {} ga {} tied {} checkpointing {} {mode:?}",
+                r.world, r.stage, r.ga, r.tied, r.checkpointing
+            );
+            let got = run(r, Precision::Fp32, Trainer::Device(mode));
+            assert_same(&want, &got, &what);
+        }
+    }
+}
+
+#[test]
+fn bf16_activations_are_exact_across_stages_and_near_the_cpu_trainer() {
+    let base = Run {
+        world: 2,
+        stage: 0,
+        ga: 1,
+        steps: 3,
+        tied: false,
+        checkpointing: false,
+    };
+    let dev = Trainer::Device(CpuMode::Checked);
+    let stage0 = run(base, Precision::Bf16, dev);
+    for stage in 1..=3u8 {
+        let got = run(Run { stage, ..base }, Precision::Bf16, dev);
+        assert_same(&stage0, &got, &format!("bf16 stage {stage} vs stage 0"));
+    }
+    let cpu = run(base, Precision::Bf16, Trainer::Cpu);
+    for (x, y) in cpu.iter().zip(&stage0) {
+        for (a, b) in x.losses.iter().zip(&y.losses) {
+            // bf16 activations: about 3 significant digits per op.
+            assert!(
+                (a - b).abs() <= 0.02 * a.abs(),
+                "loss {b} vs the CPU trainer's {a}"
+            );
+        }
+    }
+}
+
+/// The error of a device trainer for `model` with `lora`.
+fn refusal(model: Config, lora: Option<LoraSetup>) -> String {
+    ThreadGroup::run(1, move |comm: ThreadComm| {
+        let mut b = Engine::builder(engine_config(1, 0, 1, Precision::Fp32), comm).seed(SEED);
+        let model = SftModel::register_lora(&mut b, model, None, lora.clone(), 1, false).unwrap();
+        let dev = CpuBackend::new(CpuMode::Checked).unwrap();
+        match DeviceModel::new(model, &dev, 1) {
+            Ok(_) => panic!("the device trainer accepted what it does not run"),
+            Err(e) => e.to_string(),
+        }
+    })
+    .unwrap()
+    .remove(0)
+}
+
+#[test]
+fn lora_and_biases_are_refused_by_name() {
+    let lora = LoraSetup {
+        cfg: LoraConfig::new(4, 8.0, 0.0, &["q_proj"]).unwrap(),
+        seed: SEED,
+        adapters: None,
+    };
+    let e = refusal(model_config(false), Some(lora));
+    assert!(e.contains("LoRA"), "{e}");
+    let qwen = Config {
+        qkv_bias: true,
+        ..model_config(false)
+    };
+    let e = refusal(qwen, None);
+    assert!(e.contains("biases"), "{e}");
+}
