@@ -32,15 +32,18 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use zero::comm::agree::first_failure;
 use zero::comm::{launch, CommOptions, Communicator, ReduceOp};
+use zero::core::backend::{CpuBackend, CpuMode};
 use zero::core::config::{AutoValues, DeepSpeedConfig, OffloadDevice, Precision, ResolvedConfig};
 use zero::core::memory::Tier;
 use zero::core::optim::{LossScaleConfig, LrSchedule, WarmupType};
 use zero::core::{bf16, f16, Element, HostBuffer};
+use zero::engine::{EngineBackend, EngineComm};
 use zero::trace::{gather_events, overlap, write_chrome_trace, Tracer};
-use zero::{Engine, Init};
+use zero::{Engine, EngineBuilder, Init};
 use zero_llama as llama;
 
 use llama::data::{self, Sample, Task};
+use llama::device::{DeviceModel, Trainer};
 use llama::hf::{ExportSource, HfDir, HfTokenizer};
 use llama::lora::LoraConfig;
 use llama::train::{
@@ -67,6 +70,21 @@ impl From<Dev> for OffloadDevice {
             Dev::Nvme => OffloadDevice::Nvme,
         }
     }
+}
+
+/// Where the model computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Compute {
+    /// The CPU trainer: f32 compute on the host's cores.
+    Cpu,
+    /// The device trainer on a CUDA GPU (the `cuda` feature): cuBLAS GEMMs and
+    /// the Llama NVRTC kernels, activations in device memory; rank r on GPU
+    /// r modulo the GPUs present.
+    Cuda,
+    /// The device trainer on the CPU backend under its hazard checker (what
+    /// `cuda` runs, op for op, checked on the host; for tests).
+    #[value(hide = true)]
+    CpuChecked,
 }
 
 /// Parameter and gradient dtype.
@@ -118,6 +136,10 @@ struct Args {
     /// the system temp dir.
     #[arg(long)]
     nvme_path: Option<PathBuf>,
+    /// Where the model computes: `cpu` (the host's cores) or `cuda` (a GPU; build with
+    /// `--features cuda`).
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: Compute,
     /// Ranks to run as threads of this process; ignored under mpirun (one rank per process).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=64))]
     ranks: u64,
@@ -531,8 +553,8 @@ fn sum_over_ranks<C: Communicator>(comm: &C, values: &[f32]) -> zero::Result<Vec
 
 /// Greedy-decodes this rank's share of the evaluation numbers; returns the
 /// accuracy over all ranks and a few (number, answer) examples of rank 0.
-fn evaluate<C: Communicator>(
-    e: &mut Engine<C>,
+fn evaluate<C: EngineComm<B>, B: EngineBackend>(
+    e: &mut Engine<C, B>,
     m: &SftModel,
     s: &Setup,
     threads: usize,
@@ -578,6 +600,18 @@ fn mib(bytes: f32) -> String {
     format!("{:.1} MiB", bytes / (1024.0 * 1024.0))
 }
 
+/// What `run` settles before the engine is built, for the training loop.
+struct Prep {
+    threads: usize,
+    steps: usize,
+    tracer: Tracer,
+    offload_desc: String,
+    stage: u8,
+    /// The device's dense bf16 peak FLOP/s (a GPU's datasheet figure);
+    /// `None` on the CPU, which measures its own.
+    device_peak: Option<f64>,
+}
+
 fn run<T: Element, C: Communicator>(
     comm: C,
     s: &Setup,
@@ -586,7 +620,6 @@ fn run<T: Element, C: Communicator>(
     let a = &s.args;
     let rank = comm.rank();
     let world = comm.world_size();
-    let lead = rank == 0;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = (cores / comm.ranks_on_host().max(1)).max(1);
     let micro = cfg.micro_batch_size;
@@ -626,13 +659,150 @@ fn run<T: Element, C: Communicator>(
         a.activation_checkpointing,
     )?;
     let b = b.keep_last_checkpoints(a.keep_last);
-    let (mut e, resumed) = match &a.resume {
+    let p = Prep {
+        threads,
+        steps,
+        tracer,
+        offload_desc,
+        stage,
+        device_peak: None,
+    };
+    match a.device {
+        Compute::Cpu => {
+            let (e, resumed) = build(b, a)?;
+            train::<T, _, _, _>(e, resumed, &model, s, p)
+        }
+        Compute::CpuChecked => {
+            let (e, resumed) = build(b.backend(CpuBackend::new(CpuMode::Checked)?), a)?;
+            let dm = DeviceModel::new(model, e.device_backend(), threads)?;
+            train::<T, _, _, _>(e, resumed, &dm, s, p)
+        }
+        Compute::Cuda => run_cuda::<T, C>(b, model, s, p, rank),
+    }
+}
+
+/// Builds the engine, or loads it from --resume: the engine and the
+/// checkpoint's client state.
+fn build<C: EngineComm<B>, B: EngineBackend>(
+    b: EngineBuilder<C, B>,
+    a: &Args,
+) -> zero::Result<(Engine<C, B>, Option<serde_json::Value>)> {
+    Ok(match &a.resume {
         Some(path) => {
             let (e, state) = Engine::load_checkpoint(b, path)?;
             (e, Some(state))
         }
         None => (b.build()?, None),
-    };
+    })
+}
+
+/// `--device cuda`: the engine on GPU `rank % GPUs`, its device
+/// collectives staged through host memory (any number of ranks per GPU),
+/// the device trainer.
+#[cfg(feature = "cuda")]
+fn run_cuda<T: Element, C: Communicator>(
+    b: EngineBuilder<C>,
+    model: SftModel,
+    s: &Setup,
+    mut p: Prep,
+    rank: usize,
+) -> zero::Result<Outcome> {
+    use std::sync::Arc;
+    use zero::comm::{HostStaged, Paired};
+    use zero::core::backend::CudaBackend;
+    let gpus =
+        cudarc::driver::CudaContext::device_count().map_err(|e| zero::Error::Unsupported {
+            what: format!("--device cuda: no CUDA device ({e})"),
+        })?;
+    let ordinal = rank % (gpus.max(1) as usize);
+    let gpu = CudaBackend::new(ordinal)?;
+    let name = cudarc::driver::CudaContext::new(ordinal)
+        .and_then(|c| c.name())
+        .unwrap_or_default();
+    p.device_peak = gpu_bf16_peak(&name);
+    let b = b
+        .map_comm(|c| {
+            let c = Arc::new(c);
+            Paired::new(c.clone(), HostStaged::new(c))
+        })
+        .backend(gpu);
+    let (e, resumed) = build(b, &s.args)?;
+    if rank == 0 {
+        println!(
+            "device: GPU {ordinal} of {gpus} ({name}, {})",
+            e.device_backend().arch()
+        );
+    }
+    let dm = DeviceModel::new(model, e.device_backend(), p.threads)?;
+    train::<T, _, _, _>(e, resumed, &dm, s, p)
+}
+
+#[cfg(not(feature = "cuda"))]
+#[allow(clippy::extra_unused_type_parameters)]
+fn run_cuda<T: Element, C: Communicator>(
+    _: EngineBuilder<C>,
+    _: SftModel,
+    _: &Setup,
+    _: Prep,
+    _: usize,
+) -> zero::Result<Outcome> {
+    Err(zero::Error::Unsupported {
+        what: CUDA_MISSING.into(),
+    })
+}
+
+/// Why `--device cuda` cannot run in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+const CUDA_MISSING: &str = "--device cuda: this build has no CUDA support; build with the \
+     `cuda` feature: cargo run --features cuda --example llama_sft -- --device cuda";
+
+/// The dense bf16 tensor-core peak of a GPU by its name (datasheet figures,
+/// without sparsity), for the MFU; `None` for a GPU not listed
+/// (`--peak-tflops` gives it).
+#[cfg(feature = "cuda")]
+fn gpu_bf16_peak(name: &str) -> Option<f64> {
+    const PEAKS: &[(&str, f64)] = &[
+        ("H200", 989.4),
+        ("H100 PCIe", 756.0),
+        ("H100 NVL", 835.0),
+        ("H100", 989.4),
+        ("GH200", 989.4),
+        ("A100", 312.0),
+        ("L40S", 362.1),
+        ("A10G", 70.0),
+        ("L4", 121.0),
+        ("RTX 4090", 165.2),
+    ];
+    PEAKS
+        .iter()
+        .find(|(n, _)| name.contains(n))
+        .map(|(_, t)| t * 1e12)
+}
+
+/// Trains `trainer`'s model on engine `e` (built, or loaded from
+/// --resume with client state `resumed`), evaluates, exports and reports.
+fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
+    mut e: Engine<C, B>,
+    resumed: Option<serde_json::Value>,
+    trainer: &M,
+    s: &Setup,
+    p: Prep,
+) -> zero::Result<Outcome> {
+    let a = &s.args;
+    let model = trainer.model();
+    let Prep {
+        threads,
+        steps,
+        tracer,
+        offload_desc,
+        stage,
+        device_peak,
+    } = p;
+    let (rank, world) = (e.rank(), e.world_size());
+    let lead = rank == 0;
+    let micro = e.config().micro_batch_size;
+    let ga = e.config().gradient_accumulation_steps;
+    let per_step = micro * ga * world;
     if lead {
         println!(
             "llama_sft: stage {stage}, {world} ranks ({}), {}, {offload_desc}",
@@ -691,12 +861,23 @@ fn run<T: Element, C: Communicator>(
     }
     // Peak FLOP/s of the machine: every rank measures at once, the sum is
     // the machine's.
-    let peak = match a.peak_tflops {
-        Some(t) => t * 1e12,
-        None => f64::from(sum_over_ranks(e.comm(), &[measure_gemm_peak(threads) as f32])?[0]),
+    let peak = match (a.peak_tflops, device_peak, a.device) {
+        (Some(t), _, _) => t * 1e12,
+        (None, Some(p), _) => p,
+        (None, None, Compute::Cuda) => {
+            if lead {
+                eprintln!(
+                    "warning: the GPU's bf16 peak is not known: pass --peak-tflops for the MFU"
+                );
+            }
+            f64::NAN
+        }
+        (None, None, _) => {
+            f64::from(sum_over_ranks(e.comm(), &[measure_gemm_peak(threads) as f32])?[0])
+        }
     };
 
-    let (acc_before, _) = evaluate(&mut e, &model, s, threads)?;
+    let (acc_before, _) = evaluate(&mut e, model, s, threads)?;
     if lead {
         println!("accuracy before training: {:.1}%", 100.0 * acc_before);
     }
@@ -755,6 +936,7 @@ fn run<T: Element, C: Communicator>(
     let mut tokens_total = 0f64;
     let mut flops_total = 0f64;
     let mut act_peak = 0u64;
+    let mut driver_peak: Option<u64> = None;
     e.reset_stats();
     let t0 = Instant::now();
     for step in first_step..steps {
@@ -776,8 +958,8 @@ fn run<T: Element, C: Communicator>(
             cursor += micro * world;
             let (tokens, targets) = data::make_batch_with_pad(&mine, s.seq, s.tok.pad())
                 .map_err(|what| zero::Error::Usage { rank, what })?;
-            let st = model
-                .train_micro_batch::<T, C>(&mut e, &tokens, &targets, micro, s.seq, &tracer)?;
+            let st =
+                trainer.train_micro_batch::<T>(&mut e, &tokens, &targets, micro, s.seq, &tracer)?;
             loss_sum += st.loss * st.target_tokens as f32;
             target_tokens += st.target_tokens;
             act_peak = act_peak.max(st.activation_bytes);
@@ -787,6 +969,11 @@ fn run<T: Element, C: Communicator>(
         let g = sum_over_ranks(e.comm(), &[loss_sum, target_tokens as f32])?;
         let loss = g[0] / g[1].max(1.0);
         let o = e.last_step();
+        // What the driver says is in use on the device (every process's
+        // memory), next to the tracker's plan in the report.
+        if let Some(used) = e.device_backend().device_used()? {
+            driver_peak = Some(driver_peak.unwrap_or(0).max(used));
+        }
         let dt = ts.elapsed().as_secs_f64();
         let step_tokens = (per_step * s.seq) as f64;
         tokens_total += step_tokens;
@@ -855,7 +1042,7 @@ fn run<T: Element, C: Communicator>(
             what: format!("--metrics: {err}"),
         })?;
     }
-    let (acc_after, examples) = evaluate(&mut e, &model, s, threads)?;
+    let (acc_after, examples) = evaluate(&mut e, model, s, threads)?;
     if let (Some(dir), Some(l)) = (&a.export_adapter, &s.lora) {
         // A collective read of every block unit; rank 0 writes the files.
         let adapters = model.snapshot_adapters(&mut e)?;
@@ -907,12 +1094,13 @@ fn run<T: Element, C: Communicator>(
     // Per-rank peaks, in KiB (f32 is exact enough for a report).
     let tr = e.tracker();
     let kib = |t: Tier| tr.tier_peak(t) as f32 / 1024.0;
-    let mut mine = vec![0f32; 4 * world];
-    mine[4 * rank..4 * rank + 4].copy_from_slice(&[
+    let mut mine = vec![0f32; 5 * world];
+    mine[5 * rank..5 * rank + 5].copy_from_slice(&[
         kib(Tier::Device),
         kib(Tier::Host),
         kib(Tier::Nvme),
         act_peak as f32 / 1024.0,
+        driver_peak.map_or(-1.0, |b| b as f32 / 1024.0),
     ]);
     let mem = sum_over_ranks(e.comm(), &mine)?;
     let flops = f64::from(sum_over_ranks(e.comm(), &[flops_total as f32])?[0]);
@@ -972,21 +1160,34 @@ fn run<T: Element, C: Communicator>(
         lines.push(format!(
             "peak {:.3} TFLOP/s ({}); time in reduce {:.1} s, gather {:.1} s, optimizer {:.1} s (rank 0)",
             peak / 1e12,
-            if a.peak_tflops.is_some() { "--peak-tflops" } else { "measured fp32 GEMM, all ranks at once" },
+            match (a.peak_tflops, device_peak) {
+                (Some(_), _) => "--peak-tflops",
+                (None, Some(_)) => "the GPU's dense bf16 datasheet peak",
+                (None, None) if a.device == Compute::Cuda => "unknown",
+                _ => "measured fp32 GEMM, all ranks at once",
+            },
             stats.reduce_time.as_secs_f64(),
             stats.gather_time.as_secs_f64(),
             stats.optimizer_time.as_secs_f64(),
         ));
-        lines.push("| rank | peak device | peak host | peak nvme | activations |".into());
-        lines.push("|---|---|---|---|---|".into());
+        lines.push(
+            "| rank | peak device | peak host | peak nvme | activations | device in use (driver, peak) |"
+                .into(),
+        );
+        lines.push("|---|---|---|---|---|---|".into());
         for r in 0..world {
-            let m = &mem[4 * r..4 * r + 4];
+            let m = &mem[5 * r..5 * r + 5];
             lines.push(format!(
-                "| {r} | {} | {} | {} | {} |",
+                "| {r} | {} | {} | {} | {} | {} |",
                 mib(m[0] * 1024.0),
                 mib(m[1] * 1024.0),
                 mib(m[2] * 1024.0),
-                mib(m[3] * 1024.0)
+                mib(m[3] * 1024.0),
+                if m[4] < 0.0 {
+                    "-".into()
+                } else {
+                    mib(m[4] * 1024.0)
+                }
             ));
         }
     }
@@ -1103,6 +1304,18 @@ fn sources(files: Vec<llama::weights::TensorFile>) -> Vec<Init> {
 }
 
 fn setup(args: Args) -> Result<Setup, String> {
+    #[cfg(not(feature = "cuda"))]
+    if args.device == Compute::Cuda {
+        return Err(CUDA_MISSING.into());
+    }
+    if args.device != Compute::Cpu && (args.lora.is_some() || args.adapter.is_some()) {
+        return Err(format!(
+            "--device {}: LoRA (--lora, --adapter) runs on --device cpu only for now",
+            args.device
+                .to_possible_value()
+                .map_or("?".into(), |v| v.get_name().to_string())
+        ));
+    }
     let mut hf = match &args.model_dir {
         Some(d) => Some(HfDir::open(d).map_err(|e| format!("--model-dir {e}"))?),
         None => None,

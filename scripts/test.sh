@@ -28,6 +28,10 @@ bash scripts/test-cuda.sh
 cargo build --example llama_sft
 bash scripts/mpirun.sh -n 2 cargo run -q --example llama_sft -- --stage 3 --offload cpu --min-accuracy 95
 cargo run -q --example llama_sft -- --stage 2 --offload nvme --activation-checkpointing --min-accuracy 95
+# The device trainer (what --device cuda runs, op for op: bf16 activations in
+# backend buffers, every op on the compute stream) on the CPU backend under
+# its hazard checker, stage 3 with optimizer offload, 2 ranks as threads.
+cargo run -q --example llama_sft -- --device cpu-checked --stage 3 --offload cpu --min-accuracy 95
 # ZeRO-Infinity: stage 3 with every model state on nvme (the optimizer
 # state, the parameter shards and the swapped gradients), 2 ranks as threads.
 inf_dir=$(mktemp -d)

@@ -33,6 +33,11 @@ impl EngineBackend for zero_core::backend::CudaBackend {
     fn device_free(&self) -> Result<Option<u64>> {
         Ok(Some(self.memory_info()?.0))
     }
+
+    fn device_used(&self) -> Result<Option<u64>> {
+        let (free, total) = self.memory_info()?;
+        Ok(Some(total.saturating_sub(free)))
+    }
 }
 
 /// A backend the engine runs on: host access to its buffers
@@ -52,6 +57,11 @@ pub trait EngineBackend: HostAccess {
     /// host memory): `build` checks its memory plan against it before it
     /// allocates anything.
     fn device_free(&self) -> Result<Option<u64>>;
+
+    /// The device memory in use now, in bytes, by every process on the
+    /// device, as its driver reports it (`None` on the CPU backend): what
+    /// a report shows next to the memory tracker's figures.
+    fn device_used(&self) -> Result<Option<u64>>;
 }
 
 impl EngineBackend for CpuBackend {
@@ -69,6 +79,10 @@ impl EngineBackend for CpuBackend {
     }
 
     fn device_free(&self) -> Result<Option<u64>> {
+        Ok(None)
+    }
+
+    fn device_used(&self) -> Result<Option<u64>> {
         Ok(None)
     }
 }

@@ -31,9 +31,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use zero::comm::{Communicator, ReduceOp};
+use zero::core::backend::CpuBackend;
 use zero::core::memory::{Category, Tier};
 use zero::core::partition::{TensorSpec, UnitLayout, UnitSpec};
 use zero::core::{Element, HostBuffer};
+use zero::engine::{EngineBackend, EngineComm};
 use zero::trace::Tracer;
 use zero::{Engine, EngineBuilder, Init, Result, UnitGuard, UnitId};
 
@@ -522,7 +524,10 @@ impl SftModel {
     /// it; it does not gather, so the stage-3 gather order of training is
     /// left alone). Evaluation uses this snapshot, so it holds the whole
     /// model in f32 on each rank while it runs.
-    pub fn snapshot<C: Communicator>(&self, e: &mut Engine<C>) -> Result<Vec<Vec<f32>>> {
+    pub fn snapshot<C: EngineComm<B>, B: EngineBackend>(
+        &self,
+        e: &mut Engine<C, B>,
+    ) -> Result<Vec<Vec<f32>>> {
         let c = &self.cfg;
         let all = tensors(c);
         let mut out = self.unit_tensors(e, self.embed, &all[..1])?;
@@ -537,7 +542,10 @@ impl SftModel {
     /// layer (a collective, as [`SftModel::snapshot`]); empty without LoRA.
     /// The fp32 master weights (what `--export-adapter` writes: with bf16
     /// or fp16 training, the parameters are their rounding).
-    pub fn snapshot_adapters<C: Communicator>(&self, e: &mut Engine<C>) -> Result<Vec<Vec<f32>>> {
+    pub fn snapshot_adapters<C: EngineComm<B>, B: EngineBackend>(
+        &self,
+        e: &mut Engine<C, B>,
+    ) -> Result<Vec<Vec<f32>>> {
         let Some((lc, _)) = &self.lora else {
             return Ok(Vec::new());
         };
@@ -565,9 +573,9 @@ impl SftModel {
     /// merged export writes, one unit at a time ([`crate::weights::save_from`]):
     /// the values of [`SftModel::snapshot`] with [`merge_adapters`] of
     /// [`SftModel::snapshot_adapters`], bit for bit.
-    pub fn part_tensors<C: Communicator>(
+    pub fn part_tensors<C: EngineComm<B>, B: EngineBackend>(
         &self,
-        e: &mut Engine<C>,
+        e: &mut Engine<C, B>,
         part: Part,
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.cfg;
@@ -607,9 +615,9 @@ impl SftModel {
     }
 
     /// Tensors `infos` of unit `u`, read with [`Engine::unit_params`].
-    fn unit_tensors<C: Communicator>(
+    fn unit_tensors<C: EngineComm<B>, B: EngineBackend>(
         &self,
-        e: &mut Engine<C>,
+        e: &mut Engine<C, B>,
         u: UnitId,
         infos: &[TensorInfo],
     ) -> Result<Vec<Vec<f32>>> {
@@ -760,14 +768,14 @@ impl ParamSource for FullParams<'_> {
 /// in stages 1–3: every rank of the engine decodes together), with the
 /// LoRA adapters folded into each block as it is read. Host memory: one
 /// unit's values (twice with the head tied), never the model.
-pub struct EngineSource<'a, C: Communicator> {
+pub struct EngineSource<'a, C: EngineComm<B>, B: EngineBackend = CpuBackend> {
     /// The engine.
-    pub e: &'a mut Engine<C>,
+    pub e: &'a mut Engine<C, B>,
     /// The registered model.
     pub model: &'a SftModel,
 }
 
-impl<C: Communicator> ParamSource for EngineSource<'_, C> {
+impl<C: EngineComm<B>, B: EngineBackend> ParamSource for EngineSource<'_, C, B> {
     fn fetch(&mut self, part: Part) -> Result<Vec<Vec<f32>>> {
         let m = self.model;
         let mut out = m.part_tensors(self.e, part)?;

@@ -11,18 +11,77 @@
 //! on the CPU the trainer gives the same bits as the CPU trainer
 //! ([`crate::train::SftModel`]).
 
-use zero::core::backend::Backend;
+use zero::comm::Communicator;
+use zero::core::backend::{Backend, CpuBackend};
 use zero::core::Element;
-use zero::engine::EngineBackend;
-use zero::Result;
+use zero::engine::{EngineBackend, EngineComm};
+use zero::trace::Tracer;
+use zero::{Engine, Result};
 
 use crate::ops::Mm;
+use crate::train::{MicroStats, SftModel};
 use crate::Config;
 
 mod cpu;
 mod trainer;
 
 pub use trainer::DeviceModel;
+
+/// What trains the registered model on an engine of backend `B`: the CPU
+/// trainer ([`SftModel`], on the CPU backend) or [`DeviceModel`] (on any
+/// [`LlamaDevice`]), so a training loop is written once.
+pub trait Trainer<C: EngineComm<B>, B: EngineBackend> {
+    /// The registered model.
+    fn model(&self) -> &SftModel;
+
+    /// One micro-batch: forward, loss, backward, `grad_ready` per unit.
+    #[allow(clippy::too_many_arguments)]
+    fn train_micro_batch<T: Element>(
+        &self,
+        e: &mut Engine<C, B>,
+        tokens: &[u32],
+        targets: &[i32],
+        batch: usize,
+        seq: usize,
+        tracer: &Tracer,
+    ) -> Result<MicroStats>;
+}
+
+impl<C: Communicator + EngineComm<CpuBackend>> Trainer<C, CpuBackend> for SftModel {
+    fn model(&self) -> &SftModel {
+        self
+    }
+
+    fn train_micro_batch<T: Element>(
+        &self,
+        e: &mut Engine<C, CpuBackend>,
+        tokens: &[u32],
+        targets: &[i32],
+        batch: usize,
+        seq: usize,
+        tracer: &Tracer,
+    ) -> Result<MicroStats> {
+        SftModel::train_micro_batch::<T, C>(self, e, tokens, targets, batch, seq, tracer)
+    }
+}
+
+impl<C: EngineComm<B>, B: LlamaDevice> Trainer<C, B> for DeviceModel<B> {
+    fn model(&self) -> &SftModel {
+        &self.model
+    }
+
+    fn train_micro_batch<T: Element>(
+        &self,
+        e: &mut Engine<C, B>,
+        tokens: &[u32],
+        targets: &[i32],
+        batch: usize,
+        seq: usize,
+        tracer: &Tracer,
+    ) -> Result<MicroStats> {
+        DeviceModel::train_micro_batch::<T, C>(self, e, tokens, targets, batch, seq, tracer)
+    }
+}
 
 /// Elements of a buffer an op reads, from element `at` (the op's shape
 /// says how many).
