@@ -19,7 +19,10 @@ use zero::Result;
 use crate::ops::Mm;
 use crate::Config;
 
+mod blas;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod trainer;
 
 pub use trainer::DeviceModel;
