@@ -224,16 +224,19 @@ pub(crate) fn plan(
             ));
         }
     }
+    // The BLAS's least leading dimensions: its A is `[m', k]` (`m' = n`)
+    // or, transposed, `[k, m']`, its B `[k, n']` or `[n', k]`, and at
+    // least 1. The checks above give them, except for operands without
+    // columns (k = 0), which are never read: raised to them.
+    let (min_a, min_b) = (if tb { k } else { n }, if ta { m } else { k });
     let call = ColGemm {
         transa: tb,
         transb: ta,
         m: to_i32(op, "n", n)?,
         n: to_i32(op, "m", m)?,
         k: to_i32(op, "k", k)?,
-        // A stride of 0 passes the checks above only for an operand that is
-        // never read; the BLAS still wants at least 1.
-        lda: to_i32(op, "ldb", ldb.max(1))?,
-        ldb: to_i32(op, "lda", lda.max(1))?,
+        lda: to_i32(op, "ldb", ldb.max(min_a).max(1))?,
+        ldb: to_i32(op, "lda", lda.max(min_b).max(1))?,
         ldc: to_i32(op, "ldc", ldc.max(1))?,
         stride_a: to_i64(op, "batch.b", batch.b)?,
         stride_b: to_i64(op, "batch.a", batch.a)?,
@@ -345,6 +348,17 @@ mod tests {
         }
         let mut got = c0.clone();
         if let Some(g) = p.call {
+            // What cuBLAS requires of the leading dimensions.
+            let (m, n, k) = (g.m, g.n, g.k);
+            assert!(
+                g.lda >= if g.transa { k } else { m }.max(1),
+                "{mm:?}: {g:?}"
+            );
+            assert!(
+                g.ldb >= if g.transb { n } else { k }.max(1),
+                "{mm:?}: {g:?}"
+            );
+            assert!(g.ldc >= m.max(1), "{mm:?}: {g:?}");
             // The call's A is the trait's b.
             col_major(&g, &b, &a, &mut got);
         }
@@ -556,6 +570,10 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("exceeds the BLAS's i32"), "{e}");
+        // No inner dimension: `out = beta · out`, whatever the unread
+        // operands' strides.
+        check(Mm::new(3, 4, 0).ld(0, 0, 5).acc().alpha(2.0), Batch::ONE, 9);
+        check(Mm::new(3, 4, 0).ta().tb().ld(0, 0, 4), Batch::ONE, 10);
         // Nothing to compute: no call, the extents still checked.
         let empty = plan(
             OP,
