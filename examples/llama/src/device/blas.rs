@@ -105,42 +105,26 @@ fn invalid(op: &'static str, msg: String) -> Error {
     Error::InvalidSize { op, msg }
 }
 
-/// Elements an operand of `rows` rows of `cols` with row stride `ld`
-/// spans.
+/// Elements that `n` pieces of `len` elements, `stride` apart, span from
+/// the first: a matrix's `n` rows of `len` with row stride `stride`, or a
+/// batch's `n` operands; 0 when either is empty.
 fn extent(
     op: &'static str,
     what: &str,
-    rows: usize,
-    cols: usize,
-    ld: usize,
-) -> Result<usize, Error> {
-    if rows == 0 || cols == 0 {
-        return Ok(0);
-    }
-    (rows - 1)
-        .checked_mul(ld)
-        .and_then(|x| x.checked_add(cols))
-        .ok_or_else(|| invalid(op, format!("{what}: {rows} rows of stride {ld} overflow")))
-}
-
-/// The span of `count` operands of `one` elements, `stride` apart.
-fn span(
-    op: &'static str,
-    what: &str,
-    one: usize,
+    n: usize,
+    len: usize,
     stride: usize,
-    count: usize,
 ) -> Result<usize, Error> {
-    if count == 0 || one == 0 {
+    if n == 0 || len == 0 {
         return Ok(0);
     }
-    (count - 1)
+    (n - 1)
         .checked_mul(stride)
-        .and_then(|x| x.checked_add(one))
+        .and_then(|x| x.checked_add(len))
         .ok_or_else(|| {
             invalid(
                 op,
-                format!("{what}: {count} products of stride {stride} overflow"),
+                format!("{what}: {n} pieces of {len} elements, {stride} apart, overflow"),
             )
         })
 }
@@ -195,9 +179,9 @@ pub(crate) fn plan(
             ),
         ));
     }
-    let a_len = span(op, "a", ea, batch.a, count)?;
-    let b_len = span(op, "b", eb, batch.b, count)?;
-    let out_len = span(op, "out", ec, batch.out, count)?;
+    let a_len = extent(op, "a", count, ea, batch.a)?;
+    let b_len = extent(op, "b", count, eb, batch.b)?;
+    let out_len = extent(op, "out", count, ec, batch.out)?;
     a.check(op, "a", a_len)?;
     b.check(op, "b", b_len)?;
     out.check(op, "out", out_len)?;
@@ -557,6 +541,18 @@ mod tests {
                 .to_string();
             assert!(e.contains(what), "{e}");
         }
+        // Extents past the address space.
+        let e = plan(
+            OP,
+            &Mm::new(3, 2, 2).ld(usize::MAX / 2, 2, 2),
+            &Batch::ONE,
+            whole(usize::MAX),
+            whole(usize::MAX),
+            whole(usize::MAX),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("a: 3 pieces") && e.contains("overflow"), "{e}");
         // Sizes past the BLAS's integers.
         let huge = Mm::new(1, 1usize << 31, 1);
         let e = plan(

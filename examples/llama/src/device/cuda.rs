@@ -14,8 +14,9 @@
 //!
 //! Two things the driver may do on its own: copying the ids and targets
 //! from pageable host memory (`cuMemcpyHtoDAsync`) may wait for the
-//! compute stream while it stages them, and dropping the ops destroys the
-//! cuBLAS handle, which waits for the device (once per model).
+//! compute stream while it stages them (once per micro-batch, before its
+//! forward); and dropping the ops waits for the compute stream, before
+//! the kernels' modules are unloaded (once per model).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -175,6 +176,18 @@ impl CudaOps {
     }
 }
 
+impl Drop for CudaOps {
+    /// Waits for the compute stream before the kernels' modules are
+    /// unloaded and the cuBLAS handle destroyed (which would wait for the
+    /// device anyway): a model's work may still be queued. A failure is
+    /// stored in the context and reported by the backend's next call.
+    fn drop(&mut self) {
+        let ctx = self.stream.context();
+        ctx.record_err(ctx.bind_to_thread());
+        ctx.record_err(self.stream.synchronize());
+    }
+}
+
 impl State {
     /// `n` elements of the scratch (grown on the compute stream first when
     /// shorter: the old one is freed there after the work using it).
@@ -308,7 +321,7 @@ impl LlamaDevice for CudaBackend {
     }
 
     /// cuBLAS `GemmEx` (one product) or `GemmStridedBatchedEx` on the
-    /// column-major transpose of the row-major product ([`blas::plan`]),
+    /// column-major transpose of the row-major product (`blas::plan`),
     /// fp32 accumulation (`CUBLAS_COMPUTE_32F`, no TF32), `alpha` and
     /// `beta` passed as f32 (cudarc's `Gemm<bf16>` would round them to
     /// bf16 first).
