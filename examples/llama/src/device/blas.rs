@@ -253,6 +253,12 @@ mod tests {
         }
     }
 
+    /// [`plan`] with buffers long enough for anything.
+    fn unbounded(mm: &Mm, batch: &Batch) -> Result<GemmPlan, Error> {
+        let all = whole(usize::MAX);
+        plan(OP, mm, batch, all, all, all)
+    }
+
     /// The column-major call on the host, as a BLAS defines it: `a` is the
     /// call's `A`, `b` its `B` (f64 sums).
     fn col_major(g: &ColGemm, a: &[f32], b: &[f32], c: &mut [f32]) {
@@ -298,15 +304,7 @@ mod tests {
     /// column-major call of [`plan`] against [`matmul`] per product.
     fn check(mm: Mm, batch: Batch, seed: u64) {
         let mut rng = XorShift::new(seed);
-        let probe = plan(
-            OP,
-            &mm,
-            &batch,
-            whole(usize::MAX),
-            whole(usize::MAX),
-            whole(usize::MAX),
-        )
-        .unwrap();
+        let probe = unbounded(&mm, &batch).unwrap();
         let a = random(&mut rng, probe.a_len);
         let b = random(&mut rng, probe.b_len);
         let c0 = random(&mut rng, probe.out_len);
@@ -460,15 +458,7 @@ mod tests {
         ];
         for (i, (mm, batch)) in cases.into_iter().enumerate() {
             check(mm, batch, 100 + i as u64);
-            let p = plan(
-                OP,
-                &mm,
-                &batch,
-                whole(usize::MAX),
-                whole(usize::MAX),
-                whole(usize::MAX),
-            )
-            .unwrap();
+            let p = unbounded(&mm, &batch).unwrap();
             let g = p.call.unwrap();
             assert_eq!(
                 (g.stride_a, g.stride_b, g.stride_c),
@@ -542,29 +532,13 @@ mod tests {
             assert!(e.contains(what), "{e}");
         }
         // Extents past the address space.
-        let e = plan(
-            OP,
-            &Mm::new(3, 2, 2).ld(usize::MAX / 2, 2, 2),
-            &Batch::ONE,
-            whole(usize::MAX),
-            whole(usize::MAX),
-            whole(usize::MAX),
-        )
-        .unwrap_err()
-        .to_string();
+        let e = unbounded(&Mm::new(3, 2, 2).ld(usize::MAX / 2, 2, 2), &Batch::ONE)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("a: 3 pieces") && e.contains("overflow"), "{e}");
         // Sizes past the BLAS's integers.
         let huge = Mm::new(1, 1usize << 31, 1);
-        let e = plan(
-            OP,
-            &huge,
-            &Batch::ONE,
-            whole(usize::MAX),
-            whole(usize::MAX),
-            whole(usize::MAX),
-        )
-        .unwrap_err()
-        .to_string();
+        let e = unbounded(&huge, &Batch::ONE).unwrap_err().to_string();
         assert!(e.contains("exceeds the BLAS's i32"), "{e}");
         // No inner dimension: `out = beta · out`, whatever the unread
         // operands' strides.
