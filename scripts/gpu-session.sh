@@ -5,11 +5,13 @@
 #
 #   1. the machine: nvidia-smi, GPUs, driver, glibc, memory;
 #   2. the libraries, found on the machine (no network is needed or used):
-#      libcuda (the driver), libnvrtc.so.12 and libnccl.so.2, looked for
+#      libcuda (the driver), libnvrtc.so.12, libcublas.so.12 and
+#      libnccl.so.2, looked for
 #      in the NVRTC carried with prebuilt executables (--with-nvrtc), on
 #      LD_LIBRARY_PATH, in target/nvrtc-* (scripts/test-cuda.sh), in
-#      Python's site-packages (the nvidia-cuda-nvrtc-cu12 and
-#      nvidia-nccl-cu12 wheels that torch installs), the CUDA toolkit,
+#      Python's site-packages (the nvidia-cuda-nvrtc-cu12,
+#      nvidia-cublas-cu12 and nvidia-nccl-cu12 wheels that torch
+#      installs), the CUDA toolkit,
 #      ldconfig, and at last by `find /`. cudarc opens `libnccl.so`, not
 #      `libnccl.so.2`: when only the latter exists, a `libnccl.so` link is
 #      made in a temporary directory put on LD_LIBRARY_PATH;
@@ -26,7 +28,11 @@
 #      trained on the GPU, ranks as threads with host-staged device
 #      collectives, bit-identical to the CPU backend; checkpoints saved on
 #      the GPU loaded on the CPU and back);
-#   6. the GPU benchmark, benches/cuda.rs ($OUT/cuda.json).
+#   6. the Llama example's GPU kernels (tests/cuda_kernels.rs, tests/nvrtc.rs)
+#      and its device trainer on the CUDA backend (tests/device_cuda.rs:
+#      every op, cuBLAS GEMMs included, against the CPU backend, and the
+#      tiny model trained on the GPU against the CPU backend);
+#   7. the GPU benchmark, benches/cuda.rs ($OUT/cuda.json).
 #
 # Usage:
 #   scripts/gpu-session.sh                  on the GPU machine; builds with
@@ -130,6 +136,7 @@ if [ "$mode" = build ]; then
     "nccl_device|test:nccl_device|test -p zero-comm --no-default-features --features cuda --test nccl_device --no-run"
     "llama_cuda|test:cuda_kernels|test -p zero-llama --features cuda --test cuda_kernels --no-run"
     "llama_cuda_nvrtc|test:nvrtc|test -p zero-llama --features cuda --test nvrtc --no-run"
+    "llama_device_cuda|test:device_cuda|test -p zero-llama --features cuda --test device_cuda --no-run"
     "engine_cuda|test:engine|test -p zero --no-default-features --features cuda --test engine --no-run"
     "engine_offload_cuda|test:offload|test -p zero --no-default-features --features cuda --test offload --no-run"
     "engine_checkpoint_cuda|test:checkpoint|test -p zero --no-default-features --features cuda --test checkpoint --no-run"
@@ -140,7 +147,7 @@ if [ "$mode" = build ]; then
     [zero-core-lib]=zero-core [cuda_adamw]=zero-core [cuda_arena]=zero-core
     [cuda_streams]=zero-core [nvrtc]=zero-core [backend_conformance]=zero-core
     [nccl]=zero-comm [nccl_device]=zero-comm [cuda_pin]=zero-offload [cuda-bench]= [engine_cuda]= [engine_offload_cuda]= [engine_checkpoint_cuda]=
-    [llama_cuda]=examples/llama [llama_cuda_nvrtc]=examples/llama
+    [llama_cuda]=examples/llama [llama_cuda_nvrtc]=examples/llama [llama_device_cuda]=examples/llama
   )
   for b in "${builds[@]}"; do
     IFS='|' read -r name target args <<<"$b"
@@ -341,8 +348,8 @@ search_everywhere() {
   for n in "${found[@]}"; do DIRS+=("$(dirname "$n")"); done
 }
 if ! find_lib libcuda.so.1 libcuda.so >/dev/null || ! find_lib libnvrtc.so.12 libnvrtc.so >/dev/null ||
-  ! find_lib libnccl.so libnccl.so.2 >/dev/null; then
-  search_everywhere libcuda.so.1 libnvrtc.so.12 libnccl.so.2 libnccl.so
+  ! find_lib libcublas.so.12 libcublas.so >/dev/null || ! find_lib libnccl.so libnccl.so.2 >/dev/null; then
+  search_everywhere libcuda.so.1 libnvrtc.so.12 libcublas.so.12 libnccl.so.2 libnccl.so
 fi
 
 prepend_lib_path() {
@@ -368,6 +375,16 @@ else
   note "libnvrtc.so.12 NOT FOUND: the GPU AdamW tests and bench sections will skip"
 fi
 
+# cuBLAS (with its libcublasLt beside it), for the Llama device trainer's
+# GEMMs.
+cublas_lib=$(find_lib libcublas.so.12 libcublas.so || true)
+if [ -n "$cublas_lib" ]; then
+  prepend_lib_path "$(dirname "$cublas_lib")"
+  note "cublas: $cublas_lib"
+else
+  note "libcublas.so.12 NOT FOUND: the Llama device trainer's GPU tests will fail (they need cuBLAS)"
+fi
+
 nccl_lib=$(find_lib libnccl.so libnccl.so.2 || true)
 if [ -n "$nccl_lib" ]; then
   nccl_dir=$(dirname "$nccl_lib")
@@ -390,6 +407,7 @@ note "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 {
   echo "libcuda=${cuda_lib:-}"
   echo "libnvrtc=${nvrtc_lib:-}"
+  echo "libcublas=${cublas_lib:-}"
   echo "libnccl=${nccl_lib:-}"
   echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 } >"$OUT/libraries.txt"
@@ -416,6 +434,7 @@ if [ "$mode" = cargo ]; then
   step test-nccl "$CARGO" test -p zero-comm --no-default-features --features cuda --test nccl --test nccl_device
   step test-cuda_pin "$CARGO" test -p zero-offload --features cuda --test cuda_pin
   step test-llama_cuda "$CARGO" test -p zero-llama --features cuda --test cuda_kernels --test nvrtc
+  step test-llama_device_cuda "$CARGO" test -p zero-llama --features cuda --test device_cuda
   step test-engine_cuda "$CARGO" test -p zero --no-default-features --features cuda --test engine --test offload --test checkpoint -- ::cuda
   step bench-cuda "$CARGO" bench -p zero --no-default-features --features cuda --bench cuda -- "${bench_args[@]}"
 else
@@ -449,7 +468,7 @@ section "summary"
 {
   echo "mode: $mode; $(($(date +%s) - started)) s"
   printf '%s\n' "${summary[@]}"
-  for name in test-zero-core test-zero-core-lib test-cuda_adamw test-cuda_arena test-cuda_streams test-nvrtc test-backend_conformance test-nccl test-llama_cuda test-llama_cuda_nvrtc test-engine_cuda test-engine_offload_cuda test-engine_checkpoint_cuda; do
+  for name in test-zero-core test-zero-core-lib test-cuda_adamw test-cuda_arena test-cuda_streams test-nvrtc test-backend_conformance test-nccl test-llama_cuda test-llama_cuda_nvrtc test-llama_device_cuda test-engine_cuda test-engine_offload_cuda test-engine_checkpoint_cuda; do
     f="$OUT/$name.log"
     [ -f "$f" ] || continue
     n=$(grep -c -E "skipped|^SKIP" "$f" || true)

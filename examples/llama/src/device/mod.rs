@@ -5,11 +5,19 @@
 //! One composition of the ops serves every backend, so what runs on a GPU
 //! (cuBLAS GEMMs, the NVRTC kernels of [`crate::cuda`]) is the sequence the
 //! CPU backend runs in the tests, where each op is a
-//! [`CpuBackend::launch`] over [`crate::ops`] and the hazard checker proves
-//! every access ordered: the trainer's reads of gathered units, its writes
-//! of gradients, the engine's collectives around them. With f32 parameters
+//! [`CpuBackend::launch`](zero::core::backend::CpuBackend::launch) over
+//! [`crate::ops`] and the hazard checker proves every access ordered: the
+//! trainer's reads of gathered units, its writes of gradients, the
+//! engine's collectives around them. With f32 parameters
 //! on the CPU the trainer gives the same bits as the CPU trainer
 //! ([`crate::train::SftModel`]).
+//!
+//! With the `cuda` feature the CUDA backend implements [`LlamaDevice`]:
+//! its GEMMs are cuBLAS's on the column-major transpose of each row-major
+//! product (fp32 accumulation), its other ops the NVRTC kernels, all on
+//! the compute stream without waiting for anything; `tests/device_cuda.rs`
+//! compares each op and a few training steps with the CPU backend on a
+//! GPU.
 
 use zero::comm::Communicator;
 use zero::core::backend::{Backend, CpuBackend};
@@ -22,7 +30,10 @@ use crate::ops::Mm;
 use crate::train::{MicroStats, SftModel};
 use crate::Config;
 
+mod blas;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod trainer;
 
 pub use trainer::DeviceModel;
