@@ -32,7 +32,17 @@
 #      and its device trainer on the CUDA backend (tests/device_cuda.rs:
 #      every op, cuBLAS GEMMs included, against the CPU backend, and the
 #      tiny model trained on the GPU against the CPU backend);
-#   7. the GPU benchmark, benches/cuda.rs ($OUT/cuda.json).
+#   7. `llama_sft --device cuda` at stages 0-3 (and stage 3 with optimizer
+#      offload), 2 ranks as threads on GPU 0, each to 95% held-out accuracy;
+#   8. the benchmarks: benches/llama_cuda.rs (a ~1B Llama, stage 3 MFU and
+#      the optimizer-offload step against it; $OUT/llama_cuda.json), then
+#      PyTorch on the same machine (scripts/torch_baseline.py: FSDP2 with
+#      and without CPU offload, fused AdamW; $OUT/torch_baseline.json), and
+#      benches/cuda.rs ($OUT/cuda.json).
+#
+# Prebuilt, they run in the order 3, 6, 7, 8 (but benches/cuda.rs), 5, 4,
+# benches/cuda.rs; a step that would start after BUDGET seconds (default
+# 540) is not run.
 #
 # Usage:
 #   scripts/gpu-session.sh                  on the GPU machine; builds with
@@ -46,7 +56,7 @@
 #                                           needed): build those executables
 #                                           into DIR (default
 #                                           target/gpu-prebuilt), stripped,
-#                                           with a manifest (~12 MB);
+#                                           gzipped, with a manifest (~25 MB);
 #                                           --with-nvrtc adds NVRTC 12.8
 #                                           from target/nvrtc-* gzipped
 #                                           (~44 MB), for a machine without
@@ -60,8 +70,14 @@
 # by --build: 2.34 on the development machines).
 #
 # Environment: OUT (output folder), STEP_TIMEOUT (seconds per step,
-# default 240), BENCH_ARGS (extra bench options, e.g. "--reps 10"),
-# NCCL_DEBUG (default WARN).
+# default 240), BUDGET (seconds after which no step starts, default 540),
+# BENCH_ARGS (extra options of benches/cuda.rs, e.g. "--reps 10"),
+# LLAMA_BENCH_ARGS (of benches/llama_cuda.rs, e.g. "--batch 2"),
+# TORCH_ARGS (of scripts/torch_baseline.py), NCCL_DEBUG (default WARN).
+#
+# The device tool brings back at most 8 files of $OUT: run it as
+#   OUT=/tmp/gs scripts/gpu-session.sh --prebuilt target/gpu-prebuilt;
+#   tar czf "$OUT/gpu-session.tgz" -C /tmp gs; cp /tmp/gs/summary.txt "$OUT/"
 #
 # MPI is not needed anywhere: zero-comm and the facade are built with
 # --no-default-features (their default feature is `mpi`); zero-llama takes
@@ -122,8 +138,11 @@ if [ "$mode" = build ]; then
   fi
   mkdir -p "$prebuilt"
   dir=$(cd "$prebuilt" && pwd)
-  rm -f "$dir"/*.exe "$dir/manifest.tsv"
+  rm -f "$dir"/*.exe "$dir"/*.exe.gz "$dir/manifest.tsv"
   # name <TAB> target kind/name <TAB> cargo arguments
+  # In the order they run: the backend, the model on the GPU, the
+  # benchmarks, then the engine's and the collectives' tests (the session's
+  # time budget may cut the last ones).
   builds=(
     "zero-core-lib|lib:zero_core|test -p zero-core --features cuda --lib --no-run"
     "cuda_adamw|test:cuda_adamw|test -p zero-core --features cuda --test cuda_adamw --no-run"
@@ -131,15 +150,17 @@ if [ "$mode" = build ]; then
     "cuda_streams|test:cuda_streams|test -p zero-core --features cuda --test cuda_streams --no-run"
     "nvrtc|test:nvrtc|test -p zero-core --features cuda --test nvrtc --no-run"
     "backend_conformance|test:backend_conformance|test -p zero-core --features cuda --test backend_conformance --no-run"
-    "nccl|test:nccl|test -p zero-comm --no-default-features --features cuda --test nccl --no-run"
-    "cuda_pin|test:cuda_pin|test -p zero-offload --features cuda --test cuda_pin --no-run"
-    "nccl_device|test:nccl_device|test -p zero-comm --no-default-features --features cuda --test nccl_device --no-run"
     "llama_cuda|test:cuda_kernels|test -p zero-llama --features cuda --test cuda_kernels --no-run"
     "llama_cuda_nvrtc|test:nvrtc|test -p zero-llama --features cuda --test nvrtc --no-run"
     "llama_device_cuda|test:device_cuda|test -p zero-llama --features cuda --test device_cuda --no-run"
+    "llama_sft|example:llama_sft|build -p zero --no-default-features --features cuda --example llama_sft"
+    "llama_cuda-bench|bench:llama_cuda|test -p zero --no-default-features --features cuda --bench llama_cuda --no-run"
     "engine_cuda|test:engine|test -p zero --no-default-features --features cuda --test engine --no-run"
     "engine_offload_cuda|test:offload|test -p zero --no-default-features --features cuda --test offload --no-run"
     "engine_checkpoint_cuda|test:checkpoint|test -p zero --no-default-features --features cuda --test checkpoint --no-run"
+    "nccl|test:nccl|test -p zero-comm --no-default-features --features cuda --test nccl --no-run"
+    "cuda_pin|test:cuda_pin|test -p zero-offload --features cuda --test cuda_pin --no-run"
+    "nccl_device|test:nccl_device|test -p zero-comm --no-default-features --features cuda --test nccl_device --no-run"
     "cuda-bench|bench:cuda|test -p zero --no-default-features --features cuda --bench cuda --no-run"
   )
   # Where each one runs from (cargo runs tests in their package's folder).
@@ -148,6 +169,7 @@ if [ "$mode" = build ]; then
     [cuda_streams]=zero-core [nvrtc]=zero-core [backend_conformance]=zero-core
     [nccl]=zero-comm [nccl_device]=zero-comm [cuda_pin]=zero-offload [cuda-bench]= [engine_cuda]= [engine_offload_cuda]= [engine_checkpoint_cuda]=
     [llama_cuda]=examples/llama [llama_cuda_nvrtc]=examples/llama [llama_device_cuda]=examples/llama
+    [llama_sft]= [llama_cuda-bench]=
   )
   for b in "${builds[@]}"; do
     IFS='|' read -r name target args <<<"$b"
@@ -202,6 +224,9 @@ for line in sys.stdin:
     echo "needs glibc: ${need:-unknown (objdump missing)}"
   } >"$dir/BUILD_INFO"
   cat "$dir/BUILD_INFO"
+  # Compressed: the device tool carries at most 64 MiB; the GPU machine
+  # unpacks them into a temporary folder.
+  for f in "$dir"/*.exe; do gzip -6 -f "$f"; done
   echo "total: $(du -sh "$dir" | cut -f1) in $dir (the device tool carries at most 64 MiB)"
   echo "next, on the GPU machine: scripts/gpu-session.sh --prebuilt ${prebuilt}"
   exit 0
@@ -214,6 +239,9 @@ OUT="${OUT:-./gpu-out}"
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 STEP_TIMEOUT="${STEP_TIMEOUT:-240}"
+# Steps that would start after this many seconds are not run (the device
+# tool allows one command 10 minutes).
+BUDGET="${BUDGET:-540}"
 started=$(date +%s)
 declare -a summary=()
 failed=0
@@ -225,6 +253,11 @@ section() { echo; echo "=================== $* ==================="; }
 step() {
   local name=$1
   shift
+  if [ $(($(date +%s) - started)) -ge "$BUDGET" ]; then
+    summary+=("$name: NOT RUN (the session's ${BUDGET}s budget was spent)")
+    failed=1
+    return
+  fi
   section "$name: $*"
   local t0 rc
   t0=$(date +%s)
@@ -415,6 +448,27 @@ note "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 # shellcheck disable=SC2206
 bench_args=(--json "$OUT/cuda.json" ${BENCH_ARGS:-})
 
+# The example on the GPU (--device cuda: the device trainer), every
+# stage, 2 ranks as threads on GPU 0, each to 95% held-out accuracy.
+llama_sft_stages() {
+  local exe=$1 st
+  for st in 0 1 2 3; do
+    step "llama_sft-stage$st" "$exe" --device cuda --stage "$st" --min-accuracy 95 \
+      --metrics "$OUT/llama_sft-stage$st.jsonl"
+  done
+  step llama_sft-stage3-offload "$exe" --device cuda --stage 3 --offload cpu --min-accuracy 95
+}
+
+# PyTorch on the same machine: FSDP2 and fused AdamW (scripts/torch_baseline.py).
+torch_baseline() {
+  if [ -n "$PY" ] && "$PY" -c 'import torch' 2>/dev/null; then
+    # shellcheck disable=SC2086
+    step torch-baseline "$PY" "$REPO/scripts/torch_baseline.py" --json "$OUT/torch_baseline.json" ${TORCH_ARGS:-}
+  else
+    summary+=("torch-baseline: NOT RUN (no python3 with torch)")
+  fi
+}
+
 if [ "$mode" = auto ]; then
   if [ -n "$CARGO" ]; then
     mode=cargo
@@ -436,6 +490,12 @@ if [ "$mode" = cargo ]; then
   step test-llama_cuda "$CARGO" test -p zero-llama --features cuda --test cuda_kernels --test nvrtc
   step test-llama_device_cuda "$CARGO" test -p zero-llama --features cuda --test device_cuda
   step test-engine_cuda "$CARGO" test -p zero --no-default-features --features cuda --test engine --test offload --test checkpoint -- ::cuda
+  "$CARGO" build -q -p zero --no-default-features --features cuda --example llama_sft &&
+    llama_sft_stages "$REPO/target/debug/examples/llama_sft"
+  # shellcheck disable=SC2086
+  step bench-llama_cuda "$CARGO" bench -p zero --no-default-features --features cuda --bench llama_cuda -- \
+    --json "$OUT/llama_cuda.json" ${LLAMA_BENCH_ARGS:-}
+  torch_baseline
   step bench-cuda "$CARGO" bench -p zero --no-default-features --features cuda --bench cuda -- "${bench_args[@]}"
 else
   dir=$(cd "$prebuilt" 2>/dev/null && pwd) || {
@@ -447,8 +507,14 @@ else
     return 3
   fi
   [ -f "$dir/BUILD_INFO" ] && cat "$dir/BUILD_INFO"
+  unpacked=$(mktemp -d "${TMPDIR:-/tmp}/zero-prebuilt.XXXXXX")
+  tmp_dirs+=("$unpacked")
   while IFS=$'\t' read -r name where; do
     exe="$dir/$name.exe"
+    if [ -f "$exe.gz" ]; then
+      gzip -dc "$exe.gz" >"$unpacked/$name.exe" && chmod +x "$unpacked/$name.exe"
+      exe="$unpacked/$name.exe"
+    fi
     if [ ! -x "$exe" ]; then
       summary+=("$name: MISSING ($exe)")
       failed=1
@@ -456,6 +522,11 @@ else
     fi
     if [ "$name" = cuda-bench ]; then
       step bench-cuda bash -c 'cd "$1" && shift && exec "$@"' _ "$REPO${where:+/$where}" "$exe" --bench "${bench_args[@]}"
+    elif [ "$name" = llama_cuda-bench ]; then
+      step bench-llama_cuda "$exe" --bench --json "$OUT/llama_cuda.json" ${LLAMA_BENCH_ARGS:-}
+      torch_baseline
+    elif [ "$name" = llama_sft ]; then
+      llama_sft_stages "$exe"
     elif [ "${name#engine_}" != "$name" ]; then
       step "test-$name" bash -c 'cd "$1" && shift && exec "$@"' _ "$REPO${where:+/$where}" "$exe" ::cuda
     else
@@ -475,6 +546,10 @@ section "summary"
     [ "$n" -gt 0 ] && echo "$name: $n skip line(s), e.g. $(grep -m1 -E "skipped|^SKIP" "$f")"
   done
   [ -f "$OUT/bench-cuda.log" ] && grep -E "skipped:|FAILED:|MISS" "$OUT/bench-cuda.log"
+  [ -f "$OUT/bench-llama_cuda.log" ] && grep -E "^\||target|skipped:" "$OUT/bench-llama_cuda.log"
+  for f in "$OUT"/llama_sft-stage*.log; do
+    [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -E "^\| [0-3] \|" "$f" | head -1)"
+  done
 } | tee "$OUT/summary.txt"
 echo "outputs: $OUT"
 return "$failed"

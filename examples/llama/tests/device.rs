@@ -15,53 +15,20 @@
 
 use zero::comm::{Communicator, ThreadComm, ThreadGroup};
 use zero::core::backend::{CpuBackend, CpuMode};
-use zero::core::config::{Precision, ResolvedConfig};
-use zero::core::optim::LrSchedule;
+use zero::core::config::Precision;
 use zero::core::{bf16, Element};
-use zero::{Engine, Tracer, UnitState};
+use zero::engine::{EngineBackend, EngineComm};
+use zero::{Engine, UnitState};
 use zero_llama as llama;
 
-use llama::data::{self, Sample};
 use llama::device::DeviceModel;
 use llama::lora::LoraConfig;
 use llama::train::{LoraSetup, SftModel};
 use llama::Config;
 
-const MB: usize = 2;
-const SEED: u64 = 7;
-
-fn train_set() -> Vec<Sample> {
-    data::addition_task(SEED).train
-}
-
-fn model_config(tied: bool) -> Config {
-    Config {
-        vocab: data::VOCAB,
-        dim: 32,
-        n_layers: 2,
-        n_heads: 4,
-        n_kv_heads: 2,
-        hidden: 48,
-        max_seq: data::max_len(&train_set()),
-        tie_embeddings: tied,
-        ..Config::tiny()
-    }
-}
-
-fn engine_config(world: usize, stage: u8, ga: usize, precision: Precision) -> ResolvedConfig {
-    let mut c = ResolvedConfig::simple(stage, world, MB);
-    c.gradient_accumulation_steps = ga;
-    c.train_batch_size = MB * ga * world;
-    c.precision = precision;
-    c.optimizer.lr = 1e-3;
-    c.optimizer.weight_decay = 0.01;
-    c.scheduler = LrSchedule::Constant { lr: 1e-3 };
-    c.gradient_clipping = 1.0;
-    c.zero.reduce_bucket_size = 5000;
-    c.zero.allgather_bucket_size = 6000;
-    c.zero.param_persistence_threshold = 0;
-    c
-}
+#[path = "common/device.rs"]
+mod common;
+use common::{engine_config, model_config, train, SEED};
 
 /// Which trainer runs, on which backend.
 #[derive(Clone, Copy, Debug)]
@@ -87,58 +54,35 @@ struct RankRun {
     states: Vec<UnitState>,
 }
 
+/// Every unit's state.
+fn states<C: EngineComm<B>, B: EngineBackend>(
+    e: &mut Engine<C, B>,
+) -> zero::Result<Vec<UnitState>> {
+    e.unit_ids().into_iter().map(|u| e.unit_state(u)).collect()
+}
+
 fn train_rank<T: Element>(
     comm: ThreadComm,
     r: Run,
     p: Precision,
     t: Trainer,
 ) -> zero::Result<RankRun> {
-    let (rank, world) = (comm.rank(), comm.world_size());
-    let train = train_set();
-    let seq = data::max_len(&train);
-    let order = data::epoch_order(train.len(), 0, SEED);
-    let cfg = engine_config(world, r.stage, r.ga, p);
+    let cfg = engine_config(comm.world_size(), r.stage, r.ga, p);
     let mut b = Engine::builder(cfg, comm).seed(SEED);
     let model = SftModel::register(&mut b, model_config(r.tied), None, 1, r.checkpointing)?;
-    let tracer = Tracer::disabled();
-    let batch = |k: usize| {
-        let first = (k * world + rank) * MB;
-        let samples: Vec<&Sample> = (first..first + MB)
-            .map(|i| &train[order[i % order.len()]])
-            .collect();
-        data::make_batch(&samples, seq).expect("samples fit")
-    };
-    let mut losses = Vec::new();
-    let states = match t {
+    let micros = r.steps * r.ga;
+    let (losses, states) = match t {
         Trainer::Cpu => {
             let mut e = b.build()?;
-            for k in 0..r.steps * r.ga {
-                let (tokens, targets) = batch(k);
-                let st =
-                    model.train_micro_batch::<T, _>(&mut e, &tokens, &targets, MB, seq, &tracer)?;
-                losses.push(st.loss);
-                e.step()?;
-            }
-            e.unit_ids()
-                .into_iter()
-                .map(|u| e.unit_state(u))
-                .collect::<zero::Result<Vec<_>>>()?
+            (
+                train::<T, _, _, _>(&mut e, &model, micros)?,
+                states(&mut e)?,
+            )
         }
         Trainer::Device(mode) => {
             let mut e = b.backend(CpuBackend::new(mode)?).build()?;
             let dm = DeviceModel::new(model, e.device_backend(), 1)?;
-            for k in 0..r.steps * r.ga {
-                let (tokens, targets) = batch(k);
-                let st =
-                    dm.train_micro_batch::<T, _>(&mut e, &tokens, &targets, MB, seq, &tracer)?;
-                assert!(st.target_tokens > 0 && st.activation_bytes > 0);
-                losses.push(st.loss);
-                e.step()?;
-            }
-            e.unit_ids()
-                .into_iter()
-                .map(|u| e.unit_state(u))
-                .collect::<zero::Result<Vec<_>>>()?
+            (train::<T, _, _, _>(&mut e, &dm, micros)?, states(&mut e)?)
         }
     };
     Ok(RankRun { losses, states })

@@ -39,40 +39,26 @@ use std::sync::Arc;
 
 use zero::comm::{Communicator, HostStaged, Paired, ThreadComm, ThreadGroup};
 use zero::core::backend::{Backend, CpuBackend, CpuMode, CudaBackend, CudaBuffer};
-use zero::core::config::{Precision, ResolvedConfig};
-use zero::core::optim::LrSchedule;
+use zero::core::config::Precision;
 use zero::core::{bf16, f16, Element};
-use zero::{EngineBuilder, EngineComm, Tracer};
+use zero::{EngineBuilder, EngineComm};
 use zero_llama as llama;
 use zero_testkit::backend::{download, upload};
 use zero_testkit::llama_kernel_cases::{check, randn, Act};
 use zero_testkit::runs::cuda_backend;
 
-use llama::data::{self, Sample};
 use llama::device::{dst_at, src, src_at, Batch, DeviceModel, LlamaDevice};
 use llama::ops::Mm;
 use llama::train::SftModel;
 use llama::{Config, XorShift};
 
-const MB: usize = 2;
-const SEED: u64 = 7;
-
-fn train_set() -> Vec<Sample> {
-    data::addition_task(SEED).train
-}
+#[path = "common/device.rs"]
+mod common;
+use common::{engine_config, train, SEED};
 
 /// The model of `tests/device.rs`.
 fn model_config() -> Config {
-    Config {
-        vocab: data::VOCAB,
-        dim: 32,
-        n_layers: 2,
-        n_heads: 4,
-        n_kv_heads: 2,
-        hidden: 48,
-        max_seq: data::max_len(&train_set()),
-        ..Config::tiny()
-    }
+    common::model_config(false)
 }
 
 // ------------------------------------------------------------------ ops
@@ -556,47 +542,16 @@ fn bad_arguments_are_errors_naming_them() {
 
 // ------------------------------------------------------------- training
 
-fn engine_config(world: usize, stage: u8, precision: Precision) -> ResolvedConfig {
-    let mut c = ResolvedConfig::simple(stage, world, MB);
-    c.train_batch_size = MB * world;
-    c.precision = precision;
-    c.optimizer.lr = 1e-3;
-    c.optimizer.weight_decay = 0.01;
-    c.scheduler = LrSchedule::Constant { lr: 1e-3 };
-    c.gradient_clipping = 1.0;
-    c.zero.reduce_bucket_size = 5000;
-    c.zero.allgather_bucket_size = 6000;
-    c.zero.param_persistence_threshold = 0;
-    c
-}
-
 const STEPS: usize = 3;
 
 /// Trains on the built engine; this rank's losses.
 fn train_built<T: Element, B: LlamaDevice, C: EngineComm<B>>(
     b: EngineBuilder<C, B>,
     model: SftModel,
-    rank: usize,
-    world: usize,
 ) -> zero::Result<Vec<f32>> {
-    let train = train_set();
-    let seq = data::max_len(&train);
-    let order = data::epoch_order(train.len(), 0, SEED);
     let mut e = b.build()?;
     let dm = DeviceModel::new(model, e.device_backend(), 1)?;
-    let tracer = Tracer::disabled();
-    let mut losses = Vec::new();
-    for k in 0..STEPS {
-        let first = (k * world + rank) * MB;
-        let samples: Vec<&Sample> = (first..first + MB)
-            .map(|i| &train[order[i % order.len()]])
-            .collect();
-        let (tokens, targets) = data::make_batch(&samples, seq).expect("samples fit");
-        let st = dm.train_micro_batch::<T, _>(&mut e, &tokens, &targets, MB, seq, &tracer)?;
-        losses.push(st.loss);
-        e.step()?;
-    }
-    Ok(losses)
+    train::<T, _, _, _>(&mut e, &dm, STEPS)
 }
 
 fn train_rank<T: Element>(
@@ -605,8 +560,8 @@ fn train_rank<T: Element>(
     p: Precision,
     on_gpu: bool,
 ) -> zero::Result<Vec<f32>> {
-    let (rank, world) = (comm.rank(), comm.world_size());
-    let mut b = zero::Engine::builder(engine_config(world, stage, p), comm).seed(SEED);
+    let world = comm.world_size();
+    let mut b = zero::Engine::builder(engine_config(world, stage, 1, p), comm).seed(SEED);
     let model = SftModel::register(&mut b, model_config(), None, 1, false)?;
     if on_gpu {
         // As zero-testkit's TestDevice::with_builder: one GPU, the ranks'
@@ -617,10 +572,10 @@ fn train_rank<T: Element>(
                 Paired::new(c.clone(), HostStaged::new(c))
             })
             .backend(CudaBackend::new(0)?);
-        train_built::<T, _, _>(b, model, rank, world)
+        train_built::<T, _, _>(b, model)
     } else {
         let b = b.backend(CpuBackend::new(CpuMode::Checked)?);
-        train_built::<T, _, _>(b, model, rank, world)
+        train_built::<T, _, _>(b, model)
     }
 }
 

@@ -1,0 +1,480 @@
+//! The Llama trained on a GPU through the engine (the device trainer,
+//! `zero_llama::device::DeviceModel`, on the CUDA backend), against
+//! baselines measured in the same run:
+//!
+//! | row | measured | baseline | target |
+//! |---|---|---|---|
+//! | `stage3` | one optimizer step of stage 3, bf16, 1 rank | the GPU's dense bf16 datasheet peak; a bf16 cuBLAS GEMM of 8192³ timed here | MFU ≥ 40% (datasheet) |
+//! | `stage3_offload_cpu` | the same with `offload_optimizer` cpu, `pin_memory` | the `stage3` row's step | ≤ 1.5× |
+//!
+//! The model (defaults: a ~1B Llama, `--dim 2048 --layers 22 --heads 32
+//! --kv-heads 8 --hidden 5632 --vocab 32000`) trains on random tokens,
+//! `--batch` sequences of `--seq` tokens per step (every token carries
+//! loss), from the engine's default initialisation; `--warmup` steps, then
+//! `--steps` timed ones, each from the micro-batch's start to the step's
+//! end with the device synced. FLOPs are 3 × the forward's matrix products
+//! (`zero_llama::train::forward_flops`: 2 per multiply-add, attention in
+//! full), the usual MFU basis. Memory: the tracker's device peak and the
+//! driver's peak in use (`cuMemGetInfo`, every process's) after each step.
+//!
+//! `cargo bench --features cuda --bench llama_cuda [-- --steps N --batch B
+//! --seq S --dim ... --only stage3,offload --json PATH]`; `--cpu` runs the
+//! same loop on the CPU backend with a tiny model (a smoke test of the
+//! harness; no targets). Without a GPU the bench prints `skipped:` and
+//! exits 0. Output: the table on stdout and
+//! `target/zero-bench/llama_cuda.json` (or `--json PATH`).
+//! `scripts/gpu-session.sh` runs it on a GPU machine.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use serde_json::{json, Value};
+use zero::comm::{ThreadComm, ThreadGroup};
+use zero::core::backend::{CpuBackend, CpuMode};
+use zero::core::bf16;
+use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
+use zero::core::memory::Tier;
+use zero::core::optim::LrSchedule;
+use zero::engine::EngineComm;
+
+/// Runs a row's engine on a backend.
+type OnBackendFn =
+    dyn Fn(EngineBuilder<ThreadComm>, SftModel, &Args) -> zero::Result<Measured> + Sync;
+type OnBackend = Box<OnBackendFn>;
+use zero::{Engine, EngineBuilder, Tracer};
+use zero_llama::device::{DeviceModel, LlamaDevice};
+use zero_llama::train::{forward_flops, measure_gemm_peak, SftModel};
+use zero_llama::{Config, XorShift};
+
+/// MFU target of the stage-3 row (against the datasheet peak).
+const MFU_TARGET: f64 = 0.40;
+/// The offloaded step's target, as a multiple of the stage-3 step.
+const OFFLOAD_TARGET: f64 = 1.5;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Row {
+    Stage3,
+    Offload,
+}
+
+impl Row {
+    fn name(self) -> &'static str {
+        match self {
+            Row::Stage3 => "stage3",
+            Row::Offload => "stage3_offload_cpu",
+        }
+    }
+}
+
+struct Args {
+    model: Config,
+    batch: usize,
+    seq: usize,
+    steps: usize,
+    warmup: usize,
+    rows: Vec<Row>,
+    cpu: bool,
+    json: PathBuf,
+}
+
+fn usage(msg: &str) -> ! {
+    eprintln!(
+        "llama_cuda bench: {msg}\noptions: --dim N --layers N --heads N --kv-heads N --hidden N \
+         --vocab N --seq N --batch N --steps N --warmup N --only stage3,offload --cpu --json PATH"
+    );
+    std::process::exit(2)
+}
+
+fn parse_args() -> Args {
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    let cpu = raw.iter().any(|a| a == "--cpu");
+    let (dim, layers, heads, kv, hidden, vocab, seq, batch) = if cpu {
+        (64, 2, 4, 2, 128, 256, 32, 2)
+    } else {
+        (2048, 22, 32, 8, 5632, 32000, 2048, 4)
+    };
+    let mut a = Args {
+        model: Config {
+            vocab,
+            dim,
+            n_layers: layers,
+            n_heads: heads,
+            n_kv_heads: kv,
+            hidden,
+            max_seq: seq,
+            ..Config::tiny()
+        },
+        batch,
+        seq,
+        steps: if cpu { 2 } else { 5 },
+        warmup: if cpu { 1 } else { 2 },
+        rows: vec![Row::Stage3, Row::Offload],
+        cpu,
+        json: PathBuf::from("target/zero-bench/llama_cuda.json"),
+    };
+    let mut it = raw.into_iter();
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .unwrap_or_else(|| usage(&format!("{flag} needs a value")))
+        };
+        let mut num = |what: &str| -> usize {
+            value()
+                .parse()
+                .ok()
+                .filter(|&n: &usize| n > 0)
+                .unwrap_or_else(|| usage(&format!("{what} takes a whole number >= 1")))
+        };
+        match flag.as_str() {
+            "--dim" => a.model.dim = num("--dim"),
+            "--layers" => a.model.n_layers = num("--layers"),
+            "--heads" => a.model.n_heads = num("--heads"),
+            "--kv-heads" => a.model.n_kv_heads = num("--kv-heads"),
+            "--hidden" => a.model.hidden = num("--hidden"),
+            "--vocab" => a.model.vocab = num("--vocab"),
+            "--seq" => a.seq = num("--seq"),
+            "--batch" => a.batch = num("--batch"),
+            "--steps" => a.steps = num("--steps"),
+            "--warmup" => a.warmup = num("--warmup"),
+            "--only" => {
+                a.rows = value()
+                    .split(',')
+                    .map(|s| match s {
+                        "stage3" => Row::Stage3,
+                        "offload" => Row::Offload,
+                        _ => usage(&format!("--only: unknown row `{s}`")),
+                    })
+                    .collect()
+            }
+            "--json" => a.json = PathBuf::from(value()),
+            "--cpu" | "--bench" => {}
+            _ => usage(&format!("unknown option {flag}")),
+        }
+    }
+    a.model.max_seq = a.seq;
+    if !a.model.n_heads.is_multiple_of(a.model.n_kv_heads)
+        || !a.model.dim.is_multiple_of(a.model.n_heads)
+    {
+        usage("--heads must divide --dim and --kv-heads must divide --heads");
+    }
+    a
+}
+
+/// The engine config of a row: stage 3, bf16, one rank, one micro-batch
+/// of `batch` sequences per step.
+fn engine_config(row: Row, batch: usize) -> ResolvedConfig {
+    let mut c = ResolvedConfig::simple(3, 1, batch);
+    c.precision = Precision::Bf16;
+    c.scheduler = LrSchedule::Constant { lr: 1e-4 };
+    c.gradient_clipping = 1.0;
+    if row == Row::Offload {
+        c.zero.offload_optimizer.device = OffloadDevice::Cpu;
+        c.zero.offload_optimizer.pin_memory = true;
+    }
+    c
+}
+
+/// What one row measured.
+struct Measured {
+    step_s: Vec<f64>,
+    device_peak: u64,
+    driver_peak: Option<u64>,
+    loss_first: f32,
+    loss_last: f32,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+/// Trains `warmup + steps` steps on random tokens on engine builder `b`.
+fn measure<C: EngineComm<B>, B: LlamaDevice>(
+    b: EngineBuilder<C, B>,
+    model: SftModel,
+    a: &Args,
+) -> zero::Result<Measured> {
+    let mut e = b.build()?;
+    let dm = DeviceModel::new(model, e.device_backend(), 1)?;
+    let mut rng = XorShift::new(7);
+    let rows = a.batch * a.seq;
+    let tracer = Tracer::disabled();
+    let mut m = Measured {
+        step_s: Vec::new(),
+        device_peak: 0,
+        driver_peak: None,
+        loss_first: f32::NAN,
+        loss_last: f32::NAN,
+    };
+    for k in 0..a.warmup + a.steps {
+        let tokens: Vec<u32> = (0..rows).map(|_| rng.below(a.model.vocab) as u32).collect();
+        let targets: Vec<i32> = (0..rows)
+            .map(|r| {
+                if (r + 1) % a.seq == 0 {
+                    rng.below(a.model.vocab) as i32
+                } else {
+                    tokens[r + 1] as i32
+                }
+            })
+            .collect();
+        let t = Instant::now();
+        let st =
+            dm.train_micro_batch::<bf16, C>(&mut e, &tokens, &targets, a.batch, a.seq, &tracer)?;
+        e.step()?;
+        e.device_backend().sync_all()?;
+        let dt = t.elapsed().as_secs_f64();
+        if k >= a.warmup {
+            m.step_s.push(dt);
+        }
+        if k == 0 {
+            m.loss_first = st.loss;
+        }
+        m.loss_last = st.loss;
+        if let Some(u) = e.device_backend().device_used()? {
+            m.driver_peak = Some(m.driver_peak.unwrap_or(0).max(u));
+        }
+    }
+    m.device_peak = e.tracker().tier_peak(Tier::Device);
+    Ok(m)
+}
+
+/// One row on the backend `on` makes of the registered builder.
+fn run_row(a: &Args, row: Row, on: &OnBackendFn) -> Result<Measured, String> {
+    let out = ThreadGroup::run(1, |comm: ThreadComm| {
+        let mut b = Engine::builder(engine_config(row, a.batch), comm).seed(1);
+        let model = SftModel::register(&mut b, a.model, None, 1, false)?;
+        on(b, model, a)
+    })
+    .map_err(|e| e.to_string())?;
+    out.into_iter()
+        .next()
+        .ok_or("no rank ran")?
+        .map_err(|e| e.to_string())
+}
+
+fn on_cpu(b: EngineBuilder<ThreadComm>, model: SftModel, a: &Args) -> zero::Result<Measured> {
+    measure(b.backend(CpuBackend::new(CpuMode::Inline)?), model, a)
+}
+
+/// The GPU: the backend on GPU 0, its name, the datasheet bf16 peak and a
+/// measured bf16 GEMM rate (FLOP/s).
+struct Gpu {
+    backend: zero::core::backend::CudaBackend,
+    name: String,
+    datasheet: Option<f64>,
+    gemm: f64,
+}
+
+fn open_gpu() -> Result<Gpu, String> {
+    use zero::core::backend::CudaBackend;
+    let backend = CudaBackend::new(0).map_err(|e| e.to_string())?;
+    let name = cudarc::driver::CudaContext::new(0)
+        .and_then(|c| c.name())
+        .map_err(|e| e.to_string())?;
+    let datasheet = [
+        ("H200", 989.4),
+        ("H100 PCIe", 756.0),
+        ("H100", 989.4),
+        ("A100", 312.0),
+    ]
+    .iter()
+    .find(|(n, _)| name.contains(n))
+    .map(|(_, t)| t * 1e12);
+    let gemm = gemm_rate(&backend).map_err(|e| format!("the bf16 GEMM baseline: {e}"))?;
+    Ok(Gpu {
+        backend,
+        name,
+        datasheet,
+        gemm,
+    })
+}
+
+/// A bf16 cuBLAS GEMM of 8192³ (fp32 accumulation), the median of 10
+/// after 3 warm-ups, in FLOP/s.
+fn gemm_rate(gpu: &zero::core::backend::CudaBackend) -> Result<f64, String> {
+    use cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N;
+    use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+    use zero::core::backend::Stream;
+    let n = 8192usize;
+    let stream = gpu.cuda_stream(Stream::Compute).clone();
+    let blas = CudaBlas::new(stream.clone()).map_err(|e| e.to_string())?;
+    let a = stream
+        .alloc_zeros::<half::bf16>(n * n)
+        .map_err(|e| e.to_string())?;
+    let b = stream
+        .alloc_zeros::<half::bf16>(n * n)
+        .map_err(|e| e.to_string())?;
+    let mut c = stream
+        .alloc_zeros::<half::bf16>(n * n)
+        .map_err(|e| e.to_string())?;
+    let cfg = GemmConfig {
+        transa: CUBLAS_OP_N,
+        transb: CUBLAS_OP_N,
+        m: n as i32,
+        n: n as i32,
+        k: n as i32,
+        alpha: half::bf16::ONE,
+        lda: n as i32,
+        ldb: n as i32,
+        beta: half::bf16::ZERO,
+        ldc: n as i32,
+    };
+    let mut times = Vec::new();
+    for rep in 0..13 {
+        stream.synchronize().map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        // SAFETY: three n×n buffers of n² elements, the shapes above.
+        unsafe { blas.gemm(cfg, &a, &b, &mut c) }.map_err(|e| e.to_string())?;
+        stream.synchronize().map_err(|e| e.to_string())?;
+        if rep >= 3 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(2.0 * (n as f64).powi(3) / median(&times))
+}
+
+fn main() {
+    let a = parse_args();
+    let c = &a.model;
+    let params = zero_llama::tensors(c)
+        .iter()
+        .map(|t| t.numel())
+        .sum::<usize>();
+    let flops = 3.0 * forward_flops(c, a.batch, a.seq, a.batch * a.seq);
+    println!(
+        "llama_cuda bench: {:.3}B parameters (dim {}, {} layers, {} heads, {} kv heads, hidden {}, \
+         vocab {}), {} x {} tokens per step, {:.1} TFLOP per step",
+        params as f64 / 1e9,
+        c.dim,
+        c.n_layers,
+        c.n_heads,
+        c.n_kv_heads,
+        c.hidden,
+        c.vocab,
+        a.batch,
+        a.seq,
+        flops / 1e12
+    );
+    let mut doc = json!({
+        "model": { "parameters": params, "dim": c.dim, "layers": c.n_layers, "heads": c.n_heads,
+                   "kv_heads": c.n_kv_heads, "hidden": c.hidden, "vocab": c.vocab },
+        "batch": a.batch, "seq": a.seq, "steps": a.steps, "warmup": a.warmup,
+        "flop_per_step": flops, "rows": {}, "skipped": Value::Null,
+    });
+    let (peak, gemm, name, on): (Option<f64>, f64, String, OnBackend) = if a.cpu {
+        let g = measure_gemm_peak(1);
+        (None, g, "cpu (CpuBackend, inline)".into(), Box::new(on_cpu))
+    } else {
+        match open_gpu() {
+            Ok(g) => {
+                let gpu = g.backend.clone();
+                let run = move |b: EngineBuilder<ThreadComm>, m: SftModel, a: &Args| {
+                    use std::sync::Arc;
+                    use zero::comm::{HostStaged, Paired};
+                    let b = b
+                        .map_comm(|c| {
+                            let c = Arc::new(c);
+                            Paired::new(c.clone(), HostStaged::new(c))
+                        })
+                        .backend(gpu.clone());
+                    measure(b, m, a)
+                };
+                (g.datasheet, g.gemm, g.name, Box::new(run))
+            }
+            Err(why) => {
+                println!("skipped: no usable GPU: {why}");
+                doc["skipped"] = json!(why);
+                write_json(&a.json, &doc);
+                return;
+            }
+        }
+    };
+    println!(
+        "device: {name}; {} measured {:.1} TFLOP/s{}",
+        if a.cpu {
+            "fp32 GEMM (measure_gemm_peak)"
+        } else {
+            "bf16 GEMM 8192^3"
+        },
+        gemm / 1e12,
+        peak.map_or(String::new(), |p| format!(
+            ", datasheet {:.1} TFLOP/s",
+            p / 1e12
+        ))
+    );
+    doc["device"] = json!(name);
+    doc["gemm_flops"] = json!(gemm);
+    doc["datasheet_flops"] = json!(peak);
+    println!(
+        "| row | step (median) | tokens/s | TFLOP/s | MFU (datasheet) | MFU (measured GEMM) | device peak (tracker) | in use (driver) | loss first → last |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let mut base: Option<f64> = None;
+    for &row in &a.rows {
+        match run_row(&a, row, on.as_ref()) {
+            Ok(m) => {
+                let step = median(&m.step_s);
+                let rate = flops / step;
+                let mfu = peak.map(|p| rate / p);
+                let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+                println!(
+                    "| {} | {:.3} s | {:.0} | {:.1} | {} | {:.1}% | {} | {} | {:.3} → {:.3} |",
+                    row.name(),
+                    step,
+                    (a.batch * a.seq) as f64 / step,
+                    rate / 1e12,
+                    mfu.map_or("-".into(), |f| format!("{:.1}%", 100.0 * f)),
+                    100.0 * rate / gemm,
+                    gib(m.device_peak),
+                    m.driver_peak.map_or("-".into(), gib),
+                    m.loss_first,
+                    m.loss_last
+                );
+                doc["rows"][row.name()] = json!({
+                    "step_s": m.step_s, "step_median_s": step, "flops_per_s": rate, "mfu_datasheet": mfu,
+                    "mfu_gemm": rate / gemm, "device_peak_bytes": m.device_peak,
+                    "driver_peak_bytes": m.driver_peak, "loss_first": m.loss_first, "loss_last": m.loss_last,
+                });
+                match row {
+                    Row::Stage3 => {
+                        base = Some(step);
+                        if let (Some(f), false) = (mfu, a.cpu) {
+                            println!(
+                                "stage3 MFU {:.1}% vs target {:.0}%: {}",
+                                100.0 * f,
+                                100.0 * MFU_TARGET,
+                                if f >= MFU_TARGET { "met" } else { "NOT met" }
+                            );
+                        }
+                    }
+                    Row::Offload => {
+                        if let Some(b) = base {
+                            let r = step / b;
+                            doc["rows"][row.name()]["vs_stage3"] = json!(r);
+                            println!(
+                                "offload cpu step / stage3 step = {r:.2}x vs target <= {OFFLOAD_TARGET}x: {}",
+                                if r <= OFFLOAD_TARGET { "met" } else { "NOT met" }
+                            );
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                println!("| {} | FAILED: {e} |", row.name());
+                doc["rows"][row.name()] = json!({ "failed": e });
+            }
+        }
+    }
+    write_json(&a.json, &doc);
+}
+
+fn write_json(path: &PathBuf, doc: &Value) {
+    if let Some(d) = path.parent() {
+        let _ = std::fs::create_dir_all(d);
+    }
+    match std::fs::write(path, serde_json::to_string_pretty(doc).unwrap_or_default()) {
+        Ok(()) => println!("wrote {}", path.display()),
+        Err(e) => eprintln!("llama_cuda bench: {}: {e}", path.display()),
+    }
+}
