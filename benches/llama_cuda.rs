@@ -296,6 +296,8 @@ fn gemm_rate(gpu: &zero::core::backend::CudaBackend) -> Result<f64, String> {
     use cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N;
     use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
     use zero::core::backend::Stream;
+    zero::core::cuda::libs::require(zero::core::cuda::libs::Lib::Cublas)
+        .map_err(|e| e.to_string())?;
     let n = 8192usize;
     let stream = gpu.cuda_stream(Stream::Compute).clone();
     let blas = CudaBlas::new(stream.clone()).map_err(|e| e.to_string())?;

@@ -710,6 +710,18 @@ fn run_cuda<T: Element, C: Communicator>(
     use std::sync::Arc;
     use zero::comm::{HostStaged, Paired};
     use zero::core::backend::CudaBackend;
+    use zero::core::cuda::libs::{require, Lib};
+    if T::DTYPE == zero::core::DType::F16 {
+        return Err(zero::Error::Unsupported {
+            what: "--device cuda trains bf16 or fp32 parameters (the Llama GPU kernels have no \
+                   fp16 variant): use --dtype bf16, or --device cpu for fp16"
+                .into(),
+        });
+    }
+    // The driver first: without it cudarc's calls would panic.
+    require(Lib::Driver).map_err(|e| zero::Error::Unsupported {
+        what: format!("--device cuda: {e}"),
+    })?;
     let gpus =
         cudarc::driver::CudaContext::device_count().map_err(|e| zero::Error::Unsupported {
             what: format!("--device cuda: no CUDA device ({e})"),
