@@ -362,6 +362,35 @@ fn a_release_while_in_use_is_ordered_after_the_queued_work() {
     }
 }
 
+/// `alloc_on` and `release_on` order a buffer by one stream: another
+/// stream must wait for its zeroing before it reads it, and for its last
+/// access to be ordered before the release; both are hazards otherwise.
+#[test]
+fn buffers_of_one_stream_are_ordered_by_it() {
+    for dev in checked_modes() {
+        let mut a = dev.alloc_on::<f32>(Compute, 16, "a").unwrap();
+        let mut b = dev.alloc::<f32>(16, "b").unwrap();
+        let e = dev.copy_d2d(Comm, &a, 0, &mut b, 0, 16).unwrap_err();
+        assert!(e.to_string().contains("fill on compute"), "{e}");
+        let ev = dev.record(Compute).unwrap();
+        dev.wait(Comm, &ev).unwrap();
+        dev.copy_d2d(Comm, &a, 0, &mut b, 0, 16).unwrap();
+        dev.fill(Compute, &mut a, 0..16, 1.0).unwrap_err();
+        // Released on compute while the comm read is not waited for.
+        let ev = dev.record(Comm).unwrap();
+        dev.release_on(Compute, a);
+        let e = dev.record(Compute).unwrap_err();
+        assert!(e.to_string().contains("release_on on compute"), "{e}");
+        // With the wait, it is clean.
+        let c = dev.alloc_on::<f32>(Compute, 16, "c").unwrap();
+        dev.wait(Compute, &ev).unwrap();
+        dev.copy_d2d(Compute, &c, 0, &mut b, 0, 16).unwrap();
+        dev.release_on(Compute, c);
+        dev.sync_all().unwrap();
+        assert_eq!(dev.host_slice(&b, 0..16).unwrap(), &[0.0; 16][..]);
+    }
+}
+
 #[test]
 fn a_drop_while_in_use_is_reported_by_the_next_call() {
     for dev in checked_modes() {

@@ -70,6 +70,7 @@ conformance!(
     host_views_read_and_write_back,
     adopt_keeps_the_contents,
     a_lent_buffer_comes_back_the_same,
+    buffers_of_one_stream_are_zero_and_reused_in_its_order,
 );
 
 /// Runs `check` on a CPU backend in `mode`, then syncs everything (which
@@ -794,6 +795,36 @@ fn a_lent_buffer_comes_back_the_same<B: HostAccess>(dev: &B) -> Result<()> {
     assert_eq!((buf.id(), buf.label(), buf.len()), (id, "lent", 64));
     dev.sync(&event)?;
     assert_eq!(download(dev, &buf)?, vec![1.5f32; 64]);
+    Ok(())
+}
+
+/// `alloc_on` gives zeros to its stream; a buffer released on that stream
+/// while its work is still queued is not reused under that work: many
+/// buffers allocated, written, read and released in a row, each read
+/// checked.
+fn buffers_of_one_stream_are_zero_and_reused_in_its_order<B: HostAccess>(dev: &B) -> Result<()> {
+    let n = 1 << 16;
+    let mut out = dev.alloc::<f32>(n * 8, "out")?;
+    for k in 0..8 {
+        let mut a = dev.alloc_on::<f32>(Compute, n, "a")?;
+        let mut z = dev.alloc_on::<f32>(Compute, n, "zeros")?;
+        // `z` must read zero even where `a`'s memory of the last round was.
+        dev.cast(Compute, &z, 0, &mut a, 0, n, true)?;
+        dev.fill(Compute, &mut z, 0..n, 0.0)?;
+        dev.fill(Compute, &mut a, 0..n, k as f32)?;
+        dev.cast(Compute, &z, 0, &mut a, 0, n, true)?;
+        dev.copy_d2d(Compute, &a, 0, &mut out, k * n, n)?;
+        dev.release_on(Compute, a);
+        dev.release_on(Compute, z);
+    }
+    dev.sync(&dev.record(Compute)?)?;
+    let got = download(dev, &out)?;
+    for k in 0..8 {
+        assert!(
+            got[k * n..(k + 1) * n].iter().all(|&v| v == k as f32),
+            "round {k}: a buffer of the stream did not hold its values"
+        );
+    }
     Ok(())
 }
 

@@ -325,6 +325,35 @@ pub trait Backend: Send + Sync + 'static {
         drop(buf);
     }
 
+    /// A zeroed buffer of `len` elements for `stream`'s work: allocated and
+    /// zeroed in `stream`'s order, without blocking the host (CUDA:
+    /// `cuMemAllocAsync` and a memset on that stream). `stream` may use it
+    /// at once; another stream only after waiting for an event recorded on
+    /// `stream` after this call. The default is [`alloc`](Backend::alloc),
+    /// which every stream may use at once.
+    fn alloc_on<T: Element>(
+        &self,
+        stream: Stream,
+        len: usize,
+        label: &str,
+    ) -> Result<Self::Buffer<T>> {
+        let _ = stream;
+        self.alloc(len, label)
+    }
+
+    /// Frees `buf` in `stream`'s order, without blocking: after the work
+    /// enqueued on `stream` so far, and nothing else (CUDA:
+    /// `cuMemFreeAsync` on that stream). Every access of another stream
+    /// must be ordered before this point of `stream` (the checked CPU
+    /// backend treats the release as a write of all of `buf` on `stream`
+    /// and reports a hazard, from its next call, when one is not). The
+    /// default is [`release`](Backend::release), which waits for every
+    /// stream.
+    fn release_on<T: Element>(&self, stream: Stream, buf: Self::Buffer<T>) {
+        let _ = stream;
+        self.release(buf);
+    }
+
     /// A zeroed host buffer of `len` elements for asynchronous copies.
     fn alloc_host<T: Element>(&self, len: usize, label: &str) -> Result<Self::HostBuffer<T>>;
 

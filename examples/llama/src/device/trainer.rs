@@ -100,8 +100,9 @@ enum Saved<B: Backend, T: Element> {
     Input(Tmp<B, T>),
 }
 
-/// A buffer of the trainer's, freed in stream order when dropped
-/// ([`Backend::release`]): the work enqueued on it runs first.
+/// A buffer of the trainer's, on the compute stream alone: allocated and
+/// zeroed in its order ([`Backend::alloc_on`]) and freed in its order when
+/// dropped ([`Backend::release_on`]), so neither blocks the host.
 struct Tmp<B: Backend, T: Element> {
     buf: Option<B::Buffer<T>>,
     dev: B,
@@ -109,7 +110,7 @@ struct Tmp<B: Backend, T: Element> {
 
 fn tmp<B: Backend + Clone, T: Element>(dev: &B, len: usize, label: &str) -> Result<Tmp<B, T>> {
     Ok(Tmp {
-        buf: Some(dev.alloc::<T>(len, label)?),
+        buf: Some(dev.alloc_on::<T>(Stream::Compute, len, label)?),
         dev: dev.clone(),
     })
 }
@@ -145,7 +146,7 @@ impl<B: Backend, T: Element> Tmp<B, T> {
 impl<B: Backend, T: Element> Drop for Tmp<B, T> {
     fn drop(&mut self) {
         if let Some(b) = self.buf.take() {
-            self.dev.release(b);
+            self.dev.release_on(Stream::Compute, b);
         }
     }
 }
@@ -283,6 +284,8 @@ impl<B: LlamaDevice> DeviceModel<B> {
         for (l, &u) in m.layers.iter().enumerate() {
             let g = e.gather(u)?;
             let at = BlockAt::of(c, l, g.layout())?;
+            // Counted: what forward keeps, and the current block input.
+            let x_bytes = bytes::<B, T>(&x);
             let (acts, y) = self.block_forward(dev, g.buffer::<T>()?, &at, x, s)?;
             drop(g);
             let s_ = if m.checkpointing {
@@ -290,7 +293,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
             } else {
                 Saved::Full(acts)
             };
-            grow(saved_bytes(&s_) as i64);
+            grow(saved_bytes(&s_) as i64 - x_bytes + bytes::<B, T>(&y));
             saved.push(s_);
             x = y;
         }
@@ -424,6 +427,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
             )?;
             k += n;
         }
+        grow(bytes::<B, T>(&dx) - bytes::<B, T>(&x));
         drop((hx, xn, inv, dxn, dhx, x));
 
         // Blocks, last to first.
@@ -455,6 +459,8 @@ impl<B: LlamaDevice> DeviceModel<B> {
         // Embedding: no parameters needed, so no gather.
         let plan = dev.embed_plan(ops, tokens, c.vocab)?;
         dev.embedding_backward(ops, dx.src(), &plan, demb.dst(), s.dim)?;
+        grow(-bytes::<B, T>(&dx));
+        drop(dx);
         let n = c.vocab * s.dim;
         let mut ge = tmp::<B, T>(dev, n, "embedding grad")?;
         dev.cast(Stream::Compute, &demb, 0, &mut ge, 0, n, false)?;

@@ -767,6 +767,43 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn alloc_on<T: Element>(
+        &self,
+        stream: Stream,
+        len: usize,
+        label: &str,
+    ) -> Result<CpuBuffer<T>> {
+        let mut buf = self.alloc(len, label)?;
+        if self.inner.checked {
+            // The memory is zero already; the fill stands for the zeroing a
+            // GPU does on `stream`, which other streams must wait for.
+            self.fill(stream, &mut buf, 0..len, T::from_f32(0.0))?;
+        }
+        Ok(buf)
+    }
+
+    fn release_on<T: Element>(&self, stream: Stream, buf: CpuBuffer<T>) {
+        if !buf.owner.checked {
+            // Inline: everything enqueued already ran.
+            drop(buf);
+            return;
+        }
+        let (mem, id, _, owner) = buf.into_parts();
+        let decl = Decl {
+            id,
+            range: 0..mem.len(),
+            kind: AccessKind::Write,
+        };
+        {
+            let mut checker = lock(&owner.checker);
+            let seq = owner.workers.as_ref().map_or(0, |w| w.pushed(stream));
+            if let Err(e) = checker.enqueue(stream, "release_on", &[decl], seq) {
+                owner.store_error(e);
+            }
+        }
+        owner.release(id, mem, false);
+    }
+
     fn alloc_host<T: Element>(&self, len: usize, label: &str) -> Result<CpuBuffer<T>> {
         self.alloc(len, label)
     }

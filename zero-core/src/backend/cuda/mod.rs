@@ -849,6 +849,77 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn alloc_on<T: Element>(
+        &self,
+        stream: Stream,
+        len: usize,
+        label: &str,
+    ) -> Result<CudaBuffer<T>> {
+        let bytes = len
+            .checked_mul(size_of::<T>())
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| Error::InvalidSize {
+                op: "alloc_on",
+                msg: format!(
+                    "{len} elements of {} for buffer {label:?} overflow",
+                    T::DTYPE
+                ),
+            })?;
+        let inner = &*self.inner;
+        inner.begin()?;
+        let bytes = bytes.max(1);
+        let s = inner.stream(stream).cu_stream();
+        let failed = |call: &str, e: DriverError| Error::Backend {
+            op: "alloc_on",
+            msg: format!(
+                "{call} of {bytes} bytes for buffer {label:?} on {stream} of cuda:{} failed: {e}",
+                inner.device.ordinal()
+            ),
+        };
+        // SAFETY: a stream of the current context; the memory is zeroed on
+        // the same stream, so work enqueued on it later sees zeros, and
+        // other streams wait for an event of it (the caller's contract).
+        let ptr =
+            unsafe { result::malloc_async(s, bytes) }.map_err(|e| failed("cuMemAllocAsync", e))?;
+        // SAFETY: [ptr, ptr + bytes) was just allocated on this stream.
+        if let Err(e) = unsafe { result::memset_d8_async(ptr, 0, bytes, s) } {
+            // SAFETY: allocated above, used by nothing.
+            let _ = unsafe { result::free_async(ptr, s) };
+            return Err(failed("cuMemsetD8Async", e));
+        }
+        Ok(CudaBuffer {
+            ptr,
+            len,
+            id: next_id(),
+            label: Arc::from(label),
+            owner: self.inner.clone(),
+            _marker: PhantomData,
+        })
+    }
+
+    fn release_on<T: Element>(&self, stream: Stream, buf: CudaBuffer<T>) {
+        if !Arc::ptr_eq(&buf.owner, &self.inner) {
+            // Another backend's buffer: its own drop frees it safely.
+            drop(buf);
+            return;
+        }
+        let buf = std::mem::ManuallyDrop::new(buf);
+        let ctx = self.inner.ctx();
+        ctx.record_err(ctx.bind_to_thread());
+        // SAFETY: `ptr` came from cuMemAllocAsync of this context and is
+        // freed once (`buf` is not dropped); the caller ordered every other
+        // stream's use of it before this point of `stream` (the contract of
+        // `release_on`), and nothing can be enqueued after (`buf` is gone).
+        ctx.record_err(unsafe {
+            result::free_async(buf.ptr, self.inner.stream(stream).cu_stream())
+        });
+        // SAFETY: the fields are read once; `buf` is never used again.
+        unsafe {
+            drop(std::ptr::read(&buf.label));
+            drop(std::ptr::read(&buf.owner));
+        }
+    }
+
     fn owns_host<T: Element>(&self, buf: &CudaHostBuffer<T>) -> bool {
         Arc::ptr_eq(&buf.owner, &self.inner)
     }
