@@ -270,7 +270,13 @@ impl<B: LlamaDevice> DeviceModel<B> {
             peak = peak.max(live);
             act.resize(live);
         };
+        // Both uploads before any compute: a copy from pageable memory may
+        // wait for the stream (the driver stages it).
         let ids = dev.upload_ids(ops, tokens)?;
+        let picked: Vec<usize> = (0..s.rows).filter(|&r| targets[r] >= 0).collect();
+        let np = picked.len();
+        let picked_targets: Vec<i32> = picked.iter().map(|&r| targets[r]).collect();
+        let tgt = dev.upload_targets(ops, &picked_targets)?;
 
         // Forward.
         let fwd = tracer.span(rank, "forward", "compute");
@@ -302,10 +308,6 @@ impl<B: LlamaDevice> DeviceModel<B> {
         // Head: the final norm and the LM head on the rows that carry loss,
         // then its backward at once.
         let bwd = tracer.span(rank, "backward", "compute");
-        let picked: Vec<usize> = (0..s.rows).filter(|&r| targets[r] >= 0).collect();
-        let np = picked.len();
-        let picked_targets: Vec<i32> = picked.iter().map(|&r| targets[r]).collect();
-        let tgt = dev.upload_targets(ops, &picked_targets)?;
         let runs = runs(&picked);
         let scale = e.loss_scale();
         let head = e.gather(m.head)?;
