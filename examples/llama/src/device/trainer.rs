@@ -270,13 +270,14 @@ impl<B: LlamaDevice> DeviceModel<B> {
             peak = peak.max(live);
             act.resize(live);
         };
-        // Both uploads before any compute: a copy from pageable memory may
+        // Every upload before any compute: a copy from pageable memory may
         // wait for the stream (the driver stages it).
         let ids = dev.upload_ids(ops, tokens)?;
         let picked: Vec<usize> = (0..s.rows).filter(|&r| targets[r] >= 0).collect();
         let np = picked.len();
         let picked_targets: Vec<i32> = picked.iter().map(|&r| targets[r]).collect();
         let tgt = dev.upload_targets(ops, &picked_targets)?;
+        let plan = dev.embed_plan(ops, tokens, c.vocab)?;
 
         // Forward.
         let fwd = tracer.span(rank, "forward", "compute");
@@ -459,7 +460,6 @@ impl<B: LlamaDevice> DeviceModel<B> {
         }
 
         // Embedding: no parameters needed, so no gather.
-        let plan = dev.embed_plan(ops, tokens, c.vocab)?;
         dev.embedding_backward(ops, dx.src(), &plan, demb.dst(), s.dim)?;
         grow(-bytes::<B, T>(&dx));
         drop(dx);
