@@ -732,21 +732,50 @@ fn run_cuda<T: Element, C: Communicator>(
         .and_then(|c| c.name())
         .unwrap_or_default();
     p.device_peak = gpu_bf16_peak(&name);
-    let b = b
-        .map_comm(|c| {
-            let c = Arc::new(c);
-            Paired::new(c.clone(), HostStaged::new(c))
-        })
-        .backend(gpu);
-    let (e, resumed) = build(b, &s.args)?;
+    let gpus = gpus.max(1) as usize;
+    // One rank per GPU: NCCL on the backend's communication stream. More
+    // ranks than GPUs on this host (ranks as threads on one GPU, or NCCL
+    // before 2.30, which refuses two ranks of a communicator on one GPU):
+    // the device collectives go through host memory.
+    if b.comm().ranks_on_host() <= gpus {
+        use zero::comm::{CommOptions, NcclComm};
+        let opts = CommOptions::from_env().unwrap_or_default();
+        let nccl = NcclComm::for_backend(b.comm(), &gpu, &opts)?;
+        let b = b.map_comm(|c| Paired::new(c, nccl)).backend(gpu);
+        let (e, resumed) = build(b, &s.args)?;
+        announce(&e, rank, ordinal, gpus, &name, "NCCL");
+        let dm = DeviceModel::new(model, e.device_backend(), p.threads)?;
+        train::<T, _, _, _>(e, resumed, &dm, s, p)
+    } else {
+        let b = b
+            .map_comm(|c| {
+                let c = Arc::new(c);
+                Paired::new(c.clone(), HostStaged::new(c))
+            })
+            .backend(gpu);
+        let (e, resumed) = build(b, &s.args)?;
+        announce(&e, rank, ordinal, gpus, &name, "staged through host memory");
+        let dm = DeviceModel::new(model, e.device_backend(), p.threads)?;
+        train::<T, _, _, _>(e, resumed, &dm, s, p)
+    }
+}
+
+/// The GPU line of the report (rank 0).
+#[cfg(feature = "cuda")]
+fn announce<C: EngineComm<zero::core::backend::CudaBackend>>(
+    e: &Engine<C, zero::core::backend::CudaBackend>,
+    rank: usize,
+    ordinal: usize,
+    gpus: usize,
+    name: &str,
+    collectives: &str,
+) {
     if rank == 0 {
         println!(
-            "device: GPU {ordinal} of {gpus} ({name}, {})",
+            "device: GPU {ordinal} of {gpus} ({name}, {}), device collectives {collectives}",
             e.device_backend().arch()
         );
     }
-    let dm = DeviceModel::new(model, e.device_backend(), p.threads)?;
-    train::<T, _, _, _>(e, resumed, &dm, s, p)
 }
 
 #[cfg(not(feature = "cuda"))]

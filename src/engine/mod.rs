@@ -555,6 +555,12 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         self.rebuild(|c| c, Some(backend))
     }
 
+    /// The communicator the engine will be built over (e.g. to bootstrap
+    /// device collectives from it before [`EngineBuilder::map_comm`]).
+    pub fn comm(&self) -> &C {
+        &self.comm
+    }
+
     /// The same builder over another communicator: `f` wraps or replaces
     /// this one (e.g. pairs it with device collectives,
     /// [`zero_comm::Paired`], before [`EngineBuilder::backend`] moves the
