@@ -505,33 +505,9 @@ impl<B: LlamaDevice> DeviceModel<B> {
             dim,
             c.norm_eps,
         )?;
-        let mut q = tmp::<B, T>(dev, rows * s.qd, "q")?;
-        let mut k = tmp::<B, T>(dev, rows * s.kd, "k")?;
-        let mut v = tmp::<B, T>(dev, rows * s.kd, "v")?;
-        dev.gemm(
-            ops,
-            q.dst(),
-            xn1.src(),
-            src_at(p, wq),
-            linear(rows, dim, s.qd),
-            Batch::ONE,
-        )?;
-        dev.gemm(
-            ops,
-            k.dst(),
-            xn1.src(),
-            src_at(p, wk),
-            linear(rows, dim, s.kd),
-            Batch::ONE,
-        )?;
-        dev.gemm(
-            ops,
-            v.dst(),
-            xn1.src(),
-            src_at(p, wv),
-            linear(rows, dim, s.kd),
-            Batch::ONE,
-        )?;
+        let mut q = self.project(dev, &xn1, p, wq, (rows, dim, s.qd), "q")?;
+        let mut k = self.project(dev, &xn1, p, wk, (rows, dim, s.kd), "k")?;
+        let v = self.project(dev, &xn1, p, wv, (rows, dim, s.kd), "v")?;
         dev.rope(ops, q.dst(), rows, s.seq, s.heads, false)?;
         dev.rope(ops, k.dst(), rows, s.seq, s.kv, false)?;
         let t = s.seq;
@@ -595,35 +571,11 @@ impl<B: LlamaDevice> DeviceModel<B> {
             dim,
             c.norm_eps,
         )?;
-        let mut h1 = tmp::<B, T>(dev, rows * s.hidden, "h1")?;
-        let mut h3 = tmp::<B, T>(dev, rows * s.hidden, "h3")?;
-        dev.gemm(
-            ops,
-            h1.dst(),
-            xn2.src(),
-            src_at(p, gate),
-            linear(rows, dim, s.hidden),
-            Batch::ONE,
-        )?;
-        dev.gemm(
-            ops,
-            h3.dst(),
-            xn2.src(),
-            src_at(p, up),
-            linear(rows, dim, s.hidden),
-            Batch::ONE,
-        )?;
+        let h1 = self.project(dev, &xn2, p, gate, (rows, dim, s.hidden), "h1")?;
+        let h3 = self.project(dev, &xn2, p, up, (rows, dim, s.hidden), "h3")?;
         let mut a = tmp::<B, T>(dev, rows * s.hidden, "swiglu")?;
         dev.swiglu_forward(ops, h1.src(), h3.src(), a.dst(), rows * s.hidden)?;
-        let mut mlp = tmp::<B, T>(dev, rows * dim, "mlp out")?;
-        dev.gemm(
-            ops,
-            mlp.dst(),
-            a.src(),
-            src_at(p, down),
-            linear(rows, s.hidden, dim),
-            Batch::ONE,
-        )?;
+        let mlp = self.project(dev, &a, p, down, (rows, s.hidden, dim), "mlp out")?;
         let mut y = tmp::<B, T>(dev, rows * dim, "y")?;
         dev.copy_d2d(Stream::Compute, &h, 0, &mut y, 0, rows * dim)?;
         dev.cast(Stream::Compute, &mlp, 0, &mut y, 0, rows * dim, true)?;
@@ -644,6 +596,29 @@ impl<B: LlamaDevice> DeviceModel<B> {
             a,
         });
         Ok((acts, y))
+    }
+
+    /// `x[rows, d_in] Wᵀ` into a new buffer, for the weight `W` `[d_out,
+    /// d_in]` at element `w` of the unit's buffer `p`.
+    fn project<T: Element>(
+        &self,
+        dev: &B,
+        x: &Tmp<B, T>,
+        p: &B::Buffer<T>,
+        w: usize,
+        (rows, d_in, d_out): (usize, usize, usize),
+        label: &str,
+    ) -> Result<Tmp<B, T>> {
+        let mut y = tmp::<B, T>(dev, rows * d_out, label)?;
+        dev.gemm(
+            &self.ops,
+            y.dst(),
+            x.src(),
+            src_at(p, w),
+            linear(rows, d_in, d_out),
+            Batch::ONE,
+        )?;
+        Ok(y)
     }
 
     /// A block's backward for output gradient `dy`: writes the weight
