@@ -28,7 +28,7 @@ use llama::Config;
 
 #[path = "common/device.rs"]
 mod common;
-use common::{engine_config, model_config, train, SEED};
+use common::{engine_config, model_config, train, MB, SEED};
 
 /// Which trainer runs, on which backend.
 #[derive(Clone, Copy, Debug)]
@@ -228,4 +228,50 @@ fn lora_and_biases_are_refused_by_name() {
     };
     let e = refusal(qwen, None);
     assert!(e.contains("biases"), "{e}");
+}
+
+/// A micro-batch whose every target is ignored (a prompt-only batch) gives
+/// a loss of 0 and the CPU trainer's step, on one rank and two.
+#[test]
+fn a_batch_without_loss_rows_is_the_cpu_trainers() {
+    fn rank<T: Element>(comm: ThreadComm, device: bool) -> zero::Result<(f32, Vec<UnitState>)> {
+        let cfg = engine_config(comm.world_size(), 3, 1, Precision::Fp32);
+        let mut b = Engine::builder(cfg, comm).seed(SEED);
+        let model = SftModel::register(&mut b, model_config(false), None, 1, false)?;
+        let seq = 8;
+        let tokens: Vec<u32> = (0..(MB * seq) as u32).map(|t| t % 50).collect();
+        let targets = vec![-100i32; MB * seq];
+        let tracer = zero::Tracer::disabled();
+        let (loss, states) = if device {
+            let mut e = b.backend(CpuBackend::new(CpuMode::Checked)?).build()?;
+            let dm = DeviceModel::new(model, e.device_backend(), 1)?;
+            let st = dm.train_micro_batch::<T, _>(&mut e, &tokens, &targets, MB, seq, &tracer)?;
+            e.step()?;
+            (st.loss, states(&mut e)?)
+        } else {
+            let mut e = b.build()?;
+            let st =
+                model.train_micro_batch::<T, _>(&mut e, &tokens, &targets, MB, seq, &tracer)?;
+            e.step()?;
+            (st.loss, states(&mut e)?)
+        };
+        Ok((loss, states))
+    }
+    for world in [1, 2] {
+        let run = |device: bool| {
+            ThreadGroup::run(world, move |c: ThreadComm| rank::<f32>(c, device))
+                .expect("ranks ran")
+                .into_iter()
+                .map(|r| r.expect("trained"))
+                .collect::<Vec<_>>()
+        };
+        let (want, got) = (run(false), run(true));
+        for ((wl, ws), (gl, gs)) in want.iter().zip(&got) {
+            assert_eq!((*wl, *gl), (0.0, 0.0));
+            for (p, q) in ws.iter().zip(gs) {
+                assert_bits(&p.params, &q.params, &format!("world {world} params"));
+                assert_bits(&p.m, &q.m, &format!("world {world} m"));
+            }
+        }
+    }
 }
