@@ -3,15 +3,15 @@
 //!
 //! - with f32 parameters it gives the CPU trainer's losses, parameters,
 //!   master weights and moments bit for bit, at stages 0–3 on 1–2 ranks,
-//!   with tied embeddings, activation checkpointing and gradient
-//!   accumulation, in Checked and Chaos mode (so every op of the
+//!   with tied embeddings, Qwen2's q/k/v biases, activation checkpointing
+//!   and gradient accumulation, in Checked and Chaos mode (so every op of the
 //!   composition the GPU runs is ordered with the engine's gathers and
 //!   reductions, and each tensor's gradient lands where the CPU trainer
 //!   puts it);
 //! - with bf16 parameters (bf16 activations, as on the GPU) it is
 //!   bit-identical across stages and its losses stay within bf16 rounding
 //!   of the CPU trainer's f32 activations;
-//! - what it does not run (LoRA, q/k/v biases) is an error naming it.
+//! - what it does not run (LoRA) is an error naming it.
 
 use zero::comm::{Communicator, ThreadComm, ThreadGroup};
 use zero::core::backend::{CpuBackend, CpuMode};
@@ -46,6 +46,8 @@ struct Run {
     ga: usize,
     steps: usize,
     tied: bool,
+    /// Qwen2's q/k/v biases.
+    bias: bool,
     checkpointing: bool,
 }
 
@@ -69,7 +71,11 @@ fn train_rank<T: Element>(
 ) -> zero::Result<RankRun> {
     let cfg = engine_config(comm.world_size(), r.stage, r.ga, p);
     let mut b = Engine::builder(cfg, comm).seed(SEED);
-    let model = SftModel::register(&mut b, model_config(r.tied), None, 1, r.checkpointing)?;
+    let model_cfg = Config {
+        qkv_bias: r.bias,
+        ..model_config(r.tied)
+    };
+    let model = SftModel::register(&mut b, model_cfg, None, 1, r.checkpointing)?;
     let micros = r.steps * r.ga;
     let (losses, states) = match t {
         Trainer::Cpu => {
@@ -134,6 +140,7 @@ fn the_device_trainer_is_the_cpu_trainer_bit_for_bit() {
         ga: 1,
         steps: 2,
         tied: false,
+        bias: false,
         checkpointing: false,
     };
     let cases = [
@@ -156,13 +163,27 @@ fn the_device_trainer_is_the_cpu_trainer_bit_for_bit() {
             checkpointing: true,
             ..base
         },
+        // Qwen2's shape: q/k/v biases and tied embeddings.
+        Run {
+            stage: 3,
+            tied: true,
+            bias: true,
+            ..base
+        },
+        Run {
+            world: 1,
+            stage: 0,
+            bias: true,
+            checkpointing: true,
+            ..base
+        },
     ];
     for r in cases {
         let want = run(r, Precision::Fp32, Trainer::Cpu);
         for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 3 }] {
             let what = format!(
-                "world {} stage {} ga {} tied {} checkpointing {} {mode:?}",
-                r.world, r.stage, r.ga, r.tied, r.checkpointing
+                "world {} stage {} ga {} tied {} bias {} checkpointing {} {mode:?}",
+                r.world, r.stage, r.ga, r.tied, r.bias, r.checkpointing
             );
             let got = run(r, Precision::Fp32, Trainer::Device(mode));
             assert_same(&want, &got, &what);
@@ -178,6 +199,7 @@ fn bf16_activations_are_exact_across_stages_and_near_the_cpu_trainer() {
         ga: 1,
         steps: 3,
         tied: false,
+        bias: false,
         checkpointing: false,
     };
     let dev = Trainer::Device(CpuMode::Checked);
@@ -214,7 +236,7 @@ fn refusal(model: Config, lora: Option<LoraSetup>) -> String {
 }
 
 #[test]
-fn lora_and_biases_are_refused_by_name() {
+fn lora_is_refused_by_name() {
     let lora = LoraSetup {
         cfg: LoraConfig::new(4, 8.0, 0.0, &["q_proj"]).unwrap(),
         seed: SEED,
@@ -222,12 +244,6 @@ fn lora_and_biases_are_refused_by_name() {
     };
     let e = refusal(model_config(false), Some(lora));
     assert!(e.contains("LoRA"), "{e}");
-    let qwen = Config {
-        qkv_bias: true,
-        ..model_config(false)
-    };
-    let e = refusal(qwen, None);
-    assert!(e.contains("biases"), "{e}");
 }
 
 /// A micro-batch whose every target is ignored (a prompt-only batch) gives

@@ -7,8 +7,9 @@
 //!   (transposed operands, padded row strides, alpha, accumulation,
 //!   batches with a shared operand, operands at offsets in larger
 //!   buffers, whose other elements must stay as they were), the embedding,
-//!   RMSNorm (written and accumulated), RoPE, the causal softmax, SwiGLU
-//!   and the cross-entropy (with ignored rows), each forward and backward;
+//!   RMSNorm (written and accumulated), RoPE, the causal softmax, SwiGLU,
+//!   the q/k/v biases and the cross-entropy (with ignored rows), each
+//!   forward and backward;
 //!   the gradient copy into a lent buffer bit for bit;
 //! - the tiny model of `tests/device.rs` trained for three steps at
 //!   stages 0 and 3 on 1 and 2 ranks (ranks as threads on one GPU, device
@@ -325,6 +326,16 @@ fn all_ops<B: LlamaDevice, T: Element>(dev: &B, seed: u64) -> zero::Result<Vec<O
     )?;
     keep("swiglu backward dh1", f32s(download(dev, &dh1)?), false);
     keep("swiglu backward dh3", f32s(download(dev, &dh3)?), false);
+
+    // Biases: added to rows, and their gradients (column sums).
+    let mut yb = g.randn::<T>(rows * qd, 1.0, 3, "yb")?;
+    let bias = g.randn::<T>(qd, 1.0, 1, "bias")?;
+    dev.add_bias(&ops, dst_at(&mut yb, 3), src_at(&bias, 1), rows, qd)?;
+    keep("bias added", f32s(download(dev, &yb)?), false);
+    let dyb = g.randn::<T>(rows * qd, 1.0, 2, "dyb")?;
+    let mut db = g.randn::<T>(qd, 1.0, 2, "db")?;
+    dev.bias_grad(&ops, src_at(&dyb, 2), dst_at(&mut db, 2), rows, qd)?;
+    keep("bias gradient", f32s(download(dev, &db)?), false);
 
     // Cross-entropy, two rows ignored.
     let targets: Vec<i32> = (0..rows)

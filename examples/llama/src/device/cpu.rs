@@ -188,6 +188,55 @@ impl LlamaDevice for CpuBackend {
         Ok(())
     }
 
+    /// [`ops::add_bias`], the CPU trainer's loop (the same bits).
+    fn add_bias<T: Element>(
+        &self,
+        _: &CpuOps,
+        y: Dst<'_, Self, T>,
+        b: Src<'_, Self, T>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        let args = (output(self, y, rows * n)?, input(self, b, n)?);
+        self.launch(
+            Stream::Compute,
+            "llama_add_bias",
+            args,
+            move |run, (mut y, b)| {
+                let mut v = f32s(y.get(run));
+                ops::add_bias(&mut v, &f32s(b.get(run)));
+                store(y.get(run), &v);
+                Ok(())
+            },
+        )?;
+        Ok(())
+    }
+
+    /// [`ops::bias_backward`] into zeros, rows in order (the CPU
+    /// trainer's bits).
+    fn bias_grad<T: Element>(
+        &self,
+        _: &CpuOps,
+        dy: Src<'_, Self, T>,
+        db: Dst<'_, Self, T>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        let args = (input(self, dy, rows * n)?, output(self, db, n)?);
+        self.launch(
+            Stream::Compute,
+            "llama_bias_grad",
+            args,
+            move |run, (dy, mut db)| {
+                let mut g = vec![0.0; n];
+                ops::bias_backward(&f32s(dy.get(run)), &mut g);
+                store(db.get(run), &g);
+                Ok(())
+            },
+        )?;
+        Ok(())
+    }
+
     fn embedding_forward<T: Element>(
         &self,
         _: &CpuOps,

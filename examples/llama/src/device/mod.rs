@@ -20,7 +20,7 @@
 //! GPU.
 
 use zero::comm::Communicator;
-use zero::core::backend::{Backend, CpuBackend};
+use zero::core::backend::{Backend, CpuBackend, Stream};
 use zero::core::Element;
 use zero::engine::{EngineBackend, EngineComm};
 use zero::trace::Tracer;
@@ -218,6 +218,40 @@ pub trait LlamaDevice: EngineBackend {
         batch: Batch,
     ) -> Result<()>;
 
+    /// `y[r, :] += b` for the `rows` rows of `y` `[rows, n]` (a bias). The
+    /// default is a product with a column of ones (`k = 1`, accumulated:
+    /// `y + 1·b`, exact).
+    fn add_bias<T: Element>(
+        &self,
+        ops: &Self::Ops,
+        y: Dst<'_, Self, T>,
+        b: Src<'_, Self, T>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        let ones = ones::<Self, T>(self, rows)?;
+        let r = self.gemm(ops, y, src(&ones), b, Mm::new(rows, n, 1).acc(), Batch::ONE);
+        self.release_on(Stream::Compute, ones);
+        r
+    }
+
+    /// `db = Σ_r dy[r, :]`, the column sums of `dy` `[rows, n]` (a bias's
+    /// gradient), written. The default is a product with a row of ones
+    /// (its summation order is the GEMM's).
+    fn bias_grad<T: Element>(
+        &self,
+        ops: &Self::Ops,
+        dy: Src<'_, Self, T>,
+        db: Dst<'_, Self, T>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        let ones = ones::<Self, T>(self, rows)?;
+        let r = self.gemm(ops, db, src(&ones), dy, Mm::new(1, n, rows), Batch::ONE);
+        self.release_on(Stream::Compute, ones);
+        r
+    }
+
     /// `out[r, :] = table[ids[r], :]` for the `rows` ids, `dim` wide.
     fn embedding_forward<T: Element>(
         &self,
@@ -343,4 +377,11 @@ pub trait LlamaDevice: EngineBackend {
         loss: Dst<'_, Self, f32>,
         vocab: usize,
     ) -> Result<()>;
+}
+
+/// `n` ones on the compute stream (for [`LlamaDevice`]'s bias defaults).
+fn ones<B: Backend, T: Element>(dev: &B, n: usize) -> Result<B::Buffer<T>> {
+    let mut ones = dev.alloc_on::<T>(Stream::Compute, n, "ones")?;
+    dev.fill(Stream::Compute, &mut ones, 0..n, T::from_f32(1.0))?;
+    Ok(ones)
 }

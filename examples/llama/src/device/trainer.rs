@@ -31,15 +31,28 @@ pub struct DeviceModel<B: LlamaDevice> {
 
 /// A block's tensors' offsets in its gathered buffer (and gradient
 /// buffer): `wq, wk, wv, wo, gate, up, down, attn_norm, mlp_norm`.
-struct BlockAt([usize; 9]);
+/// With q/k/v biases (Qwen2), `bias` holds theirs.
+struct BlockAt {
+    w: [usize; 9],
+    bias: Option<[usize; 3]>,
+}
 
 impl BlockAt {
     fn of(cfg: &Config, l: usize, lay: &UnitLayout) -> Result<Self> {
-        let mut at = [0; 9];
-        for (o, t) in at.iter_mut().zip(block_tensors(cfg, l)) {
+        let names = block_tensors(cfg, l);
+        let mut w = [0; 9];
+        for (o, t) in w.iter_mut().zip(&names) {
             *o = offset(lay, &t.name)?;
         }
-        Ok(BlockAt(at))
+        let bias = match &names[9..] {
+            [q, k, v] => Some([
+                offset(lay, &q.name)?,
+                offset(lay, &k.name)?,
+                offset(lay, &v.name)?,
+            ]),
+            _ => None,
+        };
+        Ok(BlockAt { w, bias })
     }
 }
 
@@ -215,19 +228,14 @@ impl<B: LlamaDevice> DeviceModel<B> {
     /// The model on `backend` (the engine's, [`Engine::device_backend`]);
     /// `threads`: the CPU backend's GEMM threads.
     ///
-    /// Errors: LoRA adapters or q/k/v biases (Qwen2), which the device
-    /// trainer does not run yet ([`Error::Unsupported`]).
+    /// Errors: LoRA adapters, which the device trainer does not run yet
+    /// ([`Error::Unsupported`]).
     pub fn new(model: SftModel, backend: &B, threads: usize) -> Result<Self> {
         if model.lora.is_some() {
             return Err(Error::Unsupported {
                 what: "LoRA on a device backend (the device trainer runs full fine-tuning; \
                        use --device cpu for LoRA)"
                     .into(),
-            });
-        }
-        if model.cfg.qkv_bias {
-            return Err(Error::Unsupported {
-                what: "q/k/v biases (Qwen2) on a device backend (use --device cpu)".into(),
             });
         }
         let ops = backend.llama_ops(&model.cfg, threads)?;
@@ -491,7 +499,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         s: Shape,
     ) -> Result<Forward<B, T>> {
         let (c, ops) = (&self.model.cfg, &self.ops);
-        let [wq, wk, wv, wo, gate, up, down, n1, n2] = at.0;
+        let [wq, wk, wv, wo, gate, up, down, n1, n2] = at.w;
         let (rows, dim) = (s.rows, s.dim);
         let mut xn1 = tmp::<B, T>(dev, rows * dim, "xn1")?;
         let mut inv1 = tmp::<B, f32>(dev, rows, "inv1")?;
@@ -507,7 +515,12 @@ impl<B: LlamaDevice> DeviceModel<B> {
         )?;
         let mut q = self.project(dev, &xn1, p, wq, (rows, dim, s.qd), "q")?;
         let mut k = self.project(dev, &xn1, p, wk, (rows, dim, s.kd), "k")?;
-        let v = self.project(dev, &xn1, p, wv, (rows, dim, s.kd), "v")?;
+        let mut v = self.project(dev, &xn1, p, wv, (rows, dim, s.kd), "v")?;
+        if let Some([bq, bk, bv]) = at.bias {
+            dev.add_bias(ops, q.dst(), src_at(p, bq), rows, s.qd)?;
+            dev.add_bias(ops, k.dst(), src_at(p, bk), rows, s.kd)?;
+            dev.add_bias(ops, v.dst(), src_at(p, bv), rows, s.kd)?;
+        }
         dev.rope(ops, q.dst(), rows, s.seq, s.heads, false)?;
         dev.rope(ops, k.dst(), rows, s.seq, s.kv, false)?;
         let t = s.seq;
@@ -635,7 +648,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         s: Shape,
     ) -> Result<Tmp<B, T>> {
         let ops = &self.ops;
-        let [wq, wk, wv, wo, gate, up, down, n1, n2] = at.0;
+        let [wq, wk, wv, wo, gate, up, down, n1, n2] = at.w;
         let (rows, dim, hid) = (s.rows, s.dim, s.hidden);
         let one = Batch::ONE;
         // MLP branch.
@@ -806,6 +819,13 @@ impl<B: LlamaDevice> DeviceModel<B> {
         drop((ds, dattn));
         dev.rope(ops, dq.dst(), rows, t, s.heads, true)?;
         dev.rope(ops, dk.dst(), rows, t, s.kv, true)?;
+        // The biases' gradients: column sums of the projections' output
+        // gradients (before RoPE, where the bias is added).
+        if let Some([bq, bk, bv]) = at.bias {
+            dev.bias_grad(ops, dq.src(), dst_at(gb, bq), rows, s.qd)?;
+            dev.bias_grad(ops, dk.src(), dst_at(gb, bk), rows, s.kd)?;
+            dev.bias_grad(ops, dv.src(), dst_at(gb, bv), rows, s.kd)?;
+        }
         let mut dxn1 = tmp::<B, T>(dev, rows * dim, "dxn1")?;
         dev.gemm(
             ops,
