@@ -42,6 +42,9 @@ rm -rf "$inf_dir"
 # under stage 3 with optimizer offload and exported.
 hf_out=$(mktemp -d)
 cargo run -q --example llama_sft -- --model-dir examples/llama/tests/fixtures/qwen2 --stage 3 --offload cpu --steps 20 --lr 1e-2 --export "$hf_out/qwen2"
+# The same on the device trainer (q/k/v biases, tied embeddings, bf16
+# activations) under the hazard checker.
+cargo run -q --example llama_sft -- --device cpu-checked --model-dir examples/llama/tests/fixtures/qwen2 --stage 3 --offload cpu --steps 20 --lr 1e-2 --export "$hf_out/qwen2-device"
 # LoRA on it under the experiment's stage-3 DeepSpeed config as it is (2
 # ranks, optimizer and parameter offload), its adapter exported in PEFT's
 # layout, then loaded back and merged into a Hugging Face export.
