@@ -696,9 +696,9 @@ fn build<C: EngineComm<B>, B: EngineBackend>(
     })
 }
 
-/// `--device cuda`: the engine on GPU `rank % GPUs`, its device
-/// collectives staged through host memory (any number of ranks per GPU),
-/// the device trainer.
+/// `--device cuda`: the engine on GPU `rank % GPUs` with NCCL device
+/// collectives when every rank has a GPU of its own, else staged through
+/// host memory (ranks sharing a GPU), and the device trainer.
 #[cfg(feature = "cuda")]
 fn run_cuda<T: Element, C: Communicator>(
     b: EngineBuilder<C>,
@@ -737,7 +737,15 @@ fn run_cuda<T: Element, C: Communicator>(
     // ranks than GPUs on this host (ranks as threads on one GPU, or NCCL
     // before 2.30, which refuses two ranks of a communicator on one GPU):
     // the device collectives go through host memory.
-    if b.comm().ranks_on_host() <= gpus {
+    // Every rank takes the same path (NCCL's set-up is a collective): the
+    // hosts agree on it.
+    let shares = f32::from(u8::from(b.comm().ranks_on_host() > gpus));
+    let sharing = b
+        .comm()
+        .all_reduce(HostBuffer::from_slice(&[shares])?, ReduceOp::Sum)
+        .wait()?
+        .to_vec();
+    if sharing[0] == 0.0 {
         use zero::comm::{CommOptions, NcclComm};
         let opts = CommOptions::from_env().unwrap_or_default();
         let nccl = NcclComm::for_backend(b.comm(), &gpu, &opts)?;
