@@ -43,7 +43,7 @@ type OnBackendFn =
 type OnBackend = Box<OnBackendFn>;
 use zero::{Engine, EngineBuilder, Tracer};
 use zero_llama::device::{DeviceModel, LlamaDevice};
-use zero_llama::train::{forward_flops, measure_gemm_peak, SftModel};
+use zero_llama::train::{forward_flops, gpu_bf16_peak, measure_gemm_peak, SftModel};
 use zero_llama::{Config, XorShift};
 
 /// MFU target of the stage-3 row (against the datasheet peak).
@@ -272,15 +272,7 @@ fn open_gpu() -> Result<Gpu, String> {
     let name = cudarc::driver::CudaContext::new(0)
         .and_then(|c| c.name())
         .map_err(|e| e.to_string())?;
-    let datasheet = [
-        ("H200", 989.4),
-        ("H100 PCIe", 756.0),
-        ("H100", 989.4),
-        ("A100", 312.0),
-    ]
-    .iter()
-    .find(|(n, _)| name.contains(n))
-    .map(|(_, t)| t * 1e12);
+    let datasheet = gpu_bf16_peak(&name);
     let gemm = gemm_rate(&backend).map_err(|e| format!("the bf16 GEMM baseline: {e}"))?;
     Ok(Gpu {
         backend,

@@ -731,7 +731,7 @@ fn run_cuda<T: Element, C: Communicator>(
     let name = cudarc::driver::CudaContext::new(ordinal)
         .and_then(|c| c.name())
         .unwrap_or_default();
-    p.device_peak = gpu_bf16_peak(&name);
+    p.device_peak = llama::train::gpu_bf16_peak(&name);
     let gpus = gpus.max(1) as usize;
     // One rank per GPU: NCCL on the backend's communication stream. More
     // ranks than GPUs on this host (ranks as threads on one GPU, or NCCL
@@ -804,29 +804,6 @@ fn run_cuda<T: Element, C: Communicator>(
 #[cfg(not(feature = "cuda"))]
 const CUDA_MISSING: &str = "--device cuda: this build has no CUDA support; build with the \
      `cuda` feature: cargo run --features cuda --example llama_sft -- --device cuda";
-
-/// The dense bf16 tensor-core peak of a GPU by its name (datasheet figures,
-/// without sparsity), for the MFU; `None` for a GPU not listed
-/// (`--peak-tflops` gives it).
-#[cfg(feature = "cuda")]
-fn gpu_bf16_peak(name: &str) -> Option<f64> {
-    const PEAKS: &[(&str, f64)] = &[
-        ("H200", 989.4),
-        ("H100 PCIe", 756.0),
-        ("H100 NVL", 835.0),
-        ("H100", 989.4),
-        ("GH200", 989.4),
-        ("A100", 312.0),
-        ("L40S", 362.1),
-        ("A10G", 70.0),
-        ("L4", 121.0),
-        ("RTX 4090", 165.2),
-    ];
-    PEAKS
-        .iter()
-        .find(|(n, _)| name.contains(n))
-        .map(|(_, t)| t * 1e12)
-}
 
 /// Trains `trainer`'s model on engine `e` (built, or loaded from
 /// --resume with client state `resumed`), evaluates, exports and reports.

@@ -1032,6 +1032,28 @@ pub fn timed<R>(f: impl FnOnce() -> R) -> (R, f64) {
     (r, t.elapsed().as_secs_f64())
 }
 
+/// The dense bf16 tensor-core peak of a GPU by its name (datasheet figures,
+/// without sparsity), for the MFU; `None` for a GPU not listed
+/// (`llama_sft --peak-tflops` gives it).
+pub fn gpu_bf16_peak(name: &str) -> Option<f64> {
+    const PEAKS: &[(&str, f64)] = &[
+        ("H200", 989.4),
+        ("H100 PCIe", 756.0),
+        ("H100 NVL", 835.0),
+        ("H100", 989.4),
+        ("GH200", 989.4),
+        ("A100", 312.0),
+        ("L40S", 362.1),
+        ("A10G", 70.0),
+        ("L4", 121.0),
+        ("RTX 4090", 165.2),
+    ];
+    PEAKS
+        .iter()
+        .find(|(n, _)| name.contains(n))
+        .map(|(_, t)| t * 1e12)
+}
+
 /// The peak fp32 GEMM rate of this rank with `threads` threads (FLOP/s),
 /// measured while every rank does the same.
 pub fn measure_gemm_peak(threads: usize) -> f64 {

@@ -316,15 +316,6 @@ pub trait Backend: Send + Sync + 'static {
     /// A zeroed buffer of `len` elements; `label` names it in messages.
     fn alloc<T: Element>(&self, len: usize, label: &str) -> Result<Self::Buffer<T>>;
 
-    /// Frees `buf` once the work enqueued so far on every stream is done,
-    /// without blocking: what dropping a CUDA buffer does (a stream-ordered
-    /// free), the default. On the CPU backend in the checked modes a plain
-    /// drop is a host write, refused while unsynced work uses the buffer;
-    /// this is the way to free it in stream order there.
-    fn release<T: Element>(&self, buf: Self::Buffer<T>) {
-        drop(buf);
-    }
-
     /// A zeroed buffer of `len` elements for `stream`'s work: allocated and
     /// zeroed in `stream`'s order, without blocking the host (CUDA:
     /// `cuMemAllocAsync` and a memset on that stream). `stream` may use it
@@ -347,11 +338,10 @@ pub trait Backend: Send + Sync + 'static {
     /// must be ordered before this point of `stream` (the checked CPU
     /// backend treats the release as a write of all of `buf` on `stream`
     /// and reports a hazard, from its next call, when one is not). The
-    /// default is [`release`](Backend::release), which waits for every
-    /// stream.
+    /// default drops `buf`.
     fn release_on<T: Element>(&self, stream: Stream, buf: Self::Buffer<T>) {
         let _ = stream;
-        self.release(buf);
+        drop(buf);
     }
 
     /// A zeroed host buffer of `len` elements for asynchronous copies.

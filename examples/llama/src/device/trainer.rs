@@ -634,6 +634,31 @@ impl<B: LlamaDevice> DeviceModel<B> {
         Ok(y)
     }
 
+    /// Backward of `y = x Wᵀ` for `W` `[d_out, d_in]` at element `w` of
+    /// the unit's buffer `p`: `dW = dyᵀ x` written into `gb[w..]`, and
+    /// `dx = dy W` written, or with `acc` added to (as
+    /// [`crate::ops::linear_backward`]).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward<T: Element>(
+        &self,
+        dev: &B,
+        p: &B::Buffer<T>,
+        w: usize,
+        gb: &mut B::Buffer<T>,
+        dy: &Tmp<B, T>,
+        x: &Tmp<B, T>,
+        dx: &mut Tmp<B, T>,
+        (rows, d_in, d_out): (usize, usize, usize),
+        acc: bool,
+    ) -> Result<()> {
+        let ops = &self.ops;
+        let dw = Mm::new(d_out, d_in, rows).ta();
+        dev.gemm(ops, dst_at(gb, w), dy.src(), x.src(), dw, Batch::ONE)?;
+        let back = Mm::new(rows, d_in, d_out);
+        let back = if acc { back.acc() } else { back };
+        dev.gemm(ops, dx.dst(), dy.src(), src_at(p, w), back, Batch::ONE)
+    }
+
     /// A block's backward for output gradient `dy`: writes the weight
     /// gradients into `gb` (the unit's gradient layout) and returns `dx`.
     #[allow(clippy::too_many_arguments)]
@@ -650,24 +675,18 @@ impl<B: LlamaDevice> DeviceModel<B> {
         let ops = &self.ops;
         let [wq, wk, wv, wo, gate, up, down, n1, n2] = at.w;
         let (rows, dim, hid) = (s.rows, s.dim, s.hidden);
-        let one = Batch::ONE;
         // MLP branch.
         let mut da = tmp::<B, T>(dev, rows * hid, "da")?;
-        dev.gemm(
-            ops,
-            dst_at(gb, down),
-            dy.src(),
-            c.a.src(),
-            Mm::new(dim, hid, rows).ta(),
-            one,
-        )?;
-        dev.gemm(
-            ops,
-            da.dst(),
-            dy.src(),
-            src_at(p, down),
-            Mm::new(rows, hid, dim),
-            one,
+        self.linear_backward(
+            dev,
+            p,
+            down,
+            gb,
+            &dy,
+            &c.a,
+            &mut da,
+            (rows, hid, dim),
+            false,
         )?;
         let mut dh1 = tmp::<B, T>(dev, rows * hid, "dh1")?;
         let mut dh3 = tmp::<B, T>(dev, rows * hid, "dh3")?;
@@ -682,37 +701,27 @@ impl<B: LlamaDevice> DeviceModel<B> {
         )?;
         drop(da);
         let mut dxn2 = tmp::<B, T>(dev, rows * dim, "dxn2")?;
-        dev.gemm(
-            ops,
-            dst_at(gb, gate),
-            dh1.src(),
-            c.xn2.src(),
-            Mm::new(hid, dim, rows).ta(),
-            one,
+        self.linear_backward(
+            dev,
+            p,
+            gate,
+            gb,
+            &dh1,
+            &c.xn2,
+            &mut dxn2,
+            (rows, dim, hid),
+            false,
         )?;
-        dev.gemm(
-            ops,
-            dxn2.dst(),
-            dh1.src(),
-            src_at(p, gate),
-            Mm::new(rows, dim, hid),
-            one,
-        )?;
-        dev.gemm(
-            ops,
-            dst_at(gb, up),
-            dh3.src(),
-            c.xn2.src(),
-            Mm::new(hid, dim, rows).ta(),
-            one,
-        )?;
-        dev.gemm(
-            ops,
-            dxn2.dst(),
-            dh3.src(),
-            src_at(p, up),
-            Mm::new(rows, dim, hid).acc(),
-            one,
+        self.linear_backward(
+            dev,
+            p,
+            up,
+            gb,
+            &dh3,
+            &c.xn2,
+            &mut dxn2,
+            (rows, dim, hid),
+            true,
         )?;
         drop((dh1, dh3));
         let mut dh = tmp::<B, T>(dev, rows * dim, "dh")?;
@@ -734,21 +743,16 @@ impl<B: LlamaDevice> DeviceModel<B> {
         drop(dxn2);
         // Attention branch.
         let mut dattn = tmp::<B, T>(dev, rows * s.qd, "dattn")?;
-        dev.gemm(
-            ops,
-            dst_at(gb, wo),
-            dh.src(),
-            c.attn.src(),
-            Mm::new(dim, s.qd, rows).ta(),
-            one,
-        )?;
-        dev.gemm(
-            ops,
-            dattn.dst(),
-            dh.src(),
-            src_at(p, wo),
-            Mm::new(rows, s.qd, dim),
-            one,
+        self.linear_backward(
+            dev,
+            p,
+            wo,
+            gb,
+            &dh,
+            &c.attn,
+            &mut dattn,
+            (rows, s.qd, dim),
+            false,
         )?;
         let t = s.seq;
         let scale = 1.0 / (s.hd as f32).sqrt();
@@ -827,53 +831,38 @@ impl<B: LlamaDevice> DeviceModel<B> {
             dev.bias_grad(ops, dv.src(), dst_at(gb, bv), rows, s.kd)?;
         }
         let mut dxn1 = tmp::<B, T>(dev, rows * dim, "dxn1")?;
-        dev.gemm(
-            ops,
-            dst_at(gb, wq),
-            dq.src(),
-            c.xn1.src(),
-            Mm::new(s.qd, dim, rows).ta(),
-            one,
+        self.linear_backward(
+            dev,
+            p,
+            wq,
+            gb,
+            &dq,
+            &c.xn1,
+            &mut dxn1,
+            (rows, dim, s.qd),
+            false,
         )?;
-        dev.gemm(
-            ops,
-            dxn1.dst(),
-            dq.src(),
-            src_at(p, wq),
-            Mm::new(rows, dim, s.qd),
-            one,
+        self.linear_backward(
+            dev,
+            p,
+            wk,
+            gb,
+            &dk,
+            &c.xn1,
+            &mut dxn1,
+            (rows, dim, s.kd),
+            true,
         )?;
-        dev.gemm(
-            ops,
-            dst_at(gb, wk),
-            dk.src(),
-            c.xn1.src(),
-            Mm::new(s.kd, dim, rows).ta(),
-            one,
-        )?;
-        dev.gemm(
-            ops,
-            dxn1.dst(),
-            dk.src(),
-            src_at(p, wk),
-            Mm::new(rows, dim, s.kd).acc(),
-            one,
-        )?;
-        dev.gemm(
-            ops,
-            dst_at(gb, wv),
-            dv.src(),
-            c.xn1.src(),
-            Mm::new(s.kd, dim, rows).ta(),
-            one,
-        )?;
-        dev.gemm(
-            ops,
-            dxn1.dst(),
-            dv.src(),
-            src_at(p, wv),
-            Mm::new(rows, dim, s.kd).acc(),
-            one,
+        self.linear_backward(
+            dev,
+            p,
+            wv,
+            gb,
+            &dv,
+            &c.xn1,
+            &mut dxn1,
+            (rows, dim, s.kd),
+            true,
         )?;
         drop((dq, dk, dv));
         let mut dx = tmp::<B, T>(dev, rows * dim, "dx")?;

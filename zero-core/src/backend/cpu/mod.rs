@@ -757,16 +757,6 @@ impl Backend for CpuBackend {
         Arc::ptr_eq(&buf.owner, &self.inner)
     }
 
-    fn release<T: Element>(&self, buf: CpuBuffer<T>) {
-        let (mem, id, _, owner) = buf.into_parts();
-        if owner.checked {
-            // Not a host access: the buffer leaves the checker, and its
-            // memory is freed once every queue ran past this point (at
-            // once in Checked mode, where everything enqueued already ran).
-            owner.release(id, mem, false);
-        }
-    }
-
     fn alloc_on<T: Element>(
         &self,
         stream: Stream,
@@ -801,6 +791,8 @@ impl Backend for CpuBackend {
                 owner.store_error(e);
             }
         }
+        // The memory is freed once every queue ran past this point (at
+        // once in Checked mode, where everything enqueued already ran).
         owner.release(id, mem, false);
     }
 

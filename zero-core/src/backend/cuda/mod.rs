@@ -588,33 +588,76 @@ impl CudaBackend {
         }
     }
 
-    /// Zeroed device memory of `bytes` bytes (at least one), ready for any
-    /// stream when this returns.
-    fn alloc_device(&self, bytes: usize, what: &str) -> Result<sys::CUdeviceptr> {
+    /// Zeroed device memory of `bytes` bytes (at least one): ready for any
+    /// stream when this returns, or with `on` allocated and zeroed in that
+    /// stream's order without blocking the host.
+    fn alloc_device(
+        &self,
+        bytes: usize,
+        what: &str,
+        on: Option<Stream>,
+    ) -> Result<sys::CUdeviceptr> {
         let inner = &*self.inner;
         inner.begin()?;
         let bytes = bytes.max(1);
-        let stream = inner.service.cu_stream();
+        let stream = match on {
+            Some(s) => inner.stream(s).cu_stream(),
+            None => inner.service.cu_stream(),
+        };
         let failed = |call: &str, e: DriverError| Error::Backend {
-            op: "alloc",
+            op: if on.is_some() { "alloc_on" } else { "alloc" },
             msg: format!(
                 "{call} of {bytes} bytes for {what} on cuda:{} failed: {e}",
                 inner.device.ordinal()
             ),
         };
         // SAFETY: a stream of the current context; the memory is zeroed on
-        // the same stream and the host waits for both below, so every
-        // stream may use it once this returns.
+        // the same stream. Without `on` the host waits for both below, so
+        // every stream may use it once this returns; with `on`, work
+        // enqueued on that stream later sees zeros, and other streams wait
+        // for an event of it (the contract of `alloc_on`).
         let ptr = unsafe { result::malloc_async(stream, bytes) }
             .map_err(|e| failed("cuMemAllocAsync", e))?;
         // SAFETY: [ptr, ptr + bytes) was just allocated.
-        let zeroed = unsafe { result::memset_d8_async(ptr, 0, bytes, stream) }
-            .and_then(|()| inner.service.synchronize());
+        let zeroed =
+            unsafe { result::memset_d8_async(ptr, 0, bytes, stream) }.and_then(|()| match on {
+                Some(_) => Ok(()),
+                None => inner.service.synchronize(),
+            });
         if let Err(e) = zeroed {
             inner.free(ptr);
             return Err(failed("zeroing", e));
         }
         Ok(ptr)
+    }
+
+    /// A zeroed buffer of `len` elements: see [`alloc_device`](Self::alloc_device).
+    fn buffer<T: Element>(
+        &self,
+        op: &'static str,
+        len: usize,
+        label: &str,
+        on: Option<Stream>,
+    ) -> Result<CudaBuffer<T>> {
+        let bytes = len
+            .checked_mul(size_of::<T>())
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| Error::InvalidSize {
+                op,
+                msg: format!(
+                    "{len} elements of {} for buffer {label:?} overflow",
+                    T::DTYPE
+                ),
+            })?;
+        let ptr = self.alloc_device(bytes, &format!("buffer {label:?}"), on)?;
+        Ok(CudaBuffer {
+            ptr,
+            len,
+            id: next_id(),
+            label: Arc::from(label),
+            owner: self.inner.clone(),
+            _marker: PhantomData,
+        })
     }
 
     /// Launches the conversion kernel `S -> D` over `pieces` (`(src address,
@@ -828,25 +871,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc<T: Element>(&self, len: usize, label: &str) -> Result<CudaBuffer<T>> {
-        let bytes = len
-            .checked_mul(size_of::<T>())
-            .filter(|&b| b <= isize::MAX as usize)
-            .ok_or_else(|| Error::InvalidSize {
-                op: "alloc",
-                msg: format!(
-                    "{len} elements of {} for buffer {label:?} overflow",
-                    T::DTYPE
-                ),
-            })?;
-        let ptr = self.alloc_device(bytes, &format!("buffer {label:?}"))?;
-        Ok(CudaBuffer {
-            ptr,
-            len,
-            id: next_id(),
-            label: Arc::from(label),
-            owner: self.inner.clone(),
-            _marker: PhantomData,
-        })
+        self.buffer("alloc", len, label, None)
     }
 
     fn alloc_on<T: Element>(
@@ -855,46 +880,7 @@ impl Backend for CudaBackend {
         len: usize,
         label: &str,
     ) -> Result<CudaBuffer<T>> {
-        let bytes = len
-            .checked_mul(size_of::<T>())
-            .filter(|&b| b <= isize::MAX as usize)
-            .ok_or_else(|| Error::InvalidSize {
-                op: "alloc_on",
-                msg: format!(
-                    "{len} elements of {} for buffer {label:?} overflow",
-                    T::DTYPE
-                ),
-            })?;
-        let inner = &*self.inner;
-        inner.begin()?;
-        let bytes = bytes.max(1);
-        let s = inner.stream(stream).cu_stream();
-        let failed = |call: &str, e: DriverError| Error::Backend {
-            op: "alloc_on",
-            msg: format!(
-                "{call} of {bytes} bytes for buffer {label:?} on {stream} of cuda:{} failed: {e}",
-                inner.device.ordinal()
-            ),
-        };
-        // SAFETY: a stream of the current context; the memory is zeroed on
-        // the same stream, so work enqueued on it later sees zeros, and
-        // other streams wait for an event of it (the caller's contract).
-        let ptr =
-            unsafe { result::malloc_async(s, bytes) }.map_err(|e| failed("cuMemAllocAsync", e))?;
-        // SAFETY: [ptr, ptr + bytes) was just allocated on this stream.
-        if let Err(e) = unsafe { result::memset_d8_async(ptr, 0, bytes, s) } {
-            // SAFETY: allocated above, used by nothing.
-            let _ = unsafe { result::free_async(ptr, s) };
-            return Err(failed("cuMemsetD8Async", e));
-        }
-        Ok(CudaBuffer {
-            ptr,
-            len,
-            id: next_id(),
-            label: Arc::from(label),
-            owner: self.inner.clone(),
-            _marker: PhantomData,
-        })
+        self.buffer("alloc_on", len, label, Some(stream))
     }
 
     fn release_on<T: Element>(&self, stream: Stream, buf: CudaBuffer<T>) {
