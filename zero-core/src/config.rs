@@ -898,11 +898,14 @@ pub struct AioConfig {
     /// `intra_op_parallelism`, or its older name `thread_count` (at least 1).
     /// Default 1.
     pub thread_count: usize,
-    /// `single_submit`. Default false.
+    /// `single_submit`. Default false. zero's I/O threads have no such
+    /// submission mode: `true` is accepted with a warning.
     pub single_submit: bool,
-    /// `overlap_events`. Default true.
+    /// `overlap_events`. Default true. zero's I/O threads always overlap
+    /// requests (within `queue_depth`): `false` is accepted with a warning.
     pub overlap_events: bool,
-    /// `use_gds`: GPUDirect Storage. Default false.
+    /// `use_gds`: GPUDirect Storage. Default false. zero moves swap data
+    /// through host memory: `true` is accepted with a warning.
     pub use_gds: bool,
 }
 
@@ -1527,6 +1530,30 @@ impl Block for AioBlock {
             overlap_events: s.boolean("overlap_events")?,
             use_gds: s.boolean("use_gds")?,
         };
+        // Settings of DeepSpeed's libaio engine that zero's I/O threads
+        // have no counterpart of: accepted, and a value other than what
+        // zero does is said.
+        for (key, set, what) in [
+            (
+                "single_submit",
+                b.single_submit == Some(true),
+                "zero's I/O threads issue every transfer as a call of its own (no batch to submit)",
+            ),
+            (
+                "overlap_events",
+                b.overlap_events == Some(false),
+                "zero's I/O threads always overlap transfers, up to queue_depth",
+            ),
+            (
+                "use_gds",
+                b.use_gds == Some(true),
+                "zero moves swap data through host memory (no GPUDirect Storage)",
+            ),
+        ] {
+            if set {
+                w.push(format!("key {}: accepted, not used: {what}", s.key(key)));
+            }
+        }
         s.unused("io_backend", w);
         s.finish(w);
         Ok(b)
