@@ -76,7 +76,13 @@
 //! the README's offload section has more).
 //! Reading through a small per-thread staging buffer and copying out
 //! (memory just used takes the VM's disk reads faster, see the README's
-//! offload section) was tried and gained nothing measurable.
+//! offload section) was tried and gained nothing measurable. So did, on
+//! 2026-11-26, one read transfer at a time through two 4 MiB staging
+//! buffers with the copy and checksum on another thread: a standalone
+//! program read 768 MiB that way at 3.1-3.2 GB/s against 2.7 GB/s
+//! straight into the state's memory, but half an hour later at 2.5-2.8
+//! against 2.6-2.7 GB/s, and the swap path built on it read at 78% of the
+//! raw baseline where the path without it read at 85% in the same rounds.
 //!
 //! Why threads and not `io_uring` or libaio: on this class of machine
 //! (MEASUREMENTS.md) `O_DIRECT` sequential throughput was the same with
