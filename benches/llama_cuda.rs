@@ -181,6 +181,10 @@ struct Measured {
     driver_peak: Option<u64>,
     loss_first: f32,
     loss_last: f32,
+    /// The device memory the buffers' pool held from the driver after
+    /// `build` (the engine's plan reserved), after the first step and
+    /// after the last (`None` on the CPU).
+    pool: Option<[u64; 3]>,
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -196,6 +200,7 @@ fn measure<C: EngineComm<B>, B: LlamaDevice>(
     a: &Args,
 ) -> zero::Result<Measured> {
     let mut e = b.build()?;
+    let built = e.device_backend().device_pool()?;
     let dm = DeviceModel::new(model, e.device_backend(), 1)?;
     let mut rng = XorShift::new(7);
     let rows = a.batch * a.seq;
@@ -206,7 +211,9 @@ fn measure<C: EngineComm<B>, B: LlamaDevice>(
         driver_peak: None,
         loss_first: f32::NAN,
         loss_last: f32::NAN,
+        pool: None,
     };
+    let mut first_step = None;
     for k in 0..a.warmup + a.steps {
         let tokens: Vec<u32> = (0..rows).map(|_| rng.below(a.model.vocab) as u32).collect();
         let targets: Vec<i32> = (0..rows)
@@ -229,6 +236,7 @@ fn measure<C: EngineComm<B>, B: LlamaDevice>(
         }
         if k == 0 {
             m.loss_first = st.loss;
+            first_step = e.device_backend().device_pool()?;
         }
         m.loss_last = st.loss;
         if let Some(u) = e.device_backend().device_used()? {
@@ -236,6 +244,9 @@ fn measure<C: EngineComm<B>, B: LlamaDevice>(
         }
     }
     m.device_peak = e.tracker().tier_peak(Tier::Device);
+    if let (Some(b), Some(f), Some(l)) = (built, first_step, e.device_backend().device_pool()?) {
+        m.pool = Some([b, f, l]);
+    }
     Ok(m)
 }
 
@@ -429,7 +440,20 @@ fn main() {
                     "step_s": m.step_s, "step_median_s": step, "flops_per_s": rate, "mfu_datasheet": mfu,
                     "mfu_gemm": rate / gemm, "device_peak_bytes": m.device_peak,
                     "driver_peak_bytes": m.driver_peak, "loss_first": m.loss_first, "loss_last": m.loss_last,
+                    "pool_bytes_built_first_last": m.pool,
                 });
+                if let Some([b, f, l]) = m.pool {
+                    println!(
+                        "{}: the buffers' pool held {} after build (the engine's plan reserved), {} \
+                         after the first step (activations), {} after the last: the later steps \
+                         asked the driver for {} (target 0)",
+                        row.name(),
+                        gib(b),
+                        gib(f),
+                        gib(l),
+                        gib(l.saturating_sub(f))
+                    );
+                }
                 match row {
                     Row::Stage3 => {
                         base = Some(step);

@@ -150,6 +150,7 @@ if [ "$mode" = build ]; then
     "cuda_streams|test:cuda_streams|test -p zero-core --features cuda --test cuda_streams --no-run"
     "nvrtc|test:nvrtc|test -p zero-core --features cuda --test nvrtc --no-run"
     "backend_conformance|test:backend_conformance|test -p zero-core --features cuda --test backend_conformance --no-run"
+    "cuda_pool|test:cuda_pool|test -p zero-core --features cuda --test cuda_pool --no-run"
     "llama_cuda|test:cuda_kernels|test -p zero-llama --features cuda --test cuda_kernels --no-run"
     "llama_cuda_nvrtc|test:nvrtc|test -p zero-llama --features cuda --test nvrtc --no-run"
     "llama_device_cuda|test:device_cuda|test -p zero-llama --features cuda --test device_cuda --no-run"
@@ -166,7 +167,7 @@ if [ "$mode" = build ]; then
   # Where each one runs from (cargo runs tests in their package's folder).
   declare -A cwd=(
     [zero-core-lib]=zero-core [cuda_adamw]=zero-core [cuda_arena]=zero-core
-    [cuda_streams]=zero-core [nvrtc]=zero-core [backend_conformance]=zero-core
+    [cuda_streams]=zero-core [nvrtc]=zero-core [backend_conformance]=zero-core [cuda_pool]=zero-core
     [nccl]=zero-comm [nccl_device]=zero-comm [cuda_pin]=zero-offload [cuda-bench]= [engine_cuda]= [engine_offload_cuda]= [engine_checkpoint_cuda]=
     [llama_cuda]=examples/llama [llama_cuda_nvrtc]=examples/llama [llama_device_cuda]=examples/llama
     [llama_sft]= [llama_cuda-bench]=
@@ -539,7 +540,7 @@ section "summary"
 {
   echo "mode: $mode; $(($(date +%s) - started)) s"
   printf '%s\n' "${summary[@]}"
-  for name in test-zero-core test-zero-core-lib test-cuda_adamw test-cuda_arena test-cuda_streams test-nvrtc test-backend_conformance test-nccl test-llama_cuda test-llama_cuda_nvrtc test-llama_device_cuda test-engine_cuda test-engine_offload_cuda test-engine_checkpoint_cuda; do
+  for name in test-zero-core test-zero-core-lib test-cuda_adamw test-cuda_arena test-cuda_streams test-nvrtc test-backend_conformance test-cuda_pool test-nccl test-llama_cuda test-llama_cuda_nvrtc test-llama_device_cuda test-engine_cuda test-engine_offload_cuda test-engine_checkpoint_cuda; do
     f="$OUT/$name.log"
     [ -f "$f" ] || continue
     n=$(grep -c -E "skipped|^SKIP" "$f" || true)

@@ -277,6 +277,19 @@ fn the_device_plan_is_the_device_peak_and_names_what_does_not_fit() {
     for part in ["rank 1", "missing", "m and v `unit.2`"] {
         assert!(err.contains(part), "{part:?} not in: {err}");
     }
+    // A plan that fits the free memory but that the device would not
+    // reserve (another process took the memory meanwhile, fragmentation).
+    let err = plan
+        .refused(need + 1, "cuMemAllocAsync: out of memory")
+        .to_string();
+    for part in [
+        "rank 1",
+        "could not reserve",
+        "cuMemAllocAsync: out of memory",
+        "m and v `unit.2`",
+    ] {
+        assert!(err.contains(part), "{part:?} not in: {err}");
+    }
 }
 
 #[test]

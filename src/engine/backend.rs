@@ -38,6 +38,14 @@ impl EngineBackend for zero_core::backend::CudaBackend {
         let (free, total) = self.memory_info()?;
         Ok(Some(total.saturating_sub(free)))
     }
+
+    fn reserve_device(&self, bytes: u64) -> Result<()> {
+        Ok(self.reserve(bytes)?)
+    }
+
+    fn device_pool(&self) -> Result<Option<u64>> {
+        Ok(Some(self.pool_reserved()?))
+    }
 }
 
 /// A backend the engine runs on: host access to its buffers
@@ -62,6 +70,19 @@ pub trait EngineBackend: HostAccess {
     /// device, as its driver reports it (`None` on the CPU backend): what
     /// a report shows next to the memory tracker's figures.
     fn device_used(&self) -> Result<Option<u64>>;
+
+    /// Reserves `bytes` of device memory for the buffers allocated after
+    /// it, where the device tier is a device of its own (see
+    /// [`device_free`](Self::device_free)): `build` reserves its memory
+    /// plan before it allocates anything, so that no allocation of the
+    /// plan asks the driver for memory later, in a step. Nothing to do on
+    /// the CPU backend.
+    fn reserve_device(&self, bytes: u64) -> Result<()>;
+
+    /// The device memory the backend's buffer pool holds from the driver
+    /// now, in use or kept for reuse (`None` on the CPU backend): it grows
+    /// only when an allocation does not fit in what is held.
+    fn device_pool(&self) -> Result<Option<u64>>;
 }
 
 impl EngineBackend for CpuBackend {
@@ -83,6 +104,14 @@ impl EngineBackend for CpuBackend {
     }
 
     fn device_used(&self) -> Result<Option<u64>> {
+        Ok(None)
+    }
+
+    fn reserve_device(&self, _bytes: u64) -> Result<()> {
+        Ok(())
+    }
+
+    fn device_pool(&self) -> Result<Option<u64>> {
         Ok(None)
     }
 }

@@ -774,13 +774,18 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         };
         // Before anything is allocated, on every rank: the memory plan
         // against the device's free memory, an error naming the rank, the
-        // largest buffers and the bytes missing.
+        // largest buffers and the bytes missing; then the plan reserved in
+        // the backend's pool, so that no allocation of it asks the driver
+        // for memory in a step.
         if let Some(free) = backend.device_free().transpose() {
             let fits = free.and_then(|free| {
                 let model = crate::estimate::Model::from_units(unit_specs.clone())?;
                 let work = crate::estimate::Workload::default();
                 let plan = crate::estimate::estimate(&model, &cfg, &work)?.device_plan(rank)?;
-                Ok(plan.check_capacity(free)?)
+                plan.check_capacity(free)?;
+                backend
+                    .reserve_device(plan.total_bytes())
+                    .map_err(|e| plan.refused(free, &e.to_string()).into())
             });
             agree_on_setup(
                 &comm,

@@ -507,6 +507,29 @@ impl ArenaPlan {
         ))
     }
 
+    /// The error of a reservation of this plan that the device refused
+    /// although `available` bytes were free by the driver's count (`why`:
+    /// the refusal in the backend's words): as
+    /// [`check_capacity`](Self::check_capacity)'s, it names the rank, the
+    /// bytes, the largest buffers and what to change.
+    pub fn refused(&self, available: u64, why: &str) -> Error {
+        out_of_device_memory(
+            self.rank,
+            self.total,
+            available,
+            format!(
+                "rank {} could not reserve its memory plan of {} for {} buffers ({} free): \
+                 {why}. Largest: {}. Lower the bucket sizes, offload optimizer state or \
+                 parameters, or raise the stage",
+                self.rank,
+                human(self.total),
+                self.buffers.len(),
+                human(available),
+                self.largest_slots()
+            ),
+        )
+    }
+
     /// The largest slots with their buffers, for messages about memory.
     pub(crate) fn largest_slots(&self) -> String {
         let mut largest: Vec<&ArenaSlot> = self.slots.iter().collect();

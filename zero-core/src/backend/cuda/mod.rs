@@ -8,9 +8,11 @@
 //!   cannot offer; the arena's buffers also order themselves through a
 //!   per-buffer reuse guard, which is the implicit synchronisation this
 //!   backend must not have. The allocator's pool keeps freed memory for
-//!   reuse (its release threshold is raised to the maximum), so buffers
-//!   allocated at start-up and freed at the end cost no driver allocation
-//!   in a step.
+//!   reuse (its release threshold is raised to the maximum), and
+//!   [`CudaBackend::reserve`] fills it up front with one allocation: the
+//!   engine reserves its memory plan there before it allocates anything,
+//!   so its buffers are carved from that one allocation and a step asks
+//!   the driver for nothing ([`CudaBackend::pool_reserved`] shows it).
 //! - **Streams**: the four of [`Streams`], plus one internal stream that
 //!   allocates, frees and reads [`CudaScalars`] back, so that none of those
 //!   ever orders the caller's streams.
@@ -805,10 +807,71 @@ impl CudaBackend {
     }
 }
 
-/// Raises the release threshold of the device's default memory pool to
-/// the maximum, so that freed buffers stay in the pool for the next
-/// allocation instead of going back to the driver at every synchronisation.
-fn keep_pool(ctx: &CudaContext) -> Result<()> {
+impl CudaBackend {
+    /// Reserves `bytes` of device memory in the pool every buffer comes
+    /// from: one allocation of that size, freed at once. The pool keeps
+    /// what it holds (its release threshold is the maximum), so later
+    /// allocations, up to that many bytes at a time, are carved from the
+    /// reserved memory without asking the driver for more (RAPIDS RMM
+    /// primes its stream-ordered pool the same way). The engine reserves
+    /// its memory plan this way before it allocates anything. Returns when
+    /// the memory is reserved; an error naming the bytes and the driver's
+    /// answer when the device cannot give them.
+    pub fn reserve(&self, bytes: u64) -> Result<()> {
+        let inner = &*self.inner;
+        inner.begin()?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let failed = |call: &str, e: DriverError| Error::Backend {
+            op: "reserve",
+            msg: format!(
+                "{call} of {bytes} bytes on cuda:{} failed: {e}",
+                inner.device.ordinal()
+            ),
+        };
+        let len = usize::try_from(bytes).map_err(|_| Error::InvalidSize {
+            op: "reserve",
+            msg: format!("{bytes} bytes do not fit in an address"),
+        })?;
+        let stream = inner.service.cu_stream();
+        // SAFETY: a stream of the current context; the memory is freed on
+        // the same stream right after, and nothing else ever sees it.
+        let ptr = unsafe { result::malloc_async(stream, len) }
+            .map_err(|e| failed("cuMemAllocAsync", e))?;
+        // SAFETY: `ptr` came from cuMemAllocAsync above and is freed once.
+        unsafe { result::free_async(ptr, stream) }.map_err(|e| failed("cuMemFreeAsync", e))?;
+        inner
+            .service
+            .synchronize()
+            .map_err(|e| failed("synchronising the reservation", e))
+    }
+
+    /// The device memory the buffers' pool holds from the driver now, in
+    /// use or kept for reuse (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`): it
+    /// grows only when an allocation finds no room in what the pool holds,
+    /// so a step that leaves it unchanged asked the driver for nothing.
+    pub fn pool_reserved(&self) -> Result<u64> {
+        self.inner.begin()?;
+        let pool = default_pool(self.inner.ctx())?;
+        let mut bytes: u64 = 0;
+        // SAFETY: the reserved-memory attribute is a cuuint64_t; `bytes`
+        // lives across the call.
+        unsafe {
+            sys::cuMemPoolGetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+                (&mut bytes as *mut u64).cast::<c_void>(),
+            )
+        }
+        .result()
+        .map_err(cuda_error("cuMemPoolGetAttribute (reserved memory)"))?;
+        Ok(bytes)
+    }
+}
+
+/// The device's default memory pool, which `cuMemAllocAsync` draws from.
+fn default_pool(ctx: &CudaContext) -> Result<sys::CUmemoryPool> {
     let mut pool = std::mem::MaybeUninit::uninit();
     // SAFETY: the context is current (bound by the caller); `pool` is a
     // valid out pointer.
@@ -816,7 +879,14 @@ fn keep_pool(ctx: &CudaContext) -> Result<()> {
         .result()
         .map_err(cuda_error("cuDeviceGetDefaultMemPool"))?;
     // SAFETY: cuDeviceGetDefaultMemPool succeeded.
-    let pool = unsafe { pool.assume_init() };
+    Ok(unsafe { pool.assume_init() })
+}
+
+/// Raises the release threshold of the device's default memory pool to
+/// the maximum, so that freed buffers stay in the pool for the next
+/// allocation instead of going back to the driver at every synchronisation.
+fn keep_pool(ctx: &CudaContext) -> Result<()> {
+    let pool = default_pool(ctx)?;
     let mut threshold: u64 = u64::MAX;
     // SAFETY: the release threshold is a cuuint64_t attribute; `threshold`
     // lives across the call.
