@@ -95,6 +95,9 @@ struct Inner {
     free_after: [CudaEvent; 4],
     adam: GpuAdamW,
     convert: Convert,
+    /// The pinned buffers host views are copied through, made at the
+    /// first large view (see `host.rs`).
+    staging: std::sync::Mutex<Option<host::HostStaging>>,
 }
 
 impl Inner {
@@ -488,6 +491,7 @@ impl CudaBackend {
                 free_after,
                 adam,
                 convert,
+                staging: std::sync::Mutex::new(None),
             }),
         })
     }
