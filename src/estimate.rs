@@ -532,7 +532,9 @@ impl Estimate {
     /// optimizer offload, the gradient homes (and the `swap_gradients`
     /// window) that feed the host AdamW: host memory on the CPU backend,
     /// which this estimate accounts, but device memory on a GPU, where
-    /// they are read through host views. [`ArenaPlan::check_capacity`]
+    /// they are read through host views; and with parameter offload
+    /// without optimizer offload, the two device slots AdamW writes the
+    /// updated shards into on a GPU. [`ArenaPlan::check_capacity`]
     /// says, when it does not fit, which buffers are the largest and how
     /// many bytes are missing. The trainer's activations are not in it.
     pub fn device_plan(&self, rank: usize) -> Result<ArenaPlan> {
@@ -890,6 +892,17 @@ impl Sim {
                 .map(|u| u.shard_len * psize as usize)
                 .collect();
             param_offload(cfg, &shards, &mut track);
+            if !offloading {
+                // On a device backend AdamW stays on the device and writes
+                // two slots of the largest shard (`ParamStepStage`; their
+                // host copies are pinned host memory there).
+                let largest = shards.iter().copied().max().unwrap_or(0).max(1);
+                named.push(BufferRequest::new(
+                    "parameter step slots",
+                    Category::Params,
+                    2 * largest as u64,
+                ));
+            }
         }
         let s3 = Stage3Schedule::new(Stage3Knobs::from_config(cfg), plan.units());
         let mut sim = Sim {

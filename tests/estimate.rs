@@ -269,6 +269,22 @@ fn the_device_plan_is_the_device_peak_and_names_what_does_not_fit() {
             );
         }
     }
+    // Parameter offload with the optimizer state on the device: on a GPU
+    // AdamW writes two device slots of the largest shard (unit 2: 70,001
+    // elements padded to 70,016, a shard of 35,008 bf16 on 2 ranks).
+    let mut cfg = classic(3, 2);
+    cfg.zero.offload_param.device = OffloadDevice::Cpu;
+    let e = estimate(&model, &cfg, &Workload::default()).unwrap();
+    let plan = e.device_plan(0).unwrap();
+    let slots: Vec<_> = plan
+        .buffers()
+        .iter()
+        .filter(|b| b.name == "parameter step slots")
+        .map(|b| b.bytes)
+        .collect();
+    assert_eq!(slots, [2 * 35_008 * 2]);
+    let sum: u64 = plan.buffers().iter().map(|b| b.bytes).sum();
+    assert_eq!(sum, e.tier_peak(Tier::Device) + slots[0]);
     let e = estimate(&model, &classic(0, 2), &Workload::default()).unwrap();
     let plan = e.device_plan(1).unwrap();
     let need = plan.total_bytes();

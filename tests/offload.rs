@@ -142,7 +142,9 @@ fn the_staged_offload_of_a_device_is_ordered_and_bit_identical() {
     }
     // Parameter offload (cpu, nvme) with any optimizer offload: the
     // shards go up to the gathered buffers through host buffers on the
-    // host-to-device stream.
+    // host-to-device stream; without optimizer offload AdamW writes two
+    // device slots whose shards go down to the homes on the
+    // device-to-host stream.
     for world in 1..=3 {
         let base = train(world, &config(world, 3, 2, Precision::Bf16), steps, MB);
         for param in [OffloadDevice::Cpu, OffloadDevice::Nvme] {

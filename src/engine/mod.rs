@@ -172,7 +172,7 @@ pub use reducer::SkipWait;
 #[cfg(not(feature = "testing"))]
 use reducer::SkipWait;
 use reducer::{GradReducer, GradState};
-use staging::OffloadStage;
+use staging::{OffloadStage, ParamStepStage};
 pub use stats::{EngineStats, SwapTraffic};
 
 /// A registered unit of one engine.
@@ -413,6 +413,9 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     /// The offloaded optimizer's pinned staging on a device backend (see
     /// [`staging`]).
     offload_stage: Option<OffloadStage<B>>,
+    /// Parameter offload with the optimizer state on a device: AdamW's
+    /// device buffers and their host copies (see [`staging`]).
+    param_stage: Option<ParamStepStage<B>>,
     /// Stage 3 parameter offload (`offload_param.device` cpu or nvme): the
     /// home of every unit's shard.
     poff: Option<ParamOffload>,
@@ -596,9 +599,11 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
     /// Test-only (feature `testing`): the offloaded optimizer (without
     /// parameter offload or `swap_gradients`) stages its gradients and
     /// parameters through host buffers on the copy streams, offloaded
-    /// parameter shards go up to their gathers through host buffers, and
-    /// the `swap_gradients` window through one, as on a GPU, also on the
-    /// CPU backend, so that the hazard checker proves those paths' order.
+    /// parameter shards go up to their gathers through host buffers, the
+    /// `swap_gradients` window through one, and with parameter offload
+    /// alone AdamW writes device slots that go down to the homes, as on a
+    /// GPU, also on the CPU backend, so that the hazard checker proves
+    /// those paths' order.
     #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn stage_offload_for_tests(mut self) -> Self {
@@ -1116,6 +1121,25 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         } else {
             None
         };
+        // Parameter offload with the optimizer state on a device: AdamW
+        // stays on the device and the updated shards go down through two
+        // slots of the largest shard.
+        let param_stage = if param_offloading
+            && !offloading
+            && reducer.home_dtype().is_some()
+            && (stage_offload || backend.device_free()?.is_some())
+        {
+            let largest = plan.units().iter().map(|l| l.shard_len).max();
+            Some(ParamStepStage::new(
+                &backend,
+                &comm,
+                &tracker,
+                pdt,
+                largest.unwrap_or(0),
+            )?)
+        } else {
+            None
+        };
         let opt = OptimizerShard::new(
             stage,
             rank,
@@ -1163,6 +1187,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             opt,
             rescued_error: None,
             offload_stage,
+            param_stage,
             poff,
             tracer,
             cfg,
@@ -2404,6 +2429,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let Some(po) = poff.as_mut() else {
             return Ok(());
         };
+        if self.param_stage.is_some() {
+            return self.adamw_param_offload_device::<G, P>(k);
+        }
         if let Some(homes) = po.host_shards::<P>()? {
             return opt.step_units_host::<G, P>(backend, k, reducer, homes.into_iter().enumerate());
         }
@@ -2414,6 +2442,69 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             });
             if r.is_err() {
                 break;
+            }
+        }
+        let flushed = po.flush();
+        self.param_write_verdict(r.and(flushed))
+    }
+
+    /// [`adamw_param_offload`](Self::adamw_param_offload) on a device (see
+    /// [`ParamStepStage`]): unit by unit, AdamW on the device into one of
+    /// two slots, the updated shard down into the slot's host buffer, and
+    /// into its home once the slot is needed again (or at the end), so
+    /// that the host's copy of one unit overlaps the next unit's AdamW.
+    fn adamw_param_offload_device<G: Element, P: Element>(
+        &mut self,
+        k: &[AdamWStep],
+    ) -> Result<()> {
+        let Engine {
+            poff,
+            opt,
+            reducer,
+            backend,
+            param_stage,
+            ..
+        } = self;
+        let (Some(po), Some(st)) = (poff.as_mut(), param_stage.as_mut()) else {
+            return Ok(());
+        };
+        let n = self.units.len();
+        let ranges: Vec<_> = (0..n).map(|i| opt.params_range(i)).collect();
+        // Unit `j`'s updated elements, from slot `b` into its home.
+        let mut home = |st: &mut ParamStepStage<B>, b: usize, j: usize| -> Result<()> {
+            let r = ranges[j].clone();
+            st.take::<P>(backend, b, r.clone(), |data| {
+                po.write_with::<P>(j, |home| {
+                    home[r].copy_from_slice(data);
+                    Ok(())
+                })
+            })
+        };
+        let mut waiting: [Option<usize>; 2] = [None, None];
+        let mut r = Ok(());
+        for (i, range) in ranges.iter().enumerate() {
+            let b = i % 2;
+            if let Some(j) = waiting[b].take() {
+                r = home(st, b, j);
+                if r.is_err() {
+                    break;
+                }
+            }
+            r = opt
+                .step_units::<G, P>(backend, k, reducer, std::iter::once((i, st.low(b))))
+                .and_then(|()| st.send_down::<P>(backend, b, range.clone()));
+            if r.is_err() {
+                break;
+            }
+            waiting[b] = Some(i);
+        }
+        // The last two units, in order.
+        for i in n.saturating_sub(2)..n {
+            if r.is_err() {
+                break;
+            }
+            if let Some(j) = waiting[i % 2].take() {
+                r = home(st, i % 2, j);
             }
         }
         let flushed = po.flush();

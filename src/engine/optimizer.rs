@@ -265,6 +265,12 @@ impl<B: HostAccess> OptimizerShard<B> {
         Ok(())
     }
 
+    /// The elements of unit `i`'s parameters (its full parameters, or
+    /// the shard) that AdamW writes.
+    pub(crate) fn params_range(&self, i: usize) -> Range<usize> {
+        self.ranges[i].params.clone()
+    }
+
     /// Per unit of `units`, the runs of its state elements by group.
     fn runs(
         &self,
