@@ -43,6 +43,12 @@ impl EngineBackend for zero_core::backend::CudaBackend {
         Ok(self.reserve(bytes)?)
     }
 
+    fn device_id(&self) -> Result<Option<[u64; 2]>> {
+        let u = self.device_uuid()?;
+        let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
+        Ok(Some([word(&u[..8]), word(&u[8..])]))
+    }
+
     fn device_pool(&self) -> Result<Option<u64>> {
         Ok(Some(self.pool_reserved()?))
     }
@@ -79,6 +85,12 @@ pub trait EngineBackend: HostAccess {
     /// the CPU backend.
     fn reserve_device(&self, bytes: u64) -> Result<()>;
 
+    /// An identity of the device, the same for every rank on it on any
+    /// host and different for any other device (a GPU's UUID; `None` on
+    /// the CPU backend): `build` counts the ranks that share the device
+    /// and checks each rank's plan against its share of the free memory.
+    fn device_id(&self) -> Result<Option<[u64; 2]>>;
+
     /// The device memory the backend's buffer pool holds from the driver
     /// now, in use or kept for reuse (`None` on the CPU backend): it grows
     /// only when an allocation does not fit in what is held.
@@ -109,6 +121,10 @@ impl EngineBackend for CpuBackend {
 
     fn reserve_device(&self, _bytes: u64) -> Result<()> {
         Ok(())
+    }
+
+    fn device_id(&self) -> Result<Option<[u64; 2]>> {
+        Ok(None)
     }
 
     fn device_pool(&self) -> Result<Option<u64>> {

@@ -783,11 +783,21 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         // the backend's pool, so that no allocation of it asks the driver
         // for memory in a step.
         if let Some(free) = backend.device_free().transpose() {
-            let fits = free.and_then(|free| {
+            // The ranks on this rank's device (ranks sharing a GPU split
+            // its free memory): every rank says which device it is on.
+            let id = backend.device_id();
+            let word = match &id {
+                Ok(Some([lo, hi])) => [1, *lo, *hi],
+                _ => [0, rank as u64, 0],
+            };
+            let ids = exchange_u64(&comm, &word)?;
+            let sharing = ids.iter().filter(|w| w[..] == word[..]).count().max(1) as u64;
+            let fits = id.and(free).and_then(|free| {
                 let model = crate::estimate::Model::from_units(unit_specs.clone())?;
                 let work = crate::estimate::Workload::default();
                 let plan = crate::estimate::estimate(&model, &cfg, &work)?.device_plan(rank)?;
-                plan.check_capacity(free)?;
+                plan.check_capacity(free / sharing)
+                    .map_err(|e| shared_device(e, sharing, free))?;
                 backend
                     .reserve_device(plan.total_bytes())
                     .map_err(|e| plan.refused(free, &e.to_string()).into())
@@ -1276,6 +1286,28 @@ impl Initial<'_> {
     fn agree<C: Communicator>(&self, comm: &C) -> Result<()> {
         let mine = self.failed.borrow_mut().take().map_or(Ok(()), Err);
         agree_on_setup(comm, mine, "initial parameter values (Init::Source")
+    }
+}
+
+/// `e`, an error of a memory plan checked against `1/sharing` of the
+/// `free` bytes of a device that `sharing` ranks use, saying so.
+fn shared_device(e: zero_core::Error, sharing: u64, free: u64) -> Error {
+    match e {
+        zero_core::Error::OutOfDeviceMemory {
+            rank,
+            needed,
+            available,
+            msg,
+        } if sharing > 1 => Error::from(zero_core::Error::OutOfDeviceMemory {
+            rank,
+            needed,
+            available,
+            msg: format!(
+                "{msg} ({sharing} ranks share this device: each has 1/{sharing} of its {free} \
+                 free bytes)"
+            ),
+        }),
+        e => Error::from(e),
     }
 }
 

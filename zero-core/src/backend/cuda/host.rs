@@ -253,6 +253,18 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
+    /// The GPU's UUID (`cuDeviceGetUuid`): the same for every backend on
+    /// that GPU, in every process, and different for any other GPU.
+    pub fn device_uuid(&self) -> Result<[u8; 16]> {
+        self.inner.begin()?;
+        let uuid = self
+            .inner
+            .ctx()
+            .uuid()
+            .map_err(cuda_error("cuDeviceGetUuid"))?;
+        Ok(uuid.bytes.map(|b| b as u8))
+    }
+
     /// The device's free and total memory in bytes (`cuMemGetInfo`).
     pub fn memory_info(&self) -> Result<(u64, u64)> {
         self.inner.begin()?;
