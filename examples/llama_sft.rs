@@ -963,6 +963,9 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
     let mut flops_total = 0f64;
     let mut act_peak = 0u64;
     let mut driver_peak: Option<u64> = None;
+    // The device pool after this run's first step (activations included):
+    // what later steps add to it is memory they asked the driver for.
+    let mut pool_first: Option<u64> = None;
     e.reset_stats();
     let t0 = Instant::now();
     for step in first_step..steps {
@@ -999,6 +1002,9 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
         // memory), next to the tracker's plan in the report.
         if let Some(used) = e.device_backend().device_used()? {
             driver_peak = Some(driver_peak.unwrap_or(0).max(used));
+        }
+        if step == first_step {
+            pool_first = e.device_backend().device_pool()?;
         }
         let dt = ts.elapsed().as_secs_f64();
         let step_tokens = (per_step * s.seq) as f64;
@@ -1120,13 +1126,18 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
     // Per-rank peaks, in KiB (f32 is exact enough for a report).
     let tr = e.tracker();
     let kib = |t: Tier| tr.tier_peak(t) as f32 / 1024.0;
-    let mut mine = vec![0f32; 5 * world];
-    mine[5 * rank..5 * rank + 5].copy_from_slice(&[
+    let grown = match (pool_first, e.device_backend().device_pool()?) {
+        (Some(first), Some(last)) => last.saturating_sub(first) as f32 / 1024.0,
+        _ => -1.0,
+    };
+    let mut mine = vec![0f32; 6 * world];
+    mine[6 * rank..6 * rank + 6].copy_from_slice(&[
         kib(Tier::Device),
         kib(Tier::Host),
         kib(Tier::Nvme),
         act_peak as f32 / 1024.0,
         driver_peak.map_or(-1.0, |b| b as f32 / 1024.0),
+        grown,
     ]);
     let mem = sum_over_ranks(e.comm(), &mine)?;
     let flops = f64::from(sum_over_ranks(e.comm(), &[flops_total as f32])?[0]);
@@ -1197,23 +1208,27 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
             stats.optimizer_time.as_secs_f64(),
         ));
         lines.push(
-            "| rank | peak device | peak host | peak nvme | activations | device in use (driver, peak) |"
+            "| rank | peak device | peak host | peak nvme | activations | device in use (driver, peak) | device pool grown after step 1 |"
                 .into(),
         );
-        lines.push("|---|---|---|---|---|---|".into());
+        lines.push("|---|---|---|---|---|---|---|".into());
+        let or_dash = |kib: f32| {
+            if kib < 0.0 {
+                "-".into()
+            } else {
+                mib(kib * 1024.0)
+            }
+        };
         for r in 0..world {
-            let m = &mem[5 * r..5 * r + 5];
+            let m = &mem[6 * r..6 * r + 6];
             lines.push(format!(
-                "| {r} | {} | {} | {} | {} | {} |",
+                "| {r} | {} | {} | {} | {} | {} | {} |",
                 mib(m[0] * 1024.0),
                 mib(m[1] * 1024.0),
                 mib(m[2] * 1024.0),
                 mib(m[3] * 1024.0),
-                if m[4] < 0.0 {
-                    "-".into()
-                } else {
-                    mib(m[4] * 1024.0)
-                }
+                or_dash(m[4]),
+                or_dash(m[5])
             ));
         }
     }
