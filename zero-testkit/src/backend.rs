@@ -48,6 +48,19 @@ pub fn bits<T: Element>(x: &[T]) -> Vec<u32> {
     x.iter().map(|v| v.to_f32().to_bits()).collect()
 }
 
+/// Panics, naming `what` and the element, at the first element of `a`
+/// and `b` whose bits differ (or when their lengths do).
+pub fn assert_same_bits(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    if let Some(i) = a
+        .iter()
+        .zip(b)
+        .position(|(x, y)| x.to_bits() != y.to_bits())
+    {
+        panic!("{what}: element {i}: {} vs {}", a[i], b[i]);
+    }
+}
+
 /// The elements' own bytes, NaN payloads included.
 pub fn raw_bits<T: Element>(x: &[T]) -> Vec<u8> {
     bytemuck::cast_slice(x).to_vec()

@@ -20,6 +20,7 @@ use zero::core::{bf16, Element};
 use zero::engine::{EngineBackend, EngineComm};
 use zero::{Engine, UnitState};
 use zero_llama as llama;
+use zero_testkit::backend::assert_same_bits;
 
 use llama::device::DeviceModel;
 use llama::lora::LoraConfig;
@@ -105,20 +106,9 @@ fn run(r: Run, p: Precision, t: Trainer) -> Vec<RankRun> {
     .collect()
 }
 
-fn assert_bits(a: &[f32], b: &[f32], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    if let Some(i) = a
-        .iter()
-        .zip(b)
-        .position(|(x, y)| x.to_bits() != y.to_bits())
-    {
-        panic!("{what}: element {i}: {} vs {}", a[i], b[i]);
-    }
-}
-
 fn assert_same(a: &[RankRun], b: &[RankRun], what: &str) {
     for (r, (x, y)) in a.iter().zip(b).enumerate() {
-        assert_bits(&x.losses, &y.losses, &format!("{what}: rank {r} losses"));
+        assert_same_bits(&x.losses, &y.losses, &format!("{what}: rank {r} losses"));
         for (u, (p, q)) in x.states.iter().zip(&y.states).enumerate() {
             for (f, s, t) in [
                 ("params", &p.params, &q.params),
@@ -126,7 +116,7 @@ fn assert_same(a: &[RankRun], b: &[RankRun], what: &str) {
                 ("m", &p.m, &q.m),
                 ("v", &p.v, &q.v),
             ] {
-                assert_bits(s, t, &format!("{what}: rank {r} unit {u} {f}"));
+                assert_same_bits(s, t, &format!("{what}: rank {r} unit {u} {f}"));
             }
         }
     }
@@ -285,8 +275,8 @@ fn a_batch_without_loss_rows_is_the_cpu_trainers() {
         for ((wl, ws), (gl, gs)) in want.iter().zip(&got) {
             assert_eq!((*wl, *gl), (0.0, 0.0));
             for (p, q) in ws.iter().zip(gs) {
-                assert_bits(&p.params, &q.params, &format!("world {world} params"));
-                assert_bits(&p.m, &q.m, &format!("world {world} m"));
+                assert_same_bits(&p.params, &q.params, &format!("world {world} params"));
+                assert_same_bits(&p.m, &q.m, &format!("world {world} m"));
             }
         }
     }

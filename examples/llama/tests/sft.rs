@@ -13,6 +13,7 @@
 //! - the tiny model learns.
 
 use std::path::{Path, PathBuf};
+use zero_testkit::backend::assert_same_bits;
 
 use zero::comm::{Communicator, ThreadComm, ThreadGroup};
 use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
@@ -384,29 +385,17 @@ fn run(world: usize, cfg: &ResolvedConfig, model_cfg: Config, opts: Opts) -> Vec
     .collect()
 }
 
-/// Panics at the first element whose bits differ.
-fn assert_bits(a: &[f32], b: &[f32], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    if let Some(i) = a
-        .iter()
-        .zip(b)
-        .position(|(x, y)| x.to_bits() != y.to_bits())
-    {
-        panic!("{what}: element {i}: {} vs {}", a[i], b[i]);
-    }
-}
-
 /// Losses, snapshot and every unit's parameters, master, m and v agree bit
 /// for bit, rank by rank.
 fn assert_same_run(base: &[RankRun], t: &[RankRun], what: &str) {
     assert_eq!(base.len(), t.len());
     let names = tensors(&model_config());
     for (r, (x, y)) in base.iter().zip(t).enumerate() {
-        assert_bits(&x.losses, &y.losses, &format!("{what}: rank {r} losses"));
+        assert_same_bits(&x.losses, &y.losses, &format!("{what}: rank {r} losses"));
         assert_eq!(x.snapshot.len(), y.snapshot.len());
         for (k, (p, q)) in x.snapshot.iter().zip(&y.snapshot).enumerate() {
             let name = names.get(k).map_or("?", |t| t.name.as_str());
-            assert_bits(p, q, &format!("{what}: rank {r} snapshot {name}"));
+            assert_same_bits(p, q, &format!("{what}: rank {r} snapshot {name}"));
         }
         assert_eq!(x.states.len(), y.states.len());
         for (u, (p, q)) in x.states.iter().zip(&y.states).enumerate() {
@@ -416,7 +405,7 @@ fn assert_same_run(base: &[RankRun], t: &[RankRun], what: &str) {
                 ("m", &p.m, &q.m),
                 ("v", &p.v, &q.v),
             ] {
-                assert_bits(a, b, &format!("{what}: rank {r} unit {u} {field}"));
+                assert_same_bits(a, b, &format!("{what}: rank {r} unit {u} {field}"));
             }
         }
     }
@@ -426,7 +415,7 @@ fn assert_same_run(base: &[RankRun], t: &[RankRun], what: &str) {
 fn assert_ranks_agree(runs: &[RankRun], what: &str) {
     for (r, t) in runs.iter().enumerate().skip(1) {
         for (k, (p, q)) in runs[0].snapshot.iter().zip(&t.snapshot).enumerate() {
-            assert_bits(p, q, &format!("{what}: snapshot tensor {k}, rank 0 vs {r}"));
+            assert_same_bits(p, q, &format!("{what}: snapshot tensor {k}, rank 0 vs {r}"));
         }
     }
 }
@@ -591,7 +580,7 @@ fn loss_and_gradients_match_the_model_core() {
             .collect::<Vec<_>>();
         for (r, x) in refs.iter().enumerate() {
             for (k, (p, q)) in x.snapshot.iter().zip(&init).enumerate() {
-                assert_bits(
+                assert_same_bits(
                     p,
                     q,
                     &format!("{what}: rank {r} snapshot tensor {k} vs init"),
@@ -964,7 +953,7 @@ fn lora_is_bit_identical_across_stages_and_the_base_stays_frozen() {
             Opts::steps(0),
         );
         for (k, (p, q)) in base[0].snapshot.iter().zip(&plain[0].snapshot).enumerate() {
-            assert_bits(
+            assert_same_bits(
                 p,
                 q,
                 &format!("world {world}: base tensor {k} after training"),
@@ -1028,7 +1017,7 @@ fn lora_is_bit_identical_across_stages_and_the_base_stays_frozen() {
             assert_ranks_agree(&t, &what);
             assert_same_run(&base, &t, &what);
             for (k, (p, q)) in base[0].adapters.iter().zip(&t[0].adapters).enumerate() {
-                assert_bits(p, q, &format!("{what}: adapter tensor {k}"));
+                assert_same_bits(p, q, &format!("{what}: adapter tensor {k}"));
             }
             if stage == 3 {
                 assert_steady_gathers(&t, &what);
