@@ -98,6 +98,27 @@ enum Dtype {
     Fp16,
 }
 
+/// The dtype of --export's tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ExportAs {
+    /// bfloat16, rounded to nearest even from the fp32 master.
+    Bf16,
+    /// IEEE half, rounded to nearest even from the fp32 master.
+    Fp16,
+    /// The fp32 master as it is.
+    Fp32,
+}
+
+impl ExportAs {
+    fn dtype(self) -> llama::weights::Dtype {
+        match self {
+            ExportAs::Bf16 => llama::weights::Dtype::Bf16,
+            ExportAs::Fp16 => llama::weights::Dtype::F16,
+            ExportAs::Fp32 => llama::weights::Dtype::F32,
+        }
+    }
+}
+
 /// Model presets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Preset {
@@ -225,12 +246,18 @@ struct Args {
     #[arg(long)]
     peak_tflops: Option<f64>,
     /// Write the trained model: a path ending in `.safetensors` gets the weights alone
-    /// (HF-Llama names, the training dtype: bf16 or f32; loadable with --init-from); any other
-    /// path is a Hugging Face directory that transformers loads as it is (config.json,
-    /// generation_config.json, safetensors sharded above 5 GB; with --model-dir its dtype
-    /// and tokenizer files).
+    /// (HF-Llama names; loadable with --init-from); any other path is a Hugging Face
+    /// directory that transformers loads as it is (config.json, generation_config.json,
+    /// safetensors sharded above 5 GB; with --model-dir its tokenizer files). The values are
+    /// the fp32 master weights (not a bf16 run's working copy) and, with LoRA, the frozen
+    /// base as the checkpoint holds it; the dtype is --export-dtype's.
     #[arg(long)]
     export: Option<PathBuf>,
+    /// The dtype of --export's tensors (narrower ones rounded to nearest even from the
+    /// fp32 master). Default: the checkpoint's own (--model-dir's weights or --init-from's
+    /// file, tensor by tensor, so that --steps 0 gives it back bit for bit), else fp32.
+    #[arg(long, value_enum, requires = "export")]
+    export_dtype: Option<ExportAs>,
     /// Checkpoint root: sharded checkpoints `step########/` (each rank writes its shard) and a
     /// `latest` pointer, written every --save-every steps and at the end.
     #[arg(long)]
@@ -494,6 +521,9 @@ struct Setup {
     /// The Hugging Face directory of --model-dir, its config read and its
     /// weights checked.
     hf: Option<HfDir>,
+    /// The dtypes of the weights the model starts from (--model-dir or
+    /// --init-from), tensor by tensor: --export's default.
+    checkpoint_dtypes: Option<llama::weights::TensorDtypes>,
     /// --lora or --adapter.
     lora: Option<LoraSetup>,
 }
@@ -1098,21 +1128,21 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
     if let Some(path) = &a.export {
         // Streamed: every rank reads the units one at a time in the same
         // order (collectives in stages 1-3), rank 0 writes each as it
-        // comes. With LoRA (--merge-lora, checked before training) the
-        // adapters are folded into each block.
+        // comes: the fp32 master, the frozen base from its checkpoint.
+        // With LoRA (--merge-lora, checked before training) the adapters
+        // are folded into each block.
         let mut engine_err = None;
         let written = export(
             path,
             s,
             &mut |part| {
-                model.part_tensors(&mut e, part).map_err(|err| {
+                model.export_tensors(&mut e, part).map_err(|err| {
                     let what = err.to_string();
                     engine_err = Some(err);
                     what
                 })
             },
             lead,
-            T::DTYPE == zero::core::DType::F32,
         );
         if let Some(err) = engine_err {
             return Err(err);
@@ -1238,53 +1268,47 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
     })
 }
 
-/// Writes the model to `path` as --export says: a `.safetensors` file, or
-/// a Hugging Face directory, its values streamed from `fetch` one unit at
-/// a time. Only `write` (rank 0) writes; the other ranks fetch the same
-/// units in the same order.
+/// Writes the model to `path` as --export says (`llama::export`): a
+/// `.safetensors` file, or a Hugging Face directory, its values streamed
+/// from `fetch` one unit at a time, in --export-dtype or the checkpoint's
+/// own dtypes. Only `write` (rank 0) writes; the other ranks fetch the
+/// same units in the same order.
 fn export(
     path: &std::path::Path,
     s: &Setup,
     fetch: &mut llama::weights::FetchPart<'_>,
     write: bool,
-    f32: bool,
 ) -> Result<(), String> {
-    use llama::weights::Dtype;
     let fail = |e: String| format!("--export {e}");
-    let trained = if f32 { Dtype::F32 } else { Dtype::Bf16 };
-    if path.extension().is_some_and(|e| e == "safetensors") {
-        llama::weights::save_from(path, &s.model, trained, fetch, write).map_err(fail)?;
-        if write {
-            println!("exported the weights to {}", path.display());
-        }
-        return Ok(());
+    let dtypes = llama::export::choose(
+        s.args.export_dtype.map(ExportAs::dtype),
+        s.checkpoint_dtypes.clone(),
+    );
+    if write {
+        println!("{}", dtypes.describe(llama::tensors(&s.model).len()));
     }
-    // The model's own positions, not the training run's.
+    // A directory gets the model's own positions, not the training run's.
     let mut cfg = s.model;
-    let (dtype, source) = match &s.hf {
-        Some(m) => {
-            cfg.max_seq = m.hf.config.max_seq;
-            (
-                m.dtype,
-                Some(ExportSource {
-                    dir: &m.dir,
-                    hf: &m.hf,
-                }),
-            )
+    let source = s.hf.as_ref().map(|m| {
+        cfg.max_seq = m.hf.config.max_seq;
+        ExportSource {
+            dir: &m.dir,
+            hf: &m.hf,
         }
-        None => (trained, None),
-    };
-    let out = llama::hf::Export {
-        dtype,
+    });
+    let target = llama::export::Target {
+        path,
         source,
         bos_eos: (Some(data::BOS), Some(data::EOS)),
-        max_shard_bytes: llama::hf::DEFAULT_SHARD_BYTES,
     };
-    let files = llama::hf::export_from(path, &cfg, fetch, out, write).map_err(fail)?;
-    if write {
+    let file = target.is_file();
+    let files = llama::export::write(target, &cfg, &dtypes, fetch, write).map_err(fail)?;
+    if write && file {
+        println!("exported the weights to {}", path.display());
+    } else if write {
         println!(
             "exported a Hugging Face directory ({}) to {}: {}",
-            dtype.torch_name(),
+            dtypes.dtypes.config_dtype().torch_name(),
             path.display(),
             files.join(", ")
         );
@@ -1407,20 +1431,22 @@ fn setup(args: Args) -> Result<Setup, String> {
                 }
             }
             // The weights move to the engine's initialisation; an export
-            // needs only the directory, its config and dtype.
-            (c, Some(sources(std::mem::take(&mut m.weights))))
+            // needs only the directory, its config and dtypes.
+            (c, Some(std::mem::take(&mut m.weights)))
         }
         None => {
             let model = args.model_config(positions)?;
             let init = match &args.init_from {
-                Some(p) => Some(sources(
-                    llama::weights::open(p, &model).map_err(|e| format!("--init-from {e}"))?,
-                )),
+                Some(p) => {
+                    Some(llama::weights::open(p, &model).map_err(|e| format!("--init-from {e}"))?)
+                }
                 None => None,
             };
             (model, init)
         }
     };
+    let checkpoint_dtypes = init.as_deref().map(llama::weights::TensorDtypes::of_files);
+    let init = init.map(sources);
     let lora = lora_setup(&args, &model)?;
     Ok(Setup {
         args,
@@ -1431,6 +1457,7 @@ fn setup(args: Args) -> Result<Setup, String> {
         init,
         tok,
         hf,
+        checkpoint_dtypes,
         lora,
     })
 }

@@ -314,7 +314,11 @@ fn evaluation_export_and_checkpoints_go_unit_by_unit() {
             &dir.join("llama.safetensors"),
             &model.cfg,
             zero_llama::weights::Dtype::Bf16,
-            &mut |part| model.part_tensors(&mut e, part).map_err(|e| e.to_string()),
+            &mut |part| {
+                model
+                    .export_tensors(&mut e, part)
+                    .map_err(|e| e.to_string())
+            },
             true,
         )
         .map_err(|what| zero::Error::Usage { rank: 0, what })?;

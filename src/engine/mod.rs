@@ -225,6 +225,17 @@ pub struct UnitState {
     pub v: Vec<f32>,
 }
 
+/// What [`Engine::unit_state_inner`] reads besides the parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StateRead {
+    /// The parameters alone ([`Engine::unit_params`]).
+    Params,
+    /// The parameters and the fp32 master ([`Engine::unit_master`]).
+    Master,
+    /// Everything ([`Engine::unit_state`]).
+    All,
+}
+
 /// Builds an [`Engine`]: register every unit, then [`EngineBuilder::build`].
 pub struct EngineBuilder<C: Communicator, B: EngineBackend = CpuBackend> {
     comm: C,
@@ -1947,7 +1958,17 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// [`UnitGuard::params`] instead), except after a failed swap write,
     /// which loses nothing: then it returns the state after that step.
     pub fn unit_state(&mut self, unit: UnitId) -> Result<UnitState> {
-        self.guard(|e| e.unit_state_inner(unit, true))
+        self.guard(|e| e.unit_state_inner(unit, StateRead::All))
+    }
+
+    /// A unit's parameters and fp32 master ([`UnitState::params`] and
+    /// [`UnitState::master`]; `m` and `v` empty), as [`Engine::unit_state`]
+    /// reads them (a collective in stages 1–3) without gathering the
+    /// moments: what an export of the trained weights needs, the master
+    /// of trainable tensors (a bf16 run's parameters are its rounding)
+    /// and the parameters of frozen ones.
+    pub fn unit_master(&mut self, unit: UnitId) -> Result<UnitState> {
+        self.guard(|e| e.unit_state_inner(unit, StateRead::Master))
     }
 
     /// A unit's parameters alone ([`UnitState::params`]: the training
@@ -1957,18 +1978,19 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// or gathering the master and the moments: a third of the memory
     /// and traffic, what an export of the weights needs.
     pub fn unit_params(&mut self, unit: UnitId) -> Result<Vec<f32>> {
-        self.guard(|e| e.unit_state_inner(unit, false))
+        self.guard(|e| e.unit_state_inner(unit, StateRead::Params))
             .map(|s| s.params)
     }
 
-    /// [`Engine::unit_state`]; without `optimizer`, the parameters alone
-    /// ([`Engine::unit_params`]: the other fields empty).
-    fn unit_state_inner(&mut self, unit: UnitId, optimizer: bool) -> Result<UnitState> {
-        let call = if optimizer {
-            "unit_state"
-        } else {
-            "unit_params"
+    /// [`Engine::unit_state`], reading what `what` says (the fields not
+    /// read are empty).
+    fn unit_state_inner(&mut self, unit: UnitId, what: StateRead) -> Result<UnitState> {
+        let call = match what {
+            StateRead::All => "unit_state",
+            StateRead::Master => "unit_master",
+            StateRead::Params => "unit_params",
         };
+        let moments = what == StateRead::All;
         let i = self.check(unit, call)?;
         self.check_swap(call)?;
         self.finish_param_gathers()?;
@@ -1986,14 +2008,23 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 .wait()?;
             Ok(recv[..numel].to_vec())
         };
+        // The moments are gathered only when asked for (an empty local
+        // part is never gathered).
+        let moment = |this: &Self, local: &[f32]| {
+            if moments {
+                gather_f32(this, local)
+            } else {
+                Ok(Vec::new())
+            }
+        };
         let (master, m, v) = match self.opt.offload() {
-            _ if !optimizer => (Vec::new(), Vec::new(), Vec::new()),
+            _ if what == StateRead::Params => (Vec::new(), Vec::new(), Vec::new()),
             None => {
                 let (master, m, v) = self.opt.moments(i).host(&self.backend)?;
                 (
                     gather_f32(self, &master)?,
-                    gather_f32(self, &m)?,
-                    gather_f32(self, &v)?,
+                    moment(self, &m)?,
+                    moment(self, &v)?,
                 )
             }
             Some(off) => {
@@ -2004,8 +2035,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 let (master, m, v) = local?;
                 (
                     gather_f32(self, &master)?,
-                    gather_f32(self, &m)?,
-                    gather_f32(self, &v)?,
+                    moment(self, &m)?,
+                    moment(self, &v)?,
                 )
             }
         };

@@ -153,22 +153,27 @@ fn header(units: &[UnitLayout], dtype: ExportDtype) -> std::result::Result<(Vec<
     let shapes = units
         .iter()
         .flat_map(|u| u.tensors.iter().map(|t| &t.shape[..]));
-    header_of(names.iter().map(String::as_str).zip(shapes), dtype)
+    header_of(
+        names
+            .iter()
+            .map(String::as_str)
+            .zip(shapes)
+            .map(|(n, s)| (n, s, dtype)),
+    )
 }
 
-/// The safetensors header of `tensors` (names and shapes, in file order)
-/// as `dtype`, and the length of the data section. With the tensors
-/// sorted by name it is, byte for byte, the header the `safetensors`
-/// crate's `serialize` writes for them with `{"format": "pt"}` (which
-/// sorts by dtype, then name).
+/// The safetensors header of `tensors` (names, shapes and dtypes, in file
+/// order), and the length of the data section. With the tensors sorted
+/// as the `safetensors` crate's `serialize` sorts them (by dtype, widest
+/// first, then by name) it is, byte for byte, the header that function
+/// writes for them with `{"format": "pt"}`.
 fn header_of<'a>(
-    tensors: impl Iterator<Item = (&'a str, &'a [usize])>,
-    dtype: ExportDtype,
+    tensors: impl Iterator<Item = (&'a str, &'a [usize], ExportDtype)>,
 ) -> std::result::Result<(Vec<u8>, u64), String> {
     let mut json = String::from(r#"{"__metadata__":{"format":"pt"}"#);
     let mut at = 0u64;
     let mut seen = std::collections::HashSet::new();
-    for (name, shape) in tensors {
+    for (name, shape, dtype) in tensors {
         if name == "__metadata__" {
             return Err("a tensor is named `__metadata__`, reserved by safetensors".into());
         }
@@ -210,7 +215,13 @@ pub struct SafetensorsWriter {
     out: Option<BufWriter<File>>,
     path: PathBuf,
     tmp: PathBuf,
-    dtype: ExportDtype,
+    /// The dtype of each run of values, in file order, and its length
+    /// in elements: one run per tensor (or one for a whole file of one
+    /// dtype).
+    runs: Vec<(ExportDtype, u64)>,
+    /// The run the next value belongs to, and how many of its values
+    /// came already.
+    run: (usize, u64),
     hasher: crc32fast::Hasher,
     bytes: Vec<u8>,
     written: u64,
@@ -222,7 +233,8 @@ impl SafetensorsWriter {
     /// writes the header.
     pub(crate) fn create(path: &Path, units: &[UnitLayout], dtype: ExportDtype) -> Result<Self> {
         let head = header(units, dtype).map_err(|e| err(path, e))?;
-        Self::start(path, head, dtype)
+        let numel = head.1 / dtype.size() as u64;
+        Self::start(path, head, vec![(dtype, numel)])
     }
 
     /// Creates `PATH.tmp` for the tensors `tensors` (names and shapes, in
@@ -237,13 +249,34 @@ impl SafetensorsWriter {
         tensors: &[(&str, &[usize])],
         dtype: ExportDtype,
     ) -> Result<Self> {
-        let head = header_of(tensors.iter().copied(), dtype).map_err(|e| err(path, e))?;
-        Self::start(path, head, dtype)
+        let typed: Vec<(&str, &[usize], ExportDtype)> =
+            tensors.iter().map(|&(n, s)| (n, s, dtype)).collect();
+        Self::create_typed(path, &typed)
+    }
+
+    /// [`SafetensorsWriter::create_tensors`] with a dtype per tensor
+    /// (names, shapes and dtypes, in the order their values will come):
+    /// each tensor's values are cast to its own dtype as they come
+    /// ([`SafetensorsWriter::write`] splits pieces at tensor boundaries).
+    /// Given the tensors in the `safetensors` crate's order (by dtype,
+    /// F32 before BF16 before F16, then by name) the file is byte for
+    /// byte what its `serialize_to_file` writes for them.
+    pub fn create_typed(path: &Path, tensors: &[(&str, &[usize], ExportDtype)]) -> Result<Self> {
+        let head = header_of(tensors.iter().copied()).map_err(|e| err(path, e))?;
+        let runs = tensors
+            .iter()
+            .map(|(_, shape, d)| (*d, shape.iter().product::<usize>() as u64))
+            .collect();
+        Self::start(path, head, runs)
     }
 
     /// Creates `PATH.tmp` and writes the header `head` of a data section
-    /// of `data` bytes.
-    fn start(path: &Path, (head, data): (Vec<u8>, u64), dtype: ExportDtype) -> Result<Self> {
+    /// of `data` bytes, whose values come in `runs`.
+    fn start(
+        path: &Path,
+        (head, data): (Vec<u8>, u64),
+        runs: Vec<(ExportDtype, u64)>,
+    ) -> Result<Self> {
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(".tmp");
         let tmp = PathBuf::from(tmp);
@@ -257,7 +290,8 @@ impl SafetensorsWriter {
             out: Some(BufWriter::with_capacity(WRITE_BUF, file)),
             path: path.to_path_buf(),
             tmp,
-            dtype,
+            runs,
+            run: (0, 0),
             hasher: crc32fast::Hasher::new(),
             bytes: Vec::new(),
             written: 0,
@@ -283,7 +317,22 @@ impl SafetensorsWriter {
     pub fn write(&mut self, values: &[f32]) -> Result<()> {
         let mut bytes = std::mem::take(&mut self.bytes);
         bytes.clear();
-        self.dtype.encode(values, &mut bytes);
+        let mut rest = values;
+        while !rest.is_empty() {
+            // Past the last run the values are too many: cast them as the
+            // last dtype, and the length check below says so.
+            let (dtype, len) = match self.runs.get(self.run.0) {
+                Some(&r) => r,
+                None => (self.runs.last().map_or(ExportDtype::F32, |r| r.0), u64::MAX),
+            };
+            let n = (len - self.run.1).min(rest.len() as u64) as usize;
+            dtype.encode(&rest[..n], &mut bytes);
+            rest = &rest[n..];
+            self.run.1 += n as u64;
+            if self.run.1 == len {
+                self.run = (self.run.0 + 1, 0);
+            }
+        }
         if self.written + bytes.len() as u64 > self.total {
             return Err(err(
                 &self.path,
@@ -526,6 +575,66 @@ mod tests {
             "{e}"
         );
         assert!(!d.0.join("twice.safetensors.tmp").exists());
+    }
+
+    /// With a dtype per tensor, given in the crate's order (F32, then
+    /// BF16, then F16, each by name), the file is byte for byte what the
+    /// `safetensors` crate's `serialize` writes, even when the values come
+    /// in pieces that straddle tensors (one write of everything here).
+    #[test]
+    fn mixed_dtypes_match_the_safetensors_crate() {
+        let d = crate::format::TestDir::new("safetensors-mixed");
+        let tensors: [(&str, &[usize], ExportDtype); 5] = [
+            ("b.norm", &[3], ExportDtype::F32),
+            ("z.weight", &[2, 2], ExportDtype::F32),
+            ("a.weight", &[2, 3], ExportDtype::Bf16),
+            ("empty", &[0], ExportDtype::Bf16),
+            ("c.weight", &[5], ExportDtype::F16),
+        ];
+        let values: Vec<Vec<f32>> = tensors
+            .iter()
+            .enumerate()
+            .map(|(t, (_, s, _))| {
+                (0..s.iter().product::<usize>())
+                    .map(|i| (i as f32 + 0.3) * 1.000_123 - t as f32 * 0.71)
+                    .collect()
+            })
+            .collect();
+        let path = d.0.join("mixed.safetensors");
+        let mut w = SafetensorsWriter::create_typed(&path, &tensors).unwrap();
+        w.write(&values.concat()).unwrap();
+        w.finish().unwrap();
+        let st = |d: ExportDtype| match d {
+            ExportDtype::F32 => safetensors::Dtype::F32,
+            ExportDtype::Bf16 => safetensors::Dtype::BF16,
+            ExportDtype::F16 => safetensors::Dtype::F16,
+        };
+        let bytes: Vec<Vec<u8>> = tensors
+            .iter()
+            .zip(&values)
+            .map(|((_, _, d), v)| {
+                let mut b = Vec::new();
+                d.encode(v, &mut b);
+                b
+            })
+            .collect();
+        // Given in reverse: the crate sorts them.
+        let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .zip(&bytes)
+            .rev()
+            .map(|((n, s, d), b)| {
+                let view = safetensors::tensor::TensorView::new(st(*d), s.to_vec(), b);
+                (*n, view.unwrap())
+            })
+            .collect();
+        let meta = std::collections::HashMap::from([("format".into(), "pt".into())]);
+        let want = safetensors::serialize(views, Some(meta)).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), want);
+        // One value too many is an error naming the file.
+        let mut w = SafetensorsWriter::create_typed(&path, &tensors).unwrap();
+        let e = w.write(&[values.concat(), vec![1.0]].concat()).unwrap_err();
+        assert!(e.to_string().contains("more values than the header"), "{e}");
     }
 
     /// The writer's file parses back with the `safetensors` crate, its

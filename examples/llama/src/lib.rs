@@ -5,7 +5,8 @@
 //! [`tensors`] (HF-Llama names and shapes). All GEMMs go through
 //! [`ops::matmul`] (the `gemm` crate). [`data`] is the addition task,
 //! [`train`] the engine glue, [`lora`] PEFT-style adapters, [`weights`]
-//! Hugging Face safetensors in and out, [`hf`] Hugging Face model
+//! Hugging Face safetensors in and out, [`export`] what an export writes
+//! (the fp32 master in the checkpoint's dtype), [`hf`] Hugging Face model
 //! directories (config, sharded weights, tokenizer and chat template) in
 //! and out, [`cuda`] the GPU kernels of the non-GEMM ops (launchers with the
 //! `cuda` feature).
@@ -14,6 +15,7 @@ pub mod block;
 pub mod cuda;
 pub mod data;
 pub mod device;
+pub mod export;
 pub mod hf;
 pub mod lora;
 pub mod ops;

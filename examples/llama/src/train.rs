@@ -80,6 +80,11 @@ pub struct SftModel {
     /// `(global step, micro-batch within it)` of the last micro-batch:
     /// the dropout keys.
     micro: Cell<(u64, u64)>,
+    /// With LoRA, the initialiser of every base (frozen) tensor, in
+    /// [`tensors`] order, as registered: where [`SftModel::export_tensors`]
+    /// reads their exact values (a checkpoint's file, or values in
+    /// memory, kept alive by this for the model's life).
+    frozen_init: Option<Vec<Init>>,
 }
 
 /// What one micro-batch did.
@@ -210,6 +215,7 @@ impl SftModel {
     ) -> Result<Self> {
         cfg.validate();
         let all = tensors(&cfg);
+        let frozen_init = lora.as_ref().and(init.clone());
         let mut values: Box<dyn Iterator<Item = Option<Init>>> = match init {
             Some(v) => {
                 assert_eq!(v.len(), all.len(), "one initialiser per tensor");
@@ -266,6 +272,7 @@ impl SftModel {
             threads,
             lora: lora.map(|l| (l.cfg, l.seed)),
             micro: Cell::new((u64::MAX, 0)),
+            frozen_init,
         })
     }
 
@@ -593,25 +600,113 @@ impl SftModel {
                     .iter()
                     .map(|t| st.params[state_range(lay, &t.name)].to_vec())
                     .collect();
-                // The adapters are trainable: their fp32 master, as
-                // `SftModel::snapshot_adapters` reads them.
-                let ad: Vec<&[f32]> = lora::lora_tensors(c, lc, l)
-                    .iter()
-                    .map(|t| &st.master[range(lay, &t.name)])
-                    .collect();
-                let mut pairs = ad.chunks_exact(2);
-                for (i, (name, _)) in TARGETS.iter().enumerate() {
-                    if !lc.targets(name) {
-                        continue;
-                    }
-                    let ab = pairs.next().expect("an A and a B per target");
-                    let (d_in, d_out) = lora::module_dims(c, name).expect("a TARGETS module");
-                    lora::merge(&mut base[i], ab[0], ab[1], d_in, d_out, lc.r, lc.scale());
-                }
+                self.fold_adapters(&mut base, lc, l, &st.master, lay);
                 Ok(base)
             }
             Part::Head => self.unit_tensors(e, self.head, &all[c.norm_index()..]),
         }
+    }
+
+    /// Folds layer `l`'s adapters into its base tensors `base`
+    /// ([`block_tensors`] order; [`lora::merge`], PEFT's
+    /// `merge_and_unload`): the adapters are trainable, their values the
+    /// fp32 master `master` of the layer's unit (layout `lay`), as
+    /// [`SftModel::snapshot_adapters`] reads them.
+    fn fold_adapters(
+        &self,
+        base: &mut [Vec<f32>],
+        lc: &LoraConfig,
+        l: usize,
+        master: &[f32],
+        lay: &UnitLayout,
+    ) {
+        let c = &self.cfg;
+        let ad: Vec<&[f32]> = lora::lora_tensors(c, lc, l)
+            .iter()
+            .map(|t| &master[range(lay, &t.name)])
+            .collect();
+        let mut pairs = ad.chunks_exact(2);
+        for (i, (name, _)) in TARGETS.iter().enumerate() {
+            if !lc.targets(name) {
+                continue;
+            }
+            let ab = pairs.next().expect("an A and a B per target");
+            let (d_in, d_out) = lora::module_dims(c, name).expect("a TARGETS module");
+            lora::merge(&mut base[i], ab[0], ab[1], d_in, d_out, lc.r, lc.scale());
+        }
+    }
+
+    /// The tensors of `part` ([`Part::range`] of [`tensors`], in that
+    /// order) as an export writes them: what the model is, not its
+    /// working copy. Read with [`Engine::unit_master`] (a collective in
+    /// stages 1–3: every rank asks for the same parts in the same order;
+    /// host memory: one unit's parameters and master):
+    ///
+    /// - a trainable tensor is its fp32 **master**, not the parameter of
+    ///   the training dtype (in a bf16 or fp16 run, the master rounded);
+    ///   the master starts as the initial values in f32, so with no step
+    ///   taken it is a checkpoint's values bit for bit, whatever their
+    ///   dtype (BF16 and F16 widen to F32 exactly);
+    /// - a frozen tensor (LoRA's base) is the value it was registered
+    ///   with: read again from its initialiser when that holds values
+    ///   (`Init::Source`, a checkpoint's file; `Init::Values`), so it is
+    ///   the checkpoint's value bit for bit in any training dtype; a
+    ///   computed initialiser (a built-in preset's random base) has no
+    ///   such value, and the engine's parameter is taken (in a bf16 or
+    ///   fp16 run, the rounded value the run trained with);
+    /// - with LoRA a block's adapters are folded into its base
+    ///   ([`lora::merge`] from their master, as
+    ///   [`SftModel::part_tensors`] does), the sum in f32.
+    ///
+    /// [`crate::export::write`] streams these to files.
+    pub fn export_tensors<C: EngineComm<B>, B: EngineBackend>(
+        &self,
+        e: &mut Engine<C, B>,
+        part: Part,
+    ) -> Result<Vec<Vec<f32>>> {
+        let c = &self.cfg;
+        let unit = match part {
+            Part::Embed => self.embed,
+            Part::Layer(l) => self.layers[l],
+            Part::Head => self.head,
+        };
+        let all = tensors(c);
+        let which = part.range(c);
+        let st = e.unit_master(unit)?;
+        let lay = e.layout(unit)?;
+        let mut out = Vec::with_capacity(which.len());
+        for i in which {
+            let t = &all[i];
+            let tl = lay.tensor(&t.name).expect("a registered tensor");
+            out.push(if tl.trainable {
+                st.master[tl.range()].to_vec()
+            } else {
+                self.frozen_values(i, &st.params[state_range(lay, &t.name)])?
+            });
+        }
+        if let (Part::Layer(l), Some((lc, _))) = (part, &self.lora) {
+            self.fold_adapters(&mut out, lc, l, &st.master, lay);
+        }
+        Ok(out)
+    }
+
+    /// Frozen tensor `i` of [`tensors`]: its registered initialiser's
+    /// values when it holds them, else `engine`, the engine's parameter
+    /// (see [`SftModel::export_tensors`]).
+    fn frozen_values(&self, i: usize, engine: &[f32]) -> Result<Vec<f32>> {
+        let init = self.frozen_init.as_ref().map(|v| &v[i]);
+        Ok(match init {
+            Some(Init::Source(src)) => {
+                let mut v = vec![0f32; engine.len()];
+                src.read(0..v.len(), &mut v)?;
+                v
+            }
+            Some(Init::Values(v)) => v.to_vec(),
+            Some(Init::Zeros) => vec![0.0; engine.len()],
+            Some(Init::Ones) => vec![1.0; engine.len()],
+            Some(Init::Constant(x)) => vec![*x; engine.len()],
+            _ => engine.to_vec(),
+        })
     }
 
     /// Tensors `infos` of unit `u`, read with [`Engine::unit_params`].

@@ -129,6 +129,98 @@ impl Dtype {
     }
 }
 
+impl Dtype {
+    /// The `safetensors` crate's order of dtypes in a file: the widest
+    /// first (F32, BF16, F16), then by name ([`file_order`]).
+    fn file_rank(self) -> u8 {
+        match self {
+            Dtype::F32 => 0,
+            Dtype::Bf16 => 1,
+            Dtype::F16 => 2,
+        }
+    }
+}
+
+/// The dtype each tensor of a written model takes: one for all, or one
+/// per tensor of [`tensors`]`(cfg)`, in that order (a checkpoint whose
+/// tensors differ in dtype, written back as it was).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TensorDtypes {
+    /// Every tensor in this dtype.
+    All(Dtype),
+    /// Tensor `i` of [`tensors`]`(cfg)` in element `i`.
+    Each(Vec<Dtype>),
+}
+
+impl From<Dtype> for TensorDtypes {
+    fn from(d: Dtype) -> Self {
+        TensorDtypes::All(d)
+    }
+}
+
+impl TensorDtypes {
+    /// The dtypes of the tensors of `files` (in [`tensors`] order): one
+    /// for all when they agree.
+    pub fn of_files(files: &[TensorFile]) -> Self {
+        Self::Each(files.iter().map(TensorFile::dtype).collect()).simplified()
+    }
+
+    /// [`TensorDtypes::All`] when every tensor has the same dtype.
+    pub fn simplified(self) -> Self {
+        match &self {
+            TensorDtypes::Each(v) if !v.is_empty() && v.iter().all(|&d| d == v[0]) => {
+                TensorDtypes::All(v[0])
+            }
+            _ => self,
+        }
+    }
+
+    /// The dtype of tensor `i`.
+    pub fn of(&self, i: usize) -> Dtype {
+        match self {
+            TensorDtypes::All(d) => *d,
+            TensorDtypes::Each(v) => v[i],
+        }
+    }
+
+    /// What `config.json`'s `torch_dtype` names: the one dtype, or F32
+    /// for a mix (the narrowest dtype that holds every tensor exactly:
+    /// BF16 and F16 do not hold each other, F32 holds both).
+    pub fn config_dtype(&self) -> Dtype {
+        match self.clone().simplified() {
+            TensorDtypes::All(d) => d,
+            TensorDtypes::Each(_) => Dtype::F32,
+        }
+    }
+
+    /// How many of `n` tensors take each dtype, the most common first.
+    pub fn counts(&self, n: usize) -> Vec<(Dtype, usize)> {
+        let mut out: Vec<(Dtype, usize)> = Vec::new();
+        for i in 0..n {
+            let d = self.of(i);
+            match out.iter_mut().find(|(e, _)| *e == d) {
+                Some((_, c)) => *c += 1,
+                None => out.push((d, 1)),
+            }
+        }
+        out.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.file_rank().cmp(&b.0.file_rank())));
+        out
+    }
+
+    /// An error naming `path` unless there is one dtype per tensor of `cfg`.
+    fn check(&self, path: &Path, cfg: &Config) -> Result<(), String> {
+        match self {
+            TensorDtypes::Each(v) if v.len() != tensors(cfg).len() => Err(format!(
+                "{}: {} dtypes given for the {} tensors of the model",
+                path.display(),
+                v.len(),
+                tensors(cfg).len()
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// [`load_with_report`], with a tensor the model does not use an error
 /// (naming it), except for derived buffers such as
 /// `rotary_emb.inv_freq` ([`is_derived_buffer`]).
@@ -612,6 +704,9 @@ pub fn in_memory<'a, P: AsRef<[f32]>>(
 /// [`save`], streamed: the values come from `fetch` one [`Part`] at a
 /// time and go straight to the file, so memory holds one part and its
 /// cast bytes, not the model. The file is the same, byte for byte.
+/// `dtypes`: one [`Dtype`] for all, or one per tensor
+/// ([`TensorDtypes`]); each value is rounded to nearest even into its
+/// tensor's dtype.
 ///
 /// With `write` false nothing is written: the parts are fetched all the
 /// same, in the same order. That is what the ranks of an engine that do
@@ -622,12 +717,14 @@ pub fn in_memory<'a, P: AsRef<[f32]>>(
 pub fn save_from(
     path: &Path,
     cfg: &Config,
-    dtype: Dtype,
+    dtypes: impl Into<TensorDtypes>,
     fetch: &mut FetchPart<'_>,
     write: bool,
 ) -> Result<(), String> {
+    let dtypes = dtypes.into();
+    dtypes.check(path, cfg)?;
     let all: Vec<usize> = (0..tensors(cfg).len()).collect();
-    stream_files(cfg, &[(path.to_path_buf(), all)], dtype, fetch, write)
+    stream_files(cfg, &[(path.to_path_buf(), all)], &dtypes, fetch, write)
 }
 
 /// Writes tensors `infos` (names and shapes) with values `params` to
@@ -651,8 +748,9 @@ pub fn save_named<P: AsRef<[f32]>>(
             ));
         }
     }
-    let order = file_order(infos, (0..infos.len()).collect());
-    let mut w = create(path, infos, &order, dtype)?;
+    let dtypes = TensorDtypes::All(dtype);
+    let order = file_order(infos, (0..infos.len()).collect(), &dtypes);
+    let mut w = create(path, infos, &order, &dtypes)?;
     for &i in &order {
         w.write(params[i].as_ref()).map_err(st_err)?;
     }
@@ -690,23 +788,26 @@ pub fn save_sharded<P: AsRef<[f32]>>(
 }
 
 /// [`save_sharded`], streamed as [`save_from`] is (`write` false: fetch
-/// only, and return no names). A part whose tensors fall in two files is
-/// fetched once for each.
+/// only, and return no names), with one dtype or one per tensor
+/// ([`TensorDtypes`]). A part whose tensors fall in two files is fetched
+/// once for each.
 pub fn save_sharded_from(
     dir: &Path,
     cfg: &Config,
-    dtype: Dtype,
+    dtypes: impl Into<TensorDtypes>,
     max_shard_bytes: u64,
     fetch: &mut FetchPart<'_>,
     write: bool,
 ) -> Result<Vec<String>, String> {
+    let dtypes = dtypes.into();
+    dtypes.check(dir, cfg)?;
     let infos = tensors(cfg);
-    let bytes = |i: usize| (infos[i].numel() * dtype.size()) as u64;
+    let bytes = |i: usize| (infos[i].numel() * dtypes.of(i).size()) as u64;
     let total: u64 = (0..infos.len()).map(bytes).sum();
     if total <= max_shard_bytes {
         let name = "model.safetensors".to_string();
         let all: Vec<usize> = (0..infos.len()).collect();
-        stream_files(cfg, &[(dir.join(&name), all)], dtype, fetch, write)?;
+        stream_files(cfg, &[(dir.join(&name), all)], &dtypes, fetch, write)?;
         return Ok(if write { vec![name] } else { Vec::new() });
     }
     let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
@@ -736,7 +837,7 @@ pub fn save_sharded_from(
         .map(|name| dir.join(name))
         .zip(shards)
         .collect();
-    stream_files(cfg, &files, dtype, fetch, write)?;
+    stream_files(cfg, &files, &dtypes, fetch, write)?;
     if !write {
         return Ok(Vec::new());
     }
@@ -780,12 +881,19 @@ pub(crate) fn checked_infos<P: AsRef<[f32]>>(
     Ok(infos)
 }
 
-/// Tensors `which` of `infos` in the order a safetensors file holds them:
-/// by name (the `safetensors` crate's and `safetensors.torch.save_file`'s
-/// order for tensors of one dtype), so that the files are what they were
-/// when `safetensors::serialize_to_file` wrote them.
-fn file_order(infos: &[super::TensorInfo], mut which: Vec<usize>) -> Vec<usize> {
-    which.sort_by(|&a, &b| infos[a].name.cmp(&infos[b].name));
+/// Tensors `which` of `infos` in the order a safetensors file holds them
+/// as `dtypes`: by dtype, the widest first, then by name (the `safetensors`
+/// crate's and `safetensors.torch.save_file`'s order; by name alone for
+/// tensors of one dtype), so that the files are what they were when
+/// `safetensors::serialize_to_file` wrote them.
+fn file_order(
+    infos: &[super::TensorInfo],
+    mut which: Vec<usize>,
+    dtypes: &TensorDtypes,
+) -> Vec<usize> {
+    which.sort_by(|&a, &b| {
+        (dtypes.of(a).file_rank(), &infos[a].name).cmp(&(dtypes.of(b).file_rank(), &infos[b].name))
+    });
     which
 }
 
@@ -797,20 +905,26 @@ fn st_err(e: zero::Error) -> String {
     }
 }
 
-/// Creates the file `path` of tensors `order` of `infos` (in that order)
-/// as `dtype`: zero's streaming writer ([`SafetensorsWriter`]), header
-/// written.
+/// Creates the file `path` of tensors `order` of `infos` (in that order),
+/// each in its dtype of `dtypes`: zero's streaming writer
+/// ([`SafetensorsWriter`]), header written.
 fn create(
     path: &Path,
     infos: &[super::TensorInfo],
     order: &[usize],
-    dtype: Dtype,
+    dtypes: &TensorDtypes,
 ) -> Result<SafetensorsWriter, String> {
-    let named: Vec<(&str, &[usize])> = order
+    let named: Vec<(&str, &[usize], ExportDtype)> = order
         .iter()
-        .map(|&i| (infos[i].name.as_str(), &infos[i].shape[..]))
+        .map(|&i| {
+            (
+                infos[i].name.as_str(),
+                &infos[i].shape[..],
+                dtypes.of(i).export(),
+            )
+        })
         .collect();
-    SafetensorsWriter::create_tensors(path, &named, dtype.export()).map_err(st_err)
+    SafetensorsWriter::create_typed(path, &named).map_err(st_err)
 }
 
 /// Writes each file of `files` (its path and its tensors, positions in
@@ -825,7 +939,7 @@ fn create(
 fn stream_files(
     cfg: &Config,
     files: &[(PathBuf, Vec<usize>)],
-    dtype: Dtype,
+    dtypes: &TensorDtypes,
     fetch: &mut FetchPart<'_>,
     write: bool,
 ) -> Result<(), String> {
@@ -833,10 +947,10 @@ fn stream_files(
     // The first failed write; the fetches go on after it.
     let mut failed: Option<String> = None;
     for (path, which) in files {
-        let order = file_order(&infos, which.clone());
+        let order = file_order(&infos, which.clone(), dtypes);
         let mut out = None;
         if write && failed.is_none() {
-            match create(path, &infos, &order, dtype) {
+            match create(path, &infos, &order, dtypes) {
                 Ok(w) => out = Some(w),
                 Err(e) => {
                     failed.get_or_insert(e);

@@ -209,7 +209,7 @@ fn export_rank<T: Element, C: Communicator>(
             weights::save_from(&path, &model_cfg, dtype, &mut fetch, rank == 0).map_err(usage)?;
         } else {
             let out = Export {
-                dtype,
+                dtypes: dtype.into(),
                 source: None,
                 bos_eos: (Some(data::BOS), Some(data::EOS)),
                 max_shard_bytes: shard,

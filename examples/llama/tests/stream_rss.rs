@@ -5,8 +5,8 @@
 //! (`VmHWM`) by no more than the engine's plan plus slack, far below the
 //! model's f32 size, which reading the weights (`weights::load`, what
 //! `Init::Values` needs) adds on its own. Out: `llama_sft --export`
-//! (`hf::export_from` over `SftModel::part_tensors`) holds a few units,
-//! not the model.
+//! (`hf::export_from` over `SftModel::export_tensors`: the parameters and
+//! fp32 master of one unit at a time) holds a few units, not the model.
 //!
 //! Its own test binary, its tests one at a time ([`SERIAL`]): `VmHWM` is
 //! the peak of the whole process.
@@ -220,7 +220,7 @@ fn an_engine_streams_its_weights_from_the_file() {
 /// `llama_sft --export` holds one unit, not the model: exporting a Llama
 /// of 55.6 M parameters (212 MiB as f32) from an engine at stage 3 with
 /// the optimizer state and the parameters on nvme to a Hugging Face
-/// directory ([`hf::export_from`] over [`SftModel::part_tensors`]) grows
+/// directory ([`hf::export_from`] over [`SftModel::export_tensors`]) grows
 /// the peak RSS by a few units' values, far below the model's f32 size,
 /// which reading the model whole ([`SftModel::snapshot`], what the export
 /// held before) adds on its own.
@@ -247,7 +247,7 @@ fn an_export_streams_the_model_unit_by_unit() {
 
         let base = reset_peak();
         let export = Export {
-            dtype: Dtype::Bf16,
+            dtypes: Dtype::Bf16.into(),
             source: None,
             bos_eos: (None, None),
             max_shard_bytes: hf::DEFAULT_SHARD_BYTES,
@@ -255,7 +255,7 @@ fn an_export_streams_the_model_unit_by_unit() {
         hf::export_from(
             &out,
             &model,
-            &mut |part| m.part_tensors(&mut e, part).map_err(|e| e.to_string()),
+            &mut |part| m.export_tensors(&mut e, part).map_err(|e| e.to_string()),
             export,
             true,
         )

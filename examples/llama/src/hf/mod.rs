@@ -19,7 +19,9 @@
 //!
 //! [`export`] writes a directory that `transformers` loads as it is:
 //! `config.json` (the source's, with `dtype` / `torch_dtype` set to the written dtype,
-//! or one made from the [`Config`]), `generation_config.json` (the
+//! or one made from the [`Config`]; tensors of several dtypes, as a
+//! checkpoint of mixed dtypes is written back, are named `float32`, the
+//! narrowest dtype that holds them all: [`TensorDtypes::config_dtype`]), `generation_config.json` (the
 //! source's, or BOS/EOS), the weights ([`weights::save_sharded`]) and the
 //! source's tokenizer files.
 
@@ -31,7 +33,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::weights::{self, Dtype, SafetensorsFile, TensorFile, INDEX_FILE};
+use super::weights::{self, Dtype, SafetensorsFile, TensorDtypes, TensorFile, INDEX_FILE};
 use super::{tensors, Config};
 pub use config::{HfConfig, ModelType};
 pub use tokenizer::HfTokenizer;
@@ -283,7 +285,7 @@ pub fn export<P: AsRef<[f32]>>(
 ) -> Result<Vec<String>, String> {
     weights::checked_infos(dir, cfg, params)?;
     let out = Export {
-        dtype,
+        dtypes: dtype.into(),
         source,
         bos_eos,
         max_shard_bytes,
@@ -293,8 +295,10 @@ pub fn export<P: AsRef<[f32]>>(
 
 /// How [`export_from`] writes a directory.
 pub struct Export<'a> {
-    /// The weights' dtype (`config.json`'s `dtype` / `torch_dtype`).
-    pub dtype: Dtype,
+    /// The weights' dtypes, one for all or one per tensor
+    /// (`config.json`'s `dtype` / `torch_dtype`:
+    /// [`TensorDtypes::config_dtype`]).
+    pub dtypes: TensorDtypes,
     /// The directory the model came from, if any.
     pub source: Option<ExportSource<'a>>,
     /// BOS and EOS for a made config (no source).
@@ -316,28 +320,23 @@ pub fn export_from(
     write: bool,
 ) -> Result<Vec<String>, String> {
     let Export {
-        dtype,
+        dtypes,
         source,
         bos_eos,
         max_shard_bytes,
     } = out;
     if !write {
-        return weights::save_sharded_from(dir, cfg, dtype, max_shard_bytes, fetch, false);
+        return weights::save_sharded_from(dir, cfg, dtypes, max_shard_bytes, fetch, false);
     }
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: cannot create: {e}", dir.display()))?;
-    let mut written = weights::save_sharded_from(dir, cfg, dtype, max_shard_bytes, fetch, true)?;
+    let dtype = dtypes.config_dtype();
+    let mut written = weights::save_sharded_from(dir, cfg, dtypes, max_shard_bytes, fetch, true)?;
     let json = |v: &Value| serde_json::to_string_pretty(v).expect("JSON value") + "\n";
     let config = match &source {
         Some(s) => {
             let mut raw = s.hf.raw.clone();
             if let Some(o) = raw.as_object_mut() {
-                // transformers 5 writes `dtype`, 4 `torch_dtype`.
-                let key = if o.contains_key("dtype") {
-                    "dtype"
-                } else {
-                    "torch_dtype"
-                };
-                o.insert(key.into(), dtype.torch_name().into());
+                set_dtype(o, dtype);
             }
             raw
         }
@@ -380,6 +379,22 @@ pub fn export_from(
     }
     written.sort();
     Ok(written)
+}
+
+/// Names `dtype` in a `config.json` object: transformers 5 writes
+/// `dtype`, 4 `torch_dtype`; each key present is set, and `torch_dtype`
+/// is added when neither is.
+pub fn set_dtype(config: &mut serde_json::Map<String, Value>, dtype: Dtype) {
+    let mut set = false;
+    for key in ["dtype", "torch_dtype"] {
+        if let Some(v) = config.get_mut(key) {
+            *v = dtype.torch_name().into();
+            set = true;
+        }
+    }
+    if !set {
+        config.insert("torch_dtype".into(), dtype.torch_name().into());
+    }
 }
 
 /// Copies `from` to `to` atomically.
