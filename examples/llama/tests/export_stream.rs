@@ -195,10 +195,16 @@ fn export_rank<T: Element, C: Communicator>(
         &zero::Tracer::disabled(),
     )?;
     e.step()?;
-    // The export reads parameters alone: those of the full state.
+    // The export reads parameters alone, or with the master: those of
+    // the full state, without the moments.
     for u in e.unit_ids() {
         let params = e.unit_params(u)?;
-        assert_eq!(params, e.unit_state(u)?.params, "unit {u:?}");
+        let full = e.unit_state(u)?;
+        assert_eq!(params, full.params, "unit {u:?}");
+        let master = e.unit_master(u)?;
+        assert_eq!(master.params, full.params, "unit {u:?}");
+        assert_eq!(master.master, full.master, "unit {u:?}");
+        assert!(master.m.is_empty() && master.v.is_empty(), "unit {u:?}");
     }
 
     let usage = |what: String| zero::Error::Usage { rank, what };
