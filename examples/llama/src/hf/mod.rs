@@ -18,10 +18,11 @@
 //! # Out
 //!
 //! [`export`] writes a directory that `transformers` loads as it is:
-//! `config.json` (the source's, with `dtype` / `torch_dtype` set to the written dtype,
-//! or one made from the [`Config`]; tensors of several dtypes, as a
-//! checkpoint of mixed dtypes is written back, are named `float32`, the
-//! narrowest dtype that holds them all: [`TensorDtypes::config_dtype`]), `generation_config.json` (the
+//! `config.json` (the source's, with `dtype` / `torch_dtype` set to the
+//! written dtype, or one made from the [`Config`]; tensors of several
+//! dtypes, as a checkpoint of mixed dtypes is written back, are named
+//! `float32`, the narrowest dtype that holds them all:
+//! [`TensorDtypes::config_dtype`]), `generation_config.json` (the
 //! source's, or BOS/EOS), the weights ([`weights::save_sharded`]) and the
 //! source's tokenizer files.
 
