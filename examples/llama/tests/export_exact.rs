@@ -4,7 +4,9 @@
 //! checkpoint's own dtype, tensor by tensor. Driven as `llama_sft
 //! --model-dir` drives it: the weights streamed into the engine from the
 //! fixture's files (`Init::Source`), stage 3 on 2 thread ranks, bf16 (its
-//! default) or fp16 parameters, rank 0 writing what
+//! default) or fp16 parameters (the `--steps 0` checks also with the
+//! optimizer state and parameters offloaded to host memory), rank 0
+//! writing what
 //! [`SftModel::export_tensors`] reads.
 //!
 //! - `--steps 0`: an F32 (fixtures/llama), a BF16 (fixtures/qwen2,
@@ -15,10 +17,11 @@
 //!   bit for bit (not the bf16 working copy, which differs), and
 //!   `--export-dtype bf16` / `fp16` are the master rounded to nearest
 //!   even.
-//! - `--merge-lora` of an F32 base after bf16 training: every base tensor
-//!   the adapters do not touch is the checkpoint's, byte for byte; the
-//!   targeted ones are `W + s·B·A` of the checkpoint's `W` and the
-//!   adapters' master, as [`merge_adapters`] computes it, bit for bit.
+//! - `--merge-lora` after bf16 training: every base tensor the adapters
+//!   do not touch is the checkpoint's, byte for byte; the targeted ones
+//!   are `W + s·B·A` of the checkpoint's `W` and the adapters' master, as
+//!   [`merge_adapters`] computes it, bit for bit for an F32 base, rounded
+//!   to nearest even for a BF16 one.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -27,7 +30,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 use zero::comm::{Communicator, ThreadGroup};
-use zero::core::config::{Precision, ResolvedConfig};
+use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::optim::LrSchedule;
 use zero::core::{bf16, f16};
 use zero::{Engine, Init, Tracer};
@@ -164,11 +167,31 @@ fn converted_llama(tag: &str, dtype: impl Fn(&str) -> Dtype, config: &str) -> Te
     t
 }
 
-/// The engine config of a `llama_sft` run: stage 3, `precision`, a
-/// constant learning rate large enough to move the weights in a step.
-fn engine_config(precision: Precision, micro: usize) -> ResolvedConfig {
+/// How a run keeps its state.
+#[derive(Clone, Copy, Debug)]
+struct Mode {
+    precision: Precision,
+    /// The optimizer state and the parameters offloaded to host memory.
+    offload: bool,
+}
+
+/// bf16 or fp16 parameters, nothing offloaded.
+fn plain(precision: Precision) -> Mode {
+    Mode {
+        precision,
+        offload: false,
+    }
+}
+
+/// The engine config of a `llama_sft` run: stage 3, `mode`, a constant
+/// learning rate large enough to move the weights in a step.
+fn engine_config(mode: Mode, micro: usize) -> ResolvedConfig {
     let mut c = ResolvedConfig::simple(3, 2, micro);
-    c.precision = precision;
+    c.precision = mode.precision;
+    if mode.offload {
+        c.zero.offload_optimizer.device = OffloadDevice::Cpu;
+        c.zero.offload_param.device = OffloadDevice::Cpu;
+    }
     c.optimizer.lr = 1e-2;
     c.optimizer.weight_decay = 0.0;
     c.scheduler = LrSchedule::Constant { lr: 1e-2 };
@@ -191,7 +214,7 @@ struct Seen {
 /// as `llama_sft` writes it. Returns rank 0's [`Seen`] after training.
 fn run(
     dir: &Path,
-    precision: Precision,
+    mode: Mode,
     lora: Option<LoraConfig>,
     steps: usize,
     exports: &[(PathBuf, Option<Dtype>)],
@@ -227,7 +250,7 @@ fn run(
                 seed: 5,
                 adapters: None,
             });
-            let mut b = Engine::builder(engine_config(precision, micro), comm).seed(1);
+            let mut b = Engine::builder(engine_config(mode, micro), comm).seed(1);
             let model = SftModel::register_from(&mut b, cfg, Some(init), setup, 1, false)?;
             let mut e = b.build()?;
             let mine: Vec<&llama::data::Sample> =
@@ -236,7 +259,7 @@ fn run(
                 llama::data::make_batch_with_pad(&mine, seq, tok.pad_id()).unwrap();
             for _ in 0..steps {
                 let t = Tracer::disabled();
-                match precision {
+                match mode.precision {
                     Precision::Bf16 => model
                         .train_micro_batch::<bf16, _>(&mut e, &tokens, &targets, micro, seq, &t)?,
                     Precision::Fp16 => model
@@ -339,18 +362,25 @@ fn steps_0_gives_back_every_checkpoint_bit_for_bit() {
         ("F32/BF16", &mixed.0, "float32"),
     ];
     for (what, src, torch) in cases {
-        for precision in [Precision::Bf16, Precision::Fp16] {
+        for mode in [
+            plain(Precision::Bf16),
+            plain(Precision::Fp16),
+            Mode {
+                precision: Precision::Bf16,
+                offload: true,
+            },
+        ] {
             let out = TempDir::new("steps0");
             let dir = out.0.join("hf");
             let file = out.0.join("w.safetensors");
             run(
                 src,
-                precision,
+                mode,
                 None,
                 0,
                 &[(dir.clone(), None), (file.clone(), None)],
             );
-            let what = format!("{what} under {precision:?}");
+            let what = format!("{what} under {mode:?}");
             assert_same_tensors(&what, src, &dir);
             for d in config_dtypes(&dir) {
                 assert_eq!(d, torch, "{what}: config.json");
@@ -365,7 +395,7 @@ fn steps_0_gives_back_every_checkpoint_bit_for_bit() {
     let out = TempDir::new("llama-bytes");
     run(
         &fixture("llama"),
-        Precision::Bf16,
+        plain(Precision::Bf16),
         None,
         0,
         &[(out.0.clone(), None)],
@@ -413,7 +443,7 @@ fn bf16_training_exports_the_master() {
     let (f32_dir, bf16_dir, f16_dir) = (out.0.join("f32"), out.0.join("bf16"), out.0.join("f16"));
     let seen = run(
         &fixture("llama"),
-        Precision::Bf16,
+        plain(Precision::Bf16),
         None,
         3,
         &[
@@ -474,57 +504,78 @@ fn bf16_training_exports_the_master() {
     }
 }
 
-/// `--merge-lora` after bf16 training of adapters on an F32 base: the
-/// base tensors the adapters do not touch are the checkpoint's, byte
-/// for byte (the engine holds them as bf16); the targeted ones are the
+/// `--merge-lora` after bf16 training of adapters, the default export:
+/// every base tensor the adapters do not touch is the checkpoint's, byte
+/// for byte (the engine holds it as bf16); the targeted ones are the
 /// checkpoint's `W` plus `s·B·A` of the adapters' master, as
-/// [`merge_adapters`] computes it in f32, bit for bit.
+/// [`merge_adapters`] computes it in f32: bit for bit for an F32 base
+/// (fixtures/llama), rounded to nearest even for a BF16 one
+/// (fixtures/qwen2: biases, tied embeddings).
 #[test]
-fn merged_lora_export_of_an_f32_base_is_exact() {
-    let src = fixture("llama");
-    let lc = LoraConfig::new(4, 8.0, 0.0, &["q_proj", "v_proj"]).unwrap();
-    let out = TempDir::new("merged");
-    let seen = run(
-        &src,
-        Precision::Bf16,
-        Some(lc.clone()),
-        3,
-        &[(out.0.clone(), None)],
-    );
-    assert!(seen.master.is_empty(), "the base is frozen");
-    let cfg: Config = HfDir::open(&src).unwrap().hf.config;
-    let original = raw_tensors(&src);
-    let names: Vec<String> = tensors(&cfg).into_iter().map(|t| t.name).collect();
-    let mut expect: Vec<Vec<f32>> = names
-        .iter()
-        .map(|n| read_tensor(&src, n, &original))
-        .collect();
-    let base = expect.clone();
-    merge_adapters(&cfg, &lc, &mut expect, &seen.adapters);
-    let got = raw_tensors(&out.0);
-    let mut merged = 0;
-    for (i, n) in names.iter().enumerate() {
-        assert_eq!(got[n].0, safetensors::Dtype::F32, "{n}");
-        let v = read_tensor(&out.0, n, &got);
-        assert!(
-            v.iter()
-                .zip(&expect[i])
-                .all(|(x, y)| x.to_bits() == y.to_bits()),
-            "{n}: not the checkpoint's base with the adapters merged"
+fn merged_lora_export_is_the_checkpoint_plus_the_adapters() {
+    for (name, dtype) in [
+        ("llama", safetensors::Dtype::F32),
+        ("qwen2", safetensors::Dtype::BF16),
+    ] {
+        let src = fixture(name);
+        let lc = LoraConfig::new(4, 8.0, 0.0, &["q_proj", "v_proj"]).unwrap();
+        let out = TempDir::new("merged");
+        let seen = run(
+            &src,
+            plain(Precision::Bf16),
+            Some(lc.clone()),
+            3,
+            &[(out.0.clone(), None)],
         );
-        if expect[i] == base[i] {
-            assert!(got[n].1 == original[n].1, "{n}: not the checkpoint's bytes");
-        } else {
-            merged += 1;
-        }
-        // The bf16 copy the engine trained with is not the base.
-        let rounded: Vec<f32> = base[i]
+        assert!(seen.master.is_empty(), "{name}: the base is frozen");
+        let cfg: Config = HfDir::open(&src).unwrap().hf.config;
+        let original = raw_tensors(&src);
+        let names: Vec<String> = tensors(&cfg).into_iter().map(|t| t.name).collect();
+        let mut expect: Vec<Vec<f32>> = names
             .iter()
-            .map(|&x| half::bf16::from_f32(x).to_f32())
+            .map(|n| read_tensor(&src, n, &original))
             .collect();
-        if n.ends_with("proj.weight") {
-            assert_ne!(rounded, base[i], "{n}: the base is bf16 already");
+        let base = expect.clone();
+        merge_adapters(&cfg, &lc, &mut expect, &seen.adapters);
+        let got = raw_tensors(&out.0);
+        let mut merged = 0;
+        for (i, n) in names.iter().enumerate() {
+            assert_eq!(got[n].0, dtype, "{name}: {n}");
+            if expect[i] == base[i] {
+                assert!(
+                    got[n].1 == original[n].1,
+                    "{name}: {n}: not the checkpoint's bytes"
+                );
+                continue;
+            }
+            merged += 1;
+            let want: Vec<u8> = if dtype == safetensors::Dtype::F32 {
+                expect[i].iter().flat_map(|x| x.to_le_bytes()).collect()
+            } else {
+                expect[i]
+                    .iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect()
+            };
+            assert!(
+                got[n].1 == want,
+                "{name}: {n}: not the checkpoint's base with the adapters merged"
+            );
+        }
+        assert_eq!(
+            merged,
+            2 * cfg.n_layers,
+            "{name}: q_proj and v_proj of every layer"
+        );
+        if dtype == safetensors::Dtype::F32 {
+            // The bf16 copy the engine trained with is not the base: an
+            // export of it would fail above.
+            let q = &base[cfg.layer_range(0).start];
+            let rounded: Vec<f32> = q
+                .iter()
+                .map(|&x| half::bf16::from_f32(x).to_f32())
+                .collect();
+            assert_ne!(&rounded, q, "{name}: the base is bf16 already");
         }
     }
-    assert_eq!(merged, 2 * cfg.n_layers, "q_proj and v_proj of every layer");
 }
