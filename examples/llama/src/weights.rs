@@ -1050,3 +1050,39 @@ fn rename_into_place(tmp: &Path, path: &Path) -> Result<(), String> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One dtype per tensor or one for all; F32 names a mix in
+    /// `config.json`; the file order is the `safetensors` crate's (F32,
+    /// BF16, F16, each by name).
+    #[test]
+    fn tensor_dtypes_count_name_and_order() {
+        let each = TensorDtypes::Each(vec![Dtype::Bf16, Dtype::F16, Dtype::F32, Dtype::Bf16]);
+        assert_eq!(each.of(1), Dtype::F16);
+        assert_eq!(each.config_dtype(), Dtype::F32);
+        assert_eq!(
+            each.counts(4),
+            [(Dtype::Bf16, 2), (Dtype::F32, 1), (Dtype::F16, 1)]
+        );
+        let same = TensorDtypes::Each(vec![Dtype::F16; 3]).simplified();
+        assert_eq!(same, TensorDtypes::All(Dtype::F16));
+        assert_eq!(same.config_dtype(), Dtype::F16);
+        let info = |n: &str| super::super::TensorInfo {
+            name: n.into(),
+            shape: vec![1],
+            kind: super::super::Kind::Norm,
+        };
+        let infos = [info("d"), info("c"), info("b"), info("a")];
+        assert_eq!(file_order(&infos, vec![0, 1, 2, 3], &each), [2, 3, 0, 1]);
+        assert_eq!(
+            file_order(&infos, vec![0, 1, 2, 3], &TensorDtypes::All(Dtype::Bf16)),
+            [3, 2, 1, 0]
+        );
+        let cfg = Config::tiny();
+        let e = each.check(Path::new("x"), &cfg).unwrap_err();
+        assert!(e.contains("4 dtypes given for the"), "{e}");
+    }
+}

@@ -403,3 +403,36 @@ fn copy(from: &Path, to: &Path) -> Result<(), String> {
     let bytes = std::fs::read(from).map_err(|e| format!("{}: cannot read: {e}", from.display()))?;
     weights::write_atomic(to, &bytes)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each of `dtype` / `torch_dtype` present is set; `torch_dtype` is
+    /// added when neither is.
+    #[test]
+    fn set_dtype_names_the_written_dtype_under_every_key() {
+        let obj = |v: Value| v.as_object().unwrap().clone();
+        let mut both = obj(serde_json::json!({"dtype": "float32", "torch_dtype": "float32"}));
+        set_dtype(&mut both, Dtype::Bf16);
+        assert_eq!(
+            Value::Object(both),
+            serde_json::json!({"dtype": "bfloat16", "torch_dtype": "bfloat16"})
+        );
+        let mut old = obj(serde_json::json!({"torch_dtype": "bfloat16", "x": 1}));
+        set_dtype(&mut old, Dtype::F32);
+        assert_eq!(
+            Value::Object(old),
+            serde_json::json!({"torch_dtype": "float32", "x": 1})
+        );
+        let mut new = obj(serde_json::json!({"dtype": "bfloat16"}));
+        set_dtype(&mut new, Dtype::F16);
+        assert_eq!(Value::Object(new), serde_json::json!({"dtype": "float16"}));
+        let mut none = obj(serde_json::json!({}));
+        set_dtype(&mut none, Dtype::F32);
+        assert_eq!(
+            Value::Object(none),
+            serde_json::json!({"torch_dtype": "float32"})
+        );
+    }
+}
