@@ -46,6 +46,7 @@ use llama::data::{self, Sample, Task};
 use llama::device::{DeviceModel, Trainer};
 use llama::hf::{ExportSource, HfDir, HfTokenizer};
 use llama::lora::LoraConfig;
+use llama::recipe::{LossWatch, Recipe};
 use llama::train::{
     forward_flops, generate_from, measure_gemm_peak, EngineSource, LoraSetup, SftModel,
 };
@@ -184,9 +185,13 @@ struct Args {
     /// Tokens per sequence. Default: the longest training sample.
     #[arg(long)]
     seq_len: Option<usize>,
-    /// Peak learning rate (warmup, then cosine decay to 10%). Default 3e-3.
+    /// Peak learning rate (warmup, then cosine decay). Default 3e-3 (5% warmup, decay to 10%);
+    /// with --model-dir 1e-4 for LoRA and 1e-5 for a full fine-tune (3% warmup, decay to 0).
     #[arg(long)]
     lr: Option<f64>,
+    /// AdamW's decoupled weight decay. Default 0; with --model-dir 0.1.
+    #[arg(long)]
+    weight_decay: Option<f64>,
     /// Micro-batches per optimizer step (gradient_accumulation_steps). Default 1.
     #[arg(long, value_parser = positive)]
     grad_accum: Option<usize>,
@@ -296,9 +301,19 @@ fn positive_f64(v: &str) -> Result<f64, String> {
 
 const DEFAULT_STAGE: u8 = 3;
 const DEFAULT_BATCH: usize = 16;
-const DEFAULT_LR: f64 = 3e-3;
 
 impl Args {
+    /// The optimizer recipe: the pretrained one with --model-dir, the
+    /// presets' otherwise; --lr and --weight-decay win.
+    fn recipe(&self) -> Recipe {
+        Recipe::choose(
+            self.model_dir.is_some(),
+            self.lora.is_some() || self.adapter.is_some(),
+            self.lr,
+            self.weight_decay,
+        )
+    }
+
     fn model_config(&self, seq: usize) -> Result<Config, String> {
         let mut c = match self.model {
             Preset::Tiny => Config::tiny(),
@@ -364,8 +379,10 @@ fn engine_config(
     total_steps: usize,
     hidden: usize,
 ) -> Result<ResolvedConfig, String> {
-    let lr = a.lr.unwrap_or(DEFAULT_LR);
-    let warmup = (total_steps / 20).max(1) as u64;
+    let recipe = a.recipe();
+    let lr = recipe.lr;
+    let warmup = recipe.warmup_steps(total_steps);
+    let cosine = |lr| cosine(lr, warmup, total_steps, recipe.cos_min_ratio);
     let dtype = a.dtype.unwrap_or(Dtype::Bf16);
     let mut c = if let Some(path) = &a.config {
         let p = path.display();
@@ -385,7 +402,7 @@ fn engine_config(
             lr: Some(lr),
             betas: Some((0.9, 0.95)),
             eps: Some(1e-8),
-            weight_decay: Some(0.0),
+            weight_decay: Some(recipe.weight_decay),
             warmup_min_lr: Some(0.0),
             warmup_max_lr: Some(lr),
             warmup_num_steps: Some(warmup),
@@ -400,9 +417,9 @@ fn engine_config(
         c.precision = Precision::Bf16;
         c.optimizer.lr = lr;
         c.optimizer.beta2 = 0.95;
-        c.optimizer.weight_decay = 0.0;
+        c.optimizer.weight_decay = recipe.weight_decay;
         c.gradient_clipping = 1.0;
-        c.scheduler = cosine(lr, warmup, total_steps);
+        c.scheduler = cosine(lr);
         c
     };
     // Flags given on the command line win over the file.
@@ -436,7 +453,10 @@ fn engine_config(
     }
     if a.lr.is_some() && a.config.is_some() {
         c.optimizer.lr = lr;
-        c.scheduler = cosine(lr, warmup, total_steps);
+        c.scheduler = cosine(lr);
+    }
+    if let Some(wd) = a.weight_decay {
+        c.optimizer.weight_decay = wd;
     }
     let nvme = || a.nvme_path.clone().unwrap_or_else(default_nvme_dir);
     if let Some(d) = a.offload {
@@ -469,15 +489,60 @@ fn default_nvme_dir() -> PathBuf {
     std::env::temp_dir().join(format!("zero-llama-sft-{}", std::process::id()))
 }
 
-fn cosine(lr: f64, warmup: u64, total: usize) -> LrSchedule {
+/// DeepSpeed's `WarmupCosineLR`: linear warmup from 0 to `lr` over
+/// `warmup` steps, then cosine decay to `cos_min_ratio * lr` at `total`.
+fn cosine(lr: f64, warmup: u64, total: usize, cos_min_ratio: f64) -> LrSchedule {
     LrSchedule::WarmupCosineLr {
         base_lr: lr,
         total_steps: total as u64,
         warmup_min_ratio: 0.0,
         warmup_steps: warmup,
-        cos_min_ratio: 0.1,
+        cos_min_ratio,
         warmup_type: WarmupType::Linear,
     }
+}
+
+/// The optimizer line of the report: learning rate, weight decay and
+/// schedule as the engine runs them, and where the rate and decay came
+/// from (a flag, the --config file, or `r`'s defaults).
+fn describe_optimizer(c: &ResolvedConfig, r: &Recipe, steps: usize) -> String {
+    use llama::recipe::Origin;
+    let whence = |origin: Origin, value: f64, default: f64, flag: &str| match origin {
+        Origin::Flag => flag.to_string(),
+        Origin::Default if value == default => "default".to_string(),
+        Origin::Default => "--config".to_string(),
+    };
+    let o = &c.optimizer;
+    let schedule = match c.scheduler {
+        LrSchedule::Constant { .. } => "constant".to_string(),
+        LrSchedule::WarmupLr { warmup_steps, .. } => {
+            format!("WarmupLR ({warmup_steps} warmup steps, then constant)")
+        }
+        LrSchedule::WarmupDecayLr {
+            warmup_steps,
+            total_steps,
+            ..
+        } => format!("WarmupDecayLR ({warmup_steps} warmup steps, linear decay to step {total_steps})"),
+        LrSchedule::WarmupCosineLr {
+            warmup_steps,
+            cos_min_ratio,
+            total_steps,
+            ..
+        } => format!(
+            "WarmupCosineLR ({warmup_steps} warmup steps, cosine decay to {}% of lr at step \
+             {total_steps})",
+            100.0 * cos_min_ratio
+        ),
+    };
+    format!(
+        "optimizer: AdamW, lr {:e} ({}), weight decay {} ({}), {schedule}, {steps} steps \
+         (the defaults are those for {})",
+        o.lr,
+        whence(r.lr_origin, o.lr, r.lr, "--lr"),
+        o.weight_decay,
+        whence(r.weight_decay_origin, o.weight_decay, r.weight_decay, "--weight-decay"),
+        r.label,
+    )
 }
 
 /// Everything `run` needs that does not depend on the rank.
@@ -625,7 +690,8 @@ fn run<T: Element, C: Communicator>(
     let micro = cfg.micro_batch_size;
     let ga = cfg.gradient_accumulation_steps;
     let per_step = micro * ga * world;
-    if micro * world > s.task.train.len() {
+    // --steps 0 trains on nothing: any data size will do.
+    if micro * world > s.task.train.len() && a.steps != Some(0) {
         return Err(zero::Error::Usage {
             rank,
             what: format!(
@@ -878,6 +944,7 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
                 }
             );
         }
+        println!("{}", describe_optimizer(e.config(), &a.recipe(), steps));
         println!(
             "data: {} training samples, {} held-out numbers; {steps} steps of {per_step} samples \
              ({micro} per rank x {ga} accumulation x {world} ranks), {threads} GEMM thread(s) per rank",
@@ -926,6 +993,7 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
         pb
     });
     let log_every = (steps / 10).max(1);
+    let mut watch = LossWatch::new();
     // The data position: epoch, samples of its order consumed, steps done.
     let mut order = Vec::new();
     let mut epoch = u64::MAX;
@@ -997,6 +1065,12 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
         }
         let g = sum_over_ranks(e.comm(), &[loss_sum, target_tokens as f32])?;
         let loss = g[0] / g[1].max(1.0);
+        if let (Some(w), true) = (watch.observe(step + 1, loss), lead) {
+            match &bar {
+                Some(pb) => pb.println(&w),
+                None => eprintln!("{w}"),
+            }
+        }
         let o = e.last_step();
         // What the driver says is in use on the device (every process's
         // memory), next to the tracker's plan in the report.
