@@ -36,6 +36,9 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
+use super::data::{self, Sample};
+use super::hf::HfTokenizer;
+
 /// Who speaks a turn.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -328,4 +331,137 @@ pub fn split_indices(n: usize, fraction: f64, seed: u64) -> (Vec<usize>, Vec<usi
 /// trimmed of leading and trailing whitespace.
 pub fn exact_match(generated: &str, reference: &str) -> bool {
     generated.trim() == reference.trim()
+}
+
+/// A chat template over token ids: the byte tokenizer's ([`ByteTemplate`])
+/// or a model's ([`HfTokenizer`]).
+pub trait Template {
+    /// The tokens of `history` with the generation prompt: what generation
+    /// continues.
+    fn prompt(&self, history: &[Message]) -> Result<Vec<u32>, String>;
+    /// The training sample of assistant turn `answer` after `history`.
+    fn sample(&self, history: &[Message], answer: &str) -> Result<Sample, String>;
+}
+
+/// The byte tokenizer's template ([`crate::data`]): one user turn and one
+/// assistant turn; anything else (a system turn, several turns) is an
+/// error that says to use a model with a chat template.
+pub struct ByteTemplate;
+
+impl ByteTemplate {
+    fn user(history: &[Message]) -> Result<&str, String> {
+        match history {
+            [m] if m.role == Role::User => Ok(&m.content),
+            _ => Err(format!(
+                "the built-in byte tokenizer's template has one user turn then the answer, \
+                 not {} turn(s) ({}): use a model with a chat template (--model-dir)",
+                history.len(),
+                history
+                    .iter()
+                    .map(|m| m.role.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )),
+        }
+    }
+}
+
+impl Template for ByteTemplate {
+    fn prompt(&self, history: &[Message]) -> Result<Vec<u32>, String> {
+        Ok(data::encode_prompt(Self::user(history)?, ""))
+    }
+    fn sample(&self, history: &[Message], answer: &str) -> Result<Sample, String> {
+        Ok(Sample::new(Self::user(history)?, "", answer))
+    }
+}
+
+impl Template for HfTokenizer {
+    fn prompt(&self, history: &[Message]) -> Result<Vec<u32>, String> {
+        self.prompt_messages(history)
+    }
+    fn sample(&self, history: &[Message], answer: &str) -> Result<Sample, String> {
+        self.sample_messages(history, answer)
+    }
+}
+
+/// The training samples of `examples`: one per assistant turn
+/// ([`Example::turns`]); errors name the record.
+pub fn samples(t: &dyn Template, examples: &[Example]) -> Result<Vec<Sample>, String> {
+    let mut out = Vec::new();
+    for e in examples {
+        for (history, answer) in e.turns() {
+            out.push(
+                t.sample(history, answer)
+                    .map_err(|err| format!("{}: {err}", e.origin))?,
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// One held-out record of an exact-match evaluation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reference {
+    /// The prompt's tokens (the conversation before the answer, with the
+    /// generation prompt).
+    pub prompt: Vec<u32>,
+    /// The answer's text.
+    pub answer: String,
+    /// The answer's tokens (with the end of the turn): how many tokens
+    /// generation needs to write it.
+    pub answer_tokens: usize,
+    /// The last user turn, to show.
+    pub shown: String,
+}
+
+/// How answers are judged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Eval {
+    /// No held-out records: no accuracy.
+    None,
+    /// The addition task: prompts `N=`, any correct split scores
+    /// ([`crate::data::score`]).
+    Numbers(Vec<u64>),
+    /// Any other task: the greedy answer must equal the reference
+    /// ([`exact_match`]).
+    Exact(Vec<Reference>),
+}
+
+/// The evaluation of held-out `examples`: the addition task's when every
+/// prompt is a single user turn `N=` ([`crate::data::parse_prompt`]), else
+/// exact match against each record's last assistant turn.
+pub fn eval_of(t: &dyn Template, examples: &[Example]) -> Result<Eval, String> {
+    if examples.is_empty() {
+        return Ok(Eval::None);
+    }
+    let numbers: Option<Vec<u64>> = examples
+        .iter()
+        .map(|e| e.single_user_text().and_then(data::parse_prompt))
+        .collect();
+    if let Some(n) = numbers {
+        return Ok(Eval::Numbers(n));
+    }
+    examples
+        .iter()
+        .map(|e| {
+            let fail = |err: String| format!("{}: {err}", e.origin);
+            let answer = e
+                .reference()
+                .ok_or_else(|| fail("no assistant answer to compare with".into()))?;
+            let sample = t.sample(e.prompt(), answer).map_err(fail)?;
+            let shown = e
+                .prompt()
+                .iter()
+                .rev()
+                .find(|m| m.role == Role::User)
+                .map_or(String::new(), |m| m.content.clone());
+            Ok(Reference {
+                prompt: sample.prompt,
+                answer: answer.to_string(),
+                answer_tokens: sample.answer.len(),
+                shown,
+            })
+        })
+        .collect::<Result<_, _>>()
+        .map(Eval::Exact)
 }
