@@ -584,7 +584,9 @@ fn describe_optimizer(c: &ResolvedConfig, r: &Recipe, steps: usize) -> String {
             warmup_steps,
             total_steps,
             ..
-        } => format!("WarmupDecayLR ({warmup_steps} warmup steps, linear decay to step {total_steps})"),
+        } => format!(
+            "WarmupDecayLR ({warmup_steps} warmup steps, linear decay to step {total_steps})"
+        ),
         LrSchedule::WarmupCosineLr {
             warmup_steps,
             cos_min_ratio,
@@ -602,7 +604,12 @@ fn describe_optimizer(c: &ResolvedConfig, r: &Recipe, steps: usize) -> String {
         o.lr,
         whence(r.lr_origin, o.lr, r.lr, "--lr"),
         o.weight_decay,
-        whence(r.weight_decay_origin, o.weight_decay, r.weight_decay, "--weight-decay"),
+        whence(
+            r.weight_decay_origin,
+            o.weight_decay,
+            r.weight_decay,
+            "--weight-decay"
+        ),
         r.label,
     )
 }
@@ -1382,7 +1389,8 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
                     None => println!("{msg}"),
                 }
                 if let Some(w) = metrics.as_mut() {
-                    let line = serde_json::json!({ "step": step + 1, "epoch": epoch, "val_loss": v });
+                    let line =
+                        serde_json::json!({ "step": step + 1, "epoch": epoch, "val_loss": v });
                     writeln!(w, "{line}").map_err(|err| zero::Error::Usage {
                         rank,
                         what: format!("--metrics: {err}"),
@@ -1673,11 +1681,8 @@ fn load_task(args: &Args, tok: &Tok) -> Result<(Task, ChatData), String> {
             })
             .collect(),
     };
-    let (train_idx, val_idx) = chat::split_indices(
-        examples.len(),
-        args.val_split.unwrap_or(0.0),
-        args.seed,
-    );
+    let (train_idx, val_idx) =
+        chat::split_indices(examples.len(), args.val_split.unwrap_or(0.0), args.seed);
     let pick = |idx: &[usize]| -> Vec<chat::Example> {
         idx.iter().map(|&i| examples[i].clone()).collect()
     };
@@ -1720,7 +1725,11 @@ fn load_task(args: &Args, tok: &Tok) -> Result<(Task, ChatData), String> {
         .map(|e| {
             let shown = e.prompt().iter().rev().find(|m| m.role == chat::Role::User);
             let shown = shown.map_or(String::new(), |m| m.content.clone());
-            Ok((shown, t.prompt(e.prompt()).map_err(|err| format!("{}: {err}", e.origin))?))
+            Ok((
+                shown,
+                t.prompt(e.prompt())
+                    .map_err(|err| format!("{}: {err}", e.origin))?,
+            ))
         })
         .collect::<Result<_, String>>()?;
     Ok((
@@ -1736,11 +1745,12 @@ fn load_task(args: &Args, tok: &Tok) -> Result<(Task, ChatData), String> {
 /// `llama::chat` (answers optional), or plain text, one prompt a line.
 fn prompts_file(p: &std::path::Path) -> Result<Vec<llama::chat::Example>, String> {
     use llama::chat::{self, Need};
-    let text =
-        std::fs::read_to_string(p).map_err(|e| format!("--prompts {}: cannot read: {e}", p.display()))?;
+    let text = std::fs::read_to_string(p)
+        .map_err(|e| format!("--prompts {}: cannot read: {e}", p.display()))?;
     let file = p.display().to_string();
     if text.trim_start().starts_with(['{', '[']) {
-        return chat::parse_examples(&text, &file, Need::Prompts).map_err(|e| format!("--prompts {e}"));
+        return chat::parse_examples(&text, &file, Need::Prompts)
+            .map_err(|e| format!("--prompts {e}"));
     }
     let out: Vec<chat::Example> = text
         .lines()
@@ -1812,9 +1822,7 @@ fn setup(args: Args) -> Result<Setup, String> {
         .map(|r| r.answer_tokens)
         .fold(max_answer, usize::max);
     let max_new = max_answer + 4;
-    let positions = seq
-        .max(max_prompt + max_new)
-        .max(data::max_len(&chat.val));
+    let positions = seq.max(max_prompt + max_new).max(data::max_len(&chat.val));
     // Generation: the prompts and --max-new-tokens, within the model's
     // positions (generation stops at the last).
     let gen_prompt = chat.gen.iter().map(|g| g.1.len()).max().unwrap_or(0);
@@ -1825,9 +1833,11 @@ fn setup(args: Args) -> Result<Setup, String> {
         _ => positions,
     };
     if args.min_accuracy.is_some() && task.eval.is_empty() && chat.exact.is_empty() {
-        return Err("--min-accuracy: there are no held-out records to score (add --val-split, \
+        return Err(
+            "--min-accuracy: there are no held-out records to score (add --val-split, \
                     --val-data or --eval-data)"
-            .into());
+                .into(),
+        );
     }
     let (model, init) = match &mut hf {
         Some(m) => {

@@ -239,9 +239,7 @@ fn conversation(v: &Value, need: Need) -> Result<Vec<Message>, String> {
         m
     } else {
         let keys: Vec<&str> = o.keys().map(String::as_str).collect();
-        return Err(format!(
-            "unknown layout: keys {keys:?}; expected {LAYOUTS}"
-        ));
+        return Err(format!("unknown layout: keys {keys:?}; expected {LAYOUTS}"));
     };
     check(&messages, need)?;
     Ok(messages)

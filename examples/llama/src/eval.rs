@@ -8,7 +8,7 @@ use zero::Result;
 
 use super::data::{make_batch_with_pad, Sample};
 use super::ops;
-use super::train::{Part, ParamSource};
+use super::train::{ParamSource, Part};
 use super::{Block, BlockParams, Config};
 
 /// Rows of logits computed at once by [`answer_loss`]: bounds the memory
@@ -36,14 +36,15 @@ pub fn answer_loss(
     let mut sum = 0f64;
     let mut count = 0usize;
     for i in 0..batches {
-        let rows: &[&Sample] = mine.get(i * micro..((i + 1) * micro).min(mine.len())).unwrap_or(&[]);
+        let rows: &[&Sample] = mine
+            .get(i * micro..((i + 1) * micro).min(mine.len()))
+            .unwrap_or(&[]);
         let b = rows.len();
         let seq = rows.iter().map(|s| s.len()).max().unwrap_or(0);
-        let (tokens, targets) = make_batch_with_pad(rows, seq, pad).map_err(|what| {
-            zero::Error::Unsupported {
+        let (tokens, targets) =
+            make_batch_with_pad(rows, seq, pad).map_err(|what| zero::Error::Unsupported {
                 what: format!("validation batch: {what}"),
-            }
-        })?;
+            })?;
         let embed = src.fetch(Part::Embed)?;
         let mut x = if b == 0 {
             Vec::new()
@@ -57,7 +58,9 @@ pub fn answer_loss(
                 continue;
             }
             let refs: Vec<&[f32]> = p.iter().map(Vec::as_slice).collect();
-            x = block.forward(&BlockParams::from_slices(&refs), &x, b, seq).y;
+            x = block
+                .forward(&BlockParams::from_slices(&refs), &x, b, seq)
+                .y;
         }
         let head = src.fetch(Part::Head)?;
         if b == 0 {

@@ -183,7 +183,10 @@ mod tests {
         for (pretrained, lora) in [(true, false), (true, true), (false, false)] {
             let r = Recipe::choose(pretrained, lora, Some(2e-2), Some(0.25));
             assert_eq!((r.lr, r.lr_origin), (2e-2, Origin::Flag));
-            assert_eq!((r.weight_decay, r.weight_decay_origin), (0.25, Origin::Flag));
+            assert_eq!(
+                (r.weight_decay, r.weight_decay_origin),
+                (0.25, Origin::Flag)
+            );
             let d = Recipe::choose(pretrained, lora, None, None);
             assert_eq!(d.lr_origin, Origin::Default);
             // The schedule is the recipe's either way.

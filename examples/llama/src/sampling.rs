@@ -137,7 +137,10 @@ mod tests {
 
     #[test]
     fn bad_settings_are_named() {
-        assert!(Sampler::new(-1.0, 1.0, 0).err().unwrap().contains("--temperature"));
+        assert!(Sampler::new(-1.0, 1.0, 0)
+            .err()
+            .unwrap()
+            .contains("--temperature"));
         assert!(Sampler::new(1.0, 0.0, 0).err().unwrap().contains("--top-p"));
         assert!(Sampler::new(1.0, 1.5, 0).err().unwrap().contains("--top-p"));
     }

@@ -364,8 +364,8 @@ proptest! {
 mod chat_data {
     use super::TempJson;
     use zero_llama::chat::{
-        eval_of, exact_match, load_examples, parse_examples, samples, split_indices,
-        ByteTemplate, Eval, Message, Need, Role, Template,
+        eval_of, exact_match, load_examples, parse_examples, samples, split_indices, ByteTemplate,
+        Eval, Message, Need, Role, Template,
     };
     use zero_llama::data::{piece, Sample, ASSISTANT, EOS};
 
@@ -392,7 +392,11 @@ mod chat_data {
         let m = |r: Role, c: &str| Message::new(r, c);
         assert_eq!(a[0].messages.len(), 5);
         assert_eq!(a[0].turns().len(), 2, "every assistant turn is learned");
-        assert_eq!(a[0].turns()[1].0.len(), 4, "the second turn sees the history");
+        assert_eq!(
+            a[0].turns()[1].0.len(),
+            4,
+            "the second turn sees the history"
+        );
         assert_eq!(a[0].reference(), Some("A2"));
         assert_eq!(
             a[1].messages,
@@ -416,17 +420,38 @@ mod chat_data {
             "{e}"
         );
         let e = err("{\"prompt\": \"a\", \"response\": \"b\"}\n{\"q\": 1}\n");
-        assert!(e.contains("d.json: line 2") && e.contains("unknown layout"), "{e}");
+        assert!(
+            e.contains("d.json: line 2") && e.contains("unknown layout"),
+            "{e}"
+        );
         let e = err("{\"prompt\": \"a\", \"response\": \"b\"}\nnot json\n");
         assert!(e.contains("line 2") && e.contains("not valid JSON"), "{e}");
         for (text, what) in [
             (r#"[{"prompt": "a"}]"#, "without `response`"),
-            (r#"[{"prompt": "a", "response": "b", "completion": "c"}]"#, "both"),
-            (r#"[{"instruction": "a", "output": ""}]"#, "`output` is empty"),
-            (r#"[{"instruction": "a", "output": 5}]"#, "`output`: expected a string"),
-            (r#"[{"messages": [{"role": "bot", "content": "x"}]}]"#, "role \"bot\""),
-            (r#"[{"messages": [{"role": "user", "content": "x"}]}]"#, "does not end with an assistant"),
-            (r#"[{"messages": [{"role": "assistant", "content": "x"}]}]"#, "no user turn"),
+            (
+                r#"[{"prompt": "a", "response": "b", "completion": "c"}]"#,
+                "both",
+            ),
+            (
+                r#"[{"instruction": "a", "output": ""}]"#,
+                "`output` is empty",
+            ),
+            (
+                r#"[{"instruction": "a", "output": 5}]"#,
+                "`output`: expected a string",
+            ),
+            (
+                r#"[{"messages": [{"role": "bot", "content": "x"}]}]"#,
+                "role \"bot\"",
+            ),
+            (
+                r#"[{"messages": [{"role": "user", "content": "x"}]}]"#,
+                "does not end with an assistant",
+            ),
+            (
+                r#"[{"messages": [{"role": "assistant", "content": "x"}]}]"#,
+                "no user turn",
+            ),
             ("[]", "no records"),
             ("5", "expected a JSON list"),
         ] {
@@ -458,7 +483,10 @@ mod chat_data {
         )
         .unwrap();
         let s = samples(&ByteTemplate, &ex).unwrap();
-        assert_eq!(s, vec![Sample::new("17=", "", "a"), Sample::new("hi", "", "yo")]);
+        assert_eq!(
+            s,
+            vec![Sample::new("17=", "", "a"), Sample::new("hi", "", "yo")]
+        );
         assert_eq!(s[0].number, Some(17));
         let p = ByteTemplate.prompt(ex[1].prompt()).unwrap();
         assert_eq!(p, s[1].prompt);
@@ -470,7 +498,10 @@ mod chat_data {
         )
         .unwrap();
         let e = samples(&ByteTemplate, &multi).unwrap_err();
-        assert!(e.contains("m.json: record 0") && e.contains("--model-dir"), "{e}");
+        assert!(
+            e.contains("m.json: record 0") && e.contains("--model-dir"),
+            "{e}"
+        );
     }
 
     /// The held-out choice depends only on (n, fraction, seed), is disjoint
@@ -497,7 +528,10 @@ mod chat_data {
             Need::Answers,
         )
         .unwrap();
-        assert_eq!(eval_of(&ByteTemplate, &add).unwrap(), Eval::Numbers(vec![5, 17]));
+        assert_eq!(
+            eval_of(&ByteTemplate, &add).unwrap(),
+            Eval::Numbers(vec![5, 17])
+        );
         let other = parse_examples(
             r#"[{"instruction": "5=", "output": "x"}, {"prompt": "Capital of France?", "response": " Paris "}]"#,
             "f",
@@ -510,7 +544,10 @@ mod chat_data {
         assert_eq!(refs[1].answer, " Paris ");
         assert_eq!(refs[1].shown, "Capital of France?");
         assert_eq!(refs[1].answer_tokens, " Paris ".len() + 1, "with EOS");
-        assert_eq!(refs[1].prompt, ByteTemplate.prompt(other[1].prompt()).unwrap());
+        assert_eq!(
+            refs[1].prompt,
+            ByteTemplate.prompt(other[1].prompt()).unwrap()
+        );
         assert_eq!(eval_of(&ByteTemplate, &[]).unwrap(), Eval::None);
         assert!(exact_match("Paris\n", " Paris "));
         assert!(!exact_match("paris", "Paris"));

@@ -930,18 +930,31 @@ fn multi_turn_messages_train_every_assistant_turn() {
         .unwrap();
     let last: Vec<u32> = s[1].prompt.iter().chain(&s[1].answer).copied().collect();
     assert_eq!(last, full, "the last turn's sample is the conversation");
-    assert!(full.starts_with(&s[0].prompt), "the first turn's prompt opens it");
+    assert!(
+        full.starts_with(&s[0].prompt),
+        "the first turn's prompt opens it"
+    );
     assert!(s[0].prompt.len() < s[1].prompt.len());
     assert_eq!(t.decode(&s[0].answer), "hello");
     assert_eq!(t.decode(&s[1].answer), "4");
     assert_eq!(s[1].answer.iter().filter(|&&i| i == t.eos_id()).count(), 1);
     let system = t.render_messages(&ex[0].messages[..2], true).unwrap();
-    assert!(system.starts_with("<|im_start|>system\nBe brief."), "{system}");
+    assert!(
+        system.starts_with("<|im_start|>system\nBe brief."),
+        "{system}"
+    );
     assert_eq!(Template::prompt(&t, ex[0].prompt()).unwrap(), s[1].prompt);
     // One user turn: the same sample as the Alpaca path.
-    let one = parse_examples(r#"[{"prompt": "1807=", "completion": "x"}]"#, "f", Need::Answers)
-        .unwrap();
-    assert_eq!(samples(&t, &one).unwrap()[0], t.sample("1807=", "", "x").unwrap());
+    let one = parse_examples(
+        r#"[{"prompt": "1807=", "completion": "x"}]"#,
+        "f",
+        Need::Answers,
+    )
+    .unwrap();
+    assert_eq!(
+        samples(&t, &one).unwrap()[0],
+        t.sample("1807=", "", "x").unwrap()
+    );
 }
 
 /// The validation loss (forward only, part by part, batches as long as
