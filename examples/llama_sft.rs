@@ -2036,3 +2036,87 @@ fn main() {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The resolved optimizer of these flags: (lr, weight decay, the
+    /// schedule's warmup steps and cosine floor) for a 100-step run.
+    fn optimizer(flags: &[&str]) -> (f64, f64, u64, f64) {
+        let a = Args::try_parse_from(std::iter::once("llama_sft").chain(flags.iter().copied()))
+            .unwrap();
+        let c = engine_config(&a, 2, 100, 64).unwrap();
+        let LrSchedule::WarmupCosineLr {
+            warmup_steps,
+            cos_min_ratio,
+            base_lr,
+            ..
+        } = c.scheduler
+        else {
+            panic!("{:?}", c.scheduler);
+        };
+        assert_eq!(base_lr, c.optimizer.lr);
+        (
+            c.optimizer.lr,
+            c.optimizer.weight_decay,
+            warmup_steps,
+            cos_min_ratio,
+        )
+    }
+
+    /// A DeepSpeed config with these optimizer params, in the temp dir.
+    fn ds_config(name: &str, params: &str) -> PathBuf {
+        let path = std::env::temp_dir().join(format!(
+            "llama_sft_recipe_{}_{name}.json",
+            std::process::id()
+        ));
+        let text = format!(
+            r#"{{"train_micro_batch_size_per_gpu": "auto",
+                "optimizer": {{"type": "AdamW", "params": {params}}},
+                "scheduler": {{"type": "WarmupCosineLR",
+                    "params": {{"total_num_steps": "auto", "warmup_num_steps": "auto"}}}},
+                "zero_optimization": {{"stage": 2}}}}"#
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn pretrained_checkpoints_get_the_fine_tuning_recipe() {
+        assert_eq!(optimizer(&[]), (3e-3, 0.0, 5, 0.1), "the presets'");
+        assert_eq!(optimizer(&["--model-dir", "m"]), (1e-5, 0.1, 3, 0.0));
+        assert_eq!(optimizer(&["--model-dir", "m", "--lora", "8"]).0, 1e-4);
+        assert_eq!(optimizer(&["--model-dir", "m", "--adapter", "a"]).0, 1e-4);
+    }
+
+    #[test]
+    fn flags_and_config_values_win_over_the_recipe() {
+        let flags = ["--model-dir", "m", "--lr", "3e-4", "--weight-decay", "0"];
+        assert_eq!(optimizer(&flags), (3e-4, 0.0, 3, 0.0));
+        let auto = ds_config("auto", r#"{"lr": "auto", "weight_decay": "auto"}"#);
+        let given = ds_config("given", r#"{"lr": 2e-4, "weight_decay": 0.05}"#);
+        let (a, g) = (auto.to_str().unwrap(), given.to_str().unwrap());
+        assert_eq!(
+            optimizer(&["--model-dir", "m", "--config", a]),
+            // The file's scheduler keeps DeepSpeed's cos_min_ratio default.
+            (1e-5, 0.1, 3, 1e-4),
+            "\"auto\" takes the recipe"
+        );
+        let (lr, wd, _, _) = optimizer(&["--model-dir", "m", "--config", g]);
+        assert_eq!((lr, wd), (2e-4, 0.05), "the file's values win");
+        let (lr, wd, _, _) = optimizer(&[
+            "--model-dir",
+            "m",
+            "--config",
+            g,
+            "--lr",
+            "7e-5",
+            "--weight-decay",
+            "0.2",
+        ]);
+        assert_eq!((lr, wd), (7e-5, 0.2), "flags win over the file");
+        let _ = std::fs::remove_file(auto);
+        let _ = std::fs::remove_file(given);
+    }
+}
