@@ -1226,6 +1226,9 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
     }
     let mut val_last = val_before;
     let steps_per_epoch = (s.task.train.len() / per_step).max(1);
+    // The validation loss goes to --metrics every epoch, to the log about
+    // ten times a run (and at the end).
+    let print_every = steps.div_ceil(steps_per_epoch).div_ceil(10).max(1) * steps_per_epoch;
 
     let mut metrics = match (&a.metrics, lead) {
         (Some(p), true) => Some(BufWriter::new(File::create(p).map_err(|err| {
@@ -1384,9 +1387,11 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
                     step + 1,
                     (step + 1) as f64 / steps_per_epoch as f64
                 );
-                match &bar {
-                    Some(pb) => pb.println(msg),
-                    None => println!("{msg}"),
+                if (step + 1) % print_every == 0 || step + 1 == steps {
+                    match &bar {
+                        Some(pb) => pb.println(msg),
+                        None => println!("{msg}"),
+                    }
                 }
                 if let Some(w) = metrics.as_mut() {
                     let line =

@@ -19,6 +19,11 @@
 //!   rendering less the prompt's text, tokenized on its own), with the EOS
 //!   token appended when the template does not write it.
 //!
+//! Any conversation ([`HfTokenizer::sample_messages`], the layouts of
+//! [`crate::chat`]) works the same way: the prompt is the template over
+//! the turns before an assistant turn with the generation prompt, the
+//! answer what the template adds for that turn.
+//!
 //! Without a chat template the prompt is `instruction ++ input` tokenized
 //! with the tokenizer's special tokens (a BOS where the tokenizer adds one)
 //! and the answer is `output` followed by EOS.
