@@ -9,6 +9,7 @@
 //! cargo run --example llama_sft -- --config ds_config.json --metrics m.jsonl --trace t.json
 //! cargo run --example llama_sft -- --model-dir Qwen2.5-0.5B-Instruct --data math.json --export out/
 //! cargo run --example llama_sft -- --model-dir DIR --lora 8 --lora-targets q_proj,v_proj --export-adapter adapter/
+//! cargo run --example llama_sft -- --model-dir DIR --data chat.jsonl --val-split 0.05 --generate "Hi!"
 //! cargo run --example llama_sft -- --help
 //! ```
 //!
@@ -1688,6 +1689,12 @@ fn load_task(args: &Args, tok: &Tok) -> Result<(Task, ChatData), String> {
     };
     let (train_idx, val_idx) =
         chat::split_indices(examples.len(), args.val_split.unwrap_or(0.0), args.seed);
+    if let (Some(f), true) = (args.val_split, val_idx.is_empty()) {
+        return Err(format!(
+            "--val-split {f}: {} record(s) cannot be split into training and validation",
+            examples.len()
+        ));
+    }
     let pick = |idx: &[usize]| -> Vec<chat::Example> {
         idx.iter().map(|&i| examples[i].clone()).collect()
     };

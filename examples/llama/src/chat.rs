@@ -306,10 +306,11 @@ fn check(m: &[Message], need: Need) -> Result<(), String> {
 }
 
 /// Splits `n` records into (training, validation) indices: `fraction` of
-/// them (rounded, at least 1 when `fraction > 0`, never all) held out,
-/// chosen by a shuffle seeded with `seed`; both lists ascending.
+/// them (rounded, at least 1 when `fraction > 0`, never all; none of fewer
+/// than 2 records) held out, chosen by a shuffle seeded with `seed`; both
+/// lists ascending.
 pub fn split_indices(n: usize, fraction: f64, seed: u64) -> (Vec<usize>, Vec<usize>) {
-    let held = if fraction > 0.0 {
+    let held = if fraction > 0.0 && n >= 2 {
         ((fraction * n as f64).round() as usize).clamp(1, n.saturating_sub(1))
     } else {
         0

@@ -516,6 +516,11 @@ mod chat_data {
         assert_eq!(split_indices(5, 0.01, 0).1.len(), 1, "at least one");
         assert_eq!(split_indices(2, 0.99, 0).0.len(), 1, "never all");
         assert_eq!(split_indices(10, 0.0, 0), ((0..10).collect(), vec![]));
+        assert_eq!(
+            split_indices(1, 0.5, 0),
+            (vec![0], vec![]),
+            "nothing to hold out"
+        );
     }
 
     /// Held-out `N=` prompts are the addition task (scored by the sum);
