@@ -530,6 +530,25 @@ fn total_steps(a: &Args, samples: usize, per_step: usize) -> usize {
         .unwrap_or(((a.epochs * per_epoch as f64).round() as usize).max(1))
 }
 
+/// Whether a global micro-batch (`micro` samples on each of `world`
+/// ranks) fits in the training set of `samples`; `--steps 0` trains on
+/// nothing, so any data size will do.
+fn batch_fits(
+    steps: Option<usize>,
+    micro: usize,
+    world: usize,
+    samples: usize,
+) -> Result<(), String> {
+    if micro * world > samples && steps != Some(0) {
+        return Err(format!(
+            "a micro-batch of {micro} samples per rank on {world} ranks needs {} samples; \
+             the training set has {samples} (lower --batch or train_micro_batch_size_per_gpu)",
+            micro * world,
+        ));
+    }
+    Ok(())
+}
+
 /// `--nvme-path`'s default: a directory of this process under the temp dir.
 fn default_nvme_dir() -> PathBuf {
     std::env::temp_dir().join(format!("zero-llama-sft-{}", std::process::id()))
@@ -934,18 +953,8 @@ fn run<T: Element, C: Communicator>(
     let micro = cfg.micro_batch_size;
     let ga = cfg.gradient_accumulation_steps;
     let per_step = micro * ga * world;
-    // --steps 0 trains on nothing: any data size will do.
-    if micro * world > s.task.train.len() && a.steps != Some(0) {
-        return Err(zero::Error::Usage {
-            rank,
-            what: format!(
-                "a micro-batch of {micro} samples per rank on {world} ranks needs {} samples; \
-                 the training set has {} (lower --batch or train_micro_batch_size_per_gpu)",
-                micro * world,
-                s.task.train.len()
-            ),
-        });
-    }
+    batch_fits(a.steps, micro, world, s.task.train.len())
+        .map_err(|what| zero::Error::Usage { rank, what })?;
     let steps = total_steps(a, s.task.train.len(), per_step);
     let tracer = if a.trace.is_some() {
         Tracer::new()
@@ -2092,6 +2101,18 @@ mod tests {
         );
         std::fs::write(&path, text).unwrap();
         path
+    }
+
+    #[test]
+    fn steps_0_takes_any_data_size() {
+        assert!(batch_fits(Some(0), 16, 2, 3).is_ok());
+        assert!(batch_fits(None, 16, 2, 32).is_ok());
+        let e = batch_fits(None, 16, 2, 31).unwrap_err();
+        assert!(
+            e.contains("needs 32 samples") && e.contains("has 31"),
+            "{e}"
+        );
+        assert!(batch_fits(Some(1), 16, 2, 3).is_err());
     }
 
     #[test]
