@@ -821,6 +821,18 @@ fn no_chat_template_and_no_eos() {
     assert_eq!(t.decode(&s.prompt), "17=");
     assert_eq!(s.answer.last(), Some(&t.eos_id()));
     assert_eq!(t.decode(&s.answer), "王大丫丫的回答是--->10 + 7");
+    // Without a template there is no way to render several turns.
+    use llama::chat::{Message, Role};
+    let turns = [
+        Message::new(Role::System, "S"),
+        Message::new(Role::User, "17="),
+    ];
+    let e = t.sample_messages(&turns, "x").unwrap_err();
+    assert!(
+        e.contains("no chat template") && e.contains("system, user"),
+        "{e}"
+    );
+    assert!(t.prompt_messages(&turns).is_err());
 
     let tc = d.0.join("tokenizer_config.json");
     let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();

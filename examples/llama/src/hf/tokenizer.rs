@@ -310,7 +310,8 @@ impl HfTokenizer {
         match history {
             [m] if m.role == Role::User => Ok(&m.content),
             _ => Err(format!(
-                "{}: the tokenizer has no chat template: only a single user turn can be                  rendered, not {} turns ({})",
+                "{}: the tokenizer has no chat template: only a single user turn can be \
+                 rendered, not {} turns ({})",
                 self.dir.display(),
                 history.len(),
                 history
