@@ -9,6 +9,7 @@
 //! cargo run --example llama_sft -- --config ds_config.json --metrics m.jsonl --trace t.json
 //! cargo run --example llama_sft -- --model-dir Qwen2.5-0.5B-Instruct --data math.json --export out/
 //! cargo run --example llama_sft -- --model-dir DIR --lora 8 --lora-targets q_proj,v_proj --export-adapter adapter/
+//! cargo run --example llama_sft -- --model-dir DIR --data chat.jsonl --val-split 0.05 --generate "Hi!"
 //! cargo run --example llama_sft -- --help
 //! ```
 //!
@@ -46,8 +47,11 @@ use llama::data::{self, Sample, Task};
 use llama::device::{DeviceModel, Trainer};
 use llama::hf::{ExportSource, HfDir, HfTokenizer};
 use llama::lora::LoraConfig;
+use llama::recipe::{LossWatch, Recipe};
+use llama::sampling::Sampler;
 use llama::train::{
-    forward_flops, generate_from, measure_gemm_peak, EngineSource, LoraSetup, SftModel,
+    forward_flops, generate_from, generate_with, measure_gemm_peak, EngineSource, LoraSetup,
+    SftModel,
 };
 use llama::Config;
 
@@ -205,9 +209,13 @@ struct Args {
     /// Tokens per sequence. Default: the longest training sample.
     #[arg(long)]
     seq_len: Option<usize>,
-    /// Peak learning rate (warmup, then cosine decay to 10%). Default 3e-3.
+    /// Peak learning rate (warmup, then cosine decay). Default 3e-3 (5% warmup, decay to 10%);
+    /// with --model-dir 1e-4 for LoRA and 1e-5 for a full fine-tune (3% warmup, decay to 0).
     #[arg(long)]
     lr: Option<f64>,
+    /// AdamW's decoupled weight decay. Default 0; with --model-dir 0.1.
+    #[arg(long)]
+    weight_decay: Option<f64>,
     /// Micro-batches per optimizer step (gradient_accumulation_steps). Default 1.
     #[arg(long, value_parser = positive)]
     grad_accum: Option<usize>,
@@ -220,14 +228,49 @@ struct Args {
     /// Seed of the initialisation, the held-out split and the data order.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// Training data: a JSON list of {"instruction", "input", "output"} records (the
-    /// original experiment's format). Default: generated in-process.
+    /// Training data: a JSON list or JSON Lines of records, each {"messages": [{"role",
+    /// "content"}..]} (every assistant turn is learned), {"instruction", "input", "output"}
+    /// (the original experiment's format; input optional) or {"prompt", "response" or
+    /// "completion"}; rendered with the model's chat template, loss on the answers only.
+    /// Default: the addition task, generated in-process.
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Evaluation prompts: a JSON file of the same format whose instructions are `N=`.
-    /// Default: the 200 held-out numbers.
+    /// Hold out this fraction of --data's records (a seeded choice) for the validation
+    /// loss (each epoch) and the exact-match accuracy.
+    #[arg(long, value_parser = fraction, conflicts_with = "val_data")]
+    val_split: Option<f64>,
+    /// Validation records, in --data's layouts: their loss each epoch, and (without
+    /// --eval-data, for a task other than addition) the exact-match accuracy.
+    #[arg(long)]
+    val_data: Option<PathBuf>,
+    /// Evaluation records, in --data's layouts: greedy answers are compared with each
+    /// record's answer (trimmed, exact match); records whose prompts are all `N=` are the
+    /// addition task, scored by the sum. Default: the held-out records, or the addition
+    /// task's 200 held-out numbers.
     #[arg(long)]
     eval_data: Option<PathBuf>,
+    /// Answer this prompt after training (with --steps 0: the model as loaded), as a user
+    /// turn in the model's chat template; repeatable.
+    #[arg(long)]
+    generate: Vec<String>,
+    /// Prompts to answer after training: one per line, or JSON (a list or JSON Lines) in
+    /// --data's layouts, the answers optional.
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// Tokens --generate and --prompts may write at most.
+    #[arg(long, default_value_t = 128, value_parser = positive)]
+    max_new_tokens: usize,
+    /// Sampling temperature of --generate and --prompts (0: greedy), seeded with --seed.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Sample from the smallest set of tokens whose probability reaches P (with
+    /// --temperature above 0).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Print the token ids, pieces and labels (-100: no loss) of the first N training
+    /// samples.
+    #[arg(long)]
+    show_tokens: Option<usize>,
     /// Initial weights from a safetensors file with HF-Llama tensor names (checked from its
     /// header, then streamed into the engine range by range).
     #[arg(long)]
@@ -313,6 +356,14 @@ fn positive(v: &str) -> Result<usize, String> {
     }
 }
 
+/// A number strictly between 0 and 1.
+fn fraction(v: &str) -> Result<f64, String> {
+    match v.parse::<f64>() {
+        Ok(x) if x > 0.0 && x < 1.0 => Ok(x),
+        _ => Err(format!("`{v}` is not a number between 0 and 1")),
+    }
+}
+
 /// A finite number above 0.
 fn positive_f64(v: &str) -> Result<f64, String> {
     match v.parse::<f64>() {
@@ -323,9 +374,19 @@ fn positive_f64(v: &str) -> Result<f64, String> {
 
 const DEFAULT_STAGE: u8 = 3;
 const DEFAULT_BATCH: usize = 16;
-const DEFAULT_LR: f64 = 3e-3;
 
 impl Args {
+    /// The optimizer recipe: the pretrained one with --model-dir, the
+    /// presets' otherwise; --lr and --weight-decay win.
+    fn recipe(&self) -> Recipe {
+        Recipe::choose(
+            self.model_dir.is_some(),
+            self.lora.is_some() || self.adapter.is_some(),
+            self.lr,
+            self.weight_decay,
+        )
+    }
+
     fn model_config(&self, seq: usize) -> Result<Config, String> {
         let mut c = match self.model {
             Preset::Tiny => Config::tiny(),
@@ -391,8 +452,10 @@ fn engine_config(
     total_steps: usize,
     hidden: usize,
 ) -> Result<ResolvedConfig, String> {
-    let lr = a.lr.unwrap_or(DEFAULT_LR);
-    let warmup = (total_steps / 20).max(1) as u64;
+    let recipe = a.recipe();
+    let lr = recipe.lr;
+    let warmup = recipe.warmup_steps(total_steps);
+    let cosine = |lr| cosine(lr, warmup, total_steps, recipe.cos_min_ratio);
     let dtype = a.dtype.unwrap_or(Dtype::Bf16);
     let mut c = if let Some(path) = &a.config {
         let p = path.display();
@@ -412,7 +475,7 @@ fn engine_config(
             lr: Some(lr),
             betas: Some((0.9, 0.95)),
             eps: Some(1e-8),
-            weight_decay: Some(0.0),
+            weight_decay: Some(recipe.weight_decay),
             warmup_min_lr: Some(0.0),
             warmup_max_lr: Some(lr),
             warmup_num_steps: Some(warmup),
@@ -427,9 +490,9 @@ fn engine_config(
         c.precision = Precision::Bf16;
         c.optimizer.lr = lr;
         c.optimizer.beta2 = 0.95;
-        c.optimizer.weight_decay = 0.0;
+        c.optimizer.weight_decay = recipe.weight_decay;
         c.gradient_clipping = 1.0;
-        c.scheduler = cosine(lr, warmup, total_steps);
+        c.scheduler = cosine(lr);
         c
     };
     // Flags given on the command line win over the file.
@@ -463,7 +526,10 @@ fn engine_config(
     }
     if a.lr.is_some() && a.config.is_some() {
         c.optimizer.lr = lr;
-        c.scheduler = cosine(lr, warmup, total_steps);
+        c.scheduler = cosine(lr);
+    }
+    if let Some(wd) = a.weight_decay {
+        c.optimizer.weight_decay = wd;
     }
     let nvme = || a.nvme_path.clone().unwrap_or_else(default_nvme_dir);
     if let Some(d) = a.offload {
@@ -491,26 +557,116 @@ fn total_steps(a: &Args, samples: usize, per_step: usize) -> usize {
         .unwrap_or(((a.epochs * per_epoch as f64).round() as usize).max(1))
 }
 
+/// Whether a global micro-batch (`micro` samples on each of `world`
+/// ranks) fits in the training set of `samples`; `--steps 0` trains on
+/// nothing, so any data size will do.
+fn batch_fits(
+    steps: Option<usize>,
+    micro: usize,
+    world: usize,
+    samples: usize,
+) -> Result<(), String> {
+    if micro * world > samples && steps != Some(0) {
+        return Err(format!(
+            "a micro-batch of {micro} samples per rank on {world} ranks needs {} samples; \
+             the training set has {samples} (lower --batch or train_micro_batch_size_per_gpu)",
+            micro * world,
+        ));
+    }
+    Ok(())
+}
+
 /// `--nvme-path`'s default: a directory of this process under the temp dir.
 fn default_nvme_dir() -> PathBuf {
     std::env::temp_dir().join(format!("zero-llama-sft-{}", std::process::id()))
 }
 
-fn cosine(lr: f64, warmup: u64, total: usize) -> LrSchedule {
+/// DeepSpeed's `WarmupCosineLR`: linear warmup from 0 to `lr` over
+/// `warmup` steps, then cosine decay to `cos_min_ratio * lr` at `total`.
+fn cosine(lr: f64, warmup: u64, total: usize, cos_min_ratio: f64) -> LrSchedule {
     LrSchedule::WarmupCosineLr {
         base_lr: lr,
         total_steps: total as u64,
         warmup_min_ratio: 0.0,
         warmup_steps: warmup,
-        cos_min_ratio: 0.1,
+        cos_min_ratio,
         warmup_type: WarmupType::Linear,
     }
+}
+
+/// What the run holds out, for the data line: validation samples and
+/// what accuracy is measured on.
+fn held_out(s: &Setup) -> String {
+    let judged = if !s.chat.exact.is_empty() {
+        format!("{} held-out records (exact match)", s.chat.exact.len())
+    } else if !s.task.eval.is_empty() {
+        format!("{} held-out numbers", s.task.eval.len())
+    } else {
+        "no held-out records to score".to_string()
+    };
+    if s.chat.val.is_empty() {
+        judged
+    } else {
+        format!("{} validation samples, {judged}", s.chat.val.len())
+    }
+}
+
+/// The optimizer line of the report: learning rate, weight decay and
+/// schedule as the engine runs them, and where the rate and decay came
+/// from (a flag, the --config file, or `r`'s defaults).
+fn describe_optimizer(c: &ResolvedConfig, r: &Recipe, steps: usize) -> String {
+    use llama::recipe::Origin;
+    let whence = |origin: Origin, value: f64, default: f64, flag: &str| match origin {
+        Origin::Flag => flag.to_string(),
+        Origin::Default if value == default => "default".to_string(),
+        Origin::Default => "--config".to_string(),
+    };
+    let o = &c.optimizer;
+    let schedule = match c.scheduler {
+        LrSchedule::Constant { .. } => "constant".to_string(),
+        LrSchedule::WarmupLr { warmup_steps, .. } => {
+            format!("WarmupLR ({warmup_steps} warmup steps, then constant)")
+        }
+        LrSchedule::WarmupDecayLr {
+            warmup_steps,
+            total_steps,
+            ..
+        } => format!(
+            "WarmupDecayLR ({warmup_steps} warmup steps, linear decay to step {total_steps})"
+        ),
+        LrSchedule::WarmupCosineLr {
+            warmup_steps,
+            cos_min_ratio,
+            total_steps,
+            ..
+        } => format!(
+            "WarmupCosineLR ({warmup_steps} warmup steps, cosine decay to {}% of lr at step \
+             {total_steps})",
+            100.0 * cos_min_ratio
+        ),
+    };
+    format!(
+        "optimizer: AdamW, lr {:e} ({}), weight decay {} ({}), {schedule}, {steps} steps \
+         (the defaults are those for {})",
+        o.lr,
+        whence(r.lr_origin, o.lr, r.lr, "--lr"),
+        o.weight_decay,
+        whence(
+            r.weight_decay_origin,
+            o.weight_decay,
+            r.weight_decay,
+            "--weight-decay"
+        ),
+        r.label,
+    )
 }
 
 /// Everything `run` needs that does not depend on the rank.
 struct Setup {
     args: Args,
     task: Task,
+    /// Validation, exact-match evaluation and generation.
+    chat: ChatData,
     model: Config,
     seq: usize,
     max_new: usize,
@@ -528,6 +684,18 @@ struct Setup {
     lora: Option<LoraSetup>,
 }
 
+/// What the run holds out, judges and generates (`--val-split`,
+/// `--val-data`, `--eval-data`, `--generate`, `--prompts`).
+struct ChatData {
+    /// Held-out samples: their loss is the validation loss.
+    val: Vec<Sample>,
+    /// Records whose greedy answers must equal the reference (empty: the
+    /// addition task's numbers, or nothing, are judged).
+    exact: Vec<llama::chat::Reference>,
+    /// Prompts to answer after training: (the user's text, the tokens).
+    gen: Vec<(String, Vec<u32>)>,
+}
+
 /// The tokenizer: the byte one of the built-in presets, or a model's.
 enum Tok {
     Bytes,
@@ -535,6 +703,20 @@ enum Tok {
 }
 
 impl Tok {
+    /// The chat template over token ids.
+    fn template(&self) -> &dyn llama::chat::Template {
+        match self {
+            Tok::Bytes => &llama::chat::ByteTemplate,
+            Tok::Hf(t) => t.as_ref(),
+        }
+    }
+    /// How token `id` reads in the vocabulary, for --show-tokens.
+    fn piece(&self, id: u32) -> String {
+        match self {
+            Tok::Bytes => data::piece(id),
+            Tok::Hf(t) => t.piece(id),
+        }
+    }
     /// The prompt asking for a split of `n`.
     fn prompt_for(&self, n: u64) -> Result<Vec<u32>, String> {
         match self {
@@ -581,9 +763,155 @@ fn sum_over_ranks<C: Communicator>(comm: &C, values: &[f32]) -> zero::Result<Vec
         .to_vec())
 }
 
+/// The held-out accuracy over all ranks (NaN when nothing is held out)
+/// and a few (prompt, answer) examples of rank 0: exact match on
+/// --eval-data's or the held-out records, or the addition task's numbers.
+fn evaluate<C: EngineComm<B>, B: EngineBackend>(
+    e: &mut Engine<C, B>,
+    m: &SftModel,
+    s: &Setup,
+    threads: usize,
+) -> zero::Result<(f64, Vec<(String, String)>)> {
+    if !s.chat.exact.is_empty() {
+        return evaluate_exact(e, m, s, threads);
+    }
+    if s.task.eval.is_empty() {
+        return Ok((f64::NAN, Vec::new()));
+    }
+    let (acc, examples) = evaluate_numbers(e, m, s, threads)?;
+    let examples = examples
+        .into_iter()
+        .map(|(n, t)| (format!("{n}="), t))
+        .collect();
+    Ok((acc, examples))
+}
+
+/// Greedy-decodes this rank's share of the exact-match records; the
+/// accuracy over all ranks and a few (prompt, answer) examples of rank 0.
+fn evaluate_exact<C: EngineComm<B>, B: EngineBackend>(
+    e: &mut Engine<C, B>,
+    m: &SftModel,
+    s: &Setup,
+    threads: usize,
+) -> zero::Result<(f64, Vec<(String, String)>)> {
+    let (rank, world) = (e.rank(), e.world_size());
+    let mine: Vec<&llama::chat::Reference> =
+        s.chat.exact.iter().skip(rank).step_by(world).collect();
+    let prompts: Vec<Vec<u32>> = mine.iter().map(|r| r.prompt.clone()).collect();
+    let outs = generate_from(
+        &m.cfg,
+        &m.block,
+        &mut EngineSource { e, model: m },
+        &prompts,
+        s.max_new,
+        s.tok.eos(),
+        threads,
+    )?;
+    let texts: Vec<String> = outs.iter().map(|o| s.tok.decode(o)).collect();
+    let correct = mine
+        .iter()
+        .zip(&texts)
+        .filter(|(r, t)| llama::chat::exact_match(t, &r.answer))
+        .count();
+    let tot = sum_over_ranks(e.comm(), &[correct as f32, mine.len() as f32])?;
+    let examples = mine
+        .iter()
+        .map(|r| r.shown.clone())
+        .zip(texts)
+        .take(3)
+        .collect();
+    Ok((f64::from(tot[0]) / f64::from(tot[1]).max(1.0), examples))
+}
+
+/// The validation loss (mean cross-entropy over the answer tokens of the
+/// held-out samples, forward only), or `None` without held-out samples.
+/// Every rank takes its share in micro-batches; all read the model together.
+fn validation_loss<C: EngineComm<B>, B: EngineBackend>(
+    e: &mut Engine<C, B>,
+    m: &SftModel,
+    s: &Setup,
+    threads: usize,
+) -> zero::Result<Option<f64>> {
+    let val = &s.chat.val;
+    if val.is_empty() {
+        return Ok(None);
+    }
+    let (rank, world) = (e.rank(), e.world_size());
+    let micro = e.config().micro_batch_size;
+    let mine: Vec<&Sample> = val.iter().skip(rank).step_by(world).collect();
+    let batches = val.len().div_ceil(world).div_ceil(micro);
+    let (sum, count) = llama::eval::answer_loss(
+        &m.cfg,
+        &m.block,
+        &mut EngineSource { e, model: m },
+        &mine,
+        batches,
+        micro,
+        s.tok.pad(),
+        threads,
+    )?;
+    let tot = sum_over_ranks(e.comm(), &[sum as f32, count as f32])?;
+    Ok(Some(f64::from(tot[0]) / f64::from(tot[1]).max(1.0)))
+}
+
+/// Answers --generate's and --prompts' prompts (rank 0 holds them; every
+/// rank reads the model with it), greedy or sampled as --temperature and
+/// --top-p say; (prompt, answer) pairs on rank 0.
+fn generate_answers<C: EngineComm<B>, B: EngineBackend>(
+    e: &mut Engine<C, B>,
+    m: &SftModel,
+    s: &Setup,
+    threads: usize,
+) -> zero::Result<Vec<(String, String)>> {
+    let a = &s.args;
+    let rank = e.rank();
+    let gen: &[(String, Vec<u32>)] = if rank == 0 { &s.chat.gen } else { &[] };
+    let prompts: Vec<Vec<u32>> = gen.iter().map(|g| g.1.clone()).collect();
+    let mut sampler = Sampler::new(a.temperature, a.top_p, a.seed)
+        .map_err(|what| zero::Error::Usage { rank, what })?;
+    let outs = generate_with(
+        &m.cfg,
+        &m.block,
+        &mut EngineSource { e, model: m },
+        &prompts,
+        a.max_new_tokens,
+        s.tok.eos(),
+        threads,
+        &mut |row| sampler.pick(row),
+    )?;
+    Ok(gen
+        .iter()
+        .zip(outs)
+        .map(|(g, o)| (g.0.clone(), s.tok.decode(&o)))
+        .collect())
+}
+
+/// The token ids of the first `n` training samples, one line per token:
+/// position, id, label (the id where the loss falls on the token, -100
+/// elsewhere, as transformers' `labels`) and the vocabulary's piece.
+fn show_tokens(s: &Setup, n: usize) {
+    for (i, sample) in s.task.train.iter().take(n).enumerate() {
+        println!(
+            "sample {i}: {} tokens, prompt {} + answer {} (the answer carries the loss)",
+            sample.len(),
+            sample.prompt.len(),
+            sample.answer.len()
+        );
+        println!("  {:>5} {:>8} {:>8}  piece", "pos", "id", "label");
+        for (p, &id) in sample.prompt.iter().chain(&sample.answer).enumerate() {
+            let label = if p >= sample.prompt.len() {
+                i64::from(id)
+            } else {
+                i64::from(data::IGNORE)
+            };
+            println!("  {p:>5} {id:>8} {label:>8}  {:?}", s.tok.piece(id));
+        }
+    }
+}
+
 /// Greedy-decodes this rank's share of the evaluation numbers; returns the
 /// accuracy over all ranks and a few (number, answer) examples of rank 0.
-fn evaluate<C: EngineComm<B>, B: EngineBackend>(
+fn evaluate_numbers<C: EngineComm<B>, B: EngineBackend>(
     e: &mut Engine<C, B>,
     m: &SftModel,
     s: &Setup,
@@ -655,17 +983,8 @@ fn run<T: Element, C: Communicator>(
     let micro = cfg.micro_batch_size;
     let ga = cfg.gradient_accumulation_steps;
     let per_step = micro * ga * world;
-    if micro * world > s.task.train.len() {
-        return Err(zero::Error::Usage {
-            rank,
-            what: format!(
-                "a micro-batch of {micro} samples per rank on {world} ranks needs {} samples; \
-                 the training set has {} (lower --batch or train_micro_batch_size_per_gpu)",
-                micro * world,
-                s.task.train.len()
-            ),
-        });
-    }
+    batch_fits(a.steps, micro, world, s.task.train.len())
+        .map_err(|what| zero::Error::Usage { rank, what })?;
     let steps = total_steps(a, s.task.train.len(), per_step);
     let tracer = if a.trace.is_some() {
         Tracer::new()
@@ -908,12 +1227,16 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
                 }
             );
         }
+        println!("{}", describe_optimizer(e.config(), &a.recipe(), steps));
         println!(
-            "data: {} training samples, {} held-out numbers; {steps} steps of {per_step} samples \
+            "data: {} training samples, {}; {steps} steps of {per_step} samples \
              ({micro} per rank x {ga} accumulation x {world} ranks), {threads} GEMM thread(s) per rank",
             s.task.train.len(),
-            s.task.eval.len()
+            held_out(s),
         );
+        if let Some(n) = a.show_tokens {
+            show_tokens(s, n);
+        }
     }
     // Peak FLOP/s of the machine: every rank measures at once, the sum is
     // the machine's.
@@ -934,9 +1257,18 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
     };
 
     let (acc_before, _) = evaluate(&mut e, model, s, threads)?;
-    if lead {
+    if lead && !acc_before.is_nan() {
         println!("accuracy before training: {:.1}%", 100.0 * acc_before);
     }
+    let val_before = validation_loss(&mut e, model, s, threads)?;
+    if let (Some(v), true) = (val_before, lead) {
+        println!("validation loss before training: {v:.4}");
+    }
+    let mut val_last = val_before;
+    let steps_per_epoch = (s.task.train.len() / per_step).max(1);
+    // The validation loss goes to --metrics every epoch, to the log about
+    // ten times a run (and at the end).
+    let print_every = steps.div_ceil(steps_per_epoch).div_ceil(10).max(1) * steps_per_epoch;
 
     let mut metrics = match (&a.metrics, lead) {
         (Some(p), true) => Some(BufWriter::new(File::create(p).map_err(|err| {
@@ -956,6 +1288,7 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
         pb
     });
     let log_every = (steps / 10).max(1);
+    let mut watch = LossWatch::new();
     // The data position: epoch, samples of its order consumed, steps done.
     let mut order = Vec::new();
     let mut epoch = u64::MAX;
@@ -1027,6 +1360,12 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
         }
         let g = sum_over_ranks(e.comm(), &[loss_sum, target_tokens as f32])?;
         let loss = g[0] / g[1].max(1.0);
+        if let (Some(w), true) = (watch.observe(step + 1, loss), lead) {
+            match &bar {
+                Some(pb) => pb.println(&w),
+                None => eprintln!("{w}"),
+            }
+        }
         let o = e.last_step();
         // What the driver says is in use on the device (every process's
         // memory), next to the tracker's plan in the report.
@@ -1080,6 +1419,30 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
                 }
             }
         }
+        if (step + 1) % steps_per_epoch == 0 || step + 1 == steps {
+            val_last = validation_loss(&mut e, model, s, threads)?;
+            if let (Some(v), true) = (val_last, lead) {
+                let msg = format!(
+                    "step {}/{steps} (epoch {:.2}): validation loss {v:.4}",
+                    step + 1,
+                    (step + 1) as f64 / steps_per_epoch as f64
+                );
+                if (step + 1) % print_every == 0 || step + 1 == steps {
+                    match &bar {
+                        Some(pb) => pb.println(msg),
+                        None => println!("{msg}"),
+                    }
+                }
+                if let Some(w) = metrics.as_mut() {
+                    let line =
+                        serde_json::json!({ "step": step + 1, "epoch": epoch, "val_loss": v });
+                    writeln!(w, "{line}").map_err(|err| zero::Error::Usage {
+                        rank,
+                        what: format!("--metrics: {err}"),
+                    })?;
+                }
+            }
+        }
         let tps = tokens_total / t0.elapsed().as_secs_f64();
         if let Some(pb) = &bar {
             pb.set_position(step as u64 + 1);
@@ -1105,6 +1468,11 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
         })?;
     }
     let (acc_after, examples) = evaluate(&mut e, model, s, threads)?;
+    if !s.chat.gen.is_empty() {
+        for (prompt, answer) in generate_answers(&mut e, model, s, threads)? {
+            println!("prompt: {prompt}\nanswer: {answer}\n");
+        }
+    }
     if let (Some(dir), Some(l)) = (&a.export_adapter, &s.lora) {
         // A collective read of every block unit; rank 0 writes the files.
         let adapters = model.snapshot_adapters(&mut e)?;
@@ -1202,22 +1570,35 @@ fn train<T: Element, C: EngineComm<B>, B: EngineBackend, M: Trainer<C, B>>(
     }
     let mut lines = Vec::new();
     if lead {
-        for (n, t) in &examples {
-            lines.push(format!("  {n}= → {t}"));
+        for (p, t) in &examples {
+            lines.push(format!("  {p} → {t}"));
         }
+        if let (Some(b), Some(v)) = (val_before, val_last) {
+            lines.push(format!(
+                "validation loss: {b:.4} before training, {v:.4} after ({} held-out samples)",
+                s.chat.val.len()
+            ));
+        }
+        let pct = |x: f64| {
+            if x.is_nan() {
+                "-".to_string()
+            } else {
+                format!("{:.1}%", 100.0 * x)
+            }
+        };
         let off = |d: OffloadDevice| d.to_string();
         let c = e.config();
         lines.push(String::new());
         lines.push("| stage | offload | offload_param | ranks | dtype | acc. before | acc. after | time | tokens/s | TFLOP/s | MFU |".into());
         lines.push("|---|---|---|---|---|---|---|---|---|---|---|".into());
         lines.push(format!(
-            "| {} | {} | {} | {world} | {} | {:.1}% | {:.1}% | {:.1} s | {:.0} | {:.3} | {:.1}% |",
+            "| {} | {} | {} | {world} | {} | {} | {} | {:.1} s | {:.0} | {:.3} | {:.1}% |",
             c.zero.stage,
             off(c.zero.offload_optimizer.device),
             off(c.zero.offload_param.device),
             T::DTYPE,
-            100.0 * acc_before,
-            100.0 * acc_after,
+            pct(acc_before),
+            pct(acc_after),
             train_time,
             tokens_total / train_time,
             flops / train_time / 1e12,
@@ -1316,48 +1697,119 @@ fn export(
     Ok(())
 }
 
-/// The addition task's records (generated, or --data) and evaluation
-/// numbers, through the byte tokenizer or the model's.
-fn load_task(args: &Args, tok: &Tok) -> Result<Task, String> {
+/// The training samples (generated addition records, or --data in any
+/// layout of `llama::chat`), less the --val-split, through the byte
+/// tokenizer or the model's template; the held-out samples and how
+/// answers are judged; the --generate and --prompts prompts.
+fn load_task(args: &Args, tok: &Tok) -> Result<(Task, ChatData), String> {
+    use llama::chat::{self, Eval, Need};
     let generated = data::addition_task(args.seed);
-    let mut task = match (tok, &args.data) {
-        (Tok::Bytes, Some(p)) => Task {
-            train: data::load_json(p).map_err(|e| format!("--data {e}"))?,
-            eval: generated.eval,
-        },
-        (Tok::Bytes, None) => generated,
-        (Tok::Hf(t), data) => {
-            let records: Vec<(String, String, String)> = match data {
-                Some(p) => data::load_records(p)
-                    .map_err(|e| format!("--data {e}"))?
-                    .into_iter()
-                    .map(|r| (r.instruction, r.input, r.output))
-                    .collect(),
-                None => generated
-                    .train
-                    .iter()
-                    .filter_map(|s| s.number)
-                    .map(|n| (format!("{n}="), String::new(), data::answer_for(n)))
-                    .collect(),
-            };
-            let train = records
-                .iter()
-                .enumerate()
-                .map(|(i, (ins, inp, out))| {
-                    t.sample(ins, inp, out)
-                        .map_err(|e| format!("training record {i}: {e}"))
-                })
-                .collect::<Result<_, _>>()?;
-            Task {
-                train,
-                eval: generated.eval,
-            }
-        }
+    let t = tok.template();
+    let examples = match &args.data {
+        Some(p) => chat::load_examples(p, Need::Answers).map_err(|e| format!("--data {e}"))?,
+        None => generated
+            .train
+            .iter()
+            .filter_map(|s| s.number)
+            .map(|n| chat::Example {
+                messages: vec![
+                    chat::Message::new(chat::Role::User, format!("{n}=")),
+                    chat::Message::new(chat::Role::Assistant, data::answer_for(n)),
+                ],
+                origin: format!("generated record {n}="),
+            })
+            .collect(),
     };
-    if let Some(p) = &args.eval_data {
-        task.eval = data::eval_numbers_from_json(p).map_err(|e| format!("--eval-data {e}"))?;
+    let (train_idx, val_idx) =
+        chat::split_indices(examples.len(), args.val_split.unwrap_or(0.0), args.seed);
+    if let (Some(f), true) = (args.val_split, val_idx.is_empty()) {
+        return Err(format!(
+            "--val-split {f}: {} record(s) cannot be split into training and validation",
+            examples.len()
+        ));
     }
-    Ok(task)
+    let pick = |idx: &[usize]| -> Vec<chat::Example> {
+        idx.iter().map(|&i| examples[i].clone()).collect()
+    };
+    let (train_ex, mut val_ex) = (pick(&train_idx), pick(&val_idx));
+    if let Some(p) = &args.val_data {
+        val_ex = chat::load_examples(p, Need::Answers).map_err(|e| format!("--val-data {e}"))?;
+    }
+    let train = chat::samples(t, &train_ex).map_err(|e| format!("--data {e}"))?;
+    let val = chat::samples(t, &val_ex).map_err(|e| format!("--val-data/--val-split {e}"))?;
+    let addition = train.iter().all(|s| s.number.is_some());
+    // Held-out records to judge: --eval-data, else the validation records
+    // of a task other than addition, else (addition) the generated 200.
+    let eval = match &args.eval_data {
+        Some(p) => chat::eval_of(
+            t,
+            &chat::load_examples(p, Need::Answers).map_err(|e| format!("--eval-data {e}"))?,
+        )
+        .map_err(|e| format!("--eval-data {e}"))?,
+        None if !addition => chat::eval_of(t, &val_ex)?,
+        None => Eval::Numbers(generated.eval),
+    };
+    let (numbers, exact) = match eval {
+        Eval::Numbers(n) => (n, Vec::new()),
+        Eval::Exact(r) => (Vec::new(), r),
+        Eval::None => (Vec::new(), Vec::new()),
+    };
+    let mut gen: Vec<chat::Example> = args
+        .generate
+        .iter()
+        .map(|g| chat::Example {
+            messages: vec![chat::Message::new(chat::Role::User, g.clone())],
+            origin: format!("--generate {g:?}"),
+        })
+        .collect();
+    if let Some(p) = &args.prompts {
+        gen.extend(prompts_file(p)?);
+    }
+    let gen = gen
+        .iter()
+        .map(|e| {
+            let shown = e.prompt().iter().rev().find(|m| m.role == chat::Role::User);
+            let shown = shown.map_or(String::new(), |m| m.content.clone());
+            Ok((
+                shown,
+                t.prompt(e.prompt())
+                    .map_err(|err| format!("{}: {err}", e.origin))?,
+            ))
+        })
+        .collect::<Result<_, String>>()?;
+    Ok((
+        Task {
+            train,
+            eval: numbers,
+        },
+        ChatData { val, exact, gen },
+    ))
+}
+
+/// The records of --prompts: JSON (a list or JSON Lines) in any layout of
+/// `llama::chat` (answers optional), or plain text, one prompt a line.
+fn prompts_file(p: &std::path::Path) -> Result<Vec<llama::chat::Example>, String> {
+    use llama::chat::{self, Need};
+    let text = std::fs::read_to_string(p)
+        .map_err(|e| format!("--prompts {}: cannot read: {e}", p.display()))?;
+    let file = p.display().to_string();
+    if text.trim_start().starts_with(['{', '[']) {
+        return chat::parse_examples(&text, &file, Need::Prompts)
+            .map_err(|e| format!("--prompts {e}"));
+    }
+    let out: Vec<chat::Example> = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(n, l)| chat::Example {
+            messages: vec![chat::Message::new(chat::Role::User, l)],
+            origin: format!("{file}: line {}", n + 1),
+        })
+        .collect();
+    if out.is_empty() {
+        return Err(format!("--prompts {file}: no prompts"));
+    }
+    Ok(out)
 }
 
 /// The engine's initialisers of weights in files: each streams its tensor.
@@ -1392,7 +1844,8 @@ fn setup(args: Args) -> Result<Setup, String> {
         )),
         None => Tok::Bytes,
     };
-    let task = load_task(&args, &tok)?;
+    let (task, chat) = load_task(&args, &tok)?;
+    Sampler::new(args.temperature, args.top_p, args.seed)?;
     let longest = data::max_len(&task.train);
     let seq = args.seq_len.unwrap_or(longest);
     if seq < longest {
@@ -1404,13 +1857,44 @@ fn setup(args: Args) -> Result<Setup, String> {
     for &n in &task.eval {
         max_prompt = max_prompt.max(tok.prompt_for(n)?.len());
     }
+    for r in &chat.exact {
+        max_prompt = max_prompt.max(r.prompt.len());
+    }
     let max_answer = task.train.iter().map(|s| s.answer.len()).max().unwrap_or(0);
+    let max_answer = chat
+        .exact
+        .iter()
+        .map(|r| r.answer_tokens)
+        .fold(max_answer, usize::max);
     let max_new = max_answer + 4;
-    let positions = seq.max(max_prompt + max_new);
+    let positions = seq.max(max_prompt + max_new).max(data::max_len(&chat.val));
+    // Generation: the prompts and --max-new-tokens, within the model's
+    // positions (generation stops at the last).
+    let gen_prompt = chat.gen.iter().map(|g| g.1.len()).max().unwrap_or(0);
+    let gen_positions = gen_prompt + args.max_new_tokens;
+    let positions = match &hf {
+        Some(m) if gen_prompt > 0 => positions.max(gen_positions.min(m.hf.config.max_seq)),
+        _ if gen_prompt > 0 => positions.max(gen_positions),
+        _ => positions,
+    };
+    if args.min_accuracy.is_some() && task.eval.is_empty() && chat.exact.is_empty() {
+        return Err(
+            "--min-accuracy: there are no held-out records to score (add --val-split, \
+                    --val-data or --eval-data)"
+                .into(),
+        );
+    }
     let (model, init) = match &mut hf {
         Some(m) => {
             let mut c = m.hf.config;
             let dir = m.dir.display();
+            if gen_prompt >= c.max_seq {
+                return Err(format!(
+                    "--model-dir {dir}: a generation prompt has {gen_prompt} tokens, the \
+                     model's max_position_embeddings is {}",
+                    c.max_seq
+                ));
+            }
             if positions > c.max_seq {
                 return Err(format!(
                     "--model-dir {dir}: the data needs {positions} positions, \
@@ -1451,6 +1935,7 @@ fn setup(args: Args) -> Result<Setup, String> {
     Ok(Setup {
         args,
         task,
+        chat,
         model,
         seq,
         max_new,
@@ -1597,5 +2082,101 @@ fn main() {
             );
             exit(3);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The resolved optimizer of these flags: (lr, weight decay, the
+    /// schedule's warmup steps and cosine floor) for a 100-step run.
+    fn optimizer(flags: &[&str]) -> (f64, f64, u64, f64) {
+        let a = Args::try_parse_from(std::iter::once("llama_sft").chain(flags.iter().copied()))
+            .unwrap();
+        let c = engine_config(&a, 2, 100, 64).unwrap();
+        let LrSchedule::WarmupCosineLr {
+            warmup_steps,
+            cos_min_ratio,
+            base_lr,
+            ..
+        } = c.scheduler
+        else {
+            panic!("{:?}", c.scheduler);
+        };
+        assert_eq!(base_lr, c.optimizer.lr);
+        (
+            c.optimizer.lr,
+            c.optimizer.weight_decay,
+            warmup_steps,
+            cos_min_ratio,
+        )
+    }
+
+    /// A DeepSpeed config with these optimizer params, in the temp dir.
+    fn ds_config(name: &str, params: &str) -> PathBuf {
+        let path = std::env::temp_dir().join(format!(
+            "llama_sft_recipe_{}_{name}.json",
+            std::process::id()
+        ));
+        let text = format!(
+            r#"{{"train_micro_batch_size_per_gpu": "auto",
+                "optimizer": {{"type": "AdamW", "params": {params}}},
+                "scheduler": {{"type": "WarmupCosineLR",
+                    "params": {{"total_num_steps": "auto", "warmup_num_steps": "auto"}}}},
+                "zero_optimization": {{"stage": 2}}}}"#
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn steps_0_takes_any_data_size() {
+        assert!(batch_fits(Some(0), 16, 2, 3).is_ok());
+        assert!(batch_fits(None, 16, 2, 32).is_ok());
+        let e = batch_fits(None, 16, 2, 31).unwrap_err();
+        assert!(
+            e.contains("needs 32 samples") && e.contains("has 31"),
+            "{e}"
+        );
+        assert!(batch_fits(Some(1), 16, 2, 3).is_err());
+    }
+
+    #[test]
+    fn pretrained_checkpoints_get_the_fine_tuning_recipe() {
+        assert_eq!(optimizer(&[]), (3e-3, 0.0, 5, 0.1), "the presets'");
+        assert_eq!(optimizer(&["--model-dir", "m"]), (1e-5, 0.1, 3, 0.0));
+        assert_eq!(optimizer(&["--model-dir", "m", "--lora", "8"]).0, 1e-4);
+        assert_eq!(optimizer(&["--model-dir", "m", "--adapter", "a"]).0, 1e-4);
+    }
+
+    #[test]
+    fn flags_and_config_values_win_over_the_recipe() {
+        let flags = ["--model-dir", "m", "--lr", "3e-4", "--weight-decay", "0"];
+        assert_eq!(optimizer(&flags), (3e-4, 0.0, 3, 0.0));
+        let auto = ds_config("auto", r#"{"lr": "auto", "weight_decay": "auto"}"#);
+        let given = ds_config("given", r#"{"lr": 2e-4, "weight_decay": 0.05}"#);
+        let (a, g) = (auto.to_str().unwrap(), given.to_str().unwrap());
+        assert_eq!(
+            optimizer(&["--model-dir", "m", "--config", a]),
+            // The file's scheduler keeps DeepSpeed's cos_min_ratio default.
+            (1e-5, 0.1, 3, 1e-4),
+            "\"auto\" takes the recipe"
+        );
+        let (lr, wd, _, _) = optimizer(&["--model-dir", "m", "--config", g]);
+        assert_eq!((lr, wd), (2e-4, 0.05), "the file's values win");
+        let (lr, wd, _, _) = optimizer(&[
+            "--model-dir",
+            "m",
+            "--config",
+            g,
+            "--lr",
+            "7e-5",
+            "--weight-decay",
+            "0.2",
+        ]);
+        assert_eq!((lr, wd), (7e-5, 0.2), "flags win over the file");
+        let _ = std::fs::remove_file(auto);
+        let _ = std::fs::remove_file(given);
     }
 }

@@ -50,4 +50,10 @@ cargo run -q --example llama_sft -- --device cpu-checked --model-dir examples/ll
 # layout, then loaded back and merged into a Hugging Face export.
 bash scripts/mpirun.sh -n 2 cargo run -q --example llama_sft -- --model-dir examples/llama/tests/fixtures/qwen2 --config tests/fixtures/ds_stage3_offload.json --lora 8 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --steps 10 --lr 1e-2 --export-adapter "$hf_out/adapter"
 cargo run -q --example llama_sft -- --model-dir examples/llama/tests/fixtures/qwen2 --adapter "$hf_out/adapter" --steps 0 --merge-lora --export "$hf_out/merged"
+# Chat data in every layout (messages with a system and two assistant turns,
+# Alpaca, prompt/response and prompt/completion, JSON Lines) in the Qwen2
+# fixture's ChatML template: memorised, then judged by exact match, with the
+# validation loss each epoch and answers to --prompts.
+chat=examples/llama/tests/fixtures/chat/sample.jsonl
+cargo run -q --example llama_sft -- --model-dir examples/llama/tests/fixtures/qwen2 --data "$chat" --val-data "$chat" --eval-data "$chat" --prompts "$chat" --steps 300 --batch 3 --lr 3e-2 --dtype fp32 --max-new-tokens 8 --min-accuracy 90
 rm -rf "$hf_out"

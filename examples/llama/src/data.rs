@@ -79,6 +79,22 @@ pub fn decode(tokens: &[u32]) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
+/// How token `id` reads in a listing (`--show-tokens`): a special as
+/// `<bos>`, `<eos>`, `<pad>`, `<user>`, `<assistant>`, a printable ASCII
+/// byte as itself, any other byte as `<0xNN>`.
+pub fn piece(id: u32) -> String {
+    match id {
+        BOS => "<bos>".into(),
+        EOS => "<eos>".into(),
+        PAD => "<pad>".into(),
+        USER => "<user>".into(),
+        ASSISTANT => "<assistant>".into(),
+        0x21..=0x7e => char::from(id as u8).to_string(),
+        0..=0xff => format!("<0x{id:02X}>"),
+        _ => format!("<{id}?>"),
+    }
+}
+
 /// The prompt of the chat template: `[BOS, USER] ++ bytes(instruction ++
 /// input) ++ [ASSISTANT]`.
 pub fn encode_prompt(instruction: &str, input: &str) -> Vec<u32> {

@@ -12,13 +12,17 @@
 //! `cuda` feature).
 
 pub mod block;
+pub mod chat;
 pub mod cuda;
 pub mod data;
 pub mod device;
+pub mod eval;
 pub mod export;
 pub mod hf;
 pub mod lora;
 pub mod ops;
+pub mod recipe;
+pub mod sampling;
 pub mod train;
 pub mod weights;
 

@@ -961,29 +961,44 @@ pub fn generate_from(
     stop: u32,
     threads: usize,
 ) -> Result<Vec<Vec<u32>>> {
+    generate_with(
+        cfg,
+        block,
+        src,
+        prompts,
+        max_new,
+        stop,
+        threads,
+        &mut |row| super::sampling::argmax(row),
+    )
+}
+
+/// [`generate_from`] with the next token of each row of logits chosen by
+/// `pick` (greedy: [`super::sampling::argmax`]; sampled:
+/// [`super::sampling::Sampler::pick`]), rows in prompt order.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_with(
+    cfg: &Config,
+    block: &Block,
+    src: &mut dyn ParamSource,
+    prompts: &[Vec<u32>],
+    max_new: usize,
+    stop: u32,
+    threads: usize,
+    pick: &mut dyn FnMut(&[f32]) -> u32,
+) -> Result<Vec<Vec<u32>>> {
     let (dim, hd) = (cfg.dim, cfg.head_dim());
     let (qd, kd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
     let group = cfg.n_heads / cfg.n_kv_heads;
-    // The next token of each row of `x` `[b, dim]` (final norm, head, argmax).
-    let next_tokens = |src: &mut dyn ParamSource, x: &[f32], b: usize| -> Result<Vec<u32>> {
+    // The next token of each row of `x` `[b, dim]` (final norm, head, pick).
+    let mut next_tokens = |src: &mut dyn ParamSource, x: &[f32], b: usize| -> Result<Vec<u32>> {
         let head = src.fetch(Part::Head)?;
         if b == 0 {
             return Ok(Vec::new());
         }
         let (xn, _) = ops::rmsnorm_forward(x, &head[0], cfg.norm_eps);
         let logits = ops::linear_forward(&xn, &head[1], b, dim, cfg.vocab, threads);
-        Ok(logits
-            .chunks_exact(cfg.vocab)
-            .map(|row| {
-                row.iter()
-                    .enumerate()
-                    .fold(
-                        (0, f32::NEG_INFINITY),
-                        |m, (t, &v)| if v > m.1 { (t, v) } else { m },
-                    )
-                    .0 as u32
-            })
-            .collect())
+        Ok(logits.chunks_exact(cfg.vocab).map(&mut *pick).collect())
     };
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     let mut lens: Vec<usize> = prompts.iter().map(Vec::len).collect();

@@ -360,3 +360,211 @@ proptest! {
         prop_assert_eq!(decode(&encode_text(&text)), text);
     }
 }
+
+mod chat_data {
+    use super::TempJson;
+    use zero_llama::chat::{
+        eval_of, exact_match, load_examples, parse_examples, samples, split_indices, ByteTemplate,
+        Eval, Message, Need, Role, Template,
+    };
+    use zero_llama::data::{piece, Sample, ASSISTANT, EOS};
+
+    /// The three layouts, as a JSON list and as JSON Lines, read alike.
+    #[test]
+    fn layouts_become_conversations() {
+        let records = [
+            r#"{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}, {"role": "assistant", "content": "A2"}]}"#,
+            r#"{"instruction": "Say", "input": " no", "output": "no"}"#,
+            r#"{"instruction": "5=", "output": "x", "id": 7}"#,
+            r#"{"prompt": "P", "response": "R"}"#,
+            r#"{"prompt": "P", "completion": "C"}"#,
+        ];
+        let list = format!("[{}]", records.join(",\n"));
+        let lines = format!("{}\n\n", records.join("\n"));
+        let a = parse_examples(&list, "f.json", Need::Answers).unwrap();
+        let b = parse_examples(&lines, "f.jsonl", Need::Answers).unwrap();
+        assert_eq!(a.len(), 5);
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!(x.messages, y.messages);
+        }
+        assert_eq!(a[1].origin, "f.json: record 1");
+        assert_eq!(b[1].origin, "f.jsonl: line 2");
+        let m = |r: Role, c: &str| Message::new(r, c);
+        assert_eq!(a[0].messages.len(), 5);
+        assert_eq!(a[0].turns().len(), 2, "every assistant turn is learned");
+        assert_eq!(
+            a[0].turns()[1].0.len(),
+            4,
+            "the second turn sees the history"
+        );
+        assert_eq!(a[0].reference(), Some("A2"));
+        assert_eq!(
+            a[1].messages,
+            vec![m(Role::User, "Say no"), m(Role::Assistant, "no")],
+            "the input follows the instruction"
+        );
+        assert_eq!(a[2].single_user_text(), Some("5="), "input is optional");
+        assert_eq!(a[3].messages[1], m(Role::Assistant, "R"));
+        assert_eq!(a[4].messages[1], m(Role::Assistant, "C"));
+    }
+
+    /// A record in no known layout, or with a bad field, is an error that
+    /// names the file, the record (index in a list, line in JSON Lines)
+    /// and, for an unknown layout, the keys found.
+    #[test]
+    fn bad_records_are_named() {
+        let err = |text: &str| parse_examples(text, "d.json", Need::Answers).unwrap_err();
+        let e = err(r#"[{"prompt": "a", "response": "b"}, {"question": "x", "answer": "y"}]"#);
+        assert!(
+            e.contains("d.json: record 1") && e.contains(r#"["answer", "question"]"#),
+            "{e}"
+        );
+        let e = err("{\"prompt\": \"a\", \"response\": \"b\"}\n{\"q\": 1}\n");
+        assert!(
+            e.contains("d.json: line 2") && e.contains("unknown layout"),
+            "{e}"
+        );
+        let e = err("{\"prompt\": \"a\", \"response\": \"b\"}\nnot json\n");
+        assert!(e.contains("line 2") && e.contains("not valid JSON"), "{e}");
+        for (text, what) in [
+            (r#"[{"prompt": "a"}]"#, "without `response`"),
+            (
+                r#"[{"prompt": "a", "response": "b", "completion": "c"}]"#,
+                "both",
+            ),
+            (
+                r#"[{"instruction": "a", "output": ""}]"#,
+                "`output` is empty",
+            ),
+            (
+                r#"[{"instruction": "a", "output": 5}]"#,
+                "`output`: expected a string",
+            ),
+            (
+                r#"[{"messages": [{"role": "bot", "content": "x"}]}]"#,
+                "role \"bot\"",
+            ),
+            (
+                r#"[{"messages": [{"role": "user", "content": "x"}]}]"#,
+                "does not end with an assistant",
+            ),
+            (
+                r#"[{"messages": [{"role": "assistant", "content": "x"}]}]"#,
+                "no user turn",
+            ),
+            ("[]", "no records"),
+            ("5", "expected a JSON list"),
+        ] {
+            let e = err(text);
+            assert!(e.contains(what) && e.starts_with("d.json"), "{text}: {e}");
+        }
+        // Prompts may lack answers.
+        let p = parse_examples(
+            "{\"prompt\": \"a\"}\n{\"messages\": [{\"role\": \"user\", \"content\": \"b\"}]}",
+            "p.jsonl",
+            Need::Prompts,
+        )
+        .unwrap();
+        assert_eq!(p[0].reference(), None);
+        assert_eq!(p[1].prompt().len(), 1);
+        let file = TempJson::new("chat_missing", "");
+        let e = load_examples(&file.0, Need::Answers).unwrap_err();
+        assert!(e.contains(&file.0.display().to_string()), "{e}");
+    }
+
+    /// The byte template gives the addition task's samples for single
+    /// turns, and refuses what it cannot render, saying what to use.
+    #[test]
+    fn byte_template_samples() {
+        let ex = parse_examples(
+            r#"[{"instruction": "17=", "input": "", "output": "a"}, {"prompt": "hi", "response": "yo"}]"#,
+            "f",
+            Need::Answers,
+        )
+        .unwrap();
+        let s = samples(&ByteTemplate, &ex).unwrap();
+        assert_eq!(
+            s,
+            vec![Sample::new("17=", "", "a"), Sample::new("hi", "", "yo")]
+        );
+        assert_eq!(s[0].number, Some(17));
+        let p = ByteTemplate.prompt(ex[1].prompt()).unwrap();
+        assert_eq!(p, s[1].prompt);
+        assert_eq!(*p.last().unwrap(), ASSISTANT);
+        let multi = parse_examples(
+            r#"[{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]}]"#,
+            "m.json",
+            Need::Answers,
+        )
+        .unwrap();
+        let e = samples(&ByteTemplate, &multi).unwrap_err();
+        assert!(
+            e.contains("m.json: record 0") && e.contains("--model-dir"),
+            "{e}"
+        );
+    }
+
+    /// The held-out choice depends only on (n, fraction, seed), is disjoint
+    /// from training, and keeps at least one record on each side.
+    #[test]
+    fn split_is_seeded_and_disjoint() {
+        let (t, v) = split_indices(100, 0.1, 3);
+        assert_eq!((t.len(), v.len()), (90, 10));
+        assert!(v.iter().all(|i| !t.contains(i)));
+        assert_eq!(split_indices(100, 0.1, 3), (t.clone(), v.clone()));
+        assert_ne!(split_indices(100, 0.1, 4).1, v);
+        assert_eq!(split_indices(5, 0.01, 0).1.len(), 1, "at least one");
+        assert_eq!(split_indices(2, 0.99, 0).0.len(), 1, "never all");
+        assert_eq!(split_indices(10, 0.0, 0), ((0..10).collect(), vec![]));
+        assert_eq!(
+            split_indices(1, 0.5, 0),
+            (vec![0], vec![]),
+            "nothing to hold out"
+        );
+    }
+
+    /// Held-out `N=` prompts are the addition task (scored by the sum);
+    /// anything else is exact match against the reference.
+    #[test]
+    fn eval_is_addition_or_exact_match() {
+        let add = parse_examples(
+            r#"[{"instruction": "5=", "output": "x"}, {"prompt": "17=", "response": "y"}]"#,
+            "f",
+            Need::Answers,
+        )
+        .unwrap();
+        assert_eq!(
+            eval_of(&ByteTemplate, &add).unwrap(),
+            Eval::Numbers(vec![5, 17])
+        );
+        let other = parse_examples(
+            r#"[{"instruction": "5=", "output": "x"}, {"prompt": "Capital of France?", "response": " Paris "}]"#,
+            "f",
+            Need::Answers,
+        )
+        .unwrap();
+        let Eval::Exact(refs) = eval_of(&ByteTemplate, &other).unwrap() else {
+            panic!("exact match expected");
+        };
+        assert_eq!(refs[1].answer, " Paris ");
+        assert_eq!(refs[1].shown, "Capital of France?");
+        assert_eq!(refs[1].answer_tokens, " Paris ".len() + 1, "with EOS");
+        assert_eq!(
+            refs[1].prompt,
+            ByteTemplate.prompt(other[1].prompt()).unwrap()
+        );
+        assert_eq!(eval_of(&ByteTemplate, &[]).unwrap(), Eval::None);
+        assert!(exact_match("Paris\n", " Paris "));
+        assert!(!exact_match("paris", "Paris"));
+        assert!(!exact_match("Paris.", "Paris"));
+    }
+
+    #[test]
+    fn byte_pieces_are_readable() {
+        assert_eq!(piece(u32::from(b'a')), "a");
+        assert_eq!(piece(u32::from(b' ')), "<0x20>");
+        assert_eq!(piece(0xE7), "<0xE7>");
+        assert_eq!(piece(EOS), "<eos>");
+        assert_eq!(piece(9999), "<9999?>");
+    }
+}

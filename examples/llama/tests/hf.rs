@@ -821,6 +821,18 @@ fn no_chat_template_and_no_eos() {
     assert_eq!(t.decode(&s.prompt), "17=");
     assert_eq!(s.answer.last(), Some(&t.eos_id()));
     assert_eq!(t.decode(&s.answer), "王大丫丫的回答是--->10 + 7");
+    // Without a template there is no way to render several turns.
+    use llama::chat::{Message, Role};
+    let turns = [
+        Message::new(Role::System, "S"),
+        Message::new(Role::User, "17="),
+    ];
+    let e = t.sample_messages(&turns, "x").unwrap_err();
+    assert!(
+        e.contains("no chat template") && e.contains("system, user"),
+        "{e}"
+    );
+    assert!(t.prompt_messages(&turns).is_err());
 
     let tc = d.0.join("tokenizer_config.json");
     let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
@@ -907,4 +919,97 @@ fn lora_matches_peft() {
         "one golden gradient per adapter matrix"
     );
     assert_grads("lora", &infos, &grads[cfg.tensor_count()..], &want);
+}
+
+/// A multi-turn conversation in the Qwen2 fixture's ChatML template: one
+/// sample per assistant turn, each the template's rendering of the history
+/// with the generation prompt, then exactly the tokens the template adds
+/// for the turn; the last sample is the whole conversation's tokens.
+#[test]
+fn multi_turn_messages_train_every_assistant_turn() {
+    use llama::chat::{parse_examples, samples, Need, Template};
+    let t = HfTokenizer::load(&fixture("qwen2"), None).unwrap();
+    let ex = parse_examples(
+        r#"{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}"#,
+        "chat.jsonl",
+        Need::Answers,
+    )
+    .unwrap();
+    let s = samples(&t, &ex).unwrap();
+    assert_eq!(s.len(), 2);
+    let full = t
+        .encode(&t.render_messages(&ex[0].messages, false).unwrap(), false)
+        .unwrap();
+    let last: Vec<u32> = s[1].prompt.iter().chain(&s[1].answer).copied().collect();
+    assert_eq!(last, full, "the last turn's sample is the conversation");
+    assert!(
+        full.starts_with(&s[0].prompt),
+        "the first turn's prompt opens it"
+    );
+    assert!(s[0].prompt.len() < s[1].prompt.len());
+    assert_eq!(t.decode(&s[0].answer), "hello");
+    assert_eq!(t.decode(&s[1].answer), "4");
+    assert_eq!(s[1].answer.iter().filter(|&&i| i == t.eos_id()).count(), 1);
+    let system = t.render_messages(&ex[0].messages[..2], true).unwrap();
+    assert!(
+        system.starts_with("<|im_start|>system\nBe brief."),
+        "{system}"
+    );
+    assert_eq!(Template::prompt(&t, ex[0].prompt()).unwrap(), s[1].prompt);
+    // One user turn: the same sample as the Alpaca path.
+    let one = parse_examples(
+        r#"[{"prompt": "1807=", "completion": "x"}]"#,
+        "f",
+        Need::Answers,
+    )
+    .unwrap();
+    assert_eq!(
+        samples(&t, &one).unwrap()[0],
+        t.sample("1807=", "", "x").unwrap()
+    );
+}
+
+/// The validation loss (forward only, part by part, batches as long as
+/// their longest sample, the head on answer rows only) is the model's
+/// mean loss over the same answer tokens.
+#[test]
+fn answer_loss_is_the_models_loss_on_the_answers() {
+    use llama::train::FullParams;
+    let src = fixture("llama");
+    let m = HfModel::open(&src).unwrap();
+    let tok = HfTokenizer::load(&src, None).unwrap();
+    let samples: Vec<llama::data::Sample> = ["1=", "23=", "456=", "7890=", "12="]
+        .iter()
+        .map(|p| tok.sample(p, "", "some answer text").unwrap())
+        .collect();
+    let seq = llama::data::max_len(&samples);
+    let mut cfg = m.hf.config;
+    cfg.max_seq = seq;
+    let all: Vec<&llama::data::Sample> = samples.iter().collect();
+    let (tokens, targets) = llama::data::make_batch_with_pad(&all, seq, tok.pad_id()).unwrap();
+    let model = Model::new(cfg, 1);
+    let refs: Vec<&[f32]> = m.params.iter().map(Vec::as_slice).collect();
+    let (want, _) = model.forward(&refs, &tokens, &targets, all.len(), seq);
+    let count = targets.iter().filter(|&&t| t >= 0).count();
+    // Batches of 2 (the last of 1), then a batch past the end (empty).
+    let (sum, n) = llama::eval::answer_loss(
+        &cfg,
+        &model.block,
+        &mut FullParams {
+            cfg: &cfg,
+            params: &m.params,
+        },
+        &all,
+        4,
+        2,
+        tok.pad_id(),
+        1,
+    )
+    .unwrap();
+    assert_eq!(n, count);
+    let got = sum / n as f64;
+    assert!(
+        (got - f64::from(want)).abs() < 1e-5 * f64::from(want),
+        "{got} vs {want}"
+    );
 }

@@ -19,6 +19,11 @@
 //!   rendering less the prompt's text, tokenized on its own), with the EOS
 //!   token appended when the template does not write it.
 //!
+//! Any conversation ([`HfTokenizer::sample_messages`], the layouts of
+//! [`crate::chat`]) works the same way: the prompt is the template over
+//! the turns before an assistant turn with the generation prompt, the
+//! answer what the template adds for that turn.
+//!
 //! Without a chat template the prompt is `instruction ++ input` tokenized
 //! with the tokenizer's special tokens (a BOS where the tokenizer adds one)
 //! and the answer is `output` followed by EOS.
@@ -31,6 +36,7 @@ use std::path::{Path, PathBuf};
 use minijinja::{context, Environment, Error as JinjaError, ErrorKind};
 use serde_json::Value;
 
+use super::super::chat::{Message, Role};
 use super::super::data::{parse_prompt, Sample};
 
 /// The files of a Hugging Face tokenizer that an export copies.
@@ -221,6 +227,20 @@ impl HfTokenizer {
     /// The chat template over a user turn `user` and, when given, an
     /// assistant turn; `add_generation_prompt` when there is none.
     pub fn render(&self, user: &str, assistant: Option<&str>) -> Result<String, String> {
+        let mut messages = vec![Message::new(Role::User, user)];
+        if let Some(a) = assistant {
+            messages.push(Message::new(Role::Assistant, a));
+        }
+        self.render_messages(&messages, assistant.is_none())
+    }
+
+    /// The chat template over `messages` (any roles, any number of turns),
+    /// with `add_generation_prompt` as given.
+    pub fn render_messages(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String, String> {
         let template = self
             .template
             .as_deref()
@@ -255,15 +275,15 @@ impl HfTokenizer {
             )
         };
         env.add_template("chat", template).map_err(fail)?;
-        let mut messages = vec![context! { role => "user", content => user }];
-        if let Some(a) = assistant {
-            messages.push(context! { role => "assistant", content => a });
-        }
+        let messages: Vec<_> = messages
+            .iter()
+            .map(|m| context! { role => m.role.name(), content => m.content.as_str() })
+            .collect();
         env.get_template("chat")
             .map_err(fail)?
             .render(context! {
                 messages => messages,
-                add_generation_prompt => assistant.is_none(),
+                add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos.clone().unwrap_or_default(),
                 eos_token => self.eos.clone(),
             })
@@ -272,20 +292,61 @@ impl HfTokenizer {
 
     /// The prompt of `instruction ++ input` (see the module's doc).
     pub fn prompt(&self, instruction: &str, input: &str) -> Result<Vec<u32>, String> {
-        let user = format!("{instruction}{input}");
+        self.prompt_messages(&[Message::new(Role::User, format!("{instruction}{input}"))])
+    }
+
+    /// The prompt of a conversation `history`: the template with the
+    /// generation prompt. Without a template, only a single user turn has
+    /// a prompt (its text with the tokenizer's special tokens).
+    pub fn prompt_messages(&self, history: &[Message]) -> Result<Vec<u32>, String> {
         match &self.template {
-            Some(_) => self.encode(&self.render(&user, None)?, false),
-            None => self.encode(&user, true),
+            Some(_) => self.encode(&self.render_messages(history, true)?, false),
+            None => self.encode(self.untemplated(history)?, true),
+        }
+    }
+
+    /// The one user turn of `history`, for a tokenizer without a template.
+    fn untemplated<'m>(&self, history: &'m [Message]) -> Result<&'m str, String> {
+        match history {
+            [m] if m.role == Role::User => Ok(&m.content),
+            _ => Err(format!(
+                "{}: the tokenizer has no chat template: only a single user turn can be \
+                 rendered, not {} turns ({})",
+                self.dir.display(),
+                history.len(),
+                history
+                    .iter()
+                    .map(|m| m.role.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )),
         }
     }
 
     /// One training sample (see the module's doc).
     pub fn sample(&self, instruction: &str, input: &str, output: &str) -> Result<Sample, String> {
-        let user = format!("{instruction}{input}");
+        let user = Message::new(Role::User, format!("{instruction}{input}"));
+        let mut s = self.sample_messages(std::slice::from_ref(&user), output)?;
+        s.number = parse_prompt(instruction);
+        Ok(s)
+    }
+
+    /// The sample of assistant turn `output` after the conversation
+    /// `history`: the prompt is [`HfTokenizer::prompt_messages`], the
+    /// answer the tokens the template adds for the turn (see the module's
+    /// doc); `number` is the addition prompt's when `history` is one user
+    /// turn `N=`.
+    pub fn sample_messages(&self, history: &[Message], output: &str) -> Result<Sample, String> {
+        let number = match history {
+            [m] if m.role == Role::User => parse_prompt(&m.content),
+            _ => None,
+        };
         let (prompt, mut answer) = match &self.template {
             Some(_) => {
-                let p = self.render(&user, None)?;
-                let full = self.render(&user, Some(output))?;
+                let p = self.render_messages(history, true)?;
+                let mut conversation = history.to_vec();
+                conversation.push(Message::new(Role::Assistant, output));
+                let full = self.render_messages(&conversation, false)?;
                 let rest = full.strip_prefix(p.as_str()).ok_or_else(|| {
                     format!(
                         "{}: the chat template renders a conversation that does not \
@@ -304,7 +365,10 @@ impl HfTokenizer {
                 };
                 (prompt, answer)
             }
-            None => (self.encode(&user, true)?, self.encode(output, false)?),
+            None => (
+                self.encode(self.untemplated(history)?, true)?,
+                self.encode(output, false)?,
+            ),
         };
         if !answer.contains(&self.eos_id) {
             answer.push(self.eos_id);
@@ -312,8 +376,16 @@ impl HfTokenizer {
         Ok(Sample {
             prompt,
             answer,
-            number: parse_prompt(instruction),
+            number,
         })
+    }
+
+    /// The token's text as the vocabulary spells it (`Ġthe`,
+    /// `<|im_end|>`), for `--show-tokens`; `<id?>` for an unknown id.
+    pub fn piece(&self, id: u32) -> String {
+        self.tok
+            .id_to_token(id)
+            .unwrap_or_else(|| format!("<{id}?>"))
     }
 }
 
