@@ -81,8 +81,8 @@ void rmsnorm_fwd(Reader& in) {
   std::vector<float> inv(rows);
   for (uint64_t r = 0; r < rows; ++r) {
     const T* xr = x.data() + r * d;
-    const float ss =
-        row_reduce<LlamaSum, float>([&](unsigned l) { return llama_rms_fwd_lane<E>(xr, d, l); });
+    const double ss =
+        row_reduce<LlamaSum, double>([&](unsigned l) { return llama_rms_fwd_lane<E>(xr, d, l); });
     const float s = llama_rms_inv(ss, d, eps);
     for (unsigned l = 0; l < LLAMA_LANES; ++l) {
       llama_rms_fwd_write<E>(xr, w.data(), y.data() + r * d, d, l, s);
@@ -105,7 +105,7 @@ void rmsnorm_bwd(Reader& in) {
   in.finish();
   for (uint64_t r = 0; r < rows; ++r) {
     const uint64_t o = r * d;
-    const float dot = row_reduce<LlamaSum, float>(
+    const double dot = row_reduce<LlamaSum, double>(
         [&](unsigned l) { return llama_rms_bwd_lane<E>(dy.data() + o, x.data() + o, w.data(), d, l); });
     for (unsigned l = 0; l < LLAMA_LANES; ++l) {
       llama_rms_bwd_write<E>(dy.data() + o, x.data() + o, w.data(), dx.data() + o, d, l, inv[r],
@@ -135,7 +135,7 @@ void softmax_fwd(Reader& in) {
     const uint64_t valid = r % t + 1;
     const float m = row_reduce<LlamaMax, float>(
         [&](unsigned l) { return llama_softmax_max_lane<E>(row, valid, l); });
-    const float sum = row_reduce<LlamaSum, float>(
+    const double sum = row_reduce<LlamaSum, double>(
         [&](unsigned l) { return llama_softmax_sum_lane<E>(row, valid, l, m); });
     for (unsigned l = 0; l < LLAMA_LANES; ++l) {
       llama_softmax_write<E>(row, row, t, valid, l, m, sum);
@@ -154,7 +154,7 @@ void softmax_bwd(Reader& in) {
   in.finish();
   for (uint64_t r = 0; r < mats * t; ++r) {
     const uint64_t o = r * t, valid = r % t + 1;
-    const float dot = row_reduce<LlamaSum, float>(
+    const float dot = (float)row_reduce<LlamaSum, double>(
         [&](unsigned l) { return llama_softmax_bwd_lane<E>(p.data() + o, dp.data() + o, valid, l); });
     for (unsigned l = 0; l < LLAMA_LANES; ++l) {
       llama_softmax_bwd_write<E>(p.data() + o, dp.data() + o, dp.data() + o, t, valid, l, dot,
@@ -179,7 +179,7 @@ void cross_entropy(Reader& in) {
     const T* row = x.data() + r * vocab;
     const float m = row_reduce<LlamaMax, float>(
         [&](unsigned l) { return llama_softmax_max_lane<E>(row, vocab, l); });
-    const float sum = row_reduce<LlamaSum, float>(
+    const double sum = row_reduce<LlamaSum, double>(
         [&](unsigned l) { return llama_softmax_sum_lane<E>(row, vocab, l, m); });
     for (unsigned l = 0; l < LLAMA_LANES; ++l) {
       const float loss =
