@@ -274,9 +274,20 @@ pub fn embedding_forward(table: &[f32], tokens: &[u32], dim: usize) -> Vec<f32> 
     out
 }
 
-/// Scatter-adds `dout` `[tokens, dim]` into `dtable` `[vocab, dim]`.
-pub fn embedding_backward(dout: &[f32], tokens: &[u32], dim: usize, dtable: &mut [f32]) {
+/// Scatter-adds `dout` `[tokens, dim]` into `dtable` `[vocab, dim]`, rows
+/// in order, except the rows of token `pad` (transformers' `padding_idx`:
+/// the padding token's embedding gets no gradient from its lookups).
+pub fn embedding_backward(
+    dout: &[f32],
+    tokens: &[u32],
+    dim: usize,
+    dtable: &mut [f32],
+    pad: Option<u32>,
+) {
     for (r, &t) in tokens.iter().enumerate() {
+        if Some(t) == pad {
+            continue;
+        }
         let t = t as usize;
         for (g, d) in dtable[t * dim..(t + 1) * dim]
             .iter_mut()

@@ -489,9 +489,16 @@ fn embedding_kernels() {
         .unwrap();
     assert_eq!(g.down(&out), want);
     let mut want = dtable0.clone();
-    ops::embedding_backward(&dout, &tokens, dim, &mut want);
+    ops::embedding_backward(&dout, &tokens, dim, &mut want, None);
     assert_eq!(bwd::<f32>(&g, &dout, &gplan, &dtable0, dim), want);
     assert_eq!(bwd::<bf16>(&g, &dout, &gplan, &dtable0, dim), want);
+    // With the first row's token as padding (transformers' padding_idx).
+    let pad = Some(tokens[0]);
+    let pplan = EmbeddingGradPlan::new(&tokens, vocab, pad).unwrap();
+    let pplan = GpuEmbeddingPlan::new(&g.stream, &pplan, vocab).unwrap();
+    let mut want = dtable0.clone();
+    ops::embedding_backward(&dout, &tokens, dim, &mut want, pad);
+    assert_eq!(bwd::<f32>(&g, &dout, &pplan, &dtable0, dim), want);
     // Finite differences of L = sum(c * embed(table)).
     let c = randn(&mut rng, rows * dim, 1.0);
     let grad = bwd::<f32>(&g, &c, &gplan, &vec![0.0; vocab * dim], dim);

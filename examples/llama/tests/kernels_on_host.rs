@@ -333,6 +333,20 @@ fn cross_entropy_at_a_151936_vocabulary_matches_f64() {
 }
 
 fn embedding<E: Act>(exe: &Path, rows: usize, dim: usize, vocab: usize, seed: u64) {
+    embedding_with_pad::<E>(exe, rows, dim, vocab, None, seed);
+    // The first row's token as the padding token: its rows are left out.
+    let first = XorShift::new(seed).below(vocab) as u32;
+    embedding_with_pad::<E>(exe, rows, dim, vocab, Some(first), seed);
+}
+
+fn embedding_with_pad<E: Act>(
+    exe: &Path,
+    rows: usize,
+    dim: usize,
+    vocab: usize,
+    pad: Option<u32>,
+    seed: u64,
+) {
     let mut rng = XorShift::new(seed);
     let table = round::<E>(&randn(&mut rng, vocab * dim, 1.0));
     // Few distinct tokens, so that rows share table rows.
@@ -351,8 +365,8 @@ fn embedding<E: Act>(exe: &Path, rows: usize, dim: usize, vocab: usize, seed: u6
     let dout = round::<E>(&randn(&mut rng, rows * dim, 1.0));
     let dtable0 = randn(&mut rng, vocab * dim, 1.0);
     let mut want = dtable0.clone();
-    ops::embedding_backward(&dout, &tokens, dim, &mut want);
-    let plan = EmbeddingGradPlan::new(&tokens, vocab).unwrap();
+    ops::embedding_backward(&dout, &tokens, dim, &mut want, pad);
+    let plan = EmbeddingGradPlan::new(&tokens, vocab, pad).unwrap();
     let input = Rec::default()
         .u64(rows)
         .u64(dim)
@@ -395,7 +409,12 @@ fn embedding_plan_groups_rows_by_token_in_row_order() {
     assert_eq!(plan.order, vec![3, 1, 4, 0, 2, 5]);
     assert_eq!(plan.seg_start, vec![0, 1, 3, 6]);
     assert_eq!(plan.seg_token, vec![0, 1, 4]);
-    let empty = EmbeddingGradPlan::new(&[], 5).unwrap();
+    // Padding token 1: its rows (1 and 4) are not in the plan.
+    let plan = EmbeddingGradPlan::new(&[4, 1, 4, 0, 1, 4], 5, Some(1)).unwrap();
+    assert_eq!(plan.order, vec![3, 0, 2, 5]);
+    assert_eq!(plan.seg_start, vec![0, 1, 4]);
+    assert_eq!(plan.seg_token, vec![0, 4]);
+    let empty = EmbeddingGradPlan::new(&[], 5, None).unwrap();
     assert_eq!((empty.segments(), empty.seg_start), (0, vec![0]));
 }
 

@@ -117,6 +117,8 @@ pub fn rmsnorm_scratch_len(rows: usize, d: usize) -> usize {
 /// `order[seg_start[s] .. seg_start[s + 1]]` hold token `seg_token[s]`, in
 /// increasing row order (a stable sort), so each table row's gradient adds
 /// its rows in the CPU's order, one GPU thread per element, no atomics.
+/// The padding token's rows are left out (transformers' `padding_idx`):
+/// no thread writes its table row.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EmbeddingGradPlan {
     /// Row indices sorted by token (stable).
@@ -128,9 +130,9 @@ pub struct EmbeddingGradPlan {
 }
 
 impl EmbeddingGradPlan {
-    /// Groups `tokens` (one per row); errors on a token `>= vocab` or more
-    /// than `u32::MAX` rows.
-    pub fn new(tokens: &[u32], vocab: usize) -> zero::core::Result<Self> {
+    /// Groups `tokens` (one per row) but those equal to `pad`; errors on a
+    /// token `>= vocab` or more than `u32::MAX` rows.
+    pub fn new(tokens: &[u32], vocab: usize, pad: Option<u32>) -> zero::core::Result<Self> {
         let invalid = |msg: String| zero::core::Error::InvalidSize {
             op: "llama_embedding_backward",
             msg,
@@ -147,7 +149,9 @@ impl EmbeddingGradPlan {
                 "token {t} at row {r} is outside the vocabulary of {vocab}"
             )));
         }
-        let mut order: Vec<u32> = (0..tokens.len() as u32).collect();
+        let mut order: Vec<u32> = (0..tokens.len() as u32)
+            .filter(|&r| Some(tokens[r as usize]) != pad)
+            .collect();
         order.sort_by_key(|&r| tokens[r as usize]);
         let mut seg_start = Vec::new();
         let mut seg_token = Vec::new();

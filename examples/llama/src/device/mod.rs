@@ -192,8 +192,16 @@ pub trait LlamaDevice: EngineBackend {
     fn upload_targets(&self, ops: &Self::Ops, targets: &[i32]) -> Result<Self::Targets>;
 
     /// Groups `tokens` by token (`< vocab`) for
-    /// [`embedding_backward`](LlamaDevice::embedding_backward).
-    fn embed_plan(&self, ops: &Self::Ops, tokens: &[u32], vocab: usize) -> Result<Self::EmbedPlan>;
+    /// [`embedding_backward`](LlamaDevice::embedding_backward), leaving out
+    /// the rows of token `pad` (transformers' `padding_idx`: that row of
+    /// the table gets no gradient from its lookups).
+    fn embed_plan(
+        &self,
+        ops: &Self::Ops,
+        tokens: &[u32],
+        vocab: usize,
+        pad: Option<u32>,
+    ) -> Result<Self::EmbedPlan>;
 
     /// Copies the `len` elements of gradient `src` into the buffer the
     /// engine lent for them ([`zero::GradBuffer::lent`]), ordered after the
@@ -262,8 +270,9 @@ pub trait LlamaDevice: EngineBackend {
         dim: usize,
     ) -> Result<()>;
 
-    /// `dtable[t, :] += dout[r, :]` for every row `r` of token `t`, rows in
-    /// increasing order (`dtable` `[vocab, dim]`, f32).
+    /// `dtable[t, :] += dout[r, :]` for every row `r` of token `t` in the
+    /// plan (all but the padding token's), rows in increasing order
+    /// (`dtable` `[vocab, dim]`, f32).
     fn embedding_backward<T: Element>(
         &self,
         ops: &Self::Ops,
