@@ -205,7 +205,12 @@ impl BigVocabCase {
         for (r, &t) in targets.iter().enumerate() {
             let row = &logits[r * v..(r + 1) * v];
             let max = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
-            let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&x| (x as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
             loss += lse - row[t as usize] as f64;
             for (j, &x) in row.iter().enumerate() {
                 let p = (x as f64 - lse).exp() / rows;

@@ -19,7 +19,8 @@
 //                     logits E[rows*vocab]
 //                 out: dlogits E, losses f32[rows], mean f32
 //   embedding_fwd in: u64 rows, dim, vocab; tokens u32[rows], table E  out: E[rows*dim]
-//   embedding_bwd in: u64 rows, dim, vocab, nseg; order u32[rows],
+//   embedding_bwd in: u64 rows, dim, vocab, nseg, norder (<= rows: the
+//                     padding token's rows are not in the plan); order u32[norder],
 //                     seg_start u32[nseg+1], seg_token u32[nseg], dout E,
 //                     dtable f32[vocab*dim]
 //                 out: dtable
@@ -212,8 +213,9 @@ template <class E>
 void embedding_bwd(Reader& in) {
   typedef typename E::T T;
   const uint64_t rows = in.get<uint64_t>(), dim = in.get<uint64_t>(), vocab = in.get<uint64_t>(),
-                 nseg = in.get<uint64_t>();
-  const std::vector<zero_u32> order = in.vec<zero_u32>(rows);
+                 nseg = in.get<uint64_t>(), norder = in.get<uint64_t>();
+  if (norder > rows) fail("plan longer than the batch");
+  const std::vector<zero_u32> order = in.vec<zero_u32>(norder);
   const std::vector<zero_u32> seg_start = in.vec<zero_u32>(nseg + 1);
   const std::vector<zero_u32> seg_token = in.vec<zero_u32>(nseg);
   const std::vector<T> dout = in.vec<T>(rows * dim);

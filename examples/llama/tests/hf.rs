@@ -253,7 +253,10 @@ fn bigvocab_with_padding_matches_transformers() {
     let pad = m.hf.config.pad_id.unwrap();
     assert_eq!(m.hf.eos_token_ids, vec![pad], "pad = end of turn");
     let inputs = g.ids.concat().iter().filter(|&&t| t == pad).count();
-    assert!(inputs >= 4, "the batch holds the padding token {inputs} times");
+    assert!(
+        inputs >= 4,
+        "the batch holds the padding token {inputs} times"
+    );
     // The padding row within the tolerance of the whole tensor's check; the
     // row with its input lookups counted (no padding_idx) far outside it.
     let want = &g.tensors["grad.model.embed_tokens.weight"];

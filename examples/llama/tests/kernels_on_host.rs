@@ -372,6 +372,7 @@ fn embedding_with_pad<E: Act>(
         .u64(dim)
         .u64(vocab)
         .u64(plan.segments())
+        .u64(plan.order.len())
         .arr(&plan.order)
         .arr(&plan.seg_start)
         .arr(&plan.seg_token)
@@ -411,7 +412,7 @@ fn embedding_plan_groups_rows_by_token_in_row_order() {
     assert_eq!(plan.seg_token, vec![0, 1, 4]);
     // Padding token 1: its rows (1 and 4) are not in the plan.
     let plan = EmbeddingGradPlan::new(&[4, 1, 4, 0, 1, 4], 5, Some(1)).unwrap();
-    assert_eq!(plan.order, vec![3, 0, 2, 5]);
+    assert_eq!((plan.rows, plan.order.clone()), (6, vec![3, 0, 2, 5]));
     assert_eq!(plan.seg_start, vec![0, 1, 4]);
     assert_eq!(plan.seg_token, vec![0, 4]);
     let empty = EmbeddingGradPlan::new(&[], 5, None).unwrap();

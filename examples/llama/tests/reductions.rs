@@ -42,7 +42,11 @@ fn rel(got: f64, want: f64) -> f64 {
 /// `ln Σ exp(x)` of `row`, all in f64.
 fn lse64(row: &[f32]) -> f64 {
     let max = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
-    max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln()
+    max + row
+        .iter()
+        .map(|&x| (x as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
 }
 
 #[test]

@@ -121,7 +121,9 @@ pub fn rmsnorm_scratch_len(rows: usize, d: usize) -> usize {
 /// no thread writes its table row.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EmbeddingGradPlan {
-    /// Row indices sorted by token (stable).
+    /// Rows of the batch (the padding token's included).
+    pub rows: usize,
+    /// Row indices sorted by token (stable), the padding token's left out.
     pub order: Vec<u32>,
     /// Where each token's rows start in `order`, plus the end.
     pub seg_start: Vec<u32>,
@@ -164,6 +166,7 @@ impl EmbeddingGradPlan {
         }
         seg_start.push(order.len() as u32);
         Ok(EmbeddingGradPlan {
+            rows: tokens.len(),
             order,
             seg_start,
             seg_token,
