@@ -1,7 +1,10 @@
 //! GPU kernels of the Llama example's non-GEMM ops (the GEMMs go through
 //! cuBLAS): embedding, RMSNorm, RoPE, causal softmax (attention's fused
 //! softmax between the two cuBLAS products), SwiGLU and cross-entropy, each
-//! forward and backward, for f32 or bf16 activations with f32 accumulation.
+//! forward and backward, for f32 or bf16 activations with f32 accumulation,
+//! except the row reductions (RMSNorm's and the softmax's sums,
+//! cross-entropy's log-sum-exp), which accumulate in f64 as
+//! [`super::ops`] does.
 //!
 //! # Sources
 //!

@@ -166,7 +166,8 @@ impl Batch {
 /// A backend the Llama model runs on: the model's ops, each enqueued on
 /// the compute stream, reading and writing the backend's buffers. Element
 /// type `T` is the parameters' (f32 or bf16), also the activations';
-/// reductions and norms' statistics are f32.
+/// norms' statistics are f32, the row reductions behind them (and behind
+/// the softmax and the cross-entropy) f64.
 ///
 /// Every op checks its lengths and returns an error naming the op and the
 /// operand that does not fit, before enqueuing anything.
