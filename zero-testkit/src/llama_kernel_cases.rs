@@ -157,3 +157,102 @@ pub fn identity_attention(mats: usize, t: usize) -> (AttnShape, Vec<f32>) {
     };
     (s, eye)
 }
+
+/// Qwen2's vocabulary: the size of [`BigVocabCase`]'s rows.
+pub const BIG_VOCAB: usize = 151_936;
+
+/// Cross-entropy at a real vocabulary, where an f32 running sum of the
+/// exponentials loses precision: a realistic row (normal logits of std 2,
+/// one raised by 15) and an adversarial one (a logit of 0 first, then
+/// `-25 ln 2`, whose exponential 2^-25 an f32 sum past 1 drops: the sum
+/// reads low by 151935·2^-25 = 4.5e-3, and a lane of 32 holding the peak by
+/// 4747·2^-25 = 1.4e-4). Logits are exact in bf16 (`round::<bf16>`).
+pub struct BigVocabCase {
+    /// `[2, BIG_VOCAB]`.
+    pub logits: Vec<f32>,
+    /// One target per row.
+    pub targets: Vec<i32>,
+    /// The mean loss, all in f64.
+    pub loss: f64,
+    /// The gradient of the mean loss, all in f64.
+    pub grad: Vec<f64>,
+}
+
+/// Two f32 ulps, relative: [`BigVocabCase::check`]'s tolerance of the loss.
+pub const LOSS_RTOL_F64: f64 = 2.0 / (1u64 << 23) as f64;
+
+/// [`BigVocabCase::check`]'s tolerance of a gradient element, relative to
+/// its f64 value (to `1 / rows` at the target, where it cancels): the f32
+/// `exp` of an argument that is itself rounded (`(x - max)` and `ln Σ`
+/// each carry half an ulp of a value up to ~40, ~2e-6), plus the
+/// exponential's own error (2 ulps on a GPU).
+pub const GRAD_RTOL_F64: f64 = 4e-6;
+
+impl BigVocabCase {
+    /// The case (deterministic in `seed`).
+    pub fn new(seed: u64) -> BigVocabCase {
+        let v = BIG_VOCAB;
+        let mut rng = XorShift::new(seed);
+        let mut logits: Vec<f32> = (0..v).map(|_| 2.0 * rng.normal()).collect();
+        logits[rng.below(v)] += 15.0;
+        let mut adv = vec![-25.0 * std::f32::consts::LN_2; v];
+        adv[0] = 0.0;
+        logits.extend(adv);
+        let logits = round::<bf16>(&logits);
+        let targets = vec![rng.below(v) as i32, 90_001];
+        let rows = targets.len() as f64;
+        let (mut loss, mut grad) = (0.0f64, Vec::with_capacity(logits.len()));
+        for (r, &t) in targets.iter().enumerate() {
+            let row = &logits[r * v..(r + 1) * v];
+            let max = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&x| (x as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
+            loss += lse - row[t as usize] as f64;
+            for (j, &x) in row.iter().enumerate() {
+                let p = (x as f64 - lse).exp() / rows;
+                grad.push(if j == t as usize { p - 1.0 / rows } else { p });
+            }
+        }
+        BigVocabCase {
+            logits,
+            targets,
+            loss: loss / rows,
+            grad,
+        }
+    }
+
+    /// `loss` within [`LOSS_RTOL_F64`] of the f64 loss and, when given,
+    /// every element of `grad` (f32 gradients) within [`GRAD_RTOL_F64`].
+    pub fn check(&self, what: &str, loss: f32, grad: Option<&[f32]>) {
+        let err = (loss as f64 - self.loss).abs() / self.loss.abs();
+        assert!(
+            err <= LOSS_RTOL_F64,
+            "{what}: loss {loss} vs f64 {}: relative {err:e}",
+            self.loss
+        );
+        let mut worst = 0.0f64;
+        if let Some(grad) = grad {
+            assert_eq!(grad.len(), self.grad.len(), "{what}: gradient length");
+            let v = BIG_VOCAB;
+            let inv = 1.0 / self.targets.len() as f64;
+            for (i, (&g, &w)) in grad.iter().zip(&self.grad).enumerate() {
+                let at_target = (i % v) as i32 == self.targets[i / v];
+                let scale = if at_target { inv } else { w.abs() };
+                let e = (g as f64 - w).abs() / scale;
+                assert!(
+                    e <= GRAD_RTOL_F64,
+                    "{what}: gradient {i}: {g:e} vs f64 {w:e}: relative {e:e}"
+                );
+                worst = worst.max(e);
+            }
+        }
+        let _ = writeln!(
+            std::io::stderr(),
+            "{what}: loss relative error {err:e}, worst gradient relative error {worst:e}"
+        );
+    }
+}

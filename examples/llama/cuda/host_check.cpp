@@ -19,7 +19,8 @@
 //                     logits E[rows*vocab]
 //                 out: dlogits E, losses f32[rows], mean f32
 //   embedding_fwd in: u64 rows, dim, vocab; tokens u32[rows], table E  out: E[rows*dim]
-//   embedding_bwd in: u64 rows, dim, vocab, nseg; order u32[rows],
+//   embedding_bwd in: u64 rows, dim, vocab, nseg, norder (<= rows: the
+//                     padding token's rows are not in the plan); order u32[norder],
 //                     seg_start u32[nseg+1], seg_token u32[nseg], dout E,
 //                     dtable f32[vocab*dim]
 //                 out: dtable
@@ -81,8 +82,8 @@ void rmsnorm_fwd(Reader& in) {
   std::vector<float> inv(rows);
   for (uint64_t r = 0; r < rows; ++r) {
     const T* xr = x.data() + r * d;
-    const float ss =
-        row_reduce<LlamaSum, float>([&](unsigned l) { return llama_rms_fwd_lane<E>(xr, d, l); });
+    const double ss =
+        row_reduce<LlamaSum, double>([&](unsigned l) { return llama_rms_fwd_lane<E>(xr, d, l); });
     const float s = llama_rms_inv(ss, d, eps);
     for (unsigned l = 0; l < LLAMA_LANES; ++l) {
       llama_rms_fwd_write<E>(xr, w.data(), y.data() + r * d, d, l, s);
@@ -105,7 +106,7 @@ void rmsnorm_bwd(Reader& in) {
   in.finish();
   for (uint64_t r = 0; r < rows; ++r) {
     const uint64_t o = r * d;
-    const float dot = row_reduce<LlamaSum, float>(
+    const double dot = row_reduce<LlamaSum, double>(
         [&](unsigned l) { return llama_rms_bwd_lane<E>(dy.data() + o, x.data() + o, w.data(), d, l); });
     for (unsigned l = 0; l < LLAMA_LANES; ++l) {
       llama_rms_bwd_write<E>(dy.data() + o, x.data() + o, w.data(), dx.data() + o, d, l, inv[r],
@@ -135,7 +136,7 @@ void softmax_fwd(Reader& in) {
     const uint64_t valid = r % t + 1;
     const float m = row_reduce<LlamaMax, float>(
         [&](unsigned l) { return llama_softmax_max_lane<E>(row, valid, l); });
-    const float sum = row_reduce<LlamaSum, float>(
+    const double sum = row_reduce<LlamaSum, double>(
         [&](unsigned l) { return llama_softmax_sum_lane<E>(row, valid, l, m); });
     for (unsigned l = 0; l < LLAMA_LANES; ++l) {
       llama_softmax_write<E>(row, row, t, valid, l, m, sum);
@@ -154,7 +155,7 @@ void softmax_bwd(Reader& in) {
   in.finish();
   for (uint64_t r = 0; r < mats * t; ++r) {
     const uint64_t o = r * t, valid = r % t + 1;
-    const float dot = row_reduce<LlamaSum, float>(
+    const float dot = (float)row_reduce<LlamaSum, double>(
         [&](unsigned l) { return llama_softmax_bwd_lane<E>(p.data() + o, dp.data() + o, valid, l); });
     for (unsigned l = 0; l < LLAMA_LANES; ++l) {
       llama_softmax_bwd_write<E>(p.data() + o, dp.data() + o, dp.data() + o, t, valid, l, dot,
@@ -179,7 +180,7 @@ void cross_entropy(Reader& in) {
     const T* row = x.data() + r * vocab;
     const float m = row_reduce<LlamaMax, float>(
         [&](unsigned l) { return llama_softmax_max_lane<E>(row, vocab, l); });
-    const float sum = row_reduce<LlamaSum, float>(
+    const double sum = row_reduce<LlamaSum, double>(
         [&](unsigned l) { return llama_softmax_sum_lane<E>(row, vocab, l, m); });
     for (unsigned l = 0; l < LLAMA_LANES; ++l) {
       const float loss =
@@ -212,8 +213,9 @@ template <class E>
 void embedding_bwd(Reader& in) {
   typedef typename E::T T;
   const uint64_t rows = in.get<uint64_t>(), dim = in.get<uint64_t>(), vocab = in.get<uint64_t>(),
-                 nseg = in.get<uint64_t>();
-  const std::vector<zero_u32> order = in.vec<zero_u32>(rows);
+                 nseg = in.get<uint64_t>(), norder = in.get<uint64_t>();
+  if (norder > rows) fail("plan longer than the batch");
+  const std::vector<zero_u32> order = in.vec<zero_u32>(norder);
   const std::vector<zero_u32> seg_start = in.vec<zero_u32>(nseg + 1);
   const std::vector<zero_u32> seg_token = in.vec<zero_u32>(nseg);
   const std::vector<T> dout = in.vec<T>(rows * dim);

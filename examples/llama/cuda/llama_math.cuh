@@ -7,8 +7,11 @@
 // Like zero_math.cuh (included by name: zero-core's kernel registry hands
 // it to NVRTC) this compiles as CUDA under NVRTC without any toolkit header
 // and as plain host C++17. bf16 elements are raw u16 bits converted with
-// the integer code of zero_math.cuh (`ZeroBF16`); every accumulation is f32
-// (the loss total f64).
+// the integer code of zero_math.cuh (`ZeroBF16`). The row reductions
+// (RMSNorm's sums, the softmax's and cross-entropy's sums) accumulate in f64,
+// as the CPU ops do, so that a lane's running sum over a 150k vocabulary
+// loses nothing; the RMSNorm weight gradient's column sums are f32, as is
+// everything elementwise.
 //
 // Row reductions (RMSNorm, softmax, cross-entropy) are written in phases
 // for one row per warp of LLAMA_LANES lanes:
@@ -125,19 +128,21 @@ LLAMA_HD void llama_embed_bwd_elem(const typename E::T* dout, const zero_u32* or
 // RMSNorm: y = x * inv * w, inv = 1 / sqrt(sum(x^2) / d + eps)
 // ---------------------------------------------------------------------------
 
-// Phase 1: this lane's share of sum(x^2) over row x[0 .. d).
+// Phase 1: this lane's share of sum(x^2) over row x[0 .. d), in f64 (the
+// square of an f32 is exact in f64).
 template <class E>
-LLAMA_HD float llama_rms_fwd_lane(const typename E::T* x, zero_u64 d, unsigned lane) {
-  float acc = 0.0f;
+LLAMA_HD double llama_rms_fwd_lane(const typename E::T* x, zero_u64 d, unsigned lane) {
+  double acc = 0.0;
   for (zero_u64 i = lane; i < d; i += LLAMA_LANES) {
-    const float v = E::load(x, i);
-    acc = acc + v * v;
+    const double v = (double)E::load(x, i);
+    acc = zero_dadd(acc, zero_dmul(v, v));
   }
   return acc;
 }
 
-LLAMA_HD float llama_rms_inv(float sumsq, zero_u64 d, float eps) {
-  return 1.0f / zero_fsqrt(sumsq / (float)d + eps);
+// 1 / sqrt(sumsq / d + eps) in f64, rounded once to f32 (ops::rms_inv).
+LLAMA_HD float llama_rms_inv(double sumsq, zero_u64 d, float eps) {
+  return (float)(1.0 / sqrt(sumsq / (double)d + (double)eps));
 }
 
 // Phase 3: y = x * inv * w for this lane's elements.
@@ -149,24 +154,28 @@ LLAMA_HD void llama_rms_fwd_write(const typename E::T* x, const typename E::T* w
   }
 }
 
-// Backward phase 1: this lane's share of sum(dy * w * x).
+// Backward phase 1: this lane's share of sum(dy * w * x), in f64.
 template <class E>
-LLAMA_HD float llama_rms_bwd_lane(const typename E::T* dy, const typename E::T* x,
-                                  const typename E::T* w, zero_u64 d, unsigned lane) {
-  float acc = 0.0f;
+LLAMA_HD double llama_rms_bwd_lane(const typename E::T* dy, const typename E::T* x,
+                                   const typename E::T* w, zero_u64 d, unsigned lane) {
+  double acc = 0.0;
   for (zero_u64 i = lane; i < d; i += LLAMA_LANES) {
-    acc = acc + E::load(dy, i) * E::load(w, i) * E::load(x, i);
+    const double t = zero_dmul(zero_dmul((double)E::load(dy, i), (double)E::load(w, i)),
+                               (double)E::load(x, i));
+    acc = zero_dadd(acc, t);
   }
   return acc;
 }
 
-// Backward phase 3: dx = inv * (dy * w - x * c), c = inv^2 * dot / d, added
-// to dx when `accumulate`, else written.
+// Backward phase 3: dx = inv * (dy * w - x * c), c = inv^2 * dot / d (f64,
+// rounded once: ops::rms_bwd_coef), added to dx when `accumulate`, else
+// written.
 template <class E>
 LLAMA_HD void llama_rms_bwd_write(const typename E::T* dy, const typename E::T* x,
                                   const typename E::T* w, typename E::T* dx, zero_u64 d,
-                                  unsigned lane, float inv, float dot, int accumulate) {
-  const float c = inv * inv * dot / (float)d;
+                                  unsigned lane, float inv, double dot, int accumulate) {
+  const double s = (double)inv;
+  const float c = (float)(zero_dmul(s, s) * dot / (double)d);
   for (zero_u64 i = lane; i < d; i += LLAMA_LANES) {
     const float g = inv * (E::load(dy, i) * E::load(w, i) - E::load(x, i) * c);
     E::store(dx, i, accumulate ? E::load(dx, i) + g : g);
@@ -214,35 +223,39 @@ LLAMA_HD float llama_softmax_max_lane(const typename E::T* s, zero_u64 valid, un
   return m;
 }
 
-// Phase 1b: this lane's sum of exp(s - max) over the valid columns.
+// Phase 1b: this lane's sum of exp(s - max) over the valid columns: f32
+// exponentials added in f64.
 template <class E>
-LLAMA_HD float llama_softmax_sum_lane(const typename E::T* s, zero_u64 valid, unsigned lane,
-                                      float max) {
-  float acc = 0.0f;
+LLAMA_HD double llama_softmax_sum_lane(const typename E::T* s, zero_u64 valid, unsigned lane,
+                                       float max) {
+  double acc = 0.0;
   for (zero_u64 j = lane; j < valid; j += LLAMA_LANES) {
-    acc = acc + expf(E::load(s, j) - max);
+    acc = zero_dadd(acc, (double)expf(E::load(s, j) - max));
   }
   return acc;
 }
 
-// Phase 3: p = exp(s - max) / sum on the valid columns, 0 after them. `p`
-// may be `s` (in place: a lane rewrites only what it read).
+// Phase 3: p = exp(s - max) * r on the valid columns, r = 1 / sum rounded
+// to f32, 0 after them. `p` may be `s` (in place: a lane rewrites only what
+// it read).
 template <class E>
 LLAMA_HD void llama_softmax_write(const typename E::T* s, typename E::T* p, zero_u64 t,
-                                  zero_u64 valid, unsigned lane, float max, float sum) {
-  const float r = 1.0f / sum;
+                                  zero_u64 valid, unsigned lane, float max, double sum) {
+  const float r = (float)(1.0 / sum);
   for (zero_u64 j = lane; j < t; j += LLAMA_LANES) {
     E::store(p, j, j < valid ? expf(E::load(s, j) - max) * r : 0.0f);
   }
 }
 
-// Backward phase 1: this lane's share of sum(p * dp) over the valid columns.
+// Backward phase 1: this lane's share of sum(p * dp) over the valid
+// columns, in f64 (each product exact); the row's sum is rounded to f32
+// before phase 3.
 template <class E>
-LLAMA_HD float llama_softmax_bwd_lane(const typename E::T* p, const typename E::T* dp,
-                                      zero_u64 valid, unsigned lane) {
-  float acc = 0.0f;
+LLAMA_HD double llama_softmax_bwd_lane(const typename E::T* p, const typename E::T* dp,
+                                       zero_u64 valid, unsigned lane) {
+  double acc = 0.0;
   for (zero_u64 j = lane; j < valid; j += LLAMA_LANES) {
-    acc = acc + E::load(p, j) * E::load(dp, j);
+    acc = zero_dadd(acc, zero_dmul((double)E::load(p, j), (double)E::load(dp, j)));
   }
   return acc;
 }
@@ -265,12 +278,14 @@ LLAMA_HD void llama_softmax_bwd_write(const typename E::T* p, const typename E::
 
 // Phase 1a / 1b: the softmax lanes over the whole row (`valid` = vocab).
 
-// Phase 3: dlogits = exp(x - lse) * inv, minus inv at the target; returns
-// the row's loss lse - x[target] (for lane 0 to store). An ignored row
-// gets zeros and loss 0; a target >= vocab NaN gradients and a NaN loss.
+// Phase 3 (ops::cross_entropy): dlogits = exp((x - max) - ln sum) * inv
+// (ln sum rounded to f32), minus inv at the target; returns the row's loss
+// max - x[target] + ln sum, computed in f64 (for lane 0 to store). An
+// ignored row gets zeros and loss 0; a target >= vocab NaN gradients and a
+// NaN loss.
 template <class E>
 LLAMA_HD float llama_ce_write(const typename E::T* x, typename E::T* dx, zero_u64 vocab,
-                              llama_i32 target, unsigned lane, float max, float sum,
+                              llama_i32 target, unsigned lane, float max, double sum,
                               float inv) {
   if (target < 0) {
     for (zero_u64 j = lane; j < vocab; j += LLAMA_LANES) {
@@ -284,12 +299,13 @@ LLAMA_HD float llama_ce_write(const typename E::T* x, typename E::T* dx, zero_u6
     }
     return llama_nan();
   }
-  const float lse = max + logf(sum);
+  const double ln_sum = log(sum);
+  const float ln_sum32 = (float)ln_sum;
   for (zero_u64 j = lane; j < vocab; j += LLAMA_LANES) {
-    const float g = expf(E::load(x, j) - lse) * inv;
+    const float g = expf((E::load(x, j) - max) - ln_sum32) * inv;
     E::store(dx, j, j == (zero_u64)target ? g - inv : g);
   }
-  return lse - E::load(x, (zero_u64)target);
+  return (float)zero_dadd((double)max - (double)E::load(x, (zero_u64)target), ln_sum);
 }
 
 // The mean loss, one warp: lane folds rows lane, lane + 32, ... in f64,

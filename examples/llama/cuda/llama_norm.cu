@@ -29,7 +29,7 @@ __device__ __forceinline__ void llama_rmsnorm_fwd(const typename E::T* __restric
   const zero_u64 step = (zero_u64)gridDim.x * LLAMA_ROW_WARPS;
   for (zero_u64 r = (zero_u64)blockIdx.x * LLAMA_ROW_WARPS + threadIdx.x / LLAMA_LANES; r < rows;
        r += step) {
-    const float ss = llama_warp_reduce<LlamaSum>(llama_rms_fwd_lane<E>(x + r * d, d, lane));
+    const double ss = llama_warp_reduce<LlamaSum>(llama_rms_fwd_lane<E>(x + r * d, d, lane));
     const float s = llama_rms_inv(ss, d, eps);
     llama_rms_fwd_write<E>(x + r * d, w, y + r * d, d, lane, s);
     if (lane == 0) {
@@ -50,7 +50,7 @@ __device__ __forceinline__ void llama_rmsnorm_bwd(const typename E::T* __restric
   for (zero_u64 r = (zero_u64)blockIdx.x * LLAMA_ROW_WARPS + threadIdx.x / LLAMA_LANES; r < rows;
        r += step) {
     const zero_u64 o = r * d;
-    const float dot = llama_warp_reduce<LlamaSum>(llama_rms_bwd_lane<E>(dy + o, x + o, w, d, lane));
+    const double dot = llama_warp_reduce<LlamaSum>(llama_rms_bwd_lane<E>(dy + o, x + o, w, d, lane));
     llama_rms_bwd_write<E>(dy + o, x + o, w, dx + o, d, lane, inv[r], dot, accumulate);
   }
 }

@@ -34,7 +34,7 @@ __device__ __forceinline__ void llama_softmax_fwd(const typename E::T* s, typena
     const zero_u64 valid = r % t + 1;
     const typename E::T* row = s + r * t;
     const float m = llama_warp_reduce<LlamaMax>(llama_softmax_max_lane<E>(row, valid, lane));
-    const float sum = llama_warp_reduce<LlamaSum>(llama_softmax_sum_lane<E>(row, valid, lane, m));
+    const double sum = llama_warp_reduce<LlamaSum>(llama_softmax_sum_lane<E>(row, valid, lane, m));
     llama_softmax_write<E>(row, p + r * t, t, valid, lane, m, sum);
   }
 }
@@ -46,7 +46,8 @@ __device__ __forceinline__ void llama_softmax_bwd(const typename E::T* __restric
   LLAMA_FOR_EACH_ROW(mats * t) {
     const zero_u64 valid = r % t + 1;
     const zero_u64 o = r * t;
-    const float dot = llama_warp_reduce<LlamaSum>(llama_softmax_bwd_lane<E>(p + o, dp + o, valid, lane));
+    const float dot =
+        (float)llama_warp_reduce<LlamaSum>(llama_softmax_bwd_lane<E>(p + o, dp + o, valid, lane));
     llama_softmax_bwd_write<E>(p + o, dp + o, ds + o, t, valid, lane, dot, scale);
   }
 }
@@ -60,7 +61,7 @@ __device__ __forceinline__ void llama_cross_entropy(const typename E::T* __restr
   LLAMA_FOR_EACH_ROW(rows) {
     const typename E::T* row = logits + r * vocab;
     const float m = llama_warp_reduce<LlamaMax>(llama_softmax_max_lane<E>(row, vocab, lane));
-    const float sum = llama_warp_reduce<LlamaSum>(llama_softmax_sum_lane<E>(row, vocab, lane, m));
+    const double sum = llama_warp_reduce<LlamaSum>(llama_softmax_sum_lane<E>(row, vocab, lane, m));
     const float loss =
         llama_ce_write<E>(row, dlogits + r * vocab, vocab, targets[r], lane, m, sum, inv);
     if (lane == 0) {

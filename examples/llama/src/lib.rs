@@ -55,6 +55,12 @@ pub struct Config {
     /// model has no `lm_head.weight`, and the embedding's gradient sums both
     /// uses.
     pub tie_embeddings: bool,
+    /// The padding token (`pad_token_id` of a Hugging Face `config.json`;
+    /// `None` for the built-in presets): as transformers' `nn.Embedding(...,
+    /// padding_idx)`, its embedding row gets no gradient from the input
+    /// lookups of that token. With tied embeddings the LM head's gradient
+    /// of that row still counts (as in transformers).
+    pub pad_id: Option<u32>,
 }
 
 impl Config {
@@ -72,6 +78,7 @@ impl Config {
             rope_theta: 10000.0,
             qkv_bias: false,
             tie_embeddings: false,
+            pad_id: None,
         }
     }
 
@@ -89,6 +96,7 @@ impl Config {
             rope_theta: 10000.0,
             qkv_bias: false,
             tie_embeddings: false,
+            pad_id: None,
         }
     }
 
@@ -481,7 +489,7 @@ impl Model {
             grads[head] = dhead;
             vec![0.0; params[0].len()]
         };
-        ops::embedding_backward(&dx, &cache.tokens, c.dim, &mut demb);
+        ops::embedding_backward(&dx, &cache.tokens, c.dim, &mut demb, c.pad_id);
         grads[0] = demb;
         grads
     }

@@ -274,9 +274,20 @@ pub fn embedding_forward(table: &[f32], tokens: &[u32], dim: usize) -> Vec<f32> 
     out
 }
 
-/// Scatter-adds `dout` `[tokens, dim]` into `dtable` `[vocab, dim]`.
-pub fn embedding_backward(dout: &[f32], tokens: &[u32], dim: usize, dtable: &mut [f32]) {
+/// Scatter-adds `dout` `[tokens, dim]` into `dtable` `[vocab, dim]`, rows
+/// in order, except the rows of token `pad` (transformers' `padding_idx`:
+/// the padding token's embedding gets no gradient from its lookups).
+pub fn embedding_backward(
+    dout: &[f32],
+    tokens: &[u32],
+    dim: usize,
+    dtable: &mut [f32],
+    pad: Option<u32>,
+) {
     for (r, &t) in tokens.iter().enumerate() {
+        if Some(t) == pad {
+            continue;
+        }
         let t = t as usize;
         for (g, d) in dtable[t * dim..(t + 1) * dim]
             .iter_mut()
@@ -289,8 +300,26 @@ pub fn embedding_backward(dout: &[f32], tokens: &[u32], dim: usize, dtable: &mut
 
 // ---------------------------------------------------------------- RMSNorm
 
+/// `Σ x²` of `x`, each square and the sum in f64 (the square of an f32 is
+/// exact in f64, so only the additions round, at 2^-53).
+pub fn sum_sq(x: &[f32]) -> f64 {
+    let mut acc = 0.0f64;
+    for &v in x {
+        let v = f64::from(v);
+        acc += v * v;
+    }
+    acc
+}
+
+/// `1 / sqrt(sumsq / d + eps)` in f64, rounded once to f32: the inverse
+/// RMS of a row of `d` whose squares add up to `sumsq`.
+pub fn rms_inv(sumsq: f64, d: usize, eps: f32) -> f32 {
+    (1.0 / (sumsq / d as f64 + f64::from(eps)).sqrt()) as f32
+}
+
 /// `y = x / sqrt(mean(x²) + eps) * w` per row; returns `y` and the per-row
-/// inverse RMS (the cache).
+/// inverse RMS (the cache). The mean square is summed and the inverse RMS
+/// computed in f64 ([`sum_sq`], [`rms_inv`]), then rounded to f32.
 pub fn rmsnorm_forward(x: &[f32], w: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
     let d = w.len();
     let rows = x.len() / d;
@@ -298,8 +327,7 @@ pub fn rmsnorm_forward(x: &[f32], w: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
     let mut inv = vec![0.0; rows];
     for r in 0..rows {
         let xr = &x[r * d..(r + 1) * d];
-        let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
-        let s = 1.0 / (ms + eps).sqrt();
+        let s = rms_inv(sum_sq(xr), d, eps);
         inv[r] = s;
         for ((o, xv), wv) in y[r * d..(r + 1) * d].iter_mut().zip(xr).zip(w) {
             *o = xv * s * wv;
@@ -308,7 +336,8 @@ pub fn rmsnorm_forward(x: &[f32], w: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
     (y, inv)
 }
 
-/// Backward of [`rmsnorm_forward`]: accumulates into `dx` and `dw`.
+/// Backward of [`rmsnorm_forward`]: accumulates into `dx` and `dw`. The
+/// row's `Σ dy·w·x` is summed in f64 ([`rms_bwd_coef`]).
 pub fn rmsnorm_backward(
     dy: &[f32],
     x: &[f32],
@@ -321,16 +350,24 @@ pub fn rmsnorm_backward(
     for (r, &s) in inv.iter().enumerate() {
         let xr = &x[r * d..(r + 1) * d];
         let dyr = &dy[r * d..(r + 1) * d];
-        let mut dot = 0.0f32;
+        let mut dot = 0.0f64;
         for i in 0..d {
-            dot += dyr[i] * w[i] * xr[i];
+            dot += f64::from(dyr[i]) * f64::from(w[i]) * f64::from(xr[i]);
             dw[i] += dyr[i] * xr[i] * s;
         }
-        let c = s * s * dot / d as f32;
+        let c = rms_bwd_coef(s, dot, d);
         for (i, o) in dx[r * d..(r + 1) * d].iter_mut().enumerate() {
             *o += s * (dyr[i] * w[i] - xr[i] * c);
         }
     }
+}
+
+/// `inv² · dot / d` in f64, rounded once to f32: the coefficient of `x` in
+/// the RMSNorm backward of a row of `d` with inverse RMS `inv` and
+/// `dot = Σ dy·w·x`.
+pub fn rms_bwd_coef(inv: f32, dot: f64, d: usize) -> f32 {
+    let s = f64::from(inv);
+    (s * s * dot / d as f64) as f32
 }
 
 // ---------------------------------------------------------------- RoPE
@@ -435,19 +472,20 @@ impl AttnShape {
 }
 
 /// Causal softmax in place on `[t, t]` score matrices: row `i` over
-/// columns `0..=i`, the rest set to 0.
+/// columns `0..=i`, the rest set to 0. The exponentials are f32, their sum
+/// f64; each is scaled by the sum's reciprocal rounded to f32.
 pub fn softmax_causal(p: &mut [f32], t: usize) {
     for row_start in (0..p.len()).step_by(t * t) {
         let m = &mut p[row_start..row_start + t * t];
         for i in 0..t {
             let row = &mut m[i * t..(i + 1) * t];
-            let max = row[..=i].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            let mut sum = 0.0;
+            let max = row_max(&row[..=i]);
+            let mut sum = 0.0f64;
             for x in &mut row[..=i] {
                 *x = (*x - max).exp();
-                sum += *x;
+                sum += f64::from(*x);
             }
-            let r = 1.0 / sum;
+            let r = (1.0 / sum) as f32;
             for x in &mut row[..=i] {
                 *x *= r;
             }
@@ -460,13 +498,17 @@ pub fn softmax_causal(p: &mut [f32], t: usize) {
 
 /// Backward of [`softmax_causal`] on `[t, t]` matrices: `ds` holds `dP` on
 /// entry and `dS = P ∘ (dP − rowsum(dP ∘ P)) · scale` (0 above the
-/// diagonal) on return.
+/// diagonal) on return; the row sum is f64, rounded to f32 once.
 pub fn softmax_causal_backward(p: &[f32], ds: &mut [f32], t: usize, scale: f32) {
     for (pm, dm) in p.chunks_exact(t * t).zip(ds.chunks_exact_mut(t * t)) {
         for i in 0..t {
             let pr = &pm[i * t..(i + 1) * t];
             let dr = &mut dm[i * t..(i + 1) * t];
-            let dot: f32 = pr[..=i].iter().zip(&dr[..=i]).map(|(a, b)| a * b).sum();
+            let dot = pr[..=i]
+                .iter()
+                .zip(&dr[..=i])
+                .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                .sum::<f64>() as f32;
             for j in 0..t {
                 dr[j] = if j <= i {
                     pr[j] * (dr[j] - dot) * scale
@@ -693,9 +735,27 @@ pub fn swiglu_backward(
 /// Targets below zero (HF uses -100) are ignored.
 pub const IGNORE_INDEX: i32 = -100;
 
+/// The largest value of `row` (-inf when empty).
+fn row_max(row: &[f32]) -> f32 {
+    row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+}
+
+/// `(max, Σ exp(x - max))` of `row`: each exponential in f32, their sum in
+/// f64, so that at a vocabulary of 150k the small terms are not lost (an f32
+/// running sum of 150k terms reads low by up to ~1e-3 relative).
+pub fn max_and_exp_sum(row: &[f32]) -> (f32, f64) {
+    let max = row_max(row);
+    let sum = row.iter().map(|&x| f64::from((x - max).exp())).sum();
+    (max, sum)
+}
+
 /// Mean cross-entropy over non-ignored rows of `logits` `[rows, vocab]`.
 /// Returns `(loss, dlogits)` where `dlogits` is the gradient of the loss
 /// (a loss of 0 and zero gradient when every row is ignored).
+///
+/// Per row: `ln Σ exp(x - max)` is computed in f64 ([`max_and_exp_sum`]);
+/// the row's loss `max - x[target] + ln Σ` in f64 (the mean over rows too);
+/// the gradient `exp((x - max) - ln Σ) / rows` with `ln Σ` rounded to f32.
 pub fn cross_entropy(logits: &[f32], targets: &[i32], vocab: usize) -> (f32, Vec<f32>) {
     assert_eq!(logits.len(), targets.len() * vocab);
     let count = targets.iter().filter(|&&t| t >= 0).count();
@@ -712,13 +772,13 @@ pub fn cross_entropy(logits: &[f32], targets: &[i32], vocab: usize) -> (f32, Vec
         let t = t as usize;
         assert!(t < vocab, "target out of range");
         let row = &logits[r * vocab..(r + 1) * vocab];
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
-        let lse = max + sum.ln();
-        loss += (lse - row[t]) as f64;
+        let (max, sum) = max_and_exp_sum(row);
+        let ln_sum = sum.ln();
+        loss += f64::from(max) - f64::from(row[t]) + ln_sum;
+        let ln_sum = ln_sum as f32;
         let gr = &mut grad[r * vocab..(r + 1) * vocab];
         for (g, &x) in gr.iter_mut().zip(row) {
-            *g = (x - lse).exp() * inv;
+            *g = ((x - max) - ln_sum).exp() * inv;
         }
         gr[t] -= inv;
     }

@@ -512,7 +512,7 @@ impl SftModel {
         // at all when it is frozen.
         if !frozen {
             let mut g = e.grad_buffer::<T>(self.embed)?;
-            ops::embedding_backward(&dx, tokens, c.dim, &mut demb);
+            ops::embedding_backward(&dx, tokens, c.dim, &mut demb, c.pad_id);
             for (o, v) in g.iter_mut().zip(&demb) {
                 *o = T::from_f32(*v);
             }

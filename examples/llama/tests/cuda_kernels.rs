@@ -25,7 +25,9 @@ use llama::ops::{self, Rope};
 use llama::XorShift;
 use zero::core::bf16;
 use zero_llama as llama;
-use zero_testkit::llama_kernel_cases::{check, identity_attention, randn, round, Act, SwigluCase};
+use zero_testkit::llama_kernel_cases::{
+    check, identity_attention, randn, round, Act, BigVocabCase, SwigluCase,
+};
 
 struct Gpu {
     k: LlamaKernels,
@@ -308,6 +310,12 @@ fn cross_entropy_kernels() {
         check::<f32>("ce loss (bf16 logits)", &[l16], &[loss]);
         check::<bf16>("ce dlogits", &g16, &grad);
     }
+    // Qwen2's vocabulary against f64: the lanes' sums are f64.
+    let case = BigVocabCase::new(25);
+    let (l32, g32) = ce_run::<f32>(&g, &case.logits, &case.targets);
+    case.check("ce at 151936 (GPU)", l32, Some(&g32));
+    let (l16, _) = ce_run::<bf16>(&g, &case.logits, &case.targets);
+    case.check("ce at 151936 (GPU, bf16 logits)", l16, None);
     // Finite differences of the mean loss w.r.t. the logits.
     let (rows, vocab) = (6, 50);
     let mut rng = XorShift::new(23);
@@ -452,7 +460,7 @@ fn embedding_kernels() {
     let table = round::<bf16>(&randn(&mut rng, vocab * dim, 1.0));
     let dout = round::<bf16>(&randn(&mut rng, rows * dim, 1.0));
     let dtable0 = randn(&mut rng, vocab * dim, 1.0);
-    let plan = EmbeddingGradPlan::new(&tokens, vocab).unwrap();
+    let plan = EmbeddingGradPlan::new(&tokens, vocab, None).unwrap();
     let gplan = GpuEmbeddingPlan::new(&g.stream, &plan, vocab).unwrap();
     let gtok = g.raw(&tokens);
     let fwd = |table: &[f32]| {
@@ -481,9 +489,16 @@ fn embedding_kernels() {
         .unwrap();
     assert_eq!(g.down(&out), want);
     let mut want = dtable0.clone();
-    ops::embedding_backward(&dout, &tokens, dim, &mut want);
+    ops::embedding_backward(&dout, &tokens, dim, &mut want, None);
     assert_eq!(bwd::<f32>(&g, &dout, &gplan, &dtable0, dim), want);
     assert_eq!(bwd::<bf16>(&g, &dout, &gplan, &dtable0, dim), want);
+    // With the first row's token as padding (transformers' padding_idx).
+    let pad = Some(tokens[0]);
+    let pplan = EmbeddingGradPlan::new(&tokens, vocab, pad).unwrap();
+    let pplan = GpuEmbeddingPlan::new(&g.stream, &pplan, vocab).unwrap();
+    let mut want = dtable0.clone();
+    ops::embedding_backward(&dout, &tokens, dim, &mut want, pad);
+    assert_eq!(bwd::<f32>(&g, &dout, &pplan, &dtable0, dim), want);
     // Finite differences of L = sum(c * embed(table)).
     let c = randn(&mut rng, rows * dim, 1.0);
     let grad = bwd::<f32>(&g, &c, &gplan, &vec![0.0; vocab * dim], dim);

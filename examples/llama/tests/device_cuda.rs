@@ -225,7 +225,8 @@ fn all_ops<B: LlamaDevice, T: Element>(dev: &B, seed: u64) -> zero::Result<Vec<O
     keep("embedding forward", f32s(download(dev, &emb)?), false);
     let dout = g.randn::<T>(rows * dim, 1.0, 1, "dout")?;
     let mut dtable = g.randn::<f32>(vocab * dim, 1.0, 0, "dt")?;
-    let plan = dev.embed_plan(&ops, &tokens, vocab)?;
+    // The first row's token as padding: its table row gets nothing.
+    let plan = dev.embed_plan(&ops, &tokens, vocab, Some(tokens[0]))?;
     dev.embedding_backward(&ops, src_at(&dout, 1), &plan, dst_at(&mut dtable, 0), dim)?;
     keep("embedding backward", download(dev, &dtable)?, true);
 
@@ -519,7 +520,7 @@ fn bad_arguments_are_errors_naming_them() {
     assert!(e.contains("target 261 at row 2"), "{e}");
     // Tokens outside the vocabulary.
     let e = gpu
-        .embed_plan(&ops, &[3, cfg.vocab as u32], cfg.vocab)
+        .embed_plan(&ops, &[3, cfg.vocab as u32], cfg.vocab, None)
         .map(|_| ())
         .unwrap_err()
         .to_string();

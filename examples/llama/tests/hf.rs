@@ -122,25 +122,18 @@ fn max_abs(a: &[f32]) -> f32 {
     a.iter().fold(0f32, |m, x| m.max(x.abs()))
 }
 
-/// Our forward and backward on the fixture's tokens against transformers':
-/// logits within 1e-5 of the largest logit, the loss within 1e-6
-/// relative, every gradient within 2e-5 of its tensor's largest element
-/// (fp32 arithmetic in a different order; the errors seen are printed).
-fn matches_transformers(name: &str, expect: impl Fn(&Config)) {
-    let m = HfModel::open(&fixture(name)).unwrap_or_else(|e| panic!("{e}"));
-    let cfg = m.hf.config;
-    expect(&cfg);
-    let g = golden(name);
+/// Our loss, logits and gradients of `params` on the golden batch of `g`
+/// (transformers shifts: position t predicts label t + 1).
+fn run_golden(cfg: Config, params: &[Vec<f32>], g: &Golden) -> (f32, Vec<f32>, Vec<Vec<f32>>) {
     let (batch, seq) = (g.ids.len(), g.ids[0].len());
     let tokens: Vec<u32> = g.ids.concat();
-    // transformers shifts: position t predicts label t + 1.
     let targets: Vec<i32> = g
         .labels
         .iter()
         .flat_map(|row| (0..seq).map(move |t| if t + 1 < seq { row[t + 1] as i32 } else { -100 }))
         .collect();
     let model = Model::new(cfg, 1);
-    let refs: Vec<&[f32]> = m.params.iter().map(Vec::as_slice).collect();
+    let refs: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
     let (loss, cache) = model.forward(&refs, &tokens, &targets, batch, seq);
     let logits = ops::linear_forward(
         &cache.xn,
@@ -150,6 +143,20 @@ fn matches_transformers(name: &str, expect: impl Fn(&Config)) {
         cfg.vocab,
         1,
     );
+    let grads = model.backward(&refs, &cache);
+    (loss, logits, grads)
+}
+
+/// Our forward and backward on the fixture's tokens against transformers':
+/// logits within 1e-5 of the largest logit, the loss within 1e-6
+/// relative, every gradient within 2e-5 of its tensor's largest element
+/// (fp32 arithmetic in a different order; the errors seen are printed).
+fn matches_transformers(name: &str, expect: impl Fn(&Config)) {
+    let m = HfModel::open(&fixture(name)).unwrap_or_else(|e| panic!("{e}"));
+    let cfg = m.hf.config;
+    expect(&cfg);
+    let g = golden(name);
+    let (loss, logits, grads) = run_golden(cfg, &m.params, &g);
     let want = &g.tensors["logits"];
     let (err, at) = max_err(&logits, want);
     let scale = max_abs(want);
@@ -167,7 +174,6 @@ fn matches_transformers(name: &str, expect: impl Fn(&Config)) {
     );
     assert!(rel < 1e-6, "{name}: loss {loss} vs {}", g.loss);
 
-    let grads = model.backward(&refs, &cache);
     let infos = tensors(&cfg);
     assert_eq!(
         infos.len(),
@@ -227,6 +233,52 @@ fn llama_matches_transformers() {
         assert_eq!((c.vocab, c.n_kv_heads, c.rope_theta), (263, 1, 5e5));
         assert_eq!(c.norm_eps, 1e-5);
     });
+}
+
+/// A real vocabulary (32768), tied embeddings, BF16, and `pad_token_id` =
+/// `eos_token_id` = the end-of-turn token, which the batch holds as an
+/// input: loss, logits and gradients within `matches_transformers`'
+/// tolerances (the log-sum-exp over 32768 logits of std ~3 is where an
+/// f32 running sum lost precision), and the padding row's gradient, which
+/// transformers' `padding_idx` leaves to the LM head alone.
+#[test]
+fn bigvocab_with_padding_matches_transformers() {
+    let name = "llama_bigvocab";
+    matches_transformers(name, |c| {
+        assert!(!c.qkv_bias && c.tie_embeddings);
+        assert_eq!((c.vocab, c.n_kv_heads, c.pad_id), (32768, 2, Some(2)));
+    });
+    let m = HfModel::open(&fixture(name)).unwrap();
+    let g = golden(name);
+    let pad = m.hf.config.pad_id.unwrap();
+    assert_eq!(m.hf.eos_token_ids, vec![pad], "pad = end of turn");
+    let inputs = g.ids.concat().iter().filter(|&&t| t == pad).count();
+    assert!(
+        inputs >= 4,
+        "the batch holds the padding token {inputs} times"
+    );
+    // The padding row within the tolerance of the whole tensor's check; the
+    // row with its input lookups counted (no padding_idx) far outside it.
+    let want = &g.tensors["grad.model.embed_tokens.weight"];
+    let dim = m.hf.config.dim;
+    let rows = (pad as usize * dim)..((pad as usize + 1) * dim);
+    let tol = 2e-5 * max_abs(want);
+    let row_err = |cfg: Config| {
+        let (_, _, grads) = run_golden(cfg, &m.params, &g);
+        max_err(&grads[0][rows.clone()], &want[rows.clone()]).0
+    };
+    let with = row_err(m.hf.config);
+    let without = row_err(Config {
+        pad_id: None,
+        ..m.hf.config
+    });
+    eprintln!(
+        "{name}: padding row max |err| {with:.3e}; counting its lookups {without:.3e} \
+         (tolerance {tol:.3e}, max |row| {:.3e})",
+        max_abs(&want[rows.clone()])
+    );
+    assert!(with <= tol, "{with} > {tol}");
+    assert!(without > 100.0 * tol, "{without}: the lookups do not show");
 }
 
 /// The tokenizer and chat template give `apply_chat_template`'s ids: the
@@ -380,6 +432,7 @@ fn export_without_a_source_writes_a_config() {
         qkv_bias: true,
         tie_embeddings: true,
         norm_eps: 1e-5,
+        pad_id: Some(257),
         ..Config::tiny()
     };
     let params = llama::init_params(&cfg, 3);
@@ -500,6 +553,13 @@ fn bad_configs_are_named() {
                 c.insert("hidden_act".into(), "gelu".into());
             },
             "silu only",
+        ),
+        (
+            "pad_token_id",
+            |c| {
+                c.insert("pad_token_id".into(), 263.into());
+            },
+            "263 is not a token id below vocab_size 263",
         ),
         (
             "layer_types",

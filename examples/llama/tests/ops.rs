@@ -167,12 +167,25 @@ fn embedding_grad() {
     let out = embedding_forward(&table, &tokens, dim);
     assert_eq!(&out[dim..2 * dim], &table[7 * dim..8 * dim]);
     let mut dt = vec![0.0; table.len()];
-    embedding_backward(&r, &tokens, dim, &mut dt);
+    embedding_backward(&r, &tokens, dim, &mut dt, None);
     check("embedding.dtable", &dt, 1000, 3, |i, d| {
         let mut t = table.clone();
         t[i] += d;
         dot64(&embedding_forward(&t, &tokens, dim), &r)
     });
+    // Padding token 3 (transformers' padding_idx): its row keeps what it
+    // held, every other row gets the same gradient as without padding.
+    let mut padded = vec![0.0; table.len()];
+    padded[3 * dim..4 * dim].fill(0.5);
+    embedding_backward(&r, &tokens, dim, &mut padded, Some(3));
+    for (i, (&p, &g)) in padded.iter().zip(&dt).enumerate() {
+        let want = if i / dim == 3 { 0.5 } else { g };
+        assert_eq!(p, want, "element {i}");
+    }
+    // A padding token absent from the batch changes nothing.
+    let mut absent = vec![0.0; table.len()];
+    embedding_backward(&r, &tokens, dim, &mut absent, Some(5));
+    assert_eq!(absent, dt);
 }
 
 #[test]

@@ -614,11 +614,12 @@ impl GpuEmbeddingPlan {
             let v = if v.is_empty() { &[0u32][..] } else { v };
             stream.clone_htod(v).map_err(driver_err)
         };
-        let rows = plan.order.len();
+        let rows = plan.rows;
         let segs = plan.seg_token.len();
-        let starts_ok = plan.seg_start.len() == segs + 1
+        let starts_ok = plan.order.len() <= rows
+            && plan.seg_start.len() == segs + 1
             && plan.seg_start.first() == Some(&0)
-            && plan.seg_start.last() == Some(&(rows as u32))
+            && plan.seg_start.last() == Some(&(plan.order.len() as u32))
             && plan.seg_start.windows(2).all(|w| w[0] <= w[1]);
         if !starts_ok
             || plan.order.iter().any(|&r| r as usize >= rows)
@@ -633,7 +634,7 @@ impl GpuEmbeddingPlan {
             order: up(&plan.order)?,
             seg_start: up(&plan.seg_start)?,
             seg_token: up(&plan.seg_token)?,
-            rows: plan.order.len(),
+            rows,
             vocab,
             segments: plan.segments(),
         })

@@ -1,7 +1,10 @@
 //! GPU kernels of the Llama example's non-GEMM ops (the GEMMs go through
 //! cuBLAS): embedding, RMSNorm, RoPE, causal softmax (attention's fused
 //! softmax between the two cuBLAS products), SwiGLU and cross-entropy, each
-//! forward and backward, for f32 or bf16 activations with f32 accumulation.
+//! forward and backward, for f32 or bf16 activations with f32 accumulation,
+//! except the row reductions (RMSNorm's and the softmax's sums,
+//! cross-entropy's log-sum-exp), which accumulate in f64 as
+//! [`super::ops`] does.
 //!
 //! # Sources
 //!
@@ -117,9 +120,13 @@ pub fn rmsnorm_scratch_len(rows: usize, d: usize) -> usize {
 /// `order[seg_start[s] .. seg_start[s + 1]]` hold token `seg_token[s]`, in
 /// increasing row order (a stable sort), so each table row's gradient adds
 /// its rows in the CPU's order, one GPU thread per element, no atomics.
+/// The padding token's rows are left out (transformers' `padding_idx`):
+/// no thread writes its table row.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EmbeddingGradPlan {
-    /// Row indices sorted by token (stable).
+    /// Rows of the batch (the padding token's included).
+    pub rows: usize,
+    /// Row indices sorted by token (stable), the padding token's left out.
     pub order: Vec<u32>,
     /// Where each token's rows start in `order`, plus the end.
     pub seg_start: Vec<u32>,
@@ -128,9 +135,9 @@ pub struct EmbeddingGradPlan {
 }
 
 impl EmbeddingGradPlan {
-    /// Groups `tokens` (one per row); errors on a token `>= vocab` or more
-    /// than `u32::MAX` rows.
-    pub fn new(tokens: &[u32], vocab: usize) -> zero::core::Result<Self> {
+    /// Groups `tokens` (one per row) but those equal to `pad`; errors on a
+    /// token `>= vocab` or more than `u32::MAX` rows.
+    pub fn new(tokens: &[u32], vocab: usize, pad: Option<u32>) -> zero::core::Result<Self> {
         let invalid = |msg: String| zero::core::Error::InvalidSize {
             op: "llama_embedding_backward",
             msg,
@@ -147,7 +154,9 @@ impl EmbeddingGradPlan {
                 "token {t} at row {r} is outside the vocabulary of {vocab}"
             )));
         }
-        let mut order: Vec<u32> = (0..tokens.len() as u32).collect();
+        let mut order: Vec<u32> = (0..tokens.len() as u32)
+            .filter(|&r| Some(tokens[r as usize]) != pad)
+            .collect();
         order.sort_by_key(|&r| tokens[r as usize]);
         let mut seg_start = Vec::new();
         let mut seg_token = Vec::new();
@@ -160,6 +169,7 @@ impl EmbeddingGradPlan {
         }
         seg_start.push(order.len() as u32);
         Ok(EmbeddingGradPlan {
+            rows: tokens.len(),
             order,
             seg_start,
             seg_token,

@@ -13,6 +13,13 @@ use super::{Batch, Dst, LlamaDevice, Src};
 use crate::ops::{self, Mm, Rope};
 use crate::Config;
 
+/// The CPU backend's [`LlamaDevice::EmbedPlan`]: the tokens and the
+/// padding token whose rows [`ops::embedding_backward`] skips.
+pub struct CpuEmbedPlan {
+    tokens: Arc<[u32]>,
+    pad: Option<u32>,
+}
+
 /// The CPU backend's [`LlamaDevice::Ops`].
 pub struct CpuOps {
     rope: Arc<Rope>,
@@ -88,7 +95,7 @@ impl LlamaDevice for CpuBackend {
     type Ops = CpuOps;
     type Ids = Arc<[u32]>;
     type Targets = Arc<[i32]>;
-    type EmbedPlan = Arc<[u32]>;
+    type EmbedPlan = CpuEmbedPlan;
 
     fn llama_ops(&self, cfg: &Config, threads: usize) -> Result<CpuOps> {
         Ok(CpuOps {
@@ -105,7 +112,13 @@ impl LlamaDevice for CpuBackend {
         Ok(Arc::from(targets))
     }
 
-    fn embed_plan(&self, _: &CpuOps, tokens: &[u32], vocab: usize) -> Result<Arc<[u32]>> {
+    fn embed_plan(
+        &self,
+        _: &CpuOps,
+        tokens: &[u32],
+        vocab: usize,
+        pad: Option<u32>,
+    ) -> Result<CpuEmbedPlan> {
         if let Some((r, t)) = tokens
             .iter()
             .enumerate()
@@ -116,7 +129,10 @@ impl LlamaDevice for CpuBackend {
                 format!("token {t} at row {r} is outside the vocabulary of {vocab}"),
             ));
         }
-        Ok(Arc::from(tokens))
+        Ok(CpuEmbedPlan {
+            tokens: Arc::from(tokens),
+            pad,
+        })
     }
 
     fn write_grad<T: Element>(
@@ -271,20 +287,20 @@ impl LlamaDevice for CpuBackend {
         &self,
         _: &CpuOps,
         dout: Src<'_, Self, T>,
-        plan: &Arc<[u32]>,
+        plan: &CpuEmbedPlan,
         dtable: Dst<'_, Self, f32>,
         dim: usize,
     ) -> Result<()> {
         const OP: &str = "llama_embedding_backward";
-        let rows = plan.len();
+        let rows = plan.tokens.len();
         let vocab = (dtable.buf.len().saturating_sub(dtable.at)) / dim.max(1);
         let args = (
             input(self, dout, rows * dim)?,
             output(self, dtable, vocab * dim)?,
         );
-        let tokens = plan.clone();
+        let (tokens, pad) = (plan.tokens.clone(), plan.pad);
         self.launch(Stream::Compute, OP, args, move |run, (dout, mut dt)| {
-            ops::embedding_backward(&f32s(dout.get(run)), &tokens, dim, dt.get(run));
+            ops::embedding_backward(&f32s(dout.get(run)), &tokens, dim, dt.get(run), pad);
             Ok(())
         })?;
         Ok(())

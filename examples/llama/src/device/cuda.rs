@@ -287,9 +287,15 @@ impl LlamaDevice for CudaBackend {
         })
     }
 
-    fn embed_plan(&self, ops: &CudaOps, tokens: &[u32], vocab: usize) -> Result<CudaEmbedPlan> {
+    fn embed_plan(
+        &self,
+        ops: &CudaOps,
+        tokens: &[u32],
+        vocab: usize,
+        pad: Option<u32>,
+    ) -> Result<CudaEmbedPlan> {
         ops.check(self, "llama_embedding_backward")?;
-        let host = EmbeddingGradPlan::new(tokens, vocab)?;
+        let host = EmbeddingGradPlan::new(tokens, vocab, pad)?;
         Ok(CudaEmbedPlan {
             plan: GpuEmbeddingPlan::new(&ops.stream, &host, vocab)?,
             rows: tokens.len(),

@@ -166,7 +166,8 @@ impl Batch {
 /// A backend the Llama model runs on: the model's ops, each enqueued on
 /// the compute stream, reading and writing the backend's buffers. Element
 /// type `T` is the parameters' (f32 or bf16), also the activations';
-/// reductions and norms' statistics are f32.
+/// norms' statistics are f32, the row reductions behind them (and behind
+/// the softmax and the cross-entropy) f64.
 ///
 /// Every op checks its lengths and returns an error naming the op and the
 /// operand that does not fit, before enqueuing anything.
@@ -192,8 +193,16 @@ pub trait LlamaDevice: EngineBackend {
     fn upload_targets(&self, ops: &Self::Ops, targets: &[i32]) -> Result<Self::Targets>;
 
     /// Groups `tokens` by token (`< vocab`) for
-    /// [`embedding_backward`](LlamaDevice::embedding_backward).
-    fn embed_plan(&self, ops: &Self::Ops, tokens: &[u32], vocab: usize) -> Result<Self::EmbedPlan>;
+    /// [`embedding_backward`](LlamaDevice::embedding_backward), leaving out
+    /// the rows of token `pad` (transformers' `padding_idx`: that row of
+    /// the table gets no gradient from its lookups).
+    fn embed_plan(
+        &self,
+        ops: &Self::Ops,
+        tokens: &[u32],
+        vocab: usize,
+        pad: Option<u32>,
+    ) -> Result<Self::EmbedPlan>;
 
     /// Copies the `len` elements of gradient `src` into the buffer the
     /// engine lent for them ([`zero::GradBuffer::lent`]), ordered after the
@@ -262,8 +271,9 @@ pub trait LlamaDevice: EngineBackend {
         dim: usize,
     ) -> Result<()>;
 
-    /// `dtable[t, :] += dout[r, :]` for every row `r` of token `t`, rows in
-    /// increasing order (`dtable` `[vocab, dim]`, f32).
+    /// `dtable[t, :] += dout[r, :]` for every row `r` of token `t` in the
+    /// plan (all but the padding token's), rows in increasing order
+    /// (`dtable` `[vocab, dim]`, f32).
     fn embedding_backward<T: Element>(
         &self,
         ops: &Self::Ops,

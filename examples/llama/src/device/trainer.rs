@@ -285,7 +285,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         let np = picked.len();
         let picked_targets: Vec<i32> = picked.iter().map(|&r| targets[r]).collect();
         let tgt = dev.upload_targets(ops, &picked_targets)?;
-        let plan = dev.embed_plan(ops, tokens, c.vocab)?;
+        let plan = dev.embed_plan(ops, tokens, c.vocab, c.pad_id)?;
 
         // Forward.
         let fwd = tracer.span(rank, "forward", "compute");

@@ -11,6 +11,7 @@
 //! | `rope_theta`, `rms_norm_eps` | RoPE base (default 10000) and RMSNorm epsilon (default 1e-6, transformers') |
 //! | `rope_parameters` (transformers 5) | `rope_type` must be `default`; its `rope_theta` is the base |
 //! | `tie_word_embeddings` | the LM head is the embedding (default false) |
+//! | `pad_token_id` | the padding token, `Config::pad_id`: as transformers' `padding_idx`, its embedding row gets no gradient from its lookups (absent or null: none; must be below `vocab_size`) |
 //! | `attention_bias` (llama) | must be false: it also puts a bias on `o_proj` |
 //! | `mlp_bias` (llama) | must be false |
 //! | `head_dim` | if present, must be `hidden_size / num_attention_heads` |
@@ -232,8 +233,23 @@ pub fn parse(text: &str, path: &Path) -> Result<HfConfig, String> {
             false
         }
     };
+    let vocab = need("vocab_size")?;
+    let pad_id = match obj.get("pad_token_id") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_u64()
+                .filter(|&p| (p as usize) < vocab)
+                .map(|p| p as u32)
+                .ok_or_else(|| {
+                    bad(
+                        "pad_token_id",
+                        format!("{v} is not a token id below vocab_size {vocab}"),
+                    )
+                })?,
+        ),
+    };
     let config = Config {
-        vocab: need("vocab_size")?,
+        vocab,
         dim,
         n_layers: need("num_hidden_layers")?,
         n_heads,
@@ -244,6 +260,7 @@ pub fn parse(text: &str, path: &Path) -> Result<HfConfig, String> {
         rope_theta,
         qkv_bias,
         tie_embeddings: flag("tie_word_embeddings")?,
+        pad_id,
     };
     let dtype = obj
         .get("torch_dtype")
@@ -316,6 +333,9 @@ pub fn to_json(cfg: &Config, dtype: Dtype, bos: Option<u32>, eos: Option<u32>) -
     }
     if let Some(e) = eos {
         m.insert("eos_token_id".into(), e.into());
+    }
+    if let Some(p) = cfg.pad_id {
+        m.insert("pad_token_id".into(), p.into());
     }
     Value::Object(m)
 }

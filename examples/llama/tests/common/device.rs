@@ -21,7 +21,9 @@ pub fn train_set() -> Vec<Sample> {
     data::addition_task(SEED).train
 }
 
-/// A tiny model (grouped-query attention) with room for every sample.
+/// A tiny model (grouped-query attention) with room for every sample; the
+/// batches' right padding is its padding token (transformers'
+/// `padding_idx`), so the trainers' embedding gradients skip those rows.
 pub fn model_config(tied: bool) -> Config {
     Config {
         vocab: data::VOCAB,
@@ -32,6 +34,7 @@ pub fn model_config(tied: bool) -> Config {
         hidden: 48,
         max_seq: data::max_len(&train_set()),
         tie_embeddings: tied,
+        pad_id: Some(data::PAD),
         ..Config::tiny()
     }
 }
