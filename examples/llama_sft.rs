@@ -798,29 +798,48 @@ fn evaluate_exact<C: EngineComm<B>, B: EngineBackend>(
     let mine: Vec<&llama::chat::Reference> =
         s.chat.exact.iter().skip(rank).step_by(world).collect();
     let prompts: Vec<Vec<u32>> = mine.iter().map(|r| r.prompt.clone()).collect();
-    let outs = generate_from(
-        &m.cfg,
-        &m.block,
-        &mut EngineSource { e, model: m },
-        &prompts,
-        s.max_new,
-        s.tok.eos(),
-        threads,
-    )?;
-    let texts: Vec<String> = outs.iter().map(|o| s.tok.decode(o)).collect();
-    let correct = mine
-        .iter()
-        .zip(&texts)
-        .filter(|(r, t)| llama::chat::exact_match(t, &r.answer))
-        .count();
-    let tot = sum_over_ranks(e.comm(), &[correct as f32, mine.len() as f32])?;
+    let (acc, texts) = score_greedy(e, m, s, threads, &prompts, |i, t| {
+        llama::chat::exact_match(t, &mine[i].answer)
+    })?;
     let examples = mine
         .iter()
         .map(|r| r.shown.clone())
         .zip(texts)
         .take(3)
         .collect();
-    Ok((f64::from(tot[0]) / f64::from(tot[1]).max(1.0), examples))
+    Ok((acc, examples))
+}
+
+/// Greedy-decodes `prompts` (this rank's share: every rank decodes in
+/// step, reading the model unit by unit with LoRA's adapters folded in,
+/// never the whole model in memory) and counts the answers `correct`
+/// accepts (by prompt index); the accuracy over all ranks and this rank's
+/// answers.
+fn score_greedy<C: EngineComm<B>, B: EngineBackend>(
+    e: &mut Engine<C, B>,
+    m: &SftModel,
+    s: &Setup,
+    threads: usize,
+    prompts: &[Vec<u32>],
+    correct: impl Fn(usize, &str) -> bool,
+) -> zero::Result<(f64, Vec<String>)> {
+    let outs = generate_from(
+        &m.cfg,
+        &m.block,
+        &mut EngineSource { e, model: m },
+        prompts,
+        s.max_new,
+        s.tok.eos(),
+        threads,
+    )?;
+    let texts: Vec<String> = outs.iter().map(|o| s.tok.decode(o)).collect();
+    let right = texts
+        .iter()
+        .enumerate()
+        .filter(|(i, t)| correct(*i, t))
+        .count();
+    let tot = sum_over_ranks(e.comm(), &[right as f32, prompts.len() as f32])?;
+    Ok((f64::from(tot[0]) / f64::from(tot[1]).max(1.0), texts))
 }
 
 /// The validation loss (mean cross-entropy over the answer tokens of the
@@ -931,27 +950,9 @@ fn evaluate_numbers<C: EngineComm<B>, B: EngineBackend>(
         .map(|&n| s.tok.prompt_for(n))
         .collect::<Result<_, _>>()
         .map_err(|what| zero::Error::Usage { rank, what })?;
-    // The model is read unit by unit as decoding needs it (a collective:
-    // every rank decodes in step), with LoRA's adapters folded in: the
-    // trained model's outputs, never the whole model in memory.
-    let outs = generate_from(
-        &m.cfg,
-        &m.block,
-        &mut EngineSource { e, model: m },
-        &prompts,
-        s.max_new,
-        s.tok.eos(),
-        threads,
-    )?;
-    let texts: Vec<String> = outs.iter().map(|o| s.tok.decode(o)).collect();
-    let correct = mine
-        .iter()
-        .zip(&texts)
-        .filter(|(n, t)| data::score(**n, t))
-        .count();
-    let tot = sum_over_ranks(e.comm(), &[correct as f32, mine.len() as f32])?;
+    let (acc, texts) = score_greedy(e, m, s, threads, &prompts, |i, t| data::score(mine[i], t))?;
     let examples = mine.into_iter().zip(texts).take(3).collect();
-    Ok((f64::from(tot[0]) / f64::from(tot[1]).max(1.0), examples))
+    Ok((acc, examples))
 }
 
 fn mib(bytes: f32) -> String {

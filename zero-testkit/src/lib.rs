@@ -11,7 +11,8 @@
 //!   small MLP driven through the engine API, and training it on thread
 //!   ranks with states compared bit for bit;
 //! - `llama_kernel_cases` (feature `llama`): what the Llama kernel tests
-//!   share on the host and on a GPU.
+//!   share on the host and on a GPU;
+//! - [`temp`]: a fresh temp directory removed on drop.
 //!
 //! The features keep the facade out of zero-core's tests: zero-core takes
 //! this crate with no feature, the facade's tests with `engine`, the Llama
@@ -26,3 +27,4 @@ pub mod mlp;
 pub mod rng;
 #[cfg(feature = "engine")]
 pub mod runs;
+pub mod temp;

@@ -90,6 +90,24 @@ impl Message {
     }
 }
 
+/// The content of `history` when it is a single user turn; otherwise
+/// `Err` with what it is instead ("3 turn(s) (system, user, assistant)"),
+/// for the error of a template that renders one user turn only.
+pub fn single_user_turn(history: &[Message]) -> Result<&str, String> {
+    match history {
+        [m] if m.role == Role::User => Ok(&m.content),
+        _ => Err(format!(
+            "{} turn(s) ({})",
+            history.len(),
+            history
+                .iter()
+                .map(|m| m.role.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
+}
+
 /// One record of a data file, as a conversation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Example {
@@ -349,19 +367,12 @@ pub struct ByteTemplate;
 
 impl ByteTemplate {
     fn user(history: &[Message]) -> Result<&str, String> {
-        match history {
-            [m] if m.role == Role::User => Ok(&m.content),
-            _ => Err(format!(
+        single_user_turn(history).map_err(|found| {
+            format!(
                 "the built-in byte tokenizer's template has one user turn then the answer, \
-                 not {} turn(s) ({}): use a model with a chat template (--model-dir)",
-                history.len(),
-                history
-                    .iter()
-                    .map(|m| m.role.name())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )),
-        }
+                 not {found}: use a model with a chat template (--model-dir)"
+            )
+        })
     }
 }
 

@@ -11,7 +11,8 @@
 //! to a Hugging Face directory (one file, and shards that split units).
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+use zero_testkit::temp::TempDir;
 
 use zero::comm::{Communicator, ThreadGroup};
 use zero::core::config::{Precision, ResolvedConfig};
@@ -25,27 +26,6 @@ use llama::lora::LoraConfig;
 use llama::train::{merge_adapters, LoraSetup, SftModel};
 use llama::weights::{self, Dtype};
 use llama::{tensors, Config};
-
-/// A fresh directory, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!(
-            "zero-llama-export-stream-{name}-{}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// The reference: tensors `which` of `params` (in [`tensors`] order)
 /// written as `weights::save` wrote them before it streamed, with

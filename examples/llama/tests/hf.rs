@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use zero_testkit::temp::TempDir;
 
 use llama::hf::{self, ExportSource, HfModel, HfTokenizer};
 use llama::weights::{self, SafetensorsFile};
@@ -24,43 +24,23 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// A fresh directory under the temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let n = N.fetch_add(1, Ordering::Relaxed);
-        let p =
-            std::env::temp_dir().join(format!("zero-llama-hf-{}-{n}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
+/// A copy of fixture `name` (its model and tokenizer files) in a fresh
+/// temp directory.
+fn copy_of(name: &str) -> TempDir {
+    let t = TempDir::new(&format!("llama-hf-{name}"));
+    for e in std::fs::read_dir(fixture(name)).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), t.0.join(e.file_name())).unwrap();
     }
-
-    /// A copy of fixture `name` (its model and tokenizer files).
-    fn copy_of(name: &str) -> Self {
-        let t = TempDir::new(name);
-        for e in std::fs::read_dir(fixture(name)).unwrap() {
-            let e = e.unwrap();
-            std::fs::copy(e.path(), t.0.join(e.file_name())).unwrap();
-        }
-        t
-    }
-
-    /// Edits `config.json` with `f`.
-    fn edit_config(&self, f: impl FnOnce(&mut serde_json::Map<String, Value>)) {
-        let p = self.0.join("config.json");
-        let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
-        f(v.as_object_mut().unwrap());
-        std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
-    }
+    t
 }
 
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// Edits `config.json` of `dir` with `f`.
+fn edit_config(dir: &TempDir, f: impl FnOnce(&mut serde_json::Map<String, Value>)) {
+    let p = dir.0.join("config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    f(v.as_object_mut().unwrap());
+    std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
 }
 
 /// What `make_golden.py` computed for a fixture.
@@ -573,16 +553,16 @@ fn bad_configs_are_named() {
         ),
     ];
     for (key, edit, says) in cases {
-        let d = TempDir::copy_of("llama");
-        d.edit_config(edit);
+        let d = copy_of("llama");
+        edit_config(&d, edit);
         let e = open_err(&d.0);
         assert!(
             e.contains("config.json") && e.contains(&format!("`{key}`")) && e.contains(says),
             "{key}: {e}"
         );
     }
-    let d = TempDir::copy_of("qwen2");
-    d.edit_config(|c| {
+    let d = copy_of("qwen2");
+    edit_config(&d, |c| {
         c.insert("use_sliding_window".into(), true.into());
     });
     assert!(open_err(&d.0).contains("`use_sliding_window`"));
@@ -593,8 +573,8 @@ fn bad_configs_are_named() {
 #[test]
 fn bad_weights_are_named() {
     // A missing tensor: the config asks for a layer more.
-    let d = TempDir::copy_of("llama");
-    d.edit_config(|c| {
+    let d = copy_of("llama");
+    edit_config(&d, |c| {
         c.insert("num_hidden_layers".into(), 3.into());
     });
     let e = open_err(&d.0);
@@ -604,8 +584,8 @@ fn bad_weights_are_named() {
         "{e}"
     );
     // A wrong shape.
-    let d = TempDir::copy_of("llama");
-    d.edit_config(|c| {
+    let d = copy_of("llama");
+    edit_config(&d, |c| {
         c.insert("intermediate_size".into(), 50.into());
     });
     let e = open_err(&d.0);
@@ -614,8 +594,8 @@ fn bad_weights_are_named() {
         "{e}"
     );
     // An unused tensor: lm_head.weight of an untied model read as tied.
-    let d = TempDir::copy_of("llama");
-    d.edit_config(|c| {
+    let d = copy_of("llama");
+    edit_config(&d, |c| {
         c.insert("tie_word_embeddings".into(), true.into());
     });
     let e = open_err(&d.0);
@@ -624,8 +604,8 @@ fn bad_weights_are_named() {
         "{e}"
     );
     // Qwen2 weights read as Llama: the biases are unused.
-    let d = TempDir::copy_of("qwen2");
-    d.edit_config(|c| {
+    let d = copy_of("qwen2");
+    edit_config(&d, |c| {
         c.insert("model_type".into(), "llama".into());
     });
     let e = open_err(&d.0);
@@ -634,8 +614,8 @@ fn bad_weights_are_named() {
         "{e}"
     );
     // A tied model whose file lacks biases? A Llama read as Qwen2.
-    let d = TempDir::copy_of("llama");
-    d.edit_config(|c| {
+    let d = copy_of("llama");
+    edit_config(&d, |c| {
         c.insert("model_type".into(), "qwen2".into());
     });
     let e = open_err(&d.0);
@@ -644,7 +624,7 @@ fn bad_weights_are_named() {
         "{e}"
     );
     // The index names a file that is not there.
-    let d = TempDir::copy_of("qwen2");
+    let d = copy_of("qwen2");
     std::fs::remove_file(d.0.join("model-00002-of-00003.safetensors")).unwrap();
     let e = open_err(&d.0);
     assert!(
@@ -654,7 +634,7 @@ fn bad_weights_are_named() {
         "{e}"
     );
     // No weights at all.
-    let d = TempDir::copy_of("llama");
+    let d = copy_of("llama");
     std::fs::remove_file(d.0.join("model.safetensors")).unwrap();
     assert!(open_err(&d.0).contains("no model.safetensors"));
     // Not a directory.
@@ -669,7 +649,7 @@ fn bad_tokenizers_are_named() {
         Ok(_) => panic!("{} should not load", d.display()),
         Err(e) => e,
     };
-    let d = TempDir::copy_of("llama");
+    let d = copy_of("llama");
     std::fs::remove_file(d.0.join("tokenizer.json")).unwrap();
     let e = err(&d.0);
     assert!(e.contains("tokenizer.json: missing"), "{e}");
@@ -679,7 +659,7 @@ fn bad_tokenizers_are_named() {
         e.contains("tokenizer.json: cannot load the tokenizer"),
         "{e}"
     );
-    let d = TempDir::copy_of("llama");
+    let d = copy_of("llama");
     let tc = d.0.join("tokenizer_config.json");
     let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
     v["eos_token"] = "<|no such token|>".into();
@@ -689,7 +669,7 @@ fn bad_tokenizers_are_named() {
         e.contains("`eos_token` \"<|no such token|>\" is not a token"),
         "{e}"
     );
-    let d = TempDir::copy_of("llama");
+    let d = copy_of("llama");
     std::fs::write(
         d.0.join("chat_template.jinja"),
         "{{ raise_exception('no chat') }}",
@@ -804,7 +784,7 @@ fn strftime_now_formats_dates() {
     );
     assert!(strftime_utc("%Q", t).unwrap_err().contains("`%Q`"));
 
-    let d = TempDir::copy_of("llama");
+    let d = copy_of("llama");
     std::fs::write(
         d.0.join("chat_template.jinja"),
         "{{ bos_token }}Today {{ strftime_now('%Y') }}: {{ messages[0].content | trim }}",
@@ -829,8 +809,8 @@ fn strftime_now_formats_dates() {
 /// the same chat ids.
 #[test]
 fn transformers_4_layout_reads_the_same() {
-    let d = TempDir::copy_of("llama");
-    d.edit_config(|c| {
+    let d = copy_of("llama");
+    edit_config(&d, |c| {
         let theta = c.remove("rope_parameters").unwrap()["rope_theta"].clone();
         c.insert("rope_theta".into(), theta);
         c.insert("rope_scaling".into(), Value::Null);
@@ -870,7 +850,7 @@ fn transformers_4_layout_reads_the_same() {
 /// is refused, since generation would not stop.
 #[test]
 fn no_chat_template_and_no_eos() {
-    let d = TempDir::copy_of("llama");
+    let d = copy_of("llama");
     std::fs::remove_file(d.0.join("chat_template.jinja")).unwrap();
     let t = HfTokenizer::load(&d.0, None).unwrap();
     assert!(!t.has_chat_template());

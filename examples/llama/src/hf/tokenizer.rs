@@ -307,20 +307,13 @@ impl HfTokenizer {
 
     /// The one user turn of `history`, for a tokenizer without a template.
     fn untemplated<'m>(&self, history: &'m [Message]) -> Result<&'m str, String> {
-        match history {
-            [m] if m.role == Role::User => Ok(&m.content),
-            _ => Err(format!(
+        crate::chat::single_user_turn(history).map_err(|found| {
+            format!(
                 "{}: the tokenizer has no chat template: only a single user turn can be \
-                 rendered, not {} turns ({})",
-                self.dir.display(),
-                history.len(),
-                history
-                    .iter()
-                    .map(|m| m.role.name())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )),
-        }
+                 rendered, not {found}",
+                self.dir.display()
+            )
+        })
     }
 
     /// One training sample (see the module's doc).
