@@ -675,6 +675,65 @@ fn a_dropped_gradient_buffer_is_recovered_by_zero_grad() {
     }
 }
 
+/// Trains 3 steps on 2 ranks; with `fail`, the micro-batch of step 1 is
+/// first tried and fails after the last layer's `grad_ready` (the trainer's
+/// `?` leaves the backward pass), and the trainer simply runs the
+/// micro-batch again: that retry fails naming `zero_grad()` (the unit's
+/// gradient is already in), `zero_grad()` drops the failed micro-batch and
+/// the retry then trains. Returns rank 0's final states.
+fn train_with_retried_micro_batch(stage: u8, fail: bool) -> Vec<UnitState> {
+    let world = 2;
+    let cfg = config(world, stage, 1, Precision::Fp32);
+    ThreadGroup::run(world, |comm| {
+        let rank = comm.rank();
+        let mut b = Engine::builder(cfg.clone(), comm).seed(5);
+        let model = Mlp::register(&mut b, DIMS).unwrap();
+        let mut e = b.build().unwrap();
+        for s in 0..3 {
+            let first = ((s * world + rank) * MB) as u64;
+            let (x, y) = batch(first, MB, DIMS[0]);
+            if fail && s == 1 {
+                let last = *model.units.last().unwrap();
+                let g = e.grad_buffer::<f32>(last).unwrap();
+                e.grad_ready(last, g).unwrap();
+                let err = model
+                    .train_micro_batch::<f32, _, _>(&mut e, &x, &y)
+                    .unwrap_err()
+                    .to_string();
+                assert!(
+                    err.contains("grad_ready was already called for this unit")
+                        && err.contains("call zero_grad() on every rank"),
+                    "{err}"
+                );
+                e.zero_grad().unwrap();
+            }
+            model
+                .train_micro_batch::<f32, _, _>(&mut e, &x, &y)
+                .unwrap();
+            e.step().unwrap();
+        }
+        e.unit_ids()
+            .into_iter()
+            .map(|u| e.unit_state(u).unwrap())
+            .collect::<Vec<_>>()
+    })
+    .unwrap()
+    .swap_remove(0)
+}
+
+/// A micro-batch that fails after some units handed their gradients back
+/// leaves the engine waiting for the rest: the next micro-batch's first
+/// gradient call names `zero_grad()` as the way out, and after it the run
+/// goes on bit for bit as one that never failed, at every stage.
+#[test]
+fn a_micro_batch_failed_after_grad_ready_recovers_with_zero_grad() {
+    for stage in 0..=3u8 {
+        let clean = train_with_retried_micro_batch(stage, false);
+        let recovered = train_with_retried_micro_batch(stage, true);
+        assert_bits_eq(&clean, &recovered, &format!("stage {stage}"));
+    }
+}
+
 /// A unit whose gradient never came back is an error at step(), not a
 /// silent zero; zero_grad() with a buffer still out is refused too.
 #[test]

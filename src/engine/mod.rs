@@ -1523,6 +1523,14 @@ fn check_agreement<C: Communicator>(
     Ok(())
 }
 
+/// How a trainer gets out of a micro-batch that failed part way (some
+/// units handed their gradients back, the others never will): the engine
+/// cannot tell a failed micro-batch from a unit's gradient given twice, so
+/// the trainer says so with `zero_grad`.
+const RECOVER: &str = "if a micro-batch failed part way, call zero_grad() on every rank to drop \
+                       it (and the gradients accumulated since the last optimizer step), then \
+                       run the next micro-batch";
+
 impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     // ------------------------------------------------------------------
     // Introspection
@@ -2196,8 +2204,10 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         match self.reducer.state(i) {
             GradState::Ready => {
                 return Err(self.usage(format!(
-                    "grad_buffer(`{}`): grad_ready was already called for this unit in this micro-batch",
-                    self.name(i)
+                    "grad_buffer(`{}`): grad_ready was already called for this unit in this \
+                     micro-batch; {}",
+                    self.name(i),
+                    RECOVER
                 )))
             }
             GradState::Lent => {
@@ -2251,8 +2261,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         match self.reducer.state(i) {
             GradState::Ready => {
                 return Err(self.usage(format!(
-                    "grad_ready(`{}`) called twice in one micro-batch",
-                    u.layout.name
+                    "grad_ready(`{}`) called twice in one micro-batch; {}",
+                    u.layout.name, RECOVER
                 )))
             }
             GradState::Empty => {
