@@ -2229,10 +2229,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 expected: self.pdt,
                 got: T::DTYPE,
             })?;
-        let len = self.units[i].layout.padded_numel;
         Ok(GradBuffer::new(
             typed,
-            (len, i),
+            (i, self.units[i].layout.clone(), self.rank),
             self.returns.clone(),
             self.backend.clone(),
         ))
