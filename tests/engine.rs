@@ -582,6 +582,36 @@ fn bad_registration_and_config_are_errors() {
     .unwrap();
 }
 
+/// The config's warnings (from its JSON, here an unknown key kept by
+/// `"strict": false` and a DeepSpeed key zero does not use) reach the
+/// engine's log, each once, on every rank.
+#[test]
+fn config_warnings_reach_the_engine_log_once() {
+    use zero::core::config::{AutoValues, DeepSpeedConfig};
+    let json = r#"{ "strict": false, "train_micro_batch_size_per_gpu": 4,
+                    "zero_optimization": { "stage": 2, "stage3_prefetch_bucket_sise": 1,
+                                           "zero_quantized_weights": false } }"#;
+    let (doc, warnings) = DeepSpeedConfig::from_json_str(json).unwrap();
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    let auto = AutoValues {
+        world_size: 2,
+        ..AutoValues::default()
+    };
+    let cfg = doc.resolve(&auto).unwrap();
+    let logs = ThreadGroup::run(2, |comm| {
+        let mut b = Engine::builder(cfg.clone(), comm);
+        Mlp::register(&mut b, DIMS).unwrap();
+        b.build().unwrap().warnings().to_vec()
+    })
+    .unwrap();
+    for log in logs {
+        for w in &warnings {
+            let n = log.iter().filter(|l| **l == format!("config: {w}")).count();
+            assert_eq!(n, 1, "`{w}` in {log:?}");
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Error paths of a micro-batch
 

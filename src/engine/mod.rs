@@ -1217,6 +1217,11 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             frozen_policy,
             save_frozen,
         };
+        // The config's own warnings (from its JSON): each once, here.
+        let config_warnings = engine.cfg.warnings.0.clone();
+        for w in config_warnings {
+            engine.warn(format!("config: {w}"));
+        }
         if let Some(off) = engine.opt.offload() {
             for w in off.warnings() {
                 engine.warn(w);
@@ -1709,7 +1714,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         self.last
     }
 
-    /// Warnings given so far (each once), e.g. a stage-3 gather order that
+    /// Warnings given so far (each once; rank 0 also prints them), e.g.
+    /// the config's (`ResolvedConfig::warnings`: unknown or unused keys of
+    /// its JSON, prefixed `config: `) or a stage-3 gather order that
     /// differs from the recorded one.
     pub fn warnings(&self) -> &[String] {
         &self.warned
