@@ -582,6 +582,64 @@ fn bad_registration_and_config_are_errors() {
     .unwrap();
 }
 
+/// Ranks must start from the same model: `Init::Values` that differ
+/// between ranks (a per-thread RNG), or different initialisers, are refused
+/// at `build` on every rank with the same error naming the first tensor
+/// that differs and the ranks; equal values build.
+#[test]
+fn ranks_with_different_initial_values_refuse_to_train() {
+    let build = |inits: fn(usize) -> Vec<Init>| {
+        ThreadGroup::run(3, move |comm| {
+            let cfg = config(3, 0, 1, Precision::Fp32);
+            let rank = comm.rank();
+            let mut b = Engine::builder(cfg, comm);
+            b.register(
+                UnitSpec::new("first", vec![TensorSpec::new("w", &[4])]),
+                vec![Init::Values(vec![1.0; 4].into())],
+            )
+            .unwrap();
+            b.register(
+                UnitSpec::new(
+                    "second",
+                    vec![TensorSpec::new("a", &[4]), TensorSpec::new("b", &[3])],
+                ),
+                inits(rank),
+            )
+            .unwrap();
+            b.build().map(|_| ()).map_err(|e| e.to_string())
+        })
+        .unwrap()
+    };
+    // Rank 2 draws other values for `b`.
+    let out = build(|rank| {
+        let b: Vec<f32> = (0..3).map(|k| (k * (1 + rank / 2)) as f32).collect();
+        vec![Init::normal(0.1), Init::Values(b.into())]
+    });
+    for (r, res) in out.into_iter().enumerate() {
+        let e = res.unwrap_err();
+        assert!(
+            e.starts_with(&format!(
+                "rank {r}: the ranks disagree: the initial values of tensor \
+                                    `b` of unit `second` differ: rank 0 and rank 2"
+            )) && e.contains("Init::Values"),
+            "{e}"
+        );
+    }
+    // Another initialiser on rank 1.
+    let out = build(|rank| vec![Init::normal(0.1 + rank as f32), Init::Zeros]);
+    for res in out {
+        let e = res.unwrap_err();
+        assert!(
+            e.contains("tensor `a` of unit `second` differ: rank 0 and rank 1"),
+            "{e}"
+        );
+    }
+    // The same values everywhere build.
+    for res in build(|_| vec![Init::normal(0.1), Init::Values(vec![0.5; 3].into())]) {
+        res.unwrap();
+    }
+}
+
 /// The config's warnings (from its JSON, here an unknown key kept by
 /// `"strict": false` and a DeepSpeed key zero does not use) reach the
 /// engine's log, each once, on every rank.

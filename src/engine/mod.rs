@@ -1525,6 +1525,39 @@ fn check_agreement<C: Communicator>(
             });
         }
     }
+    check_initial_values(comm, specs)
+}
+
+/// Round 3 of [`check_agreement`] (the units agree by now): every rank must
+/// register the same initialisers, [`Init::Values`] with the same values
+/// (a per-thread RNG would otherwise train a different model on each rank,
+/// unnoticed at stage 0). One word per tensor ([`Init::digest`]); the error
+/// names the first tensor that differs and the ranks, the same on every
+/// rank.
+fn check_initial_values<C: Communicator>(comm: &C, specs: &[(UnitSpec, Vec<Init>)]) -> Result<()> {
+    let mine: Vec<u64> = specs
+        .iter()
+        .flat_map(|(_, inits)| inits.iter().map(Init::digest))
+        .collect();
+    let all = exchange_u64(comm, &mine)?;
+    let tensors = specs
+        .iter()
+        .flat_map(|(s, _)| s.tensors.iter().map(move |t| (s, t)));
+    for (k, (unit, tensor)) in tensors.enumerate() {
+        if let Some(r) = (1..all.len()).find(|&r| all[r][k] != all[0][k]) {
+            return Err(Error::Disagreement {
+                rank: comm.rank(),
+                what: format!(
+                    "the initial values of tensor `{}` of unit `{}` differ: rank 0 and rank {r} \
+                     registered different ones (Init::Values with other values, or another \
+                     initialiser); every rank must start from the same model: draw \
+                     Init::Values from an RNG seeded alike on every rank, or read them from \
+                     the same file",
+                    tensor.name, unit.name
+                ),
+            });
+        }
+    }
     Ok(())
 }
 
