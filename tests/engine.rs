@@ -822,6 +822,78 @@ fn a_micro_batch_failed_after_grad_ready_recovers_with_zero_grad() {
     }
 }
 
+/// A rank that fails a micro-batch, drops it with `zero_grad()` and goes
+/// on alone pairs its next micro-batch's reductions with the other ranks'
+/// current one: the next optimizer step is refused on every rank with the
+/// same error naming that rank and both micro-batch counts (the update is
+/// not applied, so the parameters stay those of the step before), and so
+/// is every later one. At every stage.
+#[test]
+fn a_rank_that_goes_on_alone_after_a_failure_is_refused_on_every_rank() {
+    for stage in 0..=3u8 {
+        let world = 2;
+        let cfg = config(world, stage, 1, Precision::Fp32);
+        let out = ThreadGroup::run(world, |comm| {
+            let rank = comm.rank();
+            let mut b = Engine::builder(cfg.clone(), comm).seed(5);
+            let model = Mlp::register(&mut b, DIMS).unwrap();
+            let mut e = b.build().unwrap();
+            let mut errors = Vec::new();
+            let mut before = Vec::new();
+            for s in 0..4 {
+                if rank == 1 && s == 1 {
+                    // Its micro-batch fails before any collective (a
+                    // stage-3 gather would meet rank 0's reduction and fail
+                    // as a mismatched collective); it drops the micro-batch
+                    // and goes on with the next one.
+                    e.zero_grad().unwrap();
+                }
+                if s == 1 {
+                    before = e
+                        .unit_ids()
+                        .into_iter()
+                        .map(|u| e.unit_params(u).unwrap())
+                        .collect();
+                }
+                let first = ((s * world + rank) * MB) as u64;
+                let (x, y) = batch(first, MB, DIMS[0]);
+                model
+                    .train_micro_batch::<f32, _, _>(&mut e, &x, &y)
+                    .unwrap();
+                match e.step() {
+                    Ok(_) => assert_eq!(s, 0, "stage {stage}: step {s} was taken"),
+                    Err(err) => errors.push(err.to_string()),
+                }
+            }
+            let after: Vec<Vec<f32>> = e
+                .unit_ids()
+                .into_iter()
+                .map(|u| e.unit_params(u).unwrap())
+                .collect();
+            assert_eq!(
+                before, after,
+                "stage {stage}: a refused step changed parameters"
+            );
+            (errors, e.steps())
+        })
+        .unwrap();
+        for (r, (errors, steps)) in out.into_iter().enumerate() {
+            assert_eq!(steps, 1, "stage {stage} rank {r}");
+            assert_eq!(errors.len(), 3, "stage {stage} rank {r}: {errors:?}");
+            for (k, err) in errors.iter().enumerate() {
+                let (theirs, ours) = (3 + k, 2 + k);
+                assert!(
+                    err.starts_with(&format!(
+                        "rank {r}: the ranks disagree: step 2: rank 1 is at micro-batch {theirs} \
+                         and rank 0 at micro-batch {ours}"
+                    )) && err.contains("zero_grad() on every rank"),
+                    "stage {stage} rank {r}: {err}"
+                );
+            }
+        }
+    }
+}
+
 /// A unit whose gradient never came back is an error at step(), not a
 /// silent zero; zero_grad() with a buffer still out is refused too.
 #[test]

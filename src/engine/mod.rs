@@ -404,6 +404,11 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     steps: u64,
     /// Optimizer-step boundaries, skipped steps included.
     global_steps: u64,
+    /// Micro-batches ended by `step` or dropped by `zero_grad`: the same
+    /// on every rank unless one went on alone after a failed micro-batch.
+    /// It travels with the step's norm exchange (see
+    /// [`Engine::check_in_step`]).
+    micro_batches: u64,
     scaler: Option<LossScaler>,
     last: StepOutcome,
     /// Stage 3: the gathered parameters and their schedule.
@@ -1191,6 +1196,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             micro: 0,
             steps: 0,
             global_steps: 0,
+            micro_batches: 0,
             scaler,
             last: StepOutcome {
                 boundary: false,
@@ -2411,6 +2417,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         self.param_swap_check()?;
         self.grad_swap_check()?;
         self.micro += 1;
+        self.micro_batches += 1;
         if self.micro < self.cfg.gradient_accumulation_steps {
             if self.stage == 3 {
                 let (s3, io) = self.s3_parts();
@@ -2948,7 +2955,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 .opt
                 .local_sum_squares::<f16>(&self.backend, &self.reducer)?,
         };
-        let parts = exchange_u64(&self.comm, &[local.to_bits()])?;
+        let parts = exchange_u64(&self.comm, &[local.to_bits(), self.micro_batches])?;
+        self.check_in_step(&parts)?;
         let sumsq = parts.iter().fold(0f64, |a, w| a + f64::from_bits(w[0]));
         let loss_scale = self.loss_scale();
         let ga = self.cfg.gradient_accumulation_steps;
@@ -2982,6 +2990,40 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             lr,
             loss_scale: self.loss_scale(),
             steps: self.steps,
+        })
+    }
+
+    /// Every rank is at the same micro-batch (word 1 of each rank's part of
+    /// the norm exchange, `parts`): a rank that failed a micro-batch,
+    /// dropped it with `zero_grad` and went on alone has paired its
+    /// reductions with the other ranks' previous micro-batch. Then every
+    /// rank refuses the update with the same error, naming the first rank
+    /// off the majority (ties: rank 0's count) and both counts; the counts
+    /// stay apart, so every later step is refused too.
+    fn check_in_step(&self, parts: &[Vec<u64>]) -> Result<()> {
+        let count = |v: u64| parts.iter().filter(|w| w[1] == v).count();
+        let mut common = parts[0][1];
+        for w in parts {
+            if count(w[1]) > count(common) {
+                common = w[1];
+            }
+        }
+        let Some(off) = parts.iter().position(|w| w[1] != common) else {
+            return Ok(());
+        };
+        let at = parts.iter().position(|w| w[1] == common).unwrap_or(0);
+        Err(Error::Disagreement {
+            rank: self.rank,
+            what: format!(
+                "step {}: rank {off} is at micro-batch {} and rank {at} at micro-batch {common} \
+                 (micro-batches ended by step() or dropped by zero_grad()): rank {off} went on \
+                 alone after a failed micro-batch, so this step's reductions paired gradients \
+                 of different micro-batches and its update was not applied; every rank must \
+                 drop a failed micro-batch together (zero_grad() on every rank), so restart \
+                 from the last checkpoint",
+                self.global_steps + 1,
+                parts[off][1]
+            ),
         })
     }
 
@@ -3081,7 +3123,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     /// Drops the gradients accumulated since the last optimizer step,
     /// those of the current micro-batch included (all ranks must call it
-    /// at the same point). After an error in a micro-batch (a gradient
+    /// at the same point: it counts as a micro-batch, and a rank that
+    /// calls it alone is refused at the next optimizer step on every rank). After an error in a micro-batch (a gradient
     /// buffer dropped on the way out, `step` refusing a missing gradient)
     /// this starts over: the reductions already in flight are waited for
     /// and discarded. Every gradient buffer must be back (handed back or
@@ -3101,6 +3144,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             )));
         }
         self.micro = 0;
+        self.micro_batches += 1;
         self.reducer.abort(&self.tracer)
     }
 }
