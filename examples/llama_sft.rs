@@ -460,11 +460,9 @@ fn engine_config(
     let mut c = if let Some(path) = &a.config {
         let p = path.display();
         let text = std::fs::read_to_string(path).map_err(|e| format!("--config {p}: {e}"))?;
-        let (ds, warnings) =
+        // Its warnings travel in the config: the engine prints each once.
+        let (ds, _) =
             DeepSpeedConfig::from_json_str(&text).map_err(|e| format!("--config {p}: {e}"))?;
-        for w in warnings {
-            eprintln!("--config {p}: warning: {w}");
-        }
         let auto = AutoValues {
             world_size: world,
             micro_batch_size: Some(a.batch.unwrap_or(DEFAULT_BATCH)),

@@ -154,11 +154,8 @@ fn base_config(a: &Args, world: usize) -> Result<ResolvedConfig, String> {
     let bf16 = a.dtype == "bf16";
     if let Some(path) = &a.config {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
-        let (ds, warnings) =
-            DeepSpeedConfig::from_json_str(&text).map_err(|e| format!("{path}: {e}"))?;
-        for w in warnings {
-            eprintln!("{path}: warning: {w}");
-        }
+        // Its warnings travel in the config: the engine prints each once.
+        let (ds, _) = DeepSpeedConfig::from_json_str(&text).map_err(|e| format!("{path}: {e}"))?;
         let auto = AutoValues {
             world_size: world,
             micro_batch_size: Some(a.micro),

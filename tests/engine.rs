@@ -582,6 +582,94 @@ fn bad_registration_and_config_are_errors() {
     .unwrap();
 }
 
+/// Ranks must start from the same model: `Init::Values` that differ
+/// between ranks (a per-thread RNG), or different initialisers, are refused
+/// at `build` on every rank with the same error naming the first tensor
+/// that differs and the ranks; equal values build.
+#[test]
+fn ranks_with_different_initial_values_refuse_to_train() {
+    let build = |inits: fn(usize) -> Vec<Init>| {
+        ThreadGroup::run(3, move |comm| {
+            let cfg = config(3, 0, 1, Precision::Fp32);
+            let rank = comm.rank();
+            let mut b = Engine::builder(cfg, comm);
+            b.register(
+                UnitSpec::new("first", vec![TensorSpec::new("w", &[4])]),
+                vec![Init::Values(vec![1.0; 4].into())],
+            )
+            .unwrap();
+            b.register(
+                UnitSpec::new(
+                    "second",
+                    vec![TensorSpec::new("a", &[4]), TensorSpec::new("b", &[3])],
+                ),
+                inits(rank),
+            )
+            .unwrap();
+            b.build().map(|_| ()).map_err(|e| e.to_string())
+        })
+        .unwrap()
+    };
+    // Rank 2 draws other values for `b`.
+    let out = build(|rank| {
+        let b: Vec<f32> = (0..3).map(|k| (k * (1 + rank / 2)) as f32).collect();
+        vec![Init::normal(0.1), Init::Values(b.into())]
+    });
+    for (r, res) in out.into_iter().enumerate() {
+        let e = res.unwrap_err();
+        assert!(
+            e.starts_with(&format!(
+                "rank {r}: the ranks disagree: the initial values of tensor \
+                                    `b` of unit `second` differ: rank 0 and rank 2"
+            )) && e.contains("Init::Values"),
+            "{e}"
+        );
+    }
+    // Another initialiser on rank 1.
+    let out = build(|rank| vec![Init::normal(0.1 + rank as f32), Init::Zeros]);
+    for res in out {
+        let e = res.unwrap_err();
+        assert!(
+            e.contains("tensor `a` of unit `second` differ: rank 0 and rank 1"),
+            "{e}"
+        );
+    }
+    // The same values everywhere build.
+    for res in build(|_| vec![Init::normal(0.1), Init::Values(vec![0.5; 3].into())]) {
+        res.unwrap();
+    }
+}
+
+/// The config's warnings (from its JSON, here an unknown key kept by
+/// `"strict": false` and a DeepSpeed key zero does not use) reach the
+/// engine's log, each once, on every rank.
+#[test]
+fn config_warnings_reach_the_engine_log_once() {
+    use zero::core::config::{AutoValues, DeepSpeedConfig};
+    let json = r#"{ "strict": false, "train_micro_batch_size_per_gpu": 4,
+                    "zero_optimization": { "stage": 2, "stage3_prefetch_bucket_sise": 1,
+                                           "zero_quantized_weights": false } }"#;
+    let (doc, warnings) = DeepSpeedConfig::from_json_str(json).unwrap();
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    let auto = AutoValues {
+        world_size: 2,
+        ..AutoValues::default()
+    };
+    let cfg = doc.resolve(&auto).unwrap();
+    let logs = ThreadGroup::run(2, |comm| {
+        let mut b = Engine::builder(cfg.clone(), comm);
+        Mlp::register(&mut b, DIMS).unwrap();
+        b.build().unwrap().warnings().to_vec()
+    })
+    .unwrap();
+    for log in logs {
+        for w in &warnings {
+            let n = log.iter().filter(|l| **l == format!("config: {w}")).count();
+            assert_eq!(n, 1, "`{w}` in {log:?}");
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Error paths of a micro-batch
 
@@ -669,6 +757,137 @@ fn a_dropped_gradient_buffer_is_recovered_by_zero_grad() {
                     &clean,
                     &t,
                     &format!("stage {stage} {mode:?}, failure before step {fail_at}"),
+                );
+            }
+        }
+    }
+}
+
+/// Trains 3 steps on 2 ranks; with `fail`, the micro-batch of step 1 is
+/// first tried and fails after the last layer's `grad_ready` (the trainer's
+/// `?` leaves the backward pass), and the trainer simply runs the
+/// micro-batch again: that retry fails naming `zero_grad()` (the unit's
+/// gradient is already in), `zero_grad()` drops the failed micro-batch and
+/// the retry then trains. Returns rank 0's final states.
+fn train_with_retried_micro_batch(stage: u8, fail: bool) -> Vec<UnitState> {
+    let world = 2;
+    let cfg = config(world, stage, 1, Precision::Fp32);
+    ThreadGroup::run(world, |comm| {
+        let rank = comm.rank();
+        let mut b = Engine::builder(cfg.clone(), comm).seed(5);
+        let model = Mlp::register(&mut b, DIMS).unwrap();
+        let mut e = b.build().unwrap();
+        for s in 0..3 {
+            let first = ((s * world + rank) * MB) as u64;
+            let (x, y) = batch(first, MB, DIMS[0]);
+            if fail && s == 1 {
+                let last = *model.units.last().unwrap();
+                let g = e.grad_buffer::<f32>(last).unwrap();
+                e.grad_ready(last, g).unwrap();
+                let err = model
+                    .train_micro_batch::<f32, _, _>(&mut e, &x, &y)
+                    .unwrap_err()
+                    .to_string();
+                assert!(
+                    err.contains("grad_ready was already called for this unit")
+                        && err.contains("call zero_grad() on every rank"),
+                    "{err}"
+                );
+                e.zero_grad().unwrap();
+            }
+            model
+                .train_micro_batch::<f32, _, _>(&mut e, &x, &y)
+                .unwrap();
+            e.step().unwrap();
+        }
+        e.unit_ids()
+            .into_iter()
+            .map(|u| e.unit_state(u).unwrap())
+            .collect::<Vec<_>>()
+    })
+    .unwrap()
+    .swap_remove(0)
+}
+
+/// A micro-batch that fails after some units handed their gradients back
+/// leaves the engine waiting for the rest: the next micro-batch's first
+/// gradient call names `zero_grad()` as the way out, and after it the run
+/// goes on bit for bit as one that never failed, at every stage.
+#[test]
+fn a_micro_batch_failed_after_grad_ready_recovers_with_zero_grad() {
+    for stage in 0..=3u8 {
+        let clean = train_with_retried_micro_batch(stage, false);
+        let recovered = train_with_retried_micro_batch(stage, true);
+        assert_bits_eq(&clean, &recovered, &format!("stage {stage}"));
+    }
+}
+
+/// A rank that fails a micro-batch, drops it with `zero_grad()` and goes
+/// on alone pairs its next micro-batch's reductions with the other ranks'
+/// current one: the next optimizer step is refused on every rank with the
+/// same error naming that rank and both micro-batch counts (the update is
+/// not applied, so the parameters stay those of the step before), and so
+/// is every later one. At every stage.
+#[test]
+fn a_rank_that_goes_on_alone_after_a_failure_is_refused_on_every_rank() {
+    for stage in 0..=3u8 {
+        let world = 2;
+        let cfg = config(world, stage, 1, Precision::Fp32);
+        let out = ThreadGroup::run(world, |comm| {
+            let rank = comm.rank();
+            let mut b = Engine::builder(cfg.clone(), comm).seed(5);
+            let model = Mlp::register(&mut b, DIMS).unwrap();
+            let mut e = b.build().unwrap();
+            let mut errors = Vec::new();
+            let mut before = Vec::new();
+            for s in 0..4 {
+                if rank == 1 && s == 1 {
+                    // Its micro-batch fails before any collective (a
+                    // stage-3 gather would meet rank 0's reduction and fail
+                    // as a mismatched collective); it drops the micro-batch
+                    // and goes on with the next one.
+                    e.zero_grad().unwrap();
+                }
+                if s == 1 {
+                    before = e
+                        .unit_ids()
+                        .into_iter()
+                        .map(|u| e.unit_params(u).unwrap())
+                        .collect();
+                }
+                let first = ((s * world + rank) * MB) as u64;
+                let (x, y) = batch(first, MB, DIMS[0]);
+                model
+                    .train_micro_batch::<f32, _, _>(&mut e, &x, &y)
+                    .unwrap();
+                match e.step() {
+                    Ok(_) => assert_eq!(s, 0, "stage {stage}: step {s} was taken"),
+                    Err(err) => errors.push(err.to_string()),
+                }
+            }
+            let after: Vec<Vec<f32>> = e
+                .unit_ids()
+                .into_iter()
+                .map(|u| e.unit_params(u).unwrap())
+                .collect();
+            assert_eq!(
+                before, after,
+                "stage {stage}: a refused step changed parameters"
+            );
+            (errors, e.steps())
+        })
+        .unwrap();
+        for (r, (errors, steps)) in out.into_iter().enumerate() {
+            assert_eq!(steps, 1, "stage {stage} rank {r}");
+            assert_eq!(errors.len(), 3, "stage {stage} rank {r}: {errors:?}");
+            for (k, err) in errors.iter().enumerate() {
+                let (theirs, ours) = (3 + k, 2 + k);
+                assert!(
+                    err.starts_with(&format!(
+                        "rank {r}: the ranks disagree: step 2: rank 1 is at micro-batch {theirs} \
+                         and rank 0 at micro-batch {ours}"
+                    )) && err.contains("zero_grad() on every rank"),
+                    "stage {stage} rank {r}: {err}"
                 );
             }
         }

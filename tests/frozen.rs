@@ -277,12 +277,10 @@ fn steps_of<T: Element>(
             }
             drop((gm, gh));
             let mut gmix = e.grad_buffer::<T>(ids.mix)?;
-            let la = e.layout(ids.mix)?.tensor("a").expect("a").offset;
-            let lb = e.layout(ids.mix)?.tensor("b").expect("b").offset;
-            for k in 0..K {
-                gmix[la + k] = T::from_f32(ga_[k]);
+            for (g, v) in gmix.tensor_mut("a")?.iter_mut().zip(ga_) {
+                *g = T::from_f32(v);
             }
-            gmix[lb] = T::from_f32(gb_);
+            gmix.tensor_mut("b")?[0] = T::from_f32(gb_);
             e.grad_ready(ids.mix, gmix)?;
             let mut ghead = e.grad_buffer::<T>(ids.head)?;
             for k in 0..K {
@@ -565,6 +563,56 @@ fn a_unit_with_only_frozen_tensors_has_no_gradient() {
             msg.contains("grad_buffer(`base`)") && msg.contains("only frozen tensors"),
             "{msg}"
         );
+    }
+}
+
+/// `GradBuffer`'s per-tensor views: a trainable tensor's gradient at its
+/// layout offset (in the mixed unit `f1, a, f2, b`, where `a` and `b` lie
+/// elsewhere than in registration order), and a frozen or unknown tensor
+/// an error naming it and the unit, not an index out of bounds.
+#[test]
+fn grad_buffer_views_tensors_by_name_and_refuses_frozen_ones() {
+    let out = ThreadGroup::run(2, |comm| -> zero::Result<()> {
+        let mut b = Engine::builder(cfg_for(2, 3, Precision::Fp32), comm);
+        let ids = register(&mut b, Shape::Mixed, false)?;
+        let mut e = b.build()?;
+        let layout = e.layout(ids.mix)?.clone();
+        let mut g = e.grad_buffer::<f32>(ids.mix)?;
+        assert_eq!(g.layout(), &layout);
+        let a: Vec<f32> = (0..K).map(|k| k as f32 + 1.0).collect();
+        g.tensor_mut("a")?.copy_from_slice(&a);
+        g.write_tensor_host("b", |b| b[0] = -2.0)?;
+        let (ra, rb) = (layout.tensor("a").unwrap(), layout.tensor("b").unwrap());
+        assert_eq!(&g[ra.range()], &a[..]);
+        assert_eq!(g[rb.offset], -2.0);
+        assert_eq!(g.tensor("a")?, &a[..]);
+        assert_eq!(g.tensor_range("b")?, rb.range());
+        let written = g.iter().filter(|v| **v != 0.0).count();
+        assert_eq!(written, K + 1, "only `a` and `b` were written");
+        for frozen in ["f1", "f2"] {
+            let f = layout.tensor(frozen).unwrap();
+            assert!(f.range().end > g.len(), "`{frozen}` lies past the buffer");
+            for err in [
+                g.tensor_mut(frozen).map(|_| ()).unwrap_err(),
+                g.write_tensor_host(frozen, |_| ()).unwrap_err(),
+            ] {
+                let m = err.to_string();
+                assert!(
+                    m.contains(&format!("tensor `{frozen}` of unit `mix`")) && m.contains("frozen"),
+                    "{m}"
+                );
+            }
+        }
+        let m = g.tensor("nope").map(|_| ()).unwrap_err().to_string();
+        assert!(
+            m.contains("tensor `nope` of unit `mix`") && m.contains("its tensors: a, b, f1, f2"),
+            "{m}"
+        );
+        e.grad_ready(ids.mix, g)
+    })
+    .expect("ranks ran");
+    for r in out {
+        r.expect("rank");
     }
 }
 

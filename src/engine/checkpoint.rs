@@ -440,6 +440,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     fn resume_counters(&mut self, m: &Manifest) {
         self.steps = m.steps;
         self.global_steps = m.global_steps;
+        // Every rank resumes at the same point.
+        self.micro_batches = 0;
         if self.scaler.is_some() {
             if let Some(s) = &m.loss_scaler {
                 self.scaler = Some(s.clone());

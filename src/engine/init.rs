@@ -113,6 +113,29 @@ impl Init {
     }
 }
 
+impl Init {
+    /// What every rank must agree on (see `check_agreement`): the kind and
+    /// its parameters, and for [`Init::Values`] the CRC32 of the values'
+    /// bytes. A [`Init::Source`] counts by kind only: its file is read at
+    /// `build`, range by range, and hashing it would read it twice.
+    pub(crate) fn digest(&self) -> u64 {
+        let tagged = |tag: u64, bits: u32| mix((tag << 32) | u64::from(bits));
+        match self {
+            Init::Zeros => tagged(1, 0),
+            Init::Ones => tagged(2, 0),
+            Init::Constant(v) => tagged(3, v.to_bits()),
+            Init::Normal { std } => tagged(4, std.to_bits()),
+            Init::Uniform { bound } => tagged(5, bound.to_bits()),
+            Init::Values(v) => {
+                let mut h = crc32fast::Hasher::new();
+                h.update(bytemuck::cast_slice(v));
+                tagged(6, h.finalize()) ^ mix(v.len() as u64)
+            }
+            Init::Source(_) => tagged(7, 0),
+        }
+    }
+}
+
 /// 64 random bits for one element (SplitMix64 over a keyed counter).
 fn element_bits(seed: u64, unit_key: u64, tensor: usize, i: usize) -> u64 {
     let key = mix(seed ^ mix(unit_key ^ mix(tensor as u64 ^ 0x5bd1_e995)));

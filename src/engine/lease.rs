@@ -14,6 +14,7 @@
 //! this micro-batch (so `step` refuses with an error naming it, and
 //! `zero_grad` starts over), and nothing is wedged.
 
+use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use zero_core::backend::{CpuBackend, HostAccess};
@@ -64,11 +65,21 @@ impl<B: HostAccess> Returns<B> {
 /// compute stream. Hand it back with
 /// [`Engine::grad_ready`](super::Engine::grad_ready); dropping it gives it
 /// back unused (the unit then has no gradient in this micro-batch).
+///
+/// Each trainable tensor's gradient lies at its [`UnitLayout`] offset;
+/// [`GradBuffer::tensor_mut`] (CPU) and [`GradBuffer::write_tensor_host`]
+/// (any backend) find it by name, and a frozen or unknown tensor is then an
+/// error naming it (a frozen tensor's offset lies past the gradient buffer,
+/// so indexing the buffer there by hand panics).
 #[must_use = "hand the gradient back with Engine::grad_ready; dropping it discards it"]
 pub struct GradBuffer<T: Element, B: HostAccess = CpuBackend> {
     buf: Option<B::Lent<T>>,
     len: usize,
     unit: usize,
+    /// The unit's layout (tensors by name) and the rank, for the
+    /// per-tensor views and their errors.
+    layout: Arc<UnitLayout>,
+    rank: usize,
     returns: Returns<B>,
     /// The backend that lent it (for [`GradBuffer::write_host`]).
     backend: B,
@@ -77,17 +88,59 @@ pub struct GradBuffer<T: Element, B: HostAccess = CpuBackend> {
 impl<T: Element, B: HostAccess> GradBuffer<T, B> {
     pub(crate) fn new(
         buf: B::Lent<T>,
-        (len, unit): (usize, usize),
+        (unit, layout, rank): (usize, Arc<UnitLayout>, usize),
         returns: Returns<B>,
         backend: B,
     ) -> Self {
         GradBuffer {
             buf: Some(buf),
-            len,
+            len: layout.padded_numel,
             backend,
             unit,
+            layout,
+            rank,
             returns,
         }
+    }
+
+    /// The layout of the unit it belongs to (where each tensor lies).
+    pub fn layout(&self) -> &UnitLayout {
+        &self.layout
+    }
+
+    /// Where trainable tensor `name`'s gradient lies in the buffer; an
+    /// unknown or frozen tensor is an error naming it and the unit.
+    pub fn tensor_range(&self, name: &str) -> Result<Range<usize>> {
+        let l = &self.layout;
+        let usage = |what: String| Error::Usage {
+            rank: self.rank,
+            what,
+        };
+        match l.tensor(name) {
+            Some(t) if t.trainable => Ok(t.range()),
+            Some(_) => Err(usage(format!(
+                "gradient of tensor `{name}` of unit `{}`: the tensor is frozen \
+                 (TensorSpec::frozen), so it has no gradient; leave it out of the backward pass",
+                l.name
+            ))),
+            None => {
+                let names: Vec<&str> = l.tensors.iter().map(|t| t.name.as_str()).collect();
+                Err(usage(format!(
+                    "gradient of tensor `{name}` of unit `{}`: the unit has no such tensor \
+                     (its tensors: {})",
+                    l.name,
+                    names.join(", ")
+                )))
+            }
+        }
+    }
+
+    /// Runs `f` on trainable tensor `name`'s gradient for the host to
+    /// write, on any backend (as [`GradBuffer::write_host`]); an unknown
+    /// or frozen tensor is an error naming it.
+    pub fn write_tensor_host<R>(&mut self, name: &str, f: impl FnOnce(&mut [T]) -> R) -> Result<R> {
+        let r = self.tensor_range(name)?;
+        self.write_host(|g| f(&mut g[r]))
     }
 
     /// The index of the unit it belongs to.
@@ -136,6 +189,22 @@ impl<T: Element> std::ops::Deref for GradBuffer<T, CpuBackend> {
 impl<T: Element> std::ops::DerefMut for GradBuffer<T, CpuBackend> {
     fn deref_mut(&mut self) -> &mut [T] {
         self.buf.as_deref_mut().unwrap_or(&mut [])
+    }
+}
+
+impl<T: Element> GradBuffer<T, CpuBackend> {
+    /// Trainable tensor `name`'s gradient (its elements at its layout
+    /// offset); an unknown or frozen tensor is an error naming it.
+    pub fn tensor(&self, name: &str) -> Result<&[T]> {
+        let r = self.tensor_range(name)?;
+        Ok(&self[r])
+    }
+
+    /// Trainable tensor `name`'s gradient, to write or accumulate into;
+    /// an unknown or frozen tensor is an error naming it.
+    pub fn tensor_mut(&mut self, name: &str) -> Result<&mut [T]> {
+        let r = self.tensor_range(name)?;
+        Ok(&mut self[r])
     }
 }
 

@@ -404,6 +404,11 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     steps: u64,
     /// Optimizer-step boundaries, skipped steps included.
     global_steps: u64,
+    /// Micro-batches ended by `step` or dropped by `zero_grad`: the same
+    /// on every rank unless one went on alone after a failed micro-batch.
+    /// It travels with the step's norm exchange (see
+    /// [`Engine::check_in_step`]).
+    micro_batches: u64,
     scaler: Option<LossScaler>,
     last: StepOutcome,
     /// Stage 3: the gathered parameters and their schedule.
@@ -1191,6 +1196,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             micro: 0,
             steps: 0,
             global_steps: 0,
+            micro_batches: 0,
             scaler,
             last: StepOutcome {
                 boundary: false,
@@ -1217,6 +1223,11 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             frozen_policy,
             save_frozen,
         };
+        // The config's own warnings (from its JSON): each once, here.
+        let config_warnings = engine.cfg.warnings.0.clone();
+        for w in config_warnings {
+            engine.warn(format!("config: {w}"));
+        }
         if let Some(off) = engine.opt.offload() {
             for w in off.warnings() {
                 engine.warn(w);
@@ -1520,8 +1531,49 @@ fn check_agreement<C: Communicator>(
             });
         }
     }
+    check_initial_values(comm, specs)
+}
+
+/// Round 3 of [`check_agreement`] (the units agree by now): every rank must
+/// register the same initialisers, [`Init::Values`] with the same values
+/// (a per-thread RNG would otherwise train a different model on each rank,
+/// unnoticed at stage 0). One word per tensor ([`Init::digest`]); the error
+/// names the first tensor that differs and the ranks, the same on every
+/// rank.
+fn check_initial_values<C: Communicator>(comm: &C, specs: &[(UnitSpec, Vec<Init>)]) -> Result<()> {
+    let mine: Vec<u64> = specs
+        .iter()
+        .flat_map(|(_, inits)| inits.iter().map(Init::digest))
+        .collect();
+    let all = exchange_u64(comm, &mine)?;
+    let tensors = specs
+        .iter()
+        .flat_map(|(s, _)| s.tensors.iter().map(move |t| (s, t)));
+    for (k, (unit, tensor)) in tensors.enumerate() {
+        if let Some(r) = (1..all.len()).find(|&r| all[r][k] != all[0][k]) {
+            return Err(Error::Disagreement {
+                rank: comm.rank(),
+                what: format!(
+                    "the initial values of tensor `{}` of unit `{}` differ: rank 0 and rank {r} \
+                     registered different ones (Init::Values with other values, or another \
+                     initialiser); every rank must start from the same model: draw \
+                     Init::Values from an RNG seeded alike on every rank, or read them from \
+                     the same file",
+                    tensor.name, unit.name
+                ),
+            });
+        }
+    }
     Ok(())
 }
+
+/// How a trainer gets out of a micro-batch that failed part way (some
+/// units handed their gradients back, the others never will): the engine
+/// cannot tell a failed micro-batch from a unit's gradient given twice, so
+/// the trainer says so with `zero_grad`.
+const RECOVER: &str = "if a micro-batch failed part way, call zero_grad() on every rank to drop \
+                       it (and the gradients accumulated since the last optimizer step), then \
+                       run the next micro-batch";
 
 impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     // ------------------------------------------------------------------
@@ -1701,7 +1753,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         self.last
     }
 
-    /// Warnings given so far (each once), e.g. a stage-3 gather order that
+    /// Warnings given so far (each once; rank 0 also prints them), e.g.
+    /// the config's (`ResolvedConfig::warnings`: unknown or unused keys of
+    /// its JSON, prefixed `config: `) or a stage-3 gather order that
     /// differs from the recorded one.
     pub fn warnings(&self) -> &[String] {
         &self.warned
@@ -2196,8 +2250,10 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         match self.reducer.state(i) {
             GradState::Ready => {
                 return Err(self.usage(format!(
-                    "grad_buffer(`{}`): grad_ready was already called for this unit in this micro-batch",
-                    self.name(i)
+                    "grad_buffer(`{}`): grad_ready was already called for this unit in this \
+                     micro-batch; {}",
+                    self.name(i),
+                    RECOVER
                 )))
             }
             GradState::Lent => {
@@ -2219,10 +2275,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 expected: self.pdt,
                 got: T::DTYPE,
             })?;
-        let len = self.units[i].layout.padded_numel;
         Ok(GradBuffer::new(
             typed,
-            (len, i),
+            (i, self.units[i].layout.clone(), self.rank),
             self.returns.clone(),
             self.backend.clone(),
         ))
@@ -2251,8 +2306,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         match self.reducer.state(i) {
             GradState::Ready => {
                 return Err(self.usage(format!(
-                    "grad_ready(`{}`) called twice in one micro-batch",
-                    u.layout.name
+                    "grad_ready(`{}`) called twice in one micro-batch; {}",
+                    u.layout.name, RECOVER
                 )))
             }
             GradState::Empty => {
@@ -2362,6 +2417,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         self.param_swap_check()?;
         self.grad_swap_check()?;
         self.micro += 1;
+        self.micro_batches += 1;
         if self.micro < self.cfg.gradient_accumulation_steps {
             if self.stage == 3 {
                 let (s3, io) = self.s3_parts();
@@ -2899,7 +2955,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 .opt
                 .local_sum_squares::<f16>(&self.backend, &self.reducer)?,
         };
-        let parts = exchange_u64(&self.comm, &[local.to_bits()])?;
+        let parts = exchange_u64(&self.comm, &[local.to_bits(), self.micro_batches])?;
+        self.check_in_step(&parts)?;
         let sumsq = parts.iter().fold(0f64, |a, w| a + f64::from_bits(w[0]));
         let loss_scale = self.loss_scale();
         let ga = self.cfg.gradient_accumulation_steps;
@@ -2933,6 +2990,40 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             lr,
             loss_scale: self.loss_scale(),
             steps: self.steps,
+        })
+    }
+
+    /// Every rank is at the same micro-batch (word 1 of each rank's part of
+    /// the norm exchange, `parts`): a rank that failed a micro-batch,
+    /// dropped it with `zero_grad` and went on alone has paired its
+    /// reductions with the other ranks' previous micro-batch. Then every
+    /// rank refuses the update with the same error, naming the first rank
+    /// off the majority (ties: rank 0's count) and both counts; the counts
+    /// stay apart, so every later step is refused too.
+    fn check_in_step(&self, parts: &[Vec<u64>]) -> Result<()> {
+        let count = |v: u64| parts.iter().filter(|w| w[1] == v).count();
+        let mut common = parts[0][1];
+        for w in parts {
+            if count(w[1]) > count(common) {
+                common = w[1];
+            }
+        }
+        let Some(off) = parts.iter().position(|w| w[1] != common) else {
+            return Ok(());
+        };
+        let at = parts.iter().position(|w| w[1] == common).unwrap_or(0);
+        Err(Error::Disagreement {
+            rank: self.rank,
+            what: format!(
+                "step {}: rank {off} is at micro-batch {} and rank {at} at micro-batch {common} \
+                 (micro-batches ended by step() or dropped by zero_grad()): rank {off} went on \
+                 alone after a failed micro-batch, so this step's reductions paired gradients \
+                 of different micro-batches and its update was not applied; every rank must \
+                 drop a failed micro-batch together (zero_grad() on every rank), so restart \
+                 from the last checkpoint",
+                self.global_steps + 1,
+                parts[off][1]
+            ),
         })
     }
 
@@ -3032,7 +3123,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     /// Drops the gradients accumulated since the last optimizer step,
     /// those of the current micro-batch included (all ranks must call it
-    /// at the same point). After an error in a micro-batch (a gradient
+    /// at the same point: it counts as a micro-batch, and a rank that
+    /// calls it alone is refused at the next optimizer step on every rank). After an error in a micro-batch (a gradient
     /// buffer dropped on the way out, `step` refusing a missing gradient)
     /// this starts over: the reductions already in flight are waited for
     /// and discarded. Every gradient buffer must be back (handed back or
@@ -3052,6 +3144,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             )));
         }
         self.micro = 0;
+        self.micro_batches += 1;
         self.reducer.abort(&self.tracer)
     }
 }

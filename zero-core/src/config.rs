@@ -8,8 +8,12 @@
 //!   numeric and boolean fields that a trainer fills may be `"auto"`
 //!   ([`Auto`]), and enum-like values stay strings. It round-trips to JSON.
 //!   [`DeepSpeedConfig::from_json_str`] checks types (every error names the
-//!   key path) and returns warnings for keys it does not know, so a typo such
-//!   as `stage3_prefetch_bucket_sise` never passes silently.
+//!   key path) and refuses keys it does not know inside a section (as
+//!   DeepSpeed's config models do) and top-level keys one typo away from a
+//!   key it reads, so a typo such as `stage3_prefetch_bucket_sise` or
+//!   `zero_optimizaton` never passes silently; zero's own top-level key
+//!   `"strict": false` makes them warnings. Other unknown top-level keys
+//!   (DeepSpeed ignores them) are warnings.
 //! - [`ResolvedConfig`]: every value concrete. [`DeepSpeedConfig::resolve`]
 //!   fills `"auto"` from [`AutoValues`] (what the trainer knows), applies the
 //!   defaults, and validates ranges and combinations. It is the only place
@@ -18,7 +22,14 @@
 //! ```
 //! use zero_core::config::{AutoValues, DeepSpeedConfig, OffloadDevice};
 //!
+//! let typo = r#"{ "zero_optimization": { "stage": 3, "stage3_prefetch_bucket_sise": 5e7 } }"#;
+//! let err = DeepSpeedConfig::from_json_str(typo).unwrap_err().to_string();
+//! assert!(err.starts_with("config key `zero_optimization.stage3_prefetch_bucket_sise`: \
+//!                          unknown key in section `zero_optimization`; \
+//!                          did you mean `stage3_prefetch_bucket_size`?"), "{err}");
+//!
 //! let json = r#"{
+//!     "strict": false,
 //!     "train_micro_batch_size_per_gpu": "auto",
 //!     "gradient_accumulation_steps": 2,
 //!     "bf16": { "enabled": true },
@@ -243,11 +254,21 @@ pub struct DeepSpeedConfig {
     /// `data_types`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub data_types: Option<DataTypesBlock>,
+    /// `strict` (zero's own key, default true): unknown keys inside a
+    /// section, and top-level keys one typo away from a key zero reads,
+    /// are errors; `false` makes them warnings. (DeepSpeed's config
+    /// models refuse unknown keys inside their sections too.)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub strict: Option<bool>,
     /// Top-level DeepSpeed keys that zero accepts but does not use
     /// (`steps_per_print`, `wall_clock_breakdown`, `tensorboard`, ...),
     /// kept as written so that printing the config shows them.
     #[serde(flatten)]
     pub accepted_unused: BTreeMap<String, Value>,
+    /// The warnings of [`DeepSpeedConfig::from_json_str`], carried into
+    /// [`ResolvedConfig::warnings`] by [`DeepSpeedConfig::resolve`].
+    #[serde(skip)]
+    pub warnings: ConfigWarnings,
 }
 
 /// The `fp16` block.
@@ -727,6 +748,32 @@ pub struct ResolvedConfig {
     /// precision mode; zero always accumulates in fp32 unless told).
     #[serde(with = "dtype_serde")]
     pub grad_accum_dtype: DType,
+    /// The warnings of parsing the document it was resolved from (unknown
+    /// keys with `"strict": false`, keys zero does not use, deprecated
+    /// aliases). The engine gives each once, in its log
+    /// (`Engine::warnings`, printed by rank 0), so a trainer need not
+    /// print them. Not part of the config: not serialized, not compared.
+    #[serde(skip)]
+    pub warnings: ConfigWarnings,
+}
+
+/// Warnings that travel with a config without being part of it: they
+/// serialize to nothing and every two compare equal, so a config read
+/// back from a checkpoint equals the one it was written from.
+#[derive(Debug, Clone, Default)]
+pub struct ConfigWarnings(pub Vec<String>);
+
+impl PartialEq for ConfigWarnings {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl std::ops::Deref for ConfigWarnings {
+    type Target = [String];
+    fn deref(&self) -> &[String] {
+        &self.0
+    }
 }
 
 /// ZeRO settings (DeepSpeed `zero_optimization`, plus `aio`).
@@ -1073,6 +1120,7 @@ impl ResolvedConfig {
             },
             communication_data_type: DType::F32,
             grad_accum_dtype: DType::F32,
+            warnings: ConfigWarnings::default(),
         }
     }
 
@@ -1157,6 +1205,9 @@ struct Section<'v> {
     path: String,
     map: &'v Map<String, Value>,
     asked: Vec<&'static str>,
+    /// Unknown keys are errors (the top-level `strict`, default true);
+    /// nested sections inherit it.
+    strict: bool,
 }
 
 impl<'v> Section<'v> {
@@ -1165,6 +1216,7 @@ impl<'v> Section<'v> {
             path,
             map,
             asked: Vec::new(),
+            strict: true,
         }
     }
 
@@ -1247,7 +1299,11 @@ impl<'v> Section<'v> {
     fn block<B: Block>(&mut self, k: &'static str, w: &mut Vec<String>) -> Result<Option<B>> {
         match self.get(k) {
             None => Ok(None),
-            Some(Value::Object(map)) => B::parse(Section::new(self.key(k), map), w).map(Some),
+            Some(Value::Object(map)) => {
+                let mut inner = Section::new(self.key(k), map);
+                inner.strict = self.strict;
+                B::parse(inner, w).map(Some)
+            }
             Some(v) => Err(self.type_err(k, "an object", v)),
         }
     }
@@ -1261,8 +1317,12 @@ impl<'v> Section<'v> {
         v
     }
 
-    /// Warns about every key that was not asked for.
-    fn finish(self, w: &mut Vec<String>) {
+    /// Every key that was not asked for: inside a section an error (a
+    /// warning with `"strict": false`); at the top level, where DeepSpeed
+    /// ignores keys it does not know, a warning, unless the key is one
+    /// typo away from a key zero reads (then an error, or a warning with
+    /// `"strict": false`).
+    fn finish(self, w: &mut Vec<String>) -> Result<()> {
         for k in self.map.keys() {
             if self.asked.contains(&k.as_str()) {
                 continue;
@@ -1273,13 +1333,70 @@ impl<'v> Section<'v> {
                 .map(|known| (edit_distance(k, known), *known))
                 .filter(|&(d, known)| d <= 3.max(known.len() / 5))
                 .min();
-            let hint = match near {
-                Some((_, known)) => format!("; did you mean `{known}`?"),
-                None => String::new(),
+            let hint = match (alias_of(&self.path, k), near) {
+                (Some(known), _) => {
+                    format!(
+                        "; DeepSpeed also reads `{known}` under this name, zero only as `{known}`"
+                    )
+                }
+                (None, Some((_, known))) => format!("; did you mean `{known}`?"),
+                (None, None) => String::new(),
             };
-            w.push(format!("unknown key {} (ignored){hint}", self.key(k)));
+            let typo = near.filter(|&(d, known)| d <= if known.len() >= 8 { 2 } else { 1 });
+            if !self.strict {
+                w.push(format!("unknown key {} (ignored){hint}", self.key(k)));
+            } else if !self.path.is_empty() {
+                return Err(config_err(
+                    self.key(k),
+                    format!(
+                        "unknown key in section `{}`{hint} (DeepSpeed's config models refuse \
+                         unknown keys too; {NOT_STRICT})",
+                        self.path
+                    ),
+                ));
+            } else if let Some((_, known)) = typo {
+                return Err(config_err(
+                    k.as_str(),
+                    format!(
+                        "unknown top-level key, one typo away from `{known}`: did you mean \
+                         `{known}`? ({NOT_STRICT})"
+                    ),
+                ));
+            } else {
+                w.push(format!("unknown key {} (ignored){hint}", self.key(k)));
+            }
         }
+        Ok(())
     }
+}
+
+/// How to keep unknown keys as warnings.
+const NOT_STRICT: &str = r#"set "strict": false at the top level to ignore it with a warning"#;
+
+/// DeepSpeed's `zero_optimization` fields that it also reads under their
+/// field names (pydantic `populate_by_name`): the key zero reads for `k` in
+/// section `path`, if `k` is one.
+fn alias_of(path: &str, k: &str) -> Option<&'static str> {
+    const ALIASES: &[(&str, &str)] = &[
+        ("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
+        (
+            "param_persistence_threshold",
+            "stage3_param_persistence_threshold",
+        ),
+        ("max_live_parameters", "stage3_max_live_parameters"),
+        ("max_reuse_distance", "stage3_max_reuse_distance"),
+        (
+            "gather_16bit_weights_on_model_save",
+            "stage3_gather_16bit_weights_on_model_save",
+        ),
+    ];
+    if path != "zero_optimization" {
+        return None;
+    }
+    ALIASES
+        .iter()
+        .find(|(a, _)| *a == k)
+        .map(|(_, known)| *known)
 }
 
 /// A block of the document that can be read from a [`Section`].
@@ -1292,6 +1409,9 @@ const NON_NEGATIVE_INT: &str = "a non-negative integer";
 
 impl Block for DeepSpeedConfig {
     fn parse(mut s: Section<'_>, w: &mut Vec<String>) -> Result<Self> {
+        // First: the sections below inherit it.
+        let strict = s.boolean("strict")?;
+        s.strict = strict.unwrap_or(true);
         let bf16 = match s.block::<Bf16Block>("bf16", w)? {
             Some(b) => {
                 if s.get("bfloat16").is_some() {
@@ -1319,7 +1439,9 @@ impl Block for DeepSpeedConfig {
                 r#"a dtype string ("fp32", "fp16" or "bf16")"#,
             )?,
             data_types: s.block("data_types", w)?,
+            strict,
             accepted_unused: BTreeMap::new(),
+            warnings: ConfigWarnings::default(),
         };
         for &k in SILENT_TOP_LEVEL_KEYS {
             if let Some(v) = s.get(k) {
@@ -1331,7 +1453,7 @@ impl Block for DeepSpeedConfig {
                 cfg.accepted_unused.insert(k.to_string(), v.clone());
             }
         }
-        s.finish(w);
+        s.finish(w)?;
         Ok(cfg)
     }
 }
@@ -1348,7 +1470,8 @@ impl Block for Fp16Block {
             min_loss_scale: s.number("min_loss_scale")?,
         };
         s.unused("auto_cast", w);
-        s.finish(w);
+        s.unused("fp16_master_weights_and_grads", w);
+        s.finish(w)?;
         Ok(b)
     }
 }
@@ -1360,7 +1483,7 @@ impl Block for Bf16Block {
         };
         s.unused("immediate_grad_update", w);
         s.unused("check_grad_overflow", w);
-        s.finish(w);
+        s.finish(w)?;
         Ok(b)
     }
 }
@@ -1371,7 +1494,7 @@ impl Block for OptimizerBlock {
             optimizer_type: s.string("type", r#"a string ("AdamW" or "Adam")"#)?,
             params: s.block("params", w)?,
         };
-        s.finish(w);
+        s.finish(w)?;
         Ok(b)
     }
 }
@@ -1389,8 +1512,9 @@ impl Block for OptimizerParamsBlock {
             max_grad_norm: s.number("max_grad_norm")?,
         };
         s.unused("torch_adam", w);
+        s.unused("set_grad_none", w);
         s.unused("fp32_optimizer_states", w);
-        s.finish(w);
+        s.finish(w)?;
         Ok(b)
     }
 }
@@ -1404,7 +1528,7 @@ impl Block for SchedulerBlock {
             )?,
             params: s.block("params", w)?,
         };
-        s.finish(w);
+        s.finish(w)?;
         Ok(b)
     }
 }
@@ -1421,7 +1545,7 @@ impl Block for SchedulerParamsBlock {
             cos_min_ratio: s.number("cos_min_ratio")?,
         };
         s.unused("last_batch_iteration", w);
-        s.finish(w);
+        s.finish(w)?;
         Ok(b)
     }
 }
@@ -1470,16 +1594,38 @@ impl Block for ZeroOptimizationBlock {
             offload_param: s.block("offload_param", w)?,
             frozen_params: s.string("frozen_params", FrozenParams::ALLOWED)?,
         };
+        // DeepSpeed's other `zero_optimization` fields (and deprecated
+        // ones it still reads): accepted, with a warning.
         for k in [
             "ignore_unused_parameters",
             "load_from_fp32_weights",
             "elastic_checkpoint",
             "stage3_model_persistence_threshold",
+            "model_persistence_threshold",
             "memory_efficient_linear",
+            "use_multi_rank_bucket_allreduce",
+            "legacy_stage1",
+            "cpu_offload",
+            "cpu_offload_param",
+            "cpu_offload_use_pin_memory",
+            "zero_hpz_partition_size",
+            "zero_quantized_weights",
+            "zero_quantized_nontrainable_weights",
+            "zero_quantized_gradients",
+            "zeropp_loco_param",
+            "mics_shard_size",
+            "mics_hierarchical_params_gather",
+            "pipeline_loading_checkpoint",
+            "override_module_apply",
+            "log_trace_cache_warnings",
+            "stage3_module_granularity_threshold",
+            "module_granularity_threshold",
+            "stage3_use_all_reduce_for_fetch_params",
+            "use_all_reduce_for_fetch_params",
         ] {
             s.unused(k, w);
         }
-        s.finish(w);
+        s.finish(w)?;
         Ok(b)
     }
 }
@@ -1499,7 +1645,7 @@ impl Block for OffloadOptimizerBlock {
             ratio: s.number("ratio")?,
             swap_gradients: s.boolean("swap_gradients")?,
         };
-        s.finish(w);
+        s.finish(w)?;
         Ok(b)
     }
 }
@@ -1514,7 +1660,7 @@ impl Block for OffloadParamBlock {
             buffer_size: s.uint("buffer_size", POSITIVE_INT)?,
             max_in_cpu: s.uint("max_in_cpu", NON_NEGATIVE_INT)?,
         };
-        s.finish(w);
+        s.finish(w)?;
         Ok(b)
     }
 }
@@ -1555,7 +1701,7 @@ impl Block for AioBlock {
             }
         }
         s.unused("io_backend", w);
-        s.finish(w);
+        s.finish(w)?;
         Ok(b)
     }
 }
@@ -1570,7 +1716,7 @@ impl Block for DataTypesBlock {
         };
         s.unused("param_dtype", w);
         s.unused("buffer_dtype", w);
-        s.finish(w);
+        s.finish(w)?;
         Ok(b)
     }
 }
@@ -1687,10 +1833,15 @@ fn parse_warmup_type(key: &str, s: Option<&str>) -> Result<WarmupType> {
 impl DeepSpeedConfig {
     /// Parses a DeepSpeed JSON config.
     ///
-    /// Returns the document and warnings: unknown keys (with their full
-    /// path, e.g. `unknown key zero_optimization.stage3_prefetch_bucket_sise
-    /// (ignored)`), DeepSpeed keys that zero accepts but does not use, and
-    /// deprecated aliases. Errors name the key path: a value of the wrong
+    /// Returns the document and warnings (also kept in
+    /// [`DeepSpeedConfig::warnings`], for the engine's log): unknown
+    /// top-level keys, DeepSpeed keys that zero accepts but does not use,
+    /// deprecated aliases, and with `"strict": false` the unknown keys that
+    /// are otherwise errors (with their full path, e.g. `unknown key
+    /// zero_optimization.stage3_prefetch_bucket_sise (ignored)`). Errors
+    /// name the key path: an unknown key inside a section, a top-level key
+    /// one typo away from a key zero reads (both unless `"strict": false`),
+    /// a value of the wrong
     /// type, a negative or non-integral number for an integer key (integral
     /// floats such as `2e8` are integers), and JSON syntax errors (key
     /// `<document>`, with line and column). Ranges are checked by
@@ -1714,7 +1865,8 @@ impl DeepSpeedConfig {
             )
         })?;
         let mut warnings = Vec::new();
-        let cfg = DeepSpeedConfig::parse(Section::new(String::new(), map), &mut warnings)?;
+        let mut cfg = DeepSpeedConfig::parse(Section::new(String::new(), map), &mut warnings)?;
+        cfg.warnings = ConfigWarnings(warnings.clone());
         Ok((cfg, warnings))
     }
 
@@ -1769,6 +1921,7 @@ impl DeepSpeedConfig {
             zero,
             communication_data_type,
             grad_accum_dtype,
+            warnings: self.warnings.clone(),
         })
     }
 

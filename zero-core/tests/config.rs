@@ -158,6 +158,34 @@ fn fixtures_parse_without_warnings() {
     }
 }
 
+/// Every DeepSpeed config of the repository (fixtures and examples) parses
+/// under the strict default without a warning, and resolves.
+#[test]
+fn every_config_of_the_repository_parses_strictly() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut seen = 0;
+    for dir in ["tests/fixtures", "examples", "examples/llama"] {
+        for entry in std::fs::read_dir(root.join(dir)).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().to_string();
+            if !(name.starts_with("ds_") && name.ends_with(".json")) {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            let (doc, warnings) = match DeepSpeedConfig::from_json_str(&text) {
+                Ok(parsed) => parsed,
+                Err(e) => panic!("{}: {e}", path.display()),
+            };
+            assert!(warnings.is_empty(), "{}: {warnings:?}", path.display());
+            if let Err(e) = doc.resolve(&typical()) {
+                panic!("{}: {e}", path.display());
+            }
+            seen += 1;
+        }
+    }
+    assert!(seen >= 6, "found {seen} configs");
+}
+
 #[test]
 fn fixture_stage0_and_stage1() {
     for (json, stage) in [(STAGE0, 0u8), (STAGE1, 1)] {
@@ -571,8 +599,9 @@ fn aliases() {
 // ---------------------------------------------------------------------------
 
 #[test]
-fn typos_warn_with_the_full_path() {
+fn typos_warn_with_the_full_path_when_not_strict() {
     let json = r#"{
+      "strict": false,
       "train_batch_size": 8,
       "zero_optimization": {
         "stage": 3,
@@ -598,6 +627,163 @@ fn typos_warn_with_the_full_path() {
     );
     assert!(all.contains("did you mean `pin_memory`?"), "{all}");
     assert_eq!(warnings.len(), 4, "{all}");
+}
+
+/// The `strict` default: an unknown key inside any section is an error
+/// naming the key (its full path) and the section.
+#[test]
+fn unknown_keys_inside_sections_are_errors() {
+    let cases = [
+        (
+            r#"{ "zero_optimization": { "stage": 3, "stage3_prefetch_bucket_sise": 1e8 } }"#,
+            "zero_optimization.stage3_prefetch_bucket_sise",
+            "zero_optimization",
+            Some("did you mean `stage3_prefetch_bucket_size`?"),
+        ),
+        (
+            r#"{ "zero_optimization": { "offload_param": { "device": "cpu", "pin_memroy": true } } }"#,
+            "zero_optimization.offload_param.pin_memroy",
+            "zero_optimization.offload_param",
+            Some("did you mean `pin_memory`?"),
+        ),
+        (
+            r#"{ "fp16": { "enabeld": true } }"#,
+            "fp16.enabeld",
+            "fp16",
+            Some("`enabled`"),
+        ),
+        (
+            r#"{ "bf16": { "enabled": true, "colour": 1 } }"#,
+            "bf16.colour",
+            "bf16",
+            None,
+        ),
+        (
+            r#"{ "optimizer": { "type": "AdamW", "prams": {} } }"#,
+            "optimizer.prams",
+            "optimizer",
+            Some("`params`"),
+        ),
+        (
+            r#"{ "optimizer": { "params": { "lr": 1e-3, "momentum": 0.9 } } }"#,
+            "optimizer.params.momentum",
+            "optimizer.params",
+            None,
+        ),
+        (
+            r#"{ "scheduler": { "type": "WarmupLR", "params": { "warmup_step": 10 } } }"#,
+            "scheduler.params.warmup_step",
+            "scheduler.params",
+            None,
+        ),
+        (
+            r#"{ "aio": { "block_size": 4096, "queue_dept": 8 } }"#,
+            "aio.queue_dept",
+            "aio",
+            Some("`queue_depth`"),
+        ),
+        (
+            r#"{ "data_types": { "grad_acum_dtype": "fp32" } }"#,
+            "data_types.grad_acum_dtype",
+            "data_types",
+            Some("`grad_accum_dtype`"),
+        ),
+        // DeepSpeed's own name for a key zero reads under its alias.
+        (
+            r#"{ "zero_optimization": { "prefetch_bucket_size": 1e8 } }"#,
+            "zero_optimization.prefetch_bucket_size",
+            "zero_optimization",
+            Some("zero only as `stage3_prefetch_bucket_size`"),
+        ),
+    ];
+    for (json, key, section, hint) in cases {
+        let e = parse_err(json);
+        assert!(
+            e.starts_with(&format!(
+                "config key `{key}`: unknown key in section `{section}`"
+            )) && e.contains(r#"set "strict": false"#),
+            "{e}"
+        );
+        if let Some(h) = hint {
+            assert!(e.contains(h), "{e}");
+        }
+        // `"strict": false` keeps them warnings.
+        let lax = json.replacen('{', r#"{ "strict": false, "#, 1);
+        let (_, warnings) = parse(&lax);
+        assert!(
+            warnings.len() == 1 && warnings[0].starts_with(&format!("unknown key {key} (ignored)")),
+            "{warnings:?}"
+        );
+    }
+    let e = parse_err(r#"{ "strict": "no" }"#);
+    assert!(
+        e.contains("config key `strict`: expected true or false"),
+        "{e}"
+    );
+}
+
+/// A top-level key one typo away from a key zero reads is an error naming
+/// both (`zero_optimizaton` would otherwise train at stage 0); other
+/// unknown top-level keys (DeepSpeed ignores them) stay warnings, DeepSpeed
+/// keys zero does not use are accepted with a warning, and every warning
+/// travels with the document into the resolved config.
+#[test]
+fn a_top_level_typo_of_a_known_key_is_an_error() {
+    for (typo, known) in [
+        ("zero_optimizaton", "zero_optimization"),
+        ("optimiser", "optimizer"),
+        ("gradient_acumulation_steps", "gradient_accumulation_steps"),
+        ("bf_16", "bf16"),
+    ] {
+        let json = format!(r#"{{ "{typo}": {{ "stage": 3 }} }}"#);
+        let e = parse_err(&json);
+        assert!(
+            e.starts_with(&format!(
+                "config key `{typo}`: unknown top-level key, one typo away from `{known}`"
+            )) && e.contains(r#"set "strict": false"#),
+            "{e}"
+        );
+        let lax = format!(r#"{{ "strict": false, "{typo}": {{ "stage": 3 }} }}"#);
+        let (doc, warnings) = parse(&lax);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].contains(&format!("did you mean `{known}`?")),
+            "{warnings:?}"
+        );
+        assert_eq!(doc.strict, Some(false));
+    }
+    // Not typos: a name of one's own, and `amp` (a DeepSpeed key two edits
+    // from the short `aio`).
+    let json = r#"{ "my_trainer_notes": "x", "amp": { "enabled": false },
+                    "train_micro_batch_size_per_gpu": 4,
+                    "zero_optimization": { "stage": 2, "zero_quantized_weights": false } }"#;
+    let (doc, warnings) = parse(json);
+    assert_eq!(warnings.len(), 3, "{warnings:?}");
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w == "unknown key my_trainer_notes (ignored)"),
+        "{warnings:?}"
+    );
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.starts_with("unknown key amp (ignored)")),
+        "{warnings:?}"
+    );
+    assert!(
+        warnings.iter().any(
+            |w| w == "key zero_optimization.zero_quantized_weights: accepted, not used by zero"
+        ),
+        "{warnings:?}"
+    );
+    assert_eq!(&doc.warnings[..], &warnings[..]);
+    let cfg = doc.resolve(&typical()).unwrap();
+    assert_eq!(&cfg.warnings[..], &warnings[..]);
+    // Warnings are no part of the config's identity.
+    let (plain, _) =
+        parse(r#"{ "train_micro_batch_size_per_gpu": 4, "zero_optimization": { "stage": 2 } }"#);
+    assert_eq!(plain.resolve(&typical()).unwrap(), cfg);
 }
 
 #[test]
