@@ -30,17 +30,23 @@ use std::borrow::Cow;
 use crate::ops::{matmul, Mm};
 use crate::XorShift;
 
-/// The module names LoRA may target, PEFT's names for a Llama/Qwen2 block,
-/// with their Hugging Face parents.
-pub const TARGETS: [(&str, &str); 7] = [
-    ("q_proj", "self_attn"),
-    ("k_proj", "self_attn"),
-    ("v_proj", "self_attn"),
-    ("o_proj", "self_attn"),
-    ("gate_proj", "mlp"),
-    ("up_proj", "mlp"),
-    ("down_proj", "mlp"),
-];
+/// The module names LoRA may target, PEFT's names for a Llama/Qwen2 block
+/// (zero's [`LORA_TARGETS`](zero::estimate::LORA_TARGETS), in its order),
+/// with their Hugging Face parents: the first four are the attention's,
+/// the rest the MLP's.
+pub const TARGETS: [(&str, &str); 7] = {
+    let m = zero::estimate::LORA_TARGETS;
+    let (attn, mlp) = ("self_attn", "mlp");
+    [
+        (m[0], attn),
+        (m[1], attn),
+        (m[2], attn),
+        (m[3], attn),
+        (m[4], mlp),
+        (m[5], mlp),
+        (m[6], mlp),
+    ]
+};
 
 /// The hyper-parameters of the adapters (PEFT's `LoraConfig` fields).
 #[derive(Clone, Debug, PartialEq)]
