@@ -15,6 +15,7 @@
 //! ```
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
+use zero_core::cuda::version::{Version, NCCL_MIN_VERSION};
 use zero_core::DType;
 
 use crate::{Error, Result};
@@ -223,20 +224,19 @@ pub(crate) fn plan(
     }
 }
 
-/// NCCL's version code as `major.minor.patch` (codes below 2.9 use the
-/// old encoding `major × 1000 + minor × 100 + patch`).
+/// NCCL's version code as `major.minor.patch` ([`Version::from_nccl_code`]
+/// decodes both encodings).
 pub(crate) fn version_string(code: i32) -> String {
-    let (ma, mi, pa) = if code >= 10_000 {
-        (code / 10_000, code % 10_000 / 100, code % 100)
-    } else {
-        (code / 1000, code % 1000 / 100, code % 100)
-    };
-    format!("{ma}.{mi}.{pa}")
+    match u32::try_from(code) {
+        Ok(c) => Version::from_nccl_code(c).to_string(),
+        Err(_) => format!("(invalid version code {code})"),
+    }
 }
 
-/// `NCCL_VERSION(2, 14, 0)`: the first with non-blocking communicators
-/// (`ncclConfig_t.blocking`, `ncclCommFinalize`), which the backend needs.
-pub(crate) const MIN_VERSION: i32 = 21_400;
+/// Whether NCCL's version code `code` is at least [`NCCL_MIN_VERSION`].
+pub(crate) fn version_supported(code: i32) -> bool {
+    u32::try_from(code).is_ok_and(|c| Version::from_nccl_code(c).at_least(&NCCL_MIN_VERSION))
+}
 
 /// `NCCL_VERSION(2, 30, 0)`: the first that can run two ranks of one
 /// communicator on one GPU (with `NCCL_MULTI_RANK_GPU_ENABLE=1`).
@@ -532,7 +532,16 @@ mod tests {
         assert_eq!(version_string(22_105), "2.21.5");
         assert_eq!(version_string(23_007), "2.30.7");
         assert_eq!(version_string(2_804), "2.8.4");
-        assert_eq!(version_string(MIN_VERSION), "2.14.0");
+        assert_eq!(version_string(-1), "(invalid version code -1)");
+    }
+
+    #[test]
+    fn oldest_supported_version_is_2_14() {
+        assert!(version_supported(21_400));
+        assert!(version_supported(22_805));
+        assert!(!version_supported(21_305));
+        assert!(!version_supported(2_804));
+        assert!(!version_supported(-1));
     }
 
     #[test]

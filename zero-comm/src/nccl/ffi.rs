@@ -11,9 +11,10 @@ use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use cudarc::nccl::sys;
+use zero_core::cuda::version::NCCL_MIN_VERSION;
 use zero_core::DType;
 
-use super::check::{version_string, MIN_VERSION};
+use super::check::{version_string, version_supported};
 use super::{NcclError, NcclFailure};
 use crate::ReduceOp;
 
@@ -100,7 +101,7 @@ fn load() -> Result<i32, NcclFailure> {
             msg: format!(
                 "the NCCL library lacks {}: NCCL {} or later is needed",
                 missing.join(", "),
-                version_string(MIN_VERSION)
+                NCCL_MIN_VERSION
             ),
         });
     }
@@ -111,13 +112,13 @@ fn load() -> Result<i32, NcclFailure> {
     if r != sys::ncclResult_t::ncclSuccess {
         return Err(call_failure("ncclGetVersion", r, std::ptr::null_mut()));
     }
-    if v < MIN_VERSION {
+    if !version_supported(v) {
         return Err(NcclFailure::Unsupported {
             msg: format!(
                 "NCCL {} is too old: the backend needs {} or later (non-blocking \
                  communicators)",
                 version_string(v),
-                version_string(MIN_VERSION)
+                NCCL_MIN_VERSION
             ),
         });
     }
@@ -275,7 +276,7 @@ mod tests {
     fn a_missing_library_is_an_error_not_a_panic() {
         // This machine may or may not have NCCL; either way no panic.
         match library() {
-            Ok(v) => assert!(v >= MIN_VERSION),
+            Ok(v) => assert!(version_supported(v)),
             Err(e) => {
                 assert_eq!((e.rank, e.op), (None, "load"));
                 let msg = e.to_string();

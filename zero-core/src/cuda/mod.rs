@@ -10,6 +10,8 @@
 //! - `libs` (with `cuda`): finding the driver, NVRTC, cuBLAS and NCCL
 //!   libraries (CUDA 12 and 13) and checking them before cudarc loads them,
 //!   so that a missing or too-old library is an error, never a panic.
+//! - [`version`]: library versions (CUDA's and NCCL's version codes) and
+//!   the oldest NCCL zero works with, in every build.
 //!
 //! Everything that needs cudarc exists only with the `cuda` feature; the
 //! planning logic that does not (e.g. how an arena is carved) is in every
@@ -20,3 +22,4 @@ pub mod kernels;
 #[cfg(feature = "cuda")]
 pub mod libs;
 pub mod stream;
+pub mod version;
