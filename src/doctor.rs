@@ -252,21 +252,10 @@ fn bytes(n: u64) -> String {
     crate::estimate::format_bytes(n)
 }
 
-/// The host's available memory in bytes (`MemAvailable` of
-/// `/proc/meminfo`), if it can be read.
-pub(crate) fn mem_available() -> Option<u64> {
-    let t = read("/proc/meminfo").ok()?;
-    field(&t, "MemAvailable", ':')
-        .and_then(|v| v.trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|k| k * 1024)
-}
-
 fn memory_lines(out: &mut Lines) {
-    match read("/proc/meminfo") {
+    match crate::host::meminfo() {
         Ok(t) => {
-            let kib = |k: &str| {
-                field(&t, k, ':').and_then(|v| v.trim_end_matches("kB").trim().parse::<u64>().ok())
-            };
+            let kib = |k: &str| crate::host::meminfo_field(&t, k);
             match kib("MemTotal") {
                 Some(total) => out.add(
                     "ram",

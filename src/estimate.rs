@@ -852,7 +852,7 @@ impl Sim {
                 Category::Grads,
                 largest.max(1) as u64 * asize,
             ));
-            let homes = crate::engine::grad_home_bytes(cfg, &plan);
+            let homes = crate::plan::grad_home_bytes(cfg, &plan);
             let regions: Vec<(String, u64)> = homes
                 .iter()
                 .enumerate()
@@ -865,11 +865,11 @@ impl Sim {
                 swap_file_len(cfg.zero.aio.block_size as u64, &regions),
             );
             let largest = homes.iter().copied().max().unwrap_or(0);
-            let (count, size) = crate::engine::grad_swap_buffers(cfg, largest);
+            let (count, size) = crate::plan::grad_swap_buffers(cfg, largest);
             track(Tier::Host, Category::CommBuffers, count as u64 * page(size));
         }
         // Buckets: the engine's.
-        let (bucket_cap, count) = crate::engine::bucket_plan(cfg, &plan);
+        let (bucket_cap, count) = crate::plan::bucket_plan(cfg, &plan);
         for k in 0..count {
             track(
                 Tier::Device,
@@ -1085,7 +1085,7 @@ fn optimizer_offload(
 ) {
     let oo = &cfg.zero.offload_optimizer;
     let total: usize = state_lens.iter().sum();
-    let tiles: Vec<usize> = crate::engine::optimizer_tiles(cfg, state_lens)
+    let tiles: Vec<usize> = crate::plan::optimizer_tiles(cfg, state_lens)
         .iter()
         .map(|t| 12 * t.len())
         .collect();

@@ -19,6 +19,8 @@ pub mod engine;
 mod error;
 pub mod estimate;
 mod format;
+mod host;
+mod plan;
 pub(crate) mod schedule;
 pub mod trace;
 

@@ -38,6 +38,7 @@ use zero_offload::{
 
 use super::faults::{set_faults, FaultPlan};
 use super::groups::relative;
+use crate::plan::{grad_home_bytes, grad_swap_buffers};
 use crate::trace::{Io, RankTracer, SwapTraffic, Tracer};
 use crate::{Error, Result};
 
@@ -57,31 +58,6 @@ fn regions(bytes: &[usize]) -> Vec<RegionSpec> {
 /// disk-space check).
 pub(crate) fn swap_file_len(options: &SwapOptions, bytes: &[usize]) -> Result<u64> {
     Ok(SwapFile::planned_len(options, &regions(bytes))?)
-}
-
-/// Per unit: the bytes of its gradient home (the rank's shard in the
-/// accumulation dtype; 0 for a unit with only frozen tensors).
-pub(crate) fn home_bytes(cfg: &ResolvedConfig, plan: &PartitionPlan) -> Vec<usize> {
-    let size = cfg.grad_accum_dtype.size_in_bytes();
-    plan.units()
-        .iter()
-        .map(|l| {
-            if l.is_trainable() {
-                l.shard_len * size
-            } else {
-                0
-            }
-        })
-        .collect()
-}
-
-/// The host buffers of the gradient swap: how many, and their size (the
-/// memory plan's figure, also the estimator's).
-pub(crate) fn pool_buffers(cfg: &ResolvedConfig, largest_home_bytes: usize) -> (usize, usize) {
-    (
-        cfg.zero.offload_optimizer.buffer_count.max(2),
-        largest_home_bytes.max(1),
-    )
 }
 
 /// The gradient swap file of one rank.
@@ -110,7 +86,7 @@ pub(crate) struct GradSwap {
 
 impl GradSwap {
     /// Creates the swap file with `options` (one region per unit with a
-    /// gradient: [`home_bytes`]) and the pool.
+    /// gradient: [`grad_home_bytes`]) and the pool.
     pub(crate) fn new(
         cfg: &ResolvedConfig,
         plan: &PartitionPlan,
@@ -119,7 +95,7 @@ impl GradSwap {
         faults: Option<FaultPlan>,
     ) -> Result<GradSwap> {
         let dtype = cfg.grad_accum_dtype;
-        let bytes = home_bytes(cfg, plan);
+        let bytes = grad_home_bytes(cfg, plan);
         // The norm's terms: the rank's real elements of each shard (as
         // `OptimizerShard`'s ranges with a separate accumulation buffer).
         let norm = plan
@@ -139,7 +115,7 @@ impl GradSwap {
             });
         }
         let largest = bytes.iter().copied().max().unwrap_or(0);
-        let (count, size) = pool_buffers(cfg, largest);
+        let (count, size) = grad_swap_buffers(cfg, largest);
         let pool = HostPool::new(
             &vec![size; count],
             HostPoolOptions {

@@ -152,7 +152,6 @@ use dynbuf::ring_bytes;
 use dynbuf::DynBuf;
 pub use export::export_checkpoint;
 use gatherer::{FrozenHome, GatherIo, HomeShards, ParamGatherer, Shards};
-pub(crate) use grad_swap::{home_bytes as grad_home_bytes, pool_buffers as grad_swap_buffers};
 use groups::relative;
 use groups::{group_of, GroupMap};
 pub use groups::{is_bias_norm_or_embedding, GroupPredicate, ParamGroup};
@@ -161,11 +160,9 @@ use init::{fnv1a, mix};
 pub use init::{Init, TensorSource};
 use lease::{exclusive, Releases, Returns};
 pub use lease::{GradBuffer, UnitGuard};
-pub(crate) use offload::tile_bounds as optimizer_tiles;
 use offload::{Offload, UnitRanges};
 use optimizer::{Moments, OptimizerShard};
 use param_offload::ParamOffload;
-pub(crate) use reducer::buckets as bucket_plan;
 #[cfg(feature = "testing")]
 #[doc(hidden)]
 pub use reducer::SkipWait;
@@ -1367,7 +1364,7 @@ fn choose_frozen_policy<C: Communicator>(
     let fits = match budget {
         Some(b) => tracker.tier_current(Tier::Device).saturating_add(resident) <= b,
         None => {
-            let available = crate::doctor::mem_available().unwrap_or(u64::MAX);
+            let available = crate::host::mem_available().unwrap_or(u64::MAX);
             resident <= available / comm.ranks_on_host().max(1) as u64
         }
     };
@@ -1445,7 +1442,7 @@ fn check_disk_space(
         need(&z.offload_optimizer.nvme_path, len, "optimizer");
         if z.offload_optimizer.swap_gradients {
             let options = offload::swap_options(cfg, rank, "gradients");
-            let len = grad_swap::swap_file_len(&options, &grad_swap::home_bytes(cfg, plan))?;
+            let len = grad_swap::swap_file_len(&options, &crate::plan::grad_home_bytes(cfg, plan))?;
             need(&z.offload_optimizer.nvme_path, len, "gradient");
         }
     }

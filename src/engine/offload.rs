@@ -110,6 +110,7 @@ use zero_offload::{
 use super::faults::{set_faults, FaultPlan};
 use super::grad_swap::GradSwap;
 use super::groups::{carve, GroupedStep};
+use crate::plan::optimizer_tiles;
 use crate::trace::{Io, RankTracer, SwapTraffic, Tracer};
 use crate::{Error, Result};
 
@@ -261,39 +262,11 @@ pub(crate) fn swap_file_len(
     rank: usize,
     state_lens: &[usize],
 ) -> Result<u64> {
-    let tiles = tile_bounds(cfg, state_lens);
+    let tiles = optimizer_tiles(cfg, state_lens);
     Ok(SwapFile::planned_len(
         &swap_options(cfg, rank, "optimizer"),
         &tile_regions(tiles.iter().map(ExactSizeIterator::len)),
     )?)
-}
-
-/// The tiles over the flat state of units with `state_lens` elements:
-/// `sub_group_size` elements each (the last one shorter), across unit
-/// boundaries, or with `swap_gradients` ending at each unit's end.
-pub(crate) fn tile_bounds(cfg: &ResolvedConfig, state_lens: &[usize]) -> Vec<Range<usize>> {
-    let sg = cfg.zero.sub_group_size.max(1);
-    let total: usize = state_lens.iter().sum();
-    let mut ends = Vec::new();
-    if cfg.zero.offload_optimizer.swap_gradients {
-        let mut at = 0;
-        for &n in state_lens {
-            at += n;
-            ends.push(at);
-        }
-    }
-    ends.push(total);
-    let mut tiles = Vec::new();
-    let (mut a, mut e) = (0, 0);
-    while a < total {
-        while ends[e] <= a {
-            e += 1;
-        }
-        let b = (a + sg).min(ends[e]);
-        tiles.push(a..b);
-        a = b;
-    }
-    tiles
 }
 
 impl Offload {
@@ -320,7 +293,7 @@ impl Offload {
         let streamed = oo.swap_gradients;
         let lens: Vec<usize> = units.iter().map(|u| u.state_len).collect();
         let mut tiles = Vec::new();
-        for Range { start: a, end: b } in tile_bounds(cfg, &lens) {
+        for Range { start: a, end: b } in optimizer_tiles(cfg, &lens) {
             let mut pieces = Vec::new();
             for (i, u) in units.iter().enumerate() {
                 let lo = a.max(unit_off[i] + u.real.start);

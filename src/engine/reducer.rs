@@ -70,6 +70,7 @@ use super::backend::EngineComm;
 use super::devbuf::{map_dev, with_dev, DevBuf, DynHost, DynLoan, DynWork};
 use super::dynbuf::{ring_bytes, DynBuf};
 use super::grad_swap::GradSwap;
+use crate::plan::{bucket_plan, overlaps};
 use crate::trace::Tracer;
 use crate::{Error, Result};
 
@@ -299,36 +300,6 @@ pub(crate) struct GradReducer<B: HostAccess> {
     allocs: Vec<Allocation>,
 }
 
-/// Whether gradient reductions overlap the backward pass: stage 0 always
-/// (as DDP), stages 2–3 with `overlap_comm`; stage 1 reduces after it.
-pub(crate) fn overlaps(cfg: &ResolvedConfig) -> bool {
-    match cfg.zero.stage {
-        0 => true,
-        1 => false,
-        _ => cfg.zero.overlap_comm,
-    }
-}
-
-/// The gradient buckets of the memory plan (the engine allocates them, the
-/// estimator counts them): their capacity in elements — as large as
-/// `reduce_bucket_size` but no larger than the model, and at least the
-/// largest unit — and how many: two when reductions overlap the backward
-/// pass, else one.
-pub(crate) fn buckets(cfg: &ResolvedConfig, plan: &PartitionPlan) -> (usize, usize) {
-    let largest = plan
-        .units()
-        .iter()
-        .map(|u| u.padded_numel)
-        .max()
-        .unwrap_or(0);
-    let cap = cfg
-        .zero
-        .reduce_bucket_size
-        .min(plan.padded_numel())
-        .max(largest);
-    (cap, if overlaps(cfg) { 2 } else { 1 })
-}
-
 impl<B: HostAccess> GradReducer<B> {
     /// Allocates every gradient home and the bucket buffers of the memory
     /// plan on `backend` (from `comm`'s allocator, prefaulted: the step
@@ -402,7 +373,7 @@ impl<B: HostAccess> GradReducer<B> {
             }
             None => None,
         };
-        let (bucket_cap, count) = buckets(cfg, plan);
+        let (bucket_cap, count) = bucket_plan(cfg, plan);
         let overlap = overlaps(cfg);
         let mut free = Vec::new();
         for k in 0..count {
