@@ -90,12 +90,13 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 
 usage() {
-  echo "usage: $0 [--prebuilt DIR | --build [DIR] [--with-nvrtc]]" >&2
+  echo "usage: $0 [--prebuilt DIR [--run 1|2] | --build [DIR] [--with-nvrtc]]" >&2
   exit 2
 }
 mode=auto
 prebuilt=""
 with_nvrtc=0
+run=all
 while [ $# -gt 0 ]; do
   case "$1" in
     --prebuilt)
@@ -112,6 +113,11 @@ while [ $# -gt 0 ]; do
       fi
       ;;
     --with-nvrtc) with_nvrtc=1 ;;
+    --run)
+      run="${2:-}"
+      case "$run" in 1 | 2) ;; *) usage ;; esac
+      shift
+      ;;
     *) usage ;;
   esac
   shift
@@ -144,6 +150,7 @@ if [ "$mode" = build ]; then
   # benchmarks, then the engine's and the collectives' tests (the session's
   # time budget may cut the last ones).
   builds=(
+    "zero|bin:zero|build -p zero --no-default-features --features cuda --bin zero"
     "zero-core-lib|lib:zero_core|test -p zero-core --features cuda --lib --no-run"
     "cuda_adamw|test:cuda_adamw|test -p zero-core --features cuda --test cuda_adamw --no-run"
     "cuda_arena|test:cuda_arena|test -p zero-core --features cuda --test cuda_arena --no-run"
@@ -166,6 +173,7 @@ if [ "$mode" = build ]; then
   )
   # Where each one runs from (cargo runs tests in their package's folder).
   declare -A cwd=(
+    [zero]=
     [zero-core-lib]=zero-core [cuda_adamw]=zero-core [cuda_arena]=zero-core
     [cuda_streams]=zero-core [nvrtc]=zero-core [backend_conformance]=zero-core [cuda_pool]=zero-core
     [nccl]=zero-comm [nccl_device]=zero-comm [cuda_pin]=zero-offload [cuda-bench]= [engine_cuda]= [engine_offload_cuda]= [engine_checkpoint_cuda]=
@@ -381,9 +389,9 @@ search_everywhere() {
     -o \( -false "${args[@]}" \) -print 2>/dev/null)
   for n in "${found[@]}"; do DIRS+=("$(dirname "$n")"); done
 }
-if ! find_lib libcuda.so.1 libcuda.so >/dev/null || ! find_lib libnvrtc.so.12 libnvrtc.so >/dev/null ||
-  ! find_lib libcublas.so.12 libcublas.so >/dev/null || ! find_lib libnccl.so libnccl.so.2 >/dev/null; then
-  search_everywhere libcuda.so.1 libnvrtc.so.12 libcublas.so.12 libnccl.so.2 libnccl.so
+if ! find_lib libcuda.so.1 libcuda.so >/dev/null || ! find_lib libnvrtc.so.12 libnvrtc.so.13 libnvrtc.so >/dev/null ||
+  ! find_lib libcublas.so.12 libcublas.so.13 libcublas.so >/dev/null || ! find_lib libnccl.so libnccl.so.2 >/dev/null; then
+  search_everywhere libcuda.so.1 libnvrtc.so.12 libnvrtc.so.13 libcublas.so.12 libcublas.so.13 libnccl.so.2 libnccl.so
 fi
 
 prepend_lib_path() {
@@ -393,6 +401,24 @@ prepend_lib_path() {
   esac
 }
 
+# link_as PATH NAME: PATH made loadable as NAME, through a link in a
+# temporary folder put on LD_LIBRARY_PATH (cudarc, built for CUDA 12,
+# opens `libnvrtc.so` but not `libnvrtc.so.13`, and `libnccl.so` but not
+# `libnccl.so.2`). The library's own folder goes on the path too, for what
+# it loads beside it (libnvrtc-builtins, libcublasLt).
+link_dir=""
+link_as() {
+  prepend_lib_path "$(dirname "$1")"
+  if [ "$(basename "$1")" = "$2" ] || [ -e "$(dirname "$1")/$2" ]; then return; fi
+  if [ -z "$link_dir" ]; then
+    link_dir=$(mktemp -d "${TMPDIR:-/tmp}/zero-libs.XXXXXX")
+    tmp_dirs+=("$link_dir")
+    prepend_lib_path "$link_dir"
+  fi
+  ln -sf "$1" "$link_dir/$2"
+  note "$1 linked as $link_dir/$2"
+}
+
 cuda_lib=$(find_lib libcuda.so.1 libcuda.so || true)
 if [ -n "$cuda_lib" ]; then
   note "driver: $cuda_lib"
@@ -400,38 +426,36 @@ else
   note "libcuda.so.1 NOT FOUND: no CUDA driver; every GPU test and bench section will skip"
 fi
 
-nvrtc_lib=$(find_lib libnvrtc.so.12 libnvrtc.so || true)
+nvrtc_lib=$(find_lib libnvrtc.so.12 libnvrtc.so.13 libnvrtc.so || true)
 if [ -n "$nvrtc_lib" ]; then
-  prepend_lib_path "$(dirname "$nvrtc_lib")"
+  case "$nvrtc_lib" in *.so.13) link_as "$nvrtc_lib" libnvrtc.so ;; *) prepend_lib_path "$(dirname "$nvrtc_lib")" ;; esac
   export ZERO_REQUIRE_NVRTC=1
   note "nvrtc: $nvrtc_lib ($(ls "$(dirname "$nvrtc_lib")" | grep -E 'nvrtc' | tr '\n' ' '))"
 else
-  note "libnvrtc.so.12 NOT FOUND: the GPU AdamW tests and bench sections will skip"
+  note "libnvrtc.so.12/.13 NOT FOUND: the GPU AdamW tests and bench sections will skip"
 fi
 
 # cuBLAS (with its libcublasLt beside it), for the Llama device trainer's
 # GEMMs.
-cublas_lib=$(find_lib libcublas.so.12 libcublas.so || true)
+cublas_lib=$(find_lib libcublas.so.12 libcublas.so.13 libcublas.so || true)
 if [ -n "$cublas_lib" ]; then
-  prepend_lib_path "$(dirname "$cublas_lib")"
+  case "$cublas_lib" in
+    *.so.13)
+      link_as "$cublas_lib" libcublas.so
+      [ -e "$(dirname "$cublas_lib")/libcublasLt.so.13" ] &&
+        link_as "$(dirname "$cublas_lib")/libcublasLt.so.13" libcublasLt.so
+      ;;
+    *) prepend_lib_path "$(dirname "$cublas_lib")" ;;
+  esac
   note "cublas: $cublas_lib"
 else
-  note "libcublas.so.12 NOT FOUND: the Llama device trainer's GPU tests will fail (they need cuBLAS)"
+  note "libcublas.so.12/.13 NOT FOUND: the Llama device trainer's GPU tests will fail (they need cuBLAS)"
 fi
 
 nccl_lib=$(find_lib libnccl.so libnccl.so.2 || true)
 if [ -n "$nccl_lib" ]; then
-  nccl_dir=$(dirname "$nccl_lib")
-  prepend_lib_path "$nccl_dir"
-  if [ ! -e "$nccl_dir/libnccl.so" ]; then
-    link_dir=$(mktemp -d "${TMPDIR:-/tmp}/zero-nccl.XXXXXX")
-    tmp_dirs+=("$link_dir")
-    ln -s "$nccl_lib" "$link_dir/libnccl.so"
-    prepend_lib_path "$link_dir"
-    note "nccl: $nccl_lib (linked as $link_dir/libnccl.so, which cudarc opens)"
-  else
-    note "nccl: $nccl_dir/libnccl.so"
-  fi
+  link_as "$nccl_lib" libnccl.so
+  note "nccl: $nccl_lib"
 else
   note "libnccl.so.2 NOT FOUND: the NCCL tests and bench section will skip"
 fi
@@ -457,7 +481,6 @@ llama_sft_stages() {
     step "llama_sft-stage$st" "$exe" --device cuda --stage "$st" --min-accuracy 95 \
       --metrics "$OUT/llama_sft-stage$st.jsonl"
   done
-  step llama_sft-stage3-offload "$exe" --device cuda --stage 3 --offload cpu --min-accuracy 95
 }
 
 # PyTorch on the same machine: FSDP2 and fused AdamW (scripts/torch_baseline.py).
@@ -492,7 +515,8 @@ if [ "$mode" = cargo ]; then
   step test-llama_device_cuda "$CARGO" test -p zero-llama --features cuda --test device_cuda
   step test-engine_cuda "$CARGO" test -p zero --no-default-features --features cuda --test engine --test offload --test checkpoint -- ::cuda
   "$CARGO" build -q -p zero --no-default-features --features cuda --example llama_sft &&
-    llama_sft_stages "$REPO/target/debug/examples/llama_sft"
+    llama_sft_stages "$REPO/target/debug/examples/llama_sft" &&
+    step llama_sft-stage3-offload "$REPO/target/debug/examples/llama_sft" --device cuda --stage 3 --offload cpu --min-accuracy 95
   # shellcheck disable=SC2086
   step bench-llama_cuda "$CARGO" bench -p zero --no-default-features --features cuda --bench llama_cuda -- \
     --json "$OUT/llama_cuda.json" ${LLAMA_BENCH_ARGS:-}
@@ -510,36 +534,64 @@ else
   [ -f "$dir/BUILD_INFO" ] && cat "$dir/BUILD_INFO"
   unpacked=$(mktemp -d "${TMPDIR:-/tmp}/zero-prebuilt.XXXXXX")
   tmp_dirs+=("$unpacked")
-  while IFS=$'\t' read -r name where; do
+  declare -A exes=() where=()
+  while IFS=$'\t' read -r name folder; do
     exe="$dir/$name.exe"
     if [ -f "$exe.gz" ]; then
       gzip -dc "$exe.gz" >"$unpacked/$name.exe" && chmod +x "$unpacked/$name.exe"
       exe="$unpacked/$name.exe"
     fi
-    if [ ! -x "$exe" ]; then
-      summary+=("$name: MISSING ($exe)")
-      failed=1
-      continue
-    fi
-    if [ "$name" = cuda-bench ]; then
-      step bench-cuda bash -c 'cd "$1" && shift && exec "$@"' _ "$REPO${where:+/$where}" "$exe" --bench "${bench_args[@]}"
-    elif [ "$name" = llama_cuda-bench ]; then
-      step bench-llama_cuda "$exe" --bench --json "$OUT/llama_cuda.json" ${LLAMA_BENCH_ARGS:-}
-      torch_baseline
-    elif [ "$name" = llama_sft ]; then
-      llama_sft_stages "$exe"
-    elif [ "${name#engine_}" != "$name" ]; then
-      step "test-$name" bash -c 'cd "$1" && shift && exec "$@"' _ "$REPO${where:+/$where}" "$exe" ::cuda
-    else
-      step "test-$name" bash -c 'cd "$1" && shift && exec "$@"' _ "$REPO${where:+/$where}" "$exe"
-    fi
+    exes[$name]=$exe
+    where[$name]="$REPO${folder:+/$folder}"
   done <"$dir/manifest.tsv"
+  # run_exe NAME: the step for one executable.
+  run_exe() {
+    local name=$1 exe=${exes[$1]:-}
+    if [ -z "$exe" ] || [ ! -x "$exe" ]; then
+      summary+=("$name: MISSING (${exe:-not in the manifest})")
+      failed=1
+      return
+    fi
+    case "$name" in
+      zero) step doctor "$exe" doctor ;;
+      cuda-bench) step bench-cuda bash -c 'cd "$1" && shift && exec "$@"' _ "${where[$name]}" "$exe" --bench "${bench_args[@]}" ;;
+      # shellcheck disable=SC2086
+      llama_cuda-bench) step bench-llama_cuda "$exe" --bench --json "$OUT/llama_cuda.json" ${LLAMA_BENCH_ARGS:-} ;;
+      engine_*) step "test-$name" bash -c 'cd "$1" && shift && exec "$@"' _ "${where[$name]}" "$exe" ::cuda ;;
+      *) step "test-$name" bash -c 'cd "$1" && shift && exec "$@"' _ "${where[$name]}" "$exe" ;;
+    esac
+  }
+  # Run 1, correctness: what the libraries open, the backend, the model's
+  # GPU ops, the example trained with the optimizer offloaded, the engine
+  # against the CPU backend, the collectives.
+  if [ "$run" != 2 ]; then
+    for name in zero zero-core-lib cuda_adamw cuda_arena cuda_streams nvrtc backend_conformance cuda_pool \
+      llama_cuda llama_cuda_nvrtc llama_device_cuda; do
+      run_exe "$name"
+    done
+    if [ -n "${exes[llama_sft]:-}" ]; then
+      step llama_sft-stage3-offload "${exes[llama_sft]}" --device cuda --stage 3 --offload cpu --min-accuracy 95 \
+        --metrics "$OUT/llama_sft-stage3-offload.jsonl"
+    fi
+    for name in engine_cuda engine_offload_cuda engine_checkpoint_cuda nccl cuda_pin nccl_device; do
+      run_exe "$name"
+    done
+  fi
+  # Run 2, speed: the ~1B Llama and PyTorch's FSDP2 on the same machine,
+  # the backend's benchmark, then the example at every stage.
+  if [ "$run" != 1 ]; then
+    run_exe llama_cuda-bench
+    torch_baseline
+    run_exe cuda-bench
+    [ -n "${exes[llama_sft]:-}" ] && llama_sft_stages "${exes[llama_sft]}"
+  fi
 fi
 
 section "summary"
 {
-  echo "mode: $mode; $(($(date +%s) - started)) s"
+  echo "mode: $mode, run $run; $(($(date +%s) - started)) s"
   printf '%s\n' "${summary[@]}"
+  [ -f "$OUT/doctor.log" ] && grep -E "^ *(driver|nvrtc|cublas|nccl|NVRTC|cuBLAS|NCCL|libcuda)" "$OUT/doctor.log" | head -8
   for name in test-zero-core test-zero-core-lib test-cuda_adamw test-cuda_arena test-cuda_streams test-nvrtc test-backend_conformance test-cuda_pool test-nccl test-llama_cuda test-llama_cuda_nvrtc test-llama_device_cuda test-engine_cuda test-engine_offload_cuda test-engine_checkpoint_cuda; do
     f="$OUT/$name.log"
     [ -f "$f" ] || continue
