@@ -283,10 +283,13 @@ fn an_export_streams_the_model_unit_by_unit() {
         .collect();
     assert_eq!(got[..8], want[..], "the first block's first values");
 
-    // Five units' f32 values (the unit's fp32 master and parameters, one
-    // of them as gathered, its tensors, their bf16 bytes) and 32 MiB for
-    // buffers and the allocator.
-    let bound = 5 * unit_bytes + 32 * MB;
+    // Six units' f32 values (the unit's fp32 master and parameters, each
+    // gathered from the shards and copied out of the receive buffer, its
+    // tensors, their bf16 bytes; the allocator keeps some of a unit's
+    // freed memory for the next: measured 77 MiB on a development machine,
+    // 93 MiB on CI) and 32 MiB for buffers: half the model's f32 size, far
+    // below reading it whole.
+    let bound = 6 * unit_bytes + 32 * MB;
     println!(
         "{numel} parameters ({} MiB as f32, a unit {:.1} MiB): peak RSS grew by {} MiB exporting \
          unit by unit, by {} MiB reading the model whole; the bound {} MiB",
