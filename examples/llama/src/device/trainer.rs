@@ -156,6 +156,22 @@ fn tmp<B: Backend + Clone, T: Element>(dev: &B, len: usize, label: &str) -> Resu
     Ok(t)
 }
 
+/// [`tmp`] for a buffer overwritten whole before it is read (the score
+/// matrices): not zeroed ([`Backend::alloc_scratch_on`]; NaN on the
+/// checked CPU backend, so a read of what was not written shows).
+fn tmp_scratch<B: Backend + Clone, T: Element>(
+    dev: &B,
+    len: usize,
+    label: &str,
+) -> Result<Tmp<B, T>> {
+    let t = Tmp {
+        buf: Some(dev.alloc_scratch_on::<T>(Stream::Compute, len, label)?),
+        dev: dev.clone(),
+    };
+    meter((len * size_of::<T>()) as u64, true);
+    Ok(t)
+}
+
 impl<B: Backend, T: Element> std::ops::Deref for Tmp<B, T> {
     type Target = B::Buffer<T>;
     fn deref(&self) -> &B::Buffer<T> {
@@ -590,7 +606,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         dev.rope(ops, k.dst(), rows, s.seq, s.kv, false)?;
         let t = s.seq;
         let scale = 1.0 / (s.hd as f32).sqrt();
-        let mut scores = tmp::<B, T>(dev, s.mats(), "scores")?;
+        let mut scores = tmp_scratch::<B, T>(dev, s.mats(), "scores")?;
         for h in 0..s.heads {
             let g = s.kv_of(h);
             dev.gemm(
@@ -607,7 +623,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
                 },
             )?;
         }
-        let mut probs = tmp::<B, T>(dev, s.mats(), "probs")?;
+        let mut probs = tmp_scratch::<B, T>(dev, s.mats(), "probs")?;
         dev.softmax_forward(ops, scores.src(), probs.dst(), s.batch * s.heads, t)?;
         drop(scores);
         let mut attn = tmp::<B, T>(dev, rows * s.qd, "attn")?;
@@ -821,7 +837,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         )?;
         let t = s.seq;
         let scale = 1.0 / (s.hd as f32).sqrt();
-        let mut dp = tmp::<B, T>(dev, s.mats(), "dprobs")?;
+        let mut dp = tmp_scratch::<B, T>(dev, s.mats(), "dprobs")?;
         let mut dq = tmp::<B, T>(dev, rows * s.qd, "dq")?;
         let mut dk = tmp::<B, T>(dev, rows * s.kd, "dk")?;
         let mut dv = tmp::<B, T>(dev, rows * s.kd, "dv")?;
@@ -853,7 +869,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
                 per_seq(mats, t * s.qd, t * s.kd),
             )?;
         }
-        let mut ds = tmp::<B, T>(dev, s.mats(), "dscores")?;
+        let mut ds = tmp_scratch::<B, T>(dev, s.mats(), "dscores")?;
         dev.softmax_backward(
             ops,
             c.probs.src(),
