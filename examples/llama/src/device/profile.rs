@@ -235,6 +235,9 @@ pub(crate) fn gemm_flops(mm: &Mm, batch: &Batch) -> f64 {
 /// compute stream, on the CPU an [`std::time::Instant`].
 pub(crate) type StampFn<S> = Box<dyn Fn() -> Result<S> + Send + Sync>;
 
+/// One recorded op: `(phase, kind, start, end, flops)`.
+type Span<S> = (Phase, OpKind, S, S, f64);
+
 /// The timings of one backend's ops, kept by its [`LlamaDevice::Ops`](super::LlamaDevice::Ops):
 /// off, [`timer`](Recorder::timer) costs one relaxed load.
 pub(crate) struct Recorder<S> {
@@ -243,7 +246,7 @@ pub(crate) struct Recorder<S> {
     stamp: StampFn<S>,
     /// `(phase, kind, start, end, flops)` in enqueue order, and the first
     /// error a stamp met (reported by [`take`](Recorder::take)).
-    spans: Mutex<(Vec<(Phase, OpKind, S, S, f64)>, Option<String>)>,
+    spans: Mutex<(Vec<Span<S>>, Option<String>)>,
 }
 
 /// Times one op from its creation to its drop (see [`Recorder::timer`]).
