@@ -24,9 +24,11 @@
 //! time between ops: zeroing of fresh buffers, copies, casts, waits for the
 //! engine's streams, idle while the host enqueues), and the host's time in
 //! the engine (the tracer's spans: gathers, reductions, the optimizer, the
-//! host collectives), and prints the breakdown per step beside the row (and
-//! in the JSON, `rows.NAME.profile`). Off, the ops pay one atomic load; the
-//! host split of each step (micro-batch, `step()`, final sync) is always
+//! host collectives), over two more steps after the timed ones (so the
+//! timings do not slow the steps the table reports), and prints the
+//! breakdown per step beside the row (and in the JSON,
+//! `rows.NAME.profile`). Off, the ops pay one atomic load; the host split
+//! of each timed step (micro-batch, `step()`, final sync) is always
 //! measured.
 //!
 //! `cargo bench --features cuda --bench llama_cuda [-- --steps N --batch B
@@ -63,6 +65,8 @@ use zero_llama::{Config, XorShift};
 const MFU_TARGET: f64 = 0.40;
 /// The offloaded step's target, as a multiple of the stage-3 step.
 const OFFLOAD_TARGET: f64 = 1.5;
+/// Steps profiled with `--profile`, after the timed ones.
+const PROFILE_STEPS: usize = 2;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Row {
@@ -221,6 +225,8 @@ struct Profile {
     /// Host seconds and count per tracer span name (`"gather"`,
     /// `"reduce"`, `"optimizer"`, `"forward"`, ...).
     host: BTreeMap<String, (f64, usize)>,
+    /// The profiled steps' times (after the timed ones).
+    step_s: Vec<f64>,
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -260,7 +266,11 @@ fn measure<C: EngineComm<B>, B: LlamaDevice>(
         ],
     };
     let mut first_step = None;
-    for k in 0..a.warmup + a.steps {
+    // The profiled steps come after the timed ones, so that the timings
+    // around every op do not slow the steps the table reports.
+    let timed = a.warmup..a.warmup + a.steps;
+    let profiled = if a.profile { PROFILE_STEPS } else { 0 };
+    for k in 0..timed.end + profiled {
         let tokens: Vec<u32> = (0..rows).map(|_| rng.below(a.model.vocab) as u32).collect();
         let targets: Vec<i32> = (0..rows)
             .map(|r| {
@@ -271,7 +281,7 @@ fn measure<C: EngineComm<B>, B: LlamaDevice>(
                 }
             })
             .collect();
-        if k == a.warmup && a.profile {
+        if k == timed.end && a.profile {
             dm.set_profiling(e.device_backend(), true);
             tracer.clear();
         }
@@ -284,15 +294,16 @@ fn measure<C: EngineComm<B>, B: LlamaDevice>(
         e.device_backend().sync_all()?;
         let t3 = Instant::now();
         let dt = (t3 - t).as_secs_f64();
-        if k >= a.warmup {
+        if timed.contains(&k) {
             m.step_s.push(dt);
             for (v, d) in m.split.iter_mut().zip([t1 - t, t2 - t1, t3 - t2]) {
                 v.push(d.as_secs_f64());
             }
-            if let Some(p) = m.profile.as_mut() {
-                if let Some(ops) = dm.take_profile(e.device_backend())? {
-                    p.ops.get_or_insert_with(OpProfile::default).merge(&ops);
-                }
+        }
+        if let Some(p) = m.profile.as_mut().filter(|_| k >= timed.end) {
+            p.step_s.push(dt);
+            if let Some(ops) = dm.take_profile(e.device_backend())? {
+                p.ops.get_or_insert_with(OpProfile::default).merge(&ops);
             }
         }
         if k == 0 {
@@ -551,8 +562,7 @@ fn main() {
                     "train_micro_batch": m.split[0], "step": m.split[1], "sync": m.split[2],
                 });
                 if let Some(p) = &m.profile {
-                    doc["rows"][row.name()]["profile"] =
-                        print_profile(row.name(), p, steps, mean(&m.step_s));
+                    doc["rows"][row.name()]["profile"] = print_profile(row.name(), p);
                 }
                 match row {
                     Row::Stage3 => {
@@ -591,9 +601,10 @@ fn main() {
     write_json(&a.json, &doc);
 }
 
-/// Prints `p` (sums over `steps` timed steps of `step_s` seconds each on
-/// average) per step, and returns it as JSON.
-fn print_profile(row: &str, p: &Profile, steps: f64, step_s: f64) -> Value {
+/// Prints `p` (sums over its steps) per step, and returns it as JSON.
+fn print_profile(row: &str, p: &Profile) -> Value {
+    let steps = p.step_s.len().max(1) as f64;
+    let step_s = p.step_s.iter().sum::<f64>() / steps;
     let ms = |s: f64| 1e3 * s / steps;
     let mut ops_json = Vec::new();
     match &p.ops {
@@ -602,7 +613,7 @@ fn print_profile(row: &str, p: &Profile, steps: f64, step_s: f64) -> Value {
                 "{row} profile, device time per step (mean of {steps} steps; the compute \
                  stream's clock around each op: CUDA events, or the host's on the CPU backend): \
                  ops {:.1} ms + between ops {:.1} ms = {:.1} ms from the first op to the last, \
-                 of a {:.1} ms step",
+                 of a {:.1} ms (profiled) step",
                 ms(ops.op_seconds()),
                 ms(ops.span_s - ops.op_seconds()),
                 ms(ops.span_s),
@@ -660,6 +671,7 @@ fn print_profile(row: &str, p: &Profile, steps: f64, step_s: f64) -> Value {
         "span_s_per_step": p.ops.as_ref().map(|o| o.span_s / steps),
         "op_s_per_step": p.ops.as_ref().map(|o| o.op_seconds() / steps),
         "host": host_json,
+        "step_s": p.step_s,
     })
 }
 
