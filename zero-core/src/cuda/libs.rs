@@ -339,6 +339,13 @@ impl fmt::Display for LibError {
                              to LD_LIBRARY_PATH",
                             p.display()
                         )?;
+                    } else if file_name(p).is_some_and(|n| tried.contains(&n)) {
+                        write!(
+                            f,
+                            "; found {}, in a directory zero does not search: add {dir} to \
+                             LD_LIBRARY_PATH",
+                            p.display()
+                        )?;
                     } else {
                         write!(
                             f,
@@ -1117,7 +1124,7 @@ mod tests {
         assert_eq!(names[0], "libnvrtc.so");
         assert!(names.contains(&"libnvrtc.so.12".into()), "{names:?}");
         // This build's cudarc (cuda-12080) does not open CUDA 13's or
-        // NCCL's own soname: that is what the errors' link advice is for.
+        // NCCL's own soname: why zero opens those libraries itself.
         assert!(!names.contains(&"libnvrtc.so.13".into()), "{names:?}");
         assert!(!Lib::Nccl.cudarc_names().contains(&"libnccl.so.2".into()));
         let driver = Lib::Driver.cudarc_names();
@@ -1180,11 +1187,13 @@ mod tests {
                 .unwrap_or_else(|| panic!("{} not in {dirs:?}", f.display()))
         };
         let order: Vec<usize> = files.iter().map(|f| pos(f)).collect();
-        // LD_LIBRARY_PATH first, the newest toolkit before the older one,
-        // the virtualenv before the user's site-packages.
+        // LD_LIBRARY_PATH first, the virtualenv before the user's
+        // site-packages, the wheels before the toolkits, the newest toolkit
+        // before the older one.
         assert_eq!(order[0], 0);
         assert!(order[2] < order[1], "{dirs:?}");
         assert!(order[3] < order[5] && order[4] < order[5], "{dirs:?}");
+        assert!(order[5] < order[2], "{dirs:?}");
         assert!(dirs.iter().all(|d| d.is_dir()));
 
         let nvrtc = installed_copies(Lib::Nvrtc, &dirs);
@@ -1198,59 +1207,94 @@ mod tests {
     }
 
     #[test]
-    fn errors_name_the_library_and_the_version_needed() {
+    fn errors_name_the_library_the_version_needed_and_the_file() {
         let missing = LibError::Missing {
             lib: Lib::Nvrtc,
-            tried: vec!["libnvrtc.so".into(), "libnvrtc.so.12".into()],
-            broken: vec![Unusable {
-                name: "libnvrtc.so.12".into(),
-                reason: "file too short".into(),
-            }],
-            elsewhere: vec!["/x/nvidia/cu13/lib/libnvrtc.so.13".into()],
+            tried: Lib::Nvrtc.installed_names(),
+            broken: vec![],
+            elsewhere: vec![
+                "/x/nvidia/cuda_nvrtc/lib/libnvrtc.so.11.2".into(),
+                "/usr/lib/wsl/lib/libnvrtc.so.12".into(),
+            ],
         };
         let msg = missing.to_string();
         assert!(
-            msg.starts_with("NVRTC (12.0 or later) could not be loaded"),
+            msg.starts_with(
+                "NVRTC (12.0 or later) was not found: zero looks for libnvrtc.so.13, \
+                 libnvrtc.so.12, libnvrtc.so already loaded, on LD_LIBRARY_PATH, through the \
+                 system loader, in PyTorch's site-packages/nvidia/*/lib wheel folders, in \
+                 $CUDA_HOME and /usr/local/cuda*"
+            ),
             "{msg}"
         );
         assert!(
-            msg.contains("one of libnvrtc.so, libnvrtc.so.12 on"),
+            msg.contains("found /x/nvidia/cuda_nvrtc/lib/libnvrtc.so.11.2, under a name zero"),
             "{msg}"
+        );
+        assert!(
+            msg.contains(
+                "found /usr/lib/wsl/lib/libnvrtc.so.12, in a directory zero does not search: \
+                 add /usr/lib/wsl/lib to LD_LIBRARY_PATH"
+            ),
+            "{msg}"
+        );
+        assert!(msg.ends_with("`pip install nvidia-cuda-nvrtc` (CUDA 13) or `pip install \
+             nvidia-cuda-nvrtc-cu12` (CUDA 12), or install the CUDA toolkit"), "{msg}");
+        assert!(!msg.contains("ln -s"), "{msg}");
+
+        let driver = LibError::Missing {
+            lib: Lib::Driver,
+            tried: Lib::Driver.cudarc_names(),
+            broken: vec![Unusable {
+                name: "libcuda.so.1".into(),
+                reason: "file too short".into(),
+            }],
+            elsewhere: vec!["/usr/lib/wsl/lib/libcuda.so.1".into()],
+        }
+        .to_string();
+        assert!(
+            driver.starts_with("CUDA driver (12.0 or later) could not be loaded"),
+            "{driver}"
+        );
+        assert!(
+            driver.contains("libcuda.so.1 exists but does not load: file too short"),
+            "{driver}"
+        );
+        assert!(
+            driver.contains(
+                "found /usr/lib/wsl/lib/libcuda.so.1, in a directory the loader does not \
+                 search: add /usr/lib/wsl/lib to LD_LIBRARY_PATH"
+            ),
+            "{driver}"
         );
         assert_eq!(
             summarize(&Lib::Nvrtc.cudarc_names()),
             "libnvrtc.so, libnvrtc.so.12, libnvrtc.so.11, libnvrtc.so.10, libnvrtc.so.9, \
              libnvrtc.so.1 (and 9 `lib*64*.so` variants)"
         );
-        assert!(
-            msg.contains("libnvrtc.so.12 exists but does not load: file too short"),
-            "{msg}"
-        );
-        assert!(
-            msg.contains(
-                "found /x/nvidia/cu13/lib/libnvrtc.so.13, under a name this build does not \
-                 open: `ln -s /x/nvidia/cu13/lib/libnvrtc.so.13 /x/nvidia/cu13/lib/libnvrtc.so` \
-                 and add /x/nvidia/cu13/lib to LD_LIBRARY_PATH"
-            ),
-            "{msg}"
-        );
-        let in_toolkit = LibError::Missing {
-            lib: Lib::Nvrtc,
-            tried: Lib::Nvrtc.cudarc_names(),
-            broken: vec![],
-            elsewhere: vec!["/usr/local/cuda-12.8/lib64/libnvrtc.so.12".into()],
+
+        let unusable = LibError::Unusable {
+            lib: Lib::Cublas,
+            what: Unusable {
+                name: "/w/nvidia/cu13/lib/libcublas.so.13".into(),
+                reason: "it lacks cublasGemmEx".into(),
+            },
+            path: Some("/w/nvidia/cu13/lib/libcublas.so.13".into()),
         }
         .to_string();
-        assert!(
-            in_toolkit.ends_with(
-                "found /usr/local/cuda-12.8/lib64/libnvrtc.so.12, in a directory the loader \
-                 does not search: add /usr/local/cuda-12.8/lib64 to LD_LIBRARY_PATH"
-            ),
-            "{in_toolkit}"
+        assert_eq!(
+            unusable,
+            format!(
+                "cuBLAS (12.0 or later) is unusable: /w/nvidia/cu13/lib/libcublas.so.13 is the \
+                 first copy zero finds, and it lacks cublasGemmEx; remove it or put a working \
+                 cuBLAS before it ({SEARCHED}, in this order)"
+            )
         );
+
         let old = LibError::TooOld(Found {
             lib: Lib::Nccl,
             opened_as: "libnccl.so".into(),
+            place: Place::Loader,
             path: Some("/usr/lib/libnccl.so.2".into()),
             version: Version::from_nccl_code(21305),
         });
@@ -1260,6 +1304,222 @@ mod tests {
         );
         let err: crate::Error = old.into();
         assert!(err.to_string().contains("NCCL 2.14.0 or later"), "{err}");
+    }
+
+    /// A folder laid out like PyTorch's CUDA 13 wheels in a virtualenv
+    /// under `root`: `site-packages/nvidia/{cu13,nccl}/lib`.
+    fn cu13_wheels(root: &Path) -> (PathBuf, PathBuf, PathBuf) {
+        let sp = root.join("venv/lib/python3.12/site-packages/nvidia");
+        let (cu13, nccl) = (sp.join("cu13/lib"), sp.join("nccl/lib"));
+        std::fs::create_dir_all(&cu13).unwrap();
+        std::fs::create_dir_all(&nccl).unwrap();
+        (root.join("venv"), cu13, nccl)
+    }
+
+    /// The candidates that are files (what a test's layout decides; the
+    /// process's loaded libraries and the loader's cache are this
+    /// machine's).
+    fn files_only(c: Vec<Candidate>) -> Vec<Candidate> {
+        c.into_iter()
+            .filter(|c| !matches!(c.place, Place::Loaded | Place::Loader))
+            .collect()
+    }
+
+    #[test]
+    fn candidates_follow_the_search_order_on_a_cu13_wheel_layout() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        let (venv, cu13, nccl) = cu13_wheels(r);
+        let ld = r.join("ld");
+        let home = r.join("cuda-home");
+        let toolkit = r.join("usr/local/cuda-13.0/lib64");
+        for f in [
+            cu13.join("libnvrtc.so.13"),
+            cu13.join("libcublas.so.13"),
+            cu13.join("libcublasLt.so.13"),
+            nccl.join("libnccl.so.2"),
+            ld.join("libnvrtc.so.12"),
+            ld.join("libnvrtc.so"),
+            home.join("lib64/libnvrtc.so.13"),
+            toolkit.join("libnvrtc.so.13"),
+            toolkit.join("libnvrtc.so.11.2"),
+        ] {
+            touch(&f);
+        }
+        let env = |k: &str| -> Option<OsString> {
+            match k {
+                "LD_LIBRARY_PATH" => Some(ld.clone().into()),
+                "VIRTUAL_ENV" => Some(venv.clone().into()),
+                "CUDA_HOME" => Some(home.clone().into()),
+                _ => None,
+            }
+        };
+        let nvrtc = candidates_in(Lib::Nvrtc, &env, r);
+        let (bare, rest) = nvrtc.split_at(3);
+        assert!(bare.iter().all(|c| c.place == Place::Loaded), "{nvrtc:?}");
+        assert_eq!(bare[0].name, "libnvrtc.so.13");
+        let shown: Vec<(Place, String)> = rest
+            .iter()
+            .map(|c| (c.place, c.name.replace(&r.display().to_string(), "")))
+            .collect();
+        let p = |place, name: &str| (place, name.to_string());
+        assert_eq!(
+            shown,
+            vec![
+                // Within a directory the newest name first; the
+                // unversioned link last.
+                p(Place::LdLibraryPath, "/ld/libnvrtc.so.12"),
+                p(Place::LdLibraryPath, "/ld/libnvrtc.so"),
+                p(Place::Loader, "libnvrtc.so.13"),
+                p(Place::Loader, "libnvrtc.so.12"),
+                p(Place::Loader, "libnvrtc.so"),
+                p(
+                    Place::Wheel,
+                    "/venv/lib/python3.12/site-packages/nvidia/cu13/lib/libnvrtc.so.13"
+                ),
+                p(Place::CudaHome, "/cuda-home/lib64/libnvrtc.so.13"),
+                p(Place::Toolkit, "/usr/local/cuda-13.0/lib64/libnvrtc.so.13"),
+            ]
+        );
+        let first = |lib| files_only(candidates_in(lib, &env, r)).remove(0);
+        assert_eq!(
+            first(Lib::Cublas),
+            Candidate {
+                name: cu13.join("libcublas.so.13").display().to_string(),
+                place: Place::Wheel
+            }
+        );
+        assert_eq!(
+            first(Lib::Nccl),
+            Candidate {
+                name: nccl.join("libnccl.so.2").display().to_string(),
+                place: Place::Wheel
+            }
+        );
+    }
+
+    #[test]
+    fn the_first_copy_found_is_used_or_named_in_the_error() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        let (venv, cu13, nccl) = cu13_wheels(r);
+        // cuBLAS: garbage; its companion libcublasLt first (also garbage).
+        std::fs::write(cu13.join("libcublas.so.13"), b"not an ELF file").unwrap();
+        std::fs::write(cu13.join("libcublasLt.so.13"), b"not an ELF file").unwrap();
+        // NCCL: a real library of the wrong kind.
+        std::fs::copy(some_shared_library(), nccl.join("libnccl.so.2")).unwrap();
+        let env = |k: &str| -> Option<OsString> {
+            (k == "VIRTUAL_ENV").then(|| venv.clone().into())
+        };
+        let open = |lib| open_first(lib, &files_only(candidates_in(lib, &env, r)));
+
+        let cublas = open(Lib::Cublas).unwrap_err().to_string();
+        let lt = cu13.join("libcublasLt.so.13").display().to_string();
+        assert!(
+            cublas.starts_with(&format!(
+                "cuBLAS (12.0 or later) is unusable: {}/libcublas.so.13 is the first copy \
+                 zero finds, and its companion {lt} does not load: ",
+                cu13.display()
+            )),
+            "{cublas}"
+        );
+        std::fs::remove_file(cu13.join("libcublasLt.so.13")).unwrap();
+        let cublas = open(Lib::Cublas).unwrap_err().to_string();
+        assert!(cublas.contains("libcublas.so.13 is the first copy"), "{cublas}");
+        assert!(cublas.contains("it does not load: "), "{cublas}");
+
+        let nccl_err = open(Lib::Nccl).unwrap_err();
+        let msg = nccl_err.to_string();
+        assert!(matches!(nccl_err, LibError::Unusable { .. }), "{msg}");
+        assert!(msg.contains("libnccl.so.2 is the first copy zero finds"), "{msg}");
+        assert!(msg.contains("lacks ncclGetVersion"), "{msg}");
+
+        // Nothing in the layout: Missing, with the names looked for.
+        let none = open_first(Lib::Nvrtc, &files_only(candidates_in(Lib::Nvrtc, &env, r)));
+        match none.unwrap_err() {
+            LibError::Missing { lib, tried, .. } => {
+                assert_eq!(lib, Lib::Nvrtc);
+                assert_eq!(tried, Lib::Nvrtc.installed_names());
+            }
+            e => panic!("{e}"),
+        }
+    }
+
+    /// A real shared library of this machine that is not a CUDA library.
+    fn some_shared_library() -> PathBuf {
+        let arch = std::env::consts::ARCH;
+        [
+            format!("/lib/{arch}-linux-gnu/libz.so.1"),
+            format!("/usr/lib/{arch}-linux-gnu/libz.so.1"),
+            format!("/lib/{arch}-linux-gnu/libm.so.6"),
+            format!("/usr/lib/{arch}-linux-gnu/libm.so.6"),
+            "/lib64/libm.so.6".into(),
+            "/usr/lib64/libm.so.6".into(),
+        ]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
+        .expect("no libz.so.1 or libm.so.6 in the usual directories")
+    }
+
+    /// The first NVRTC file this machine's search finds (without loading
+    /// it), or `None` (a skip, or a failure with `ZERO_REQUIRE_NVRTC=1`).
+    fn nvrtc_file(test: &str) -> Option<PathBuf> {
+        let file = candidates(Lib::Nvrtc)
+            .into_iter()
+            .find(|c| !matches!(c.place, Place::Loaded | Place::Loader))
+            .map(|c| PathBuf::from(c.name));
+        if file.is_none() {
+            assert!(
+                std::env::var_os("ZERO_REQUIRE_NVRTC").is_none(),
+                "{test}: ZERO_REQUIRE_NVRTC is set but no libnvrtc.so.13/.12 file was found"
+            );
+            eprintln!("{test}: skipped: no libnvrtc.so.13/.12 file found");
+        }
+        file
+    }
+
+    #[test]
+    fn a_real_nvrtc_in_a_wheel_layout_is_opened_from_there() {
+        let test = "a_real_nvrtc_in_a_wheel_layout_is_opened_from_there";
+        let Some(real) = nvrtc_file(test) else {
+            return;
+        };
+        let root = tempfile::tempdir().unwrap();
+        let (venv, cu13, _) = cu13_wheels(root.path());
+        // The wheel's file names, copied (not linked: the loader would
+        // reuse an already loaded file of the same inode), with NVRTC's
+        // builtins beside it as in the wheel.
+        let name = file_name(&real).unwrap();
+        // CUDA 12's wheel (nvidia-cuda-nvrtc-cu12) has its own folder.
+        let wheel = if name.ends_with(".so.12") {
+            venv.join("lib/python3.12/site-packages/nvidia/cuda_nvrtc/lib")
+        } else {
+            cu13
+        };
+        std::fs::create_dir_all(&wheel).unwrap();
+        std::fs::copy(&real, wheel.join(&name)).unwrap();
+        for e in std::fs::read_dir(real.parent().unwrap()).unwrap() {
+            let e = e.unwrap();
+            if e.file_name().to_string_lossy().starts_with("libnvrtc-builtins.so") {
+                std::fs::copy(e.path(), wheel.join(e.file_name())).unwrap();
+            }
+        }
+        let env = |k: &str| -> Option<OsString> {
+            (k == "VIRTUAL_ENV").then(|| venv.clone().into())
+        };
+        let cands = files_only(candidates_in(Lib::Nvrtc, &env, root.path()));
+        let lib = open_first(Lib::Nvrtc, &cands).unwrap_or_else(|e| panic!("{e}"));
+        let found = lib.found();
+        assert_eq!(found.place, Place::Wheel);
+        assert_eq!(found.path.as_deref(), Some(wheel.join(&name).as_path()));
+        assert!(found.version.major >= 12, "{found}");
+        assert!(name.ends_with(&format!(".so.{}", found.version.major)), "{found}");
+        lib.check_symbols(&["nvrtcCompileProgram", "nvrtcGetCUBIN"])
+            .unwrap();
+        let lacks = lib.check_symbols(&["nvrtcNoSuchFunction"]).unwrap_err();
+        assert!(lacks.to_string().contains("lacks nvrtcNoSuchFunction"), "{lacks}");
+        eprintln!("{test}: opened {found} ({})", found.place);
     }
 
     #[test]
