@@ -338,6 +338,11 @@ mod imp {
         false
     }
 
+    /// The NVRTC zero uses: none in a build without `cuda`.
+    pub fn nvrtc_library() -> Option<(crate::cuda::version::Version, String)> {
+        None
+    }
+
     /// [`Error::NotCompiledWith`]`("cuda")` in this build.
     pub fn compile(_source: &KernelSource, _arch: &str) -> Result<CompiledSource> {
         Err(Error::NotCompiledWith("cuda"))
@@ -368,6 +373,15 @@ mod imp {
     /// wherever it is installed) with every function zero calls.
     pub fn nvrtc_available() -> bool {
         nvrtc().is_ok()
+    }
+
+    /// The NVRTC zero uses, when it can: its version, and the file and
+    /// where it was found (`NVRTC 13.0 at /x/libnvrtc.so.13 (from
+    /// LD_LIBRARY_PATH)`).
+    pub fn nvrtc_library() -> Option<(crate::cuda::version::Version, String)> {
+        nvrtc().ok()?;
+        let found = crate::cuda::libs::require(crate::cuda::libs::Lib::Nvrtc).ok()?;
+        Some((found.version, format!("{found} ({})", found.place)))
     }
 
     type Status = nvrtc_sys::nvrtcResult;
