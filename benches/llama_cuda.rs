@@ -297,8 +297,8 @@ fn open_gpu() -> Result<Gpu, String> {
 /// after 3 warm-ups, in FLOP/s.
 fn gemm_rate(gpu: &zero::core::backend::CudaBackend) -> Result<f64, String> {
     use cudarc::cublas::sys::{
-        cublasComputeType_t::CUBLAS_COMPUTE_32F, cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        cublasOperation_t::CUBLAS_OP_N, cudaDataType::CUDA_R_16BF,
+        cublasComputeType_t::CUBLAS_COMPUTE_32F, cublasGemmAlgo_t, cublasOperation_t::CUBLAS_OP_N,
+        cudaDataType::CUDA_R_16BF,
     };
     use cudarc::driver::{DevicePtr, DevicePtrMut};
     use zero::core::backend::Stream;
@@ -347,7 +347,7 @@ fn gemm_rate(gpu: &zero::core::backend::CudaBackend) -> Result<f64, String> {
                 CUDA_R_16BF,
                 d,
                 CUBLAS_COMPUTE_32F,
-                CUBLAS_GEMM_DEFAULT,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
         .map_err(|e| format!("cublasGemmEx: {e:?}"))?;

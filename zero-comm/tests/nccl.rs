@@ -516,7 +516,10 @@ fn a_missing_nccl_library_is_an_error_not_a_panic() {
     match &ne.failure {
         NcclFailure::Missing { tried } => {
             assert_eq!(tried, &["libnccl.so.2", "libnccl.so"], "{e}");
-            assert!(e.to_string().contains("pip install nvidia-nccl-cu13"), "{e}");
+            assert!(
+                e.to_string().contains("pip install nvidia-nccl-cu13"),
+                "{e}"
+            );
             say(&format!("{test}: {e}"));
         }
         NcclFailure::Unsupported { msg } => say(&format!("{test}: NCCL unusable: {msg}")),

@@ -22,7 +22,7 @@ use cudarc::nccl::sys::{
     self, cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t,
     ncclUniqueId,
 };
-use zero_core::cuda::libs::{Library, LibError};
+use zero_core::cuda::libs::{LibError, Library};
 use zero_core::cuda::version::NCCL_MIN_VERSION;
 use zero_core::DType;
 

@@ -109,7 +109,7 @@ fn api() -> std::result::Result<&'static Api, LibError> {
 }
 
 fn blas_err(call: &'static str, e: CublasError) -> Error {
-    Error::Cuda(format!("cuBLAS {call}: {e:?}").into())
+    Error::Cuda(format!("cuBLAS {call}: {e}").into())
 }
 
 /// A cuBLAS handle that enqueues its work on one stream; destroyed on drop.
@@ -188,8 +188,8 @@ impl BlasHandle {
         // SAFETY: the handle is live; the rest is the caller's promise.
         unsafe {
             (api.gemm_ex)(
-                self.raw, transa, transb, m, n, k, alpha, a, a_type, lda, b, b_type, ldb, beta,
-                c, c_type, ldc, compute, algo,
+                self.raw, transa, transb, m, n, k, alpha, a, a_type, lda, b, b_type, ldb, beta, c,
+                c_type, ldc, compute, algo,
             )
         }
         .result()
@@ -230,8 +230,8 @@ impl BlasHandle {
         // SAFETY: the handle is live; the rest is the caller's promise.
         unsafe {
             (api.gemm_strided_batched_ex)(
-                self.raw, transa, transb, m, n, k, alpha, a, a_type, lda, stride_a, b, b_type,
-                ldb, stride_b, beta, c, c_type, ldc, stride_c, count, compute, algo,
+                self.raw, transa, transb, m, n, k, alpha, a, a_type, lda, stride_a, b, b_type, ldb,
+                stride_b, beta, c, c_type, ldc, stride_c, count, compute, algo,
             )
         }
         .result()

@@ -359,7 +359,10 @@ impl fmt::Display for LibError {
             }
             LibError::Unusable { what, path, .. } => {
                 write!(f, "{lib} ({needed} or later) is unusable: {}", what.name)?;
-                if let Some(p) = path.as_ref().filter(|p| p.as_path() != Path::new(&what.name)) {
+                if let Some(p) = path
+                    .as_ref()
+                    .filter(|p| p.as_path() != Path::new(&what.name))
+                {
                     write!(f, " ({})", p.display())?;
                 }
                 write!(
@@ -651,7 +654,10 @@ impl Library {
         const {
             assert!(std::mem::size_of::<F>() == std::mem::size_of::<*mut c_void>());
         }
-        let p = self.handle.symbol(name).ok_or_else(|| self.lacks(&[name]))?;
+        let p = self
+            .handle
+            .symbol(name)
+            .ok_or_else(|| self.lacks(&[name]))?;
         // SAFETY: `F` is a function pointer type of the symbol's signature
         // (the caller's promise) and has a pointer's size (checked above);
         // `p` is the symbol's non-null address in a library never closed.
@@ -808,13 +814,13 @@ fn cudarc_search(lib: Lib) -> Result<Library, LibError> {
     for name in &tried {
         match open(name) {
             Ok(handle) => {
-                let found = handle
-                    .identify(lib, name, Place::Cudarc)
-                    .map_err(|what| LibError::Unusable {
+                let found = handle.identify(lib, name, Place::Cudarc).map_err(|what| {
+                    LibError::Unusable {
                         lib,
                         path: handle.path(),
                         what,
-                    })?;
+                    }
+                })?;
                 if !found.version.at_least(&lib.min_version()) {
                     return Err(LibError::TooOld(found));
                 }
@@ -1238,8 +1244,13 @@ mod tests {
             ),
             "{msg}"
         );
-        assert!(msg.ends_with("`pip install nvidia-cuda-nvrtc` (CUDA 13) or `pip install \
-             nvidia-cuda-nvrtc-cu12` (CUDA 12), or install the CUDA toolkit"), "{msg}");
+        assert!(
+            msg.ends_with(
+                "`pip install nvidia-cuda-nvrtc` (CUDA 13) or `pip install \
+             nvidia-cuda-nvrtc-cu12` (CUDA 12), or install the CUDA toolkit"
+            ),
+            "{msg}"
+        );
         assert!(!msg.contains("ln -s"), "{msg}");
 
         let driver = LibError::Missing {
@@ -1408,9 +1419,8 @@ mod tests {
         std::fs::write(cu13.join("libcublasLt.so.13"), b"not an ELF file").unwrap();
         // NCCL: a real library of the wrong kind.
         std::fs::copy(some_shared_library(), nccl.join("libnccl.so.2")).unwrap();
-        let env = |k: &str| -> Option<OsString> {
-            (k == "VIRTUAL_ENV").then(|| venv.clone().into())
-        };
+        let env =
+            |k: &str| -> Option<OsString> { (k == "VIRTUAL_ENV").then(|| venv.clone().into()) };
         let open = |lib| open_first(lib, &files_only(candidates_in(lib, &env, r)));
 
         let cublas = open(Lib::Cublas).unwrap_err().to_string();
@@ -1425,13 +1435,19 @@ mod tests {
         );
         std::fs::remove_file(cu13.join("libcublasLt.so.13")).unwrap();
         let cublas = open(Lib::Cublas).unwrap_err().to_string();
-        assert!(cublas.contains("libcublas.so.13 is the first copy"), "{cublas}");
+        assert!(
+            cublas.contains("libcublas.so.13 is the first copy"),
+            "{cublas}"
+        );
         assert!(cublas.contains("it does not load: "), "{cublas}");
 
         let nccl_err = open(Lib::Nccl).unwrap_err();
         let msg = nccl_err.to_string();
         assert!(matches!(nccl_err, LibError::Unusable { .. }), "{msg}");
-        assert!(msg.contains("libnccl.so.2 is the first copy zero finds"), "{msg}");
+        assert!(
+            msg.contains("libnccl.so.2 is the first copy zero finds"),
+            "{msg}"
+        );
         assert!(msg.contains("lacks ncclGetVersion"), "{msg}");
 
         // Nothing in the layout: Missing, with the names looked for.
@@ -1501,24 +1517,32 @@ mod tests {
         std::fs::copy(&real, wheel.join(&name)).unwrap();
         for e in std::fs::read_dir(real.parent().unwrap()).unwrap() {
             let e = e.unwrap();
-            if e.file_name().to_string_lossy().starts_with("libnvrtc-builtins.so") {
+            if e.file_name()
+                .to_string_lossy()
+                .starts_with("libnvrtc-builtins.so")
+            {
                 std::fs::copy(e.path(), wheel.join(e.file_name())).unwrap();
             }
         }
-        let env = |k: &str| -> Option<OsString> {
-            (k == "VIRTUAL_ENV").then(|| venv.clone().into())
-        };
+        let env =
+            |k: &str| -> Option<OsString> { (k == "VIRTUAL_ENV").then(|| venv.clone().into()) };
         let cands = files_only(candidates_in(Lib::Nvrtc, &env, root.path()));
         let lib = open_first(Lib::Nvrtc, &cands).unwrap_or_else(|e| panic!("{e}"));
         let found = lib.found();
         assert_eq!(found.place, Place::Wheel);
         assert_eq!(found.path.as_deref(), Some(wheel.join(&name).as_path()));
         assert!(found.version.major >= 12, "{found}");
-        assert!(name.ends_with(&format!(".so.{}", found.version.major)), "{found}");
+        assert!(
+            name.ends_with(&format!(".so.{}", found.version.major)),
+            "{found}"
+        );
         lib.check_symbols(&["nvrtcCompileProgram", "nvrtcGetCUBIN"])
             .unwrap();
         let lacks = lib.check_symbols(&["nvrtcNoSuchFunction"]).unwrap_err();
-        assert!(lacks.to_string().contains("lacks nvrtcNoSuchFunction"), "{lacks}");
+        assert!(
+            lacks.to_string().contains("lacks nvrtcNoSuchFunction"),
+            "{lacks}"
+        );
         eprintln!("{test}: opened {found} ({})", found.place);
     }
 

@@ -21,11 +21,11 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::sys as cublas_sys;
-use zero::core::cuda::cublas::{BlasHandle, CublasError};
 use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, DriverError};
 use zero::core::backend::{
     Backend, BufferHandle, CudaBackend, CudaBuffer, CudaReadView, CudaView, Stream,
 };
+use zero::core::cuda::cublas::{BlasHandle, CublasError};
 use zero::core::{DType, Device, Element, Error};
 use zero::Result;
 
