@@ -380,14 +380,16 @@ fn open_gpu() -> Result<Gpu, String> {
 /// A bf16 cuBLAS GEMM of 8192³ (fp32 accumulation), the median of 10
 /// after 3 warm-ups, in FLOP/s.
 fn gemm_rate(gpu: &zero::core::backend::CudaBackend) -> Result<f64, String> {
-    use cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N;
-    use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+    use cudarc::cublas::sys::{
+        cublasComputeType_t::CUBLAS_COMPUTE_32F, cublasGemmAlgo_t, cublasOperation_t::CUBLAS_OP_N,
+        cudaDataType::CUDA_R_16BF,
+    };
+    use cudarc::driver::{DevicePtr, DevicePtrMut};
     use zero::core::backend::Stream;
-    zero::core::cuda::libs::require(zero::core::cuda::libs::Lib::Cublas)
-        .map_err(|e| e.to_string())?;
+    use zero::core::cuda::cublas::BlasHandle;
     let n = 8192usize;
     let stream = gpu.cuda_stream(Stream::Compute).clone();
-    let blas = CudaBlas::new(stream.clone()).map_err(|e| e.to_string())?;
+    let blas = BlasHandle::new(&stream).map_err(|e| e.to_string())?;
     let a = stream
         .alloc_zeros::<half::bf16>(n * n)
         .map_err(|e| e.to_string())?;
@@ -397,24 +399,42 @@ fn gemm_rate(gpu: &zero::core::backend::CudaBackend) -> Result<f64, String> {
     let mut c = stream
         .alloc_zeros::<half::bf16>(n * n)
         .map_err(|e| e.to_string())?;
-    let cfg = GemmConfig {
-        transa: CUBLAS_OP_N,
-        transb: CUBLAS_OP_N,
-        m: n as i32,
-        n: n as i32,
-        k: n as i32,
-        alpha: half::bf16::ONE,
-        lda: n as i32,
-        ldb: n as i32,
-        beta: half::bf16::ZERO,
-        ldc: n as i32,
-    };
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let d = n as i32;
     let mut times = Vec::new();
     for rep in 0..13 {
         stream.synchronize().map_err(|e| e.to_string())?;
         let t = Instant::now();
-        // SAFETY: three n×n buffers of n² elements, the shapes above.
-        unsafe { blas.gemm(cfg, &a, &b, &mut c) }.map_err(|e| e.to_string())?;
+        let (pa, _ga) = a.device_ptr(&stream);
+        let (pb, _gb) = b.device_ptr(&stream);
+        let (pc, _gc) = c.device_ptr_mut(&stream);
+        // SAFETY: three n×n bf16 device buffers of n² elements, the shapes
+        // and leading dimensions given; alpha and beta are host f32 (the
+        // default pointer mode with fp32 compute), read during the call;
+        // the buffers live until after the synchronize below.
+        unsafe {
+            blas.gemm_ex(
+                CUBLAS_OP_N,
+                CUBLAS_OP_N,
+                d,
+                d,
+                d,
+                (&alpha as *const f32).cast(),
+                pa as *const _,
+                CUDA_R_16BF,
+                d,
+                pb as *const _,
+                CUDA_R_16BF,
+                d,
+                (&beta as *const f32).cast(),
+                pc as *mut _,
+                CUDA_R_16BF,
+                d,
+                CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| format!("cublasGemmEx: {e:?}"))?;
         stream.synchronize().map_err(|e| e.to_string())?;
         if rep >= 3 {
             times.push(t.elapsed().as_secs_f64());

@@ -5,16 +5,17 @@
 #
 #   1. the machine: nvidia-smi, GPUs, driver, glibc, memory;
 #   2. the libraries, found on the machine (no network is needed or used):
-#      libcuda (the driver), libnvrtc.so.12, libcublas.so.12 and
+#      libcuda (the driver), libnvrtc.so.12/.13, libcublas.so.12/.13 and
 #      libnccl.so.2, looked for
 #      in the NVRTC carried with prebuilt executables (--with-nvrtc), on
 #      LD_LIBRARY_PATH, in target/nvrtc-* (scripts/test-cuda.sh), in
-#      Python's site-packages (the nvidia-cuda-nvrtc-cu12,
-#      nvidia-cublas-cu12 and nvidia-nccl-cu12 wheels that torch
-#      installs), the CUDA toolkit,
-#      ldconfig, and at last by `find /`. cudarc opens `libnccl.so`, not
-#      `libnccl.so.2`: when only the latter exists, a `libnccl.so` link is
-#      made in a temporary directory put on LD_LIBRARY_PATH;
+#      Python's site-packages (the CUDA 12 and 13 wheels that torch
+#      installs: nvidia/cu13/lib, nvidia/cuda_nvrtc/lib, nvidia/nccl/lib,
+#      ...), the CUDA toolkit, ldconfig, and at last by `find /`; reported,
+#      and their folders put first on LD_LIBRARY_PATH. No links are made:
+#      zero opens `libnvrtc.so.13`, `libcublas.so.13` and `libnccl.so.2`
+#      as installed (zero_core::cuda::libs), and `zero doctor` says which
+#      file it opened;
 #   3. zero-core's tests with --features cuda (GPU AdamW against the CPU
 #      reference, arena, streams, NVRTC, the backend conformance suite on
 #      the CUDA backend), with ZERO_REQUIRE_NVRTC=1 when
@@ -394,30 +395,21 @@ if ! find_lib libcuda.so.1 libcuda.so >/dev/null || ! find_lib libnvrtc.so.12 li
   search_everywhere libcuda.so.1 libnvrtc.so.12 libnvrtc.so.13 libcublas.so.12 libcublas.so.13 libnccl.so.2 libnccl.so
 fi
 
+# prepend_lib_path DIR: DIR first on LD_LIBRARY_PATH (moved there when it
+# is already on it).
 prepend_lib_path() {
-  case ":${LD_LIBRARY_PATH:-}:" in
-    *":$1:"*) ;;
-    *) export LD_LIBRARY_PATH="$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
-  esac
+  local rest=":${LD_LIBRARY_PATH:-}:"
+  rest=${rest//":$1:"/:}
+  rest=${rest#:}
+  rest=${rest%:}
+  export LD_LIBRARY_PATH="$1${rest:+:$rest}"
 }
 
-# link_as PATH NAME: PATH made loadable as NAME, through a link in a
-# temporary folder put on LD_LIBRARY_PATH (cudarc, built for CUDA 12,
-# opens `libnvrtc.so` but not `libnvrtc.so.13`, and `libnccl.so` but not
-# `libnccl.so.2`). The library's own folder goes on the path too, for what
-# it loads beside it (libnvrtc-builtins, libcublasLt).
-link_dir=""
-link_as() {
-  prepend_lib_path "$(dirname "$1")"
-  if [ "$(basename "$1")" = "$2" ] || [ -e "$(dirname "$1")/$2" ]; then return; fi
-  if [ -z "$link_dir" ]; then
-    link_dir=$(mktemp -d "${TMPDIR:-/tmp}/zero-libs.XXXXXX")
-    tmp_dirs+=("$link_dir")
-    prepend_lib_path "$link_dir"
-  fi
-  ln -sf "$1" "$link_dir/$2"
-  note "$1 linked as $link_dir/$2"
-}
+# The folders of the libraries found, put first on LD_LIBRARY_PATH at the
+# end, NVRTC's first: zero searches LD_LIBRARY_PATH folder by folder (each
+# for `.so.13`, `.so.12`, `.so`), so the copy reported here is the one it
+# opens. No links: zero opens the files under their installed names.
+lib_dirs=()
 
 cuda_lib=$(find_lib libcuda.so.1 libcuda.so || true)
 if [ -n "$cuda_lib" ]; then
@@ -428,7 +420,7 @@ fi
 
 nvrtc_lib=$(find_lib libnvrtc.so.12 libnvrtc.so.13 libnvrtc.so || true)
 if [ -n "$nvrtc_lib" ]; then
-  case "$nvrtc_lib" in *.so.13) link_as "$nvrtc_lib" libnvrtc.so ;; *) prepend_lib_path "$(dirname "$nvrtc_lib")" ;; esac
+  lib_dirs+=("$(dirname "$nvrtc_lib")")
   export ZERO_REQUIRE_NVRTC=1
   note "nvrtc: $nvrtc_lib ($(ls "$(dirname "$nvrtc_lib")" | grep -E 'nvrtc' | tr '\n' ' '))"
 else
@@ -439,26 +431,20 @@ fi
 # GEMMs.
 cublas_lib=$(find_lib libcublas.so.12 libcublas.so.13 libcublas.so || true)
 if [ -n "$cublas_lib" ]; then
-  case "$cublas_lib" in
-    *.so.13)
-      link_as "$cublas_lib" libcublas.so
-      [ -e "$(dirname "$cublas_lib")/libcublasLt.so.13" ] &&
-        link_as "$(dirname "$cublas_lib")/libcublasLt.so.13" libcublasLt.so
-      ;;
-    *) prepend_lib_path "$(dirname "$cublas_lib")" ;;
-  esac
+  lib_dirs+=("$(dirname "$cublas_lib")")
   note "cublas: $cublas_lib"
 else
   note "libcublas.so.12/.13 NOT FOUND: the Llama device trainer's GPU tests will fail (they need cuBLAS)"
 fi
 
-nccl_lib=$(find_lib libnccl.so libnccl.so.2 || true)
+nccl_lib=$(find_lib libnccl.so.2 libnccl.so || true)
 if [ -n "$nccl_lib" ]; then
-  link_as "$nccl_lib" libnccl.so
+  lib_dirs+=("$(dirname "$nccl_lib")")
   note "nccl: $nccl_lib"
 else
   note "libnccl.so.2 NOT FOUND: the NCCL tests and bench section will skip"
 fi
+for ((i = ${#lib_dirs[@]} - 1; i >= 0; i--)); do prepend_lib_path "${lib_dirs[i]}"; done
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export RUST_BACKTRACE="${RUST_BACKTRACE:-1}"
 note "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"

@@ -4,12 +4,12 @@
 //! [`report`] gathers zero's version and features, the OS and kernel, the
 //! CPU (model, cores, the SIMD paths of the CPU AdamW), locked-memory
 //! limits and huge pages, the NVIDIA driver and GPUs, the CUDA driver API,
-//! NVRTC, cuBLAS and NCCL (found or not, version, path, and other copies
-//! on the machine), MPI, and the environment variables that change where
-//! libraries come from. Every probe that fails is a line that says what
-//! failed; none panics, also with broken or partial libraries on the
-//! loader path (libraries are checked by `zero_core::cuda::libs` before
-//! cudarc touches them).
+//! NVRTC, cuBLAS and NCCL (the file zero opens and where it found it, or
+//! why none, and other copies on the machine), MPI, and the environment
+//! variables that change where libraries come from. Every probe that fails
+//! is a line that says what failed; none panics, also with broken or
+//! partial libraries where zero looks (`zero_core::cuda::libs` opens and
+//! checks them).
 //!
 //! ```
 //! let text = zero::doctor::report().to_string();
@@ -385,10 +385,17 @@ mod cuda {
             let loaded_path = match &s.loads {
                 Ok(found) => {
                     versions.push((lib, found.version));
-                    out.add(
-                        lib.name(),
-                        format!("{found} (opened as {})", found.opened_as),
-                    );
+                    // Which file zero opened and where it found it.
+                    let by_path = found
+                        .path
+                        .as_ref()
+                        .is_some_and(|p| p.as_path() == std::path::Path::new(&found.opened_as));
+                    let how = if by_path {
+                        found.place.to_string()
+                    } else {
+                        format!("{}, opened as {}", found.place, found.opened_as)
+                    };
+                    out.add(lib.name(), format!("{found} ({how})"));
                     found.path.clone()
                 }
                 Err(e) => {

@@ -152,10 +152,160 @@ fn broken_libraries_first_on_the_path_are_error_lines() {
     }
     let cublas = line(&stdout, "cuBLAS");
     assert!(
-        cublas.starts_with("error: cuBLAS (12.0 or later) is unusable: libcublas.so"),
+        cublas.starts_with(&format!(
+            "error: cuBLAS (12.0 or later) is unusable: {shown}/libcublas.so is the first copy \
+             zero finds, and it lacks cublasGetProperty"
+        )),
         "{cublas}"
     );
-    assert!(cublas.contains("lacks cublasGetProperty"), "{cublas}");
-    assert!(cublas.contains(&shown), "{cublas}");
     line(&stdout, "gpus");
+}
+
+/// `zero doctor` in an environment that shows zero only `root`'s
+/// virtualenv (no LD_LIBRARY_PATH, HOME, conda, pyenv or CUDA_HOME).
+#[cfg(feature = "cuda")]
+fn doctor_in_venv(root: &Path, venv: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_zero"))
+        .arg("doctor")
+        .env("VIRTUAL_ENV", venv)
+        .env("HOME", root.join("home"))
+        .env_remove("LD_LIBRARY_PATH")
+        .env_remove("PYENV_ROOT")
+        .env_remove("CONDA_PREFIX")
+        .env_remove("CUDA_HOME")
+        .env_remove("CUDA_PATH")
+        .env_remove("CUDA_ROOT")
+        .output()
+        .expect("run zero doctor")
+}
+
+/// The first NVRTC file zero's search finds on this machine (not loaded).
+#[cfg(feature = "cuda")]
+fn an_nvrtc_file() -> Option<std::path::PathBuf> {
+    use zero::core::cuda::libs::{candidates, Lib, Place};
+    candidates(Lib::Nvrtc)
+        .into_iter()
+        .find(|c| !matches!(c.place, Place::Loaded | Place::Loader))
+        .map(|c| c.name.into())
+}
+
+/// `dst` as the same file as `src`: a hard link (not a name link: the
+/// loader reports the path it opened), or a copy across file systems.
+#[cfg(feature = "cuda")]
+fn same_file(src: &Path, dst: &Path) {
+    if std::fs::hard_link(src, dst).is_err() {
+        std::fs::copy(src, dst).unwrap();
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn doctor_names_each_library_it_opens_in_a_cu13_wheel_layout() {
+    // PyTorch's CUDA 13 wheels as pip lays them out, without links:
+    // site-packages/nvidia/cu13/lib/{libnvrtc.so.13, libcublas.so.13,
+    // libcublasLt.so.13} and nvidia/nccl/lib/libnccl.so.2. cuBLAS and NCCL
+    // are stubs (doctor names the file it would open, and why it cannot);
+    // NVRTC is this machine's real one where there is one (the NVRTC 12
+    // wheel's folder for a CUDA 12 one), so that it is opened and
+    // identified from there.
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let venv = r.join("venv");
+    let nvidia = venv.join("lib/python3.12/site-packages/nvidia");
+    let (cu13, nccl) = (nvidia.join("cu13/lib"), nvidia.join("nccl/lib"));
+    std::fs::create_dir_all(&cu13).unwrap();
+    std::fs::create_dir_all(&nccl).unwrap();
+    for f in [
+        cu13.join("libcublas.so.13"),
+        cu13.join("libcublasLt.so.13"),
+        nccl.join("libnccl.so.2"),
+    ] {
+        std::fs::write(f, b"a stub, not a library").unwrap();
+    }
+    let real = an_nvrtc_file();
+    let nvrtc = match &real {
+        Some(src) => {
+            let name = src.file_name().unwrap();
+            let dir = if name.to_string_lossy().ends_with(".so.12") {
+                nvidia.join("cuda_nvrtc/lib")
+            } else {
+                cu13.clone()
+            };
+            std::fs::create_dir_all(&dir).unwrap();
+            same_file(src, &dir.join(name));
+            for e in std::fs::read_dir(src.parent().unwrap()).unwrap() {
+                let e = e.unwrap();
+                if e.file_name()
+                    .to_string_lossy()
+                    .starts_with("libnvrtc-builtins.so")
+                {
+                    same_file(&e.path(), &dir.join(e.file_name()));
+                }
+            }
+            dir.join(name)
+        }
+        None => {
+            assert!(
+                std::env::var_os("ZERO_REQUIRE_NVRTC").is_none(),
+                "ZERO_REQUIRE_NVRTC is set but no libnvrtc.so.13/.12 file was found"
+            );
+            let stub = cu13.join("libnvrtc.so.13");
+            std::fs::write(&stub, b"a stub, not a library").unwrap();
+            stub
+        }
+    };
+    let out = doctor_in_venv(r, &venv);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{:?}\n{stdout}\n{stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let shown_root = r.display().to_string();
+    let line_of = |lib: &str| {
+        let l = line(&stdout, lib);
+        // The system loader comes before the wheels: a machine whose
+        // ld.so cache has the library reports that copy instead.
+        let elsewhere = !l.contains(&shown_root);
+        if elsewhere {
+            eprintln!("{lib}: the system loader's copy is first on this machine: {l}");
+        }
+        (!elsewhere).then_some(l)
+    };
+    if let Some(l) = line_of("NVRTC") {
+        let shown = nvrtc.display();
+        if real.is_some() {
+            assert!(l.starts_with("NVRTC 1"), "{l}");
+            assert!(
+                l.ends_with(&format!(" at {shown} (from a PyTorch wheel folder)")),
+                "{l}"
+            );
+        } else {
+            assert!(
+                l.starts_with(&format!(
+                    "error: NVRTC (12.0 or later) is unusable: {shown} is the first copy zero \
+                     finds, and it does not load"
+                )),
+                "{l}"
+            );
+        }
+    }
+    if let Some(l) = line_of("cuBLAS") {
+        assert!(
+            l.starts_with(&format!(
+                "error: cuBLAS (12.0 or later) is unusable: {}/libcublas.so.13 is the first copy \
+                 zero finds, and its companion {}/libcublasLt.so.13 does not load",
+                cu13.display(),
+                cu13.display()
+            )),
+            "{l}"
+        );
+    }
+    if let Some(l) = line_of("NCCL") {
+        assert!(
+            l.starts_with(&format!(
+                "error: NCCL (2.14.0 or later) is unusable: {}/libnccl.so.2 is the first copy \
+                 zero finds, and it does not load",
+                nccl.display()
+            )),
+            "{l}"
+        );
+    }
 }

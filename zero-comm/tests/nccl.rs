@@ -463,15 +463,51 @@ fn the_unique_id_is_created_and_shared_when_nccl_is_present() {
 #[test]
 fn a_missing_nccl_library_is_an_error_not_a_panic() {
     let test = "a_missing_nccl_library_is_an_error_not_a_panic";
+    const HIDDEN: &str = "ZERO_NCCL_TEST_HIDDEN";
     let e = match nccl::version() {
-        Ok(v) => {
+        Ok(v) if std::env::var_os(HIDDEN).is_some() => {
             skip(
                 test,
                 &format!(
-                    "NCCL {} is installed; the missing-library path needs a machine without it",
-                    version_string(v)
+                    "NCCL {} is found even with the wheels and LD_LIBRARY_PATH hidden ({}); \
+                     the missing-library path needs a machine without it",
+                    version_string(v),
+                    nccl::opened().unwrap_or_default()
                 ),
             );
+            return;
+        }
+        Ok(v) => {
+            // NCCL is installed (e.g. PyTorch's wheel): run this test
+            // again in a process whose environment hides the places zero
+            // found it in (no LD_LIBRARY_PATH, HOME, virtualenv, conda or
+            // CUDA_HOME).
+            say(&format!(
+                "{test}: NCCL {} here ({}); checking the missing-library path in a process \
+                 that does not see it",
+                version_string(v),
+                nccl::opened().unwrap_or_default()
+            ));
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(HIDDEN, "1")
+                .env("HOME", "/nonexistent")
+                .env_remove("LD_LIBRARY_PATH")
+                .env_remove("PYENV_ROOT")
+                .env_remove("VIRTUAL_ENV")
+                .env_remove("CONDA_PREFIX")
+                .env_remove("CUDA_HOME")
+                .env_remove("CUDA_PATH")
+                .env_remove("CUDA_ROOT")
+                .output()
+                .unwrap();
+            let (stdout, stderr) = (
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr),
+            );
+            assert!(out.status.success(), "{stdout}\n{stderr}");
+            assert!(stdout.contains("1 passed"), "{stdout}\n{stderr}");
+            say(stderr.trim_end());
             return;
         }
         Err(e) => e,
@@ -479,8 +515,12 @@ fn a_missing_nccl_library_is_an_error_not_a_panic() {
     let ne = NcclError::find(&e).unwrap_or_else(|| panic!("not an NcclError: {e}"));
     match &ne.failure {
         NcclFailure::Missing { tried } => {
-            assert!(tried.iter().any(|t| t == "libnccl.so"), "{tried:?}");
-            assert!(e.to_string().contains("libnccl.so"), "{e}");
+            assert_eq!(tried, &["libnccl.so.2", "libnccl.so"], "{e}");
+            assert!(
+                e.to_string().contains("pip install nvidia-nccl-cu13"),
+                "{e}"
+            );
+            say(&format!("{test}: {e}"));
         }
         NcclFailure::Unsupported { msg } => say(&format!("{test}: NCCL unusable: {msg}")),
         other => panic!("unexpected failure {other:?}"),

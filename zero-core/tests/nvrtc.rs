@@ -3,9 +3,11 @@
 //! points it lists; the PTX has no approximate or flush-to-zero
 //! arithmetic. Needs only libnvrtc, no GPU.
 //!
-//! Run here with
-//! `LD_LIBRARY_PATH=<site-packages>/nvidia/cuda_nvrtc/lib ZERO_REQUIRE_NVRTC=1
-//! cargo test -p zero-core --features cuda --test nvrtc`. Without the
+//! Run here with `ZERO_REQUIRE_NVRTC=1 cargo test -p zero-core --features
+//! cuda --test nvrtc`: zero finds NVRTC 12 or 13 where it is installed
+//! (PyTorch's wheels, a toolkit), or put the folder of the one to test first
+//! on `LD_LIBRARY_PATH` (`scripts/test-cuda.sh` runs this with 12.8 and
+//! 13.0; `ZERO_NVRTC_VERSION=13.0` checks which one compiled). Without the
 //! library the tests print a skip line, or fail when `ZERO_REQUIRE_NVRTC=1`.
 #![cfg(feature = "cuda")]
 

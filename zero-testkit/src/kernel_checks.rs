@@ -17,7 +17,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use zero_core::cuda::kernels::{compile, nvrtc_available, CompiledSource, KernelSource};
+use zero_core::cuda::kernels::{
+    compile, nvrtc_available, nvrtc_library, CompiledSource, KernelSource,
+};
 use zero_core::{CudaDevice, Device};
 
 /// Flags the kernels' contract is checked under: no contraction of `a*b+c`
@@ -131,23 +133,39 @@ pub fn cuda_device_or_skip(test: &str) -> Option<CudaDevice> {
 }
 
 /// Whether NVRTC is there; otherwise a visible skip, or a failure with
-/// the install instructions when `ZERO_REQUIRE_NVRTC=1`.
+/// the install instructions when `ZERO_REQUIRE_NVRTC=1`. With
+/// `ZERO_NVRTC_VERSION=13.0` (say), the NVRTC zero opened must be that
+/// version: how `scripts/test-cuda.sh` proves which NVRTC compiled the
+/// kernels. The file zero opened is printed once.
 pub fn nvrtc_or_skip(test: &str) -> bool {
     if nvrtc_available() {
+        let (version, what) = nvrtc_library().expect("NVRTC is available");
+        if let Ok(want) = std::env::var("ZERO_NVRTC_VERSION") {
+            assert_eq!(
+                format!("{}.{}", version.major, version.minor),
+                want,
+                "{test}: ZERO_NVRTC_VERSION={want}, but zero opened {what}"
+            );
+        }
+        static SHOWN: std::sync::Once = std::sync::Once::new();
+        SHOWN.call_once(|| {
+            let _ = writeln!(std::io::stderr(), "{test}: compiling with {what}");
+        });
         return true;
     }
     assert!(
         std::env::var("ZERO_REQUIRE_NVRTC").map_or(true, |v| v != "1"),
         "ZERO_REQUIRE_NVRTC=1 but libnvrtc cannot be loaded: install it with \
-         `pip install nvidia-cuda-nvrtc-cu12==12.8.93` and run with \
-         LD_LIBRARY_PATH=<site-packages>/nvidia/cuda_nvrtc/lib \
-         (scripts/test-cuda.sh does both)"
+         `pip install nvidia-cuda-nvrtc` (CUDA 13) or `nvidia-cuda-nvrtc-cu12` (CUDA 12) \
+         (scripts/test-cuda.sh installs both) and put its folder on LD_LIBRARY_PATH, or \
+         install the CUDA toolkit"
     );
     // Straight to stderr: libtest hides `eprintln!` output of passing
     // tests.
     let _ = writeln!(
         std::io::stderr(),
-        "{test}: skipped: libnvrtc not found (set LD_LIBRARY_PATH to its directory)"
+        "{test}: skipped: libnvrtc.so.13/.12 not found (install it, or put its folder on \
+         LD_LIBRARY_PATH)"
     );
     false
 }

@@ -7,10 +7,12 @@
 //! whose CUDA implementations are built on `ex2.approx`/`lg2.approx`, so
 //! the PTX is not checked for approximate instructions.
 //!
-//! Run with `LD_LIBRARY_PATH=<site-packages>/nvidia/cuda_nvrtc/lib
-//! ZERO_REQUIRE_NVRTC=1 cargo test -p zero-llama --features cuda --test nvrtc`.
-//! Without the library the tests print a skip line, or fail when
-//! `ZERO_REQUIRE_NVRTC=1`.
+//! Run with `ZERO_REQUIRE_NVRTC=1 cargo test -p zero-llama --features cuda
+//! --test nvrtc`: zero finds NVRTC 12 or 13 where it is installed (PyTorch's
+//! wheels, a toolkit), or put the folder of the one to test first on
+//! `LD_LIBRARY_PATH` (`scripts/test-cuda.sh` runs this with 12.8 and 13.0;
+//! `ZERO_NVRTC_VERSION=13.0` checks which one compiled). Without the library
+//! the tests print a skip line, or fail when `ZERO_REQUIRE_NVRTC=1`.
 #![cfg(feature = "cuda")]
 
 use llama::cuda::LLAMA_SOURCES;

@@ -22,7 +22,8 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DriverError};
 use cudarc::nccl::sys;
 use zero_core::CudaDevice;
 
-use super::{ffi, NcclError, NcclFailure, NcclId};
+use super::ffi::{self, api};
+use super::{NcclError, NcclFailure, NcclId};
 use crate::{CommOptions, Communicator, Error, Result};
 
 /// Why a wait expired, for [`Error::Timeout`]'s `phase`.
@@ -172,7 +173,7 @@ impl NcclComm {
         // config; the rank and size were checked; this device's context is
         // current, which is the device NCCL binds the communicator to.
         let r = unsafe {
-            sys::ncclCommInitRankConfig(&mut raw, n, ffi::sys_id(id.as_bytes()), r, &mut config)
+            api::ncclCommInitRankConfig(&mut raw, n, ffi::sys_id(id.as_bytes()), r, &mut config)
         };
         let started = Instant::now();
         {
@@ -344,7 +345,7 @@ impl NcclComm {
             // abort is allowed on a communicator in any state, initializing
             // and in-progress included. Its result is ignored: the handle
             // is gone either way.
-            let _ = unsafe { sys::ncclCommAbort(raw) };
+            let _ = unsafe { api::ncclCommAbort(raw) };
         }
     }
 
@@ -391,7 +392,7 @@ impl NcclComm {
         let mut state = sys::ncclResult_t::ncclInProgress;
         // SAFETY: `raw` is live (not null, not aborted) and we hold the
         // lock; NCCL writes one result through the valid pointer.
-        let r = unsafe { sys::ncclCommGetAsyncError(st.raw, &mut state) };
+        let r = unsafe { api::ncclCommGetAsyncError(st.raw, &mut state) };
         let failure = if r != sys::ncclResult_t::ncclSuccess {
             call_failure_of(st, "ncclCommGetAsyncError", r)
         } else {
@@ -508,14 +509,14 @@ impl Drop for NcclComm {
         // cannot report them, and an abort ends the handle in any case.
         let abort = |raw| {
             // SAFETY: see above.
-            let _ = unsafe { sys::ncclCommAbort(raw) };
+            let _ = unsafe { api::ncclCommAbort(raw) };
         };
         if failed {
             abort(raw);
             return;
         }
         // SAFETY: see above.
-        let r = unsafe { sys::ncclCommFinalize(raw) };
+        let r = unsafe { api::ncclCommFinalize(raw) };
         if r != sys::ncclResult_t::ncclSuccess && r != sys::ncclResult_t::ncclInProgress {
             abort(raw);
             return;
@@ -525,7 +526,7 @@ impl Drop for NcclComm {
         loop {
             let mut state = sys::ncclResult_t::ncclInProgress;
             // SAFETY: see above.
-            let r = unsafe { sys::ncclCommGetAsyncError(raw, &mut state) };
+            let r = unsafe { api::ncclCommGetAsyncError(raw, &mut state) };
             if r != sys::ncclResult_t::ncclSuccess
                 || (state != sys::ncclResult_t::ncclSuccess
                     && state != sys::ncclResult_t::ncclInProgress)
@@ -540,7 +541,7 @@ impl Drop for NcclComm {
             backoff(&mut polls, started);
         }
         // SAFETY: see above; finalized, so destroy only frees.
-        let _ = unsafe { sys::ncclCommDestroy(raw) };
+        let _ = unsafe { api::ncclCommDestroy(raw) };
     }
 }
 

@@ -18,6 +18,11 @@ pub fn version() -> Result<i32> {
     not_compiled()
 }
 
+/// The NCCL library zero opened: none in this build.
+pub fn opened() -> Option<String> {
+    None
+}
+
 /// One rank of an NCCL communicator. This build has no `cuda` feature: no
 /// value of this type can exist.
 pub struct NcclComm {

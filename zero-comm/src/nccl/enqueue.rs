@@ -18,7 +18,7 @@ use std::ffi::c_void;
 use cudarc::nccl::sys;
 
 use super::check::{Coll, Plan};
-use super::ffi;
+use super::ffi::{self, api};
 use crate::ReduceOp;
 
 /// One checked collective, with device addresses, ready to enqueue.
@@ -56,10 +56,10 @@ pub(crate) fn grouped(
 ) -> std::result::Result<(), CallError> {
     // SAFETY: ncclGroupStart takes no arguments and opens a group on this
     // thread; the library and symbol are present (a communicator exists).
-    ok_or("ncclGroupStart", unsafe { sys::ncclGroupStart() })?;
+    ok_or("ncclGroupStart", unsafe { api::ncclGroupStart() })?;
     let r = enqueue();
     // SAFETY: closes the group opened above, on the same thread.
-    let end = ok_or("ncclGroupEnd", unsafe { sys::ncclGroupEnd() });
+    let end = ok_or("ncclGroupEnd", unsafe { api::ncclGroupEnd() });
     r.and(end)
 }
 
@@ -84,15 +84,15 @@ pub(crate) unsafe fn enqueue(
         match l.plan.coll {
             Coll::AllReduce => ok_or(
                 "ncclAllReduce",
-                sys::ncclAllReduce(send, recv, n, dt, op, raw, stream),
+                api::ncclAllReduce(send, recv, n, dt, op, raw, stream),
             ),
             Coll::ReduceScatter => ok_or(
                 "ncclReduceScatter",
-                sys::ncclReduceScatter(send, recv, n, dt, op, raw, stream),
+                api::ncclReduceScatter(send, recv, n, dt, op, raw, stream),
             ),
             Coll::AllGather => ok_or(
                 "ncclAllGather",
-                sys::ncclAllGather(send, recv, n, dt, raw, stream),
+                api::ncclAllGather(send, recv, n, dt, raw, stream),
             ),
         }
     }

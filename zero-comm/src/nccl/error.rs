@@ -22,10 +22,10 @@ pub struct NcclError {
 /// The kinds of [`NcclError`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NcclFailure {
-    /// The NCCL library could not be loaded: none of the names cudarc
-    /// tries was found on the loader path.
+    /// The NCCL library could not be loaded: no file of it was found
+    /// where zero looks (`zero_core::cuda::libs::candidates`).
     Missing {
-        /// The file names that were tried.
+        /// The file names looked for.
         tried: Vec<String>,
     },
     /// The library was loaded but cannot be used: too old, or a symbol
@@ -63,9 +63,12 @@ impl fmt::Display for NcclError {
         match &self.failure {
             NcclFailure::Missing { tried } => write!(
                 f,
-                "the NCCL library could not be loaded (tried {}); collectives on device \
-                 buffers need it: install NCCL and make `libnccl.so` resolvable (cudarc does \
-                 not look for `libnccl.so.2`: add a `libnccl.so` link on LD_LIBRARY_PATH)",
+                "the NCCL library was not found (zero looks for {} already loaded, on \
+                 LD_LIBRARY_PATH, through the system loader, in PyTorch's \
+                 site-packages/nvidia/nccl/lib, in $CUDA_HOME and /usr/local/cuda*); \
+                 collectives on device buffers need it: install it with `pip install \
+                 nvidia-nccl-cu13` or `pip install nvidia-nccl-cu12`, or your distribution's \
+                 libnccl2 package",
                 tried.join(", ")
             ),
             NcclFailure::Unsupported { msg } => f.write_str(msg),
@@ -123,12 +126,19 @@ mod tests {
             rank: None,
             op: "load",
             failure: NcclFailure::Missing {
-                tried: vec!["libnccl.so".into()],
+                tried: vec!["libnccl.so.2".into(), "libnccl.so".into()],
             },
         };
         let msg = missing.to_string();
-        assert!(msg.starts_with("nccl: load: the NCCL library"), "{msg}");
-        assert!(msg.contains("libnccl.so.2"), "{msg}");
+        assert!(
+            msg.starts_with(
+                "nccl: load: the NCCL library was not found (zero looks for libnccl.so.2, \
+                 libnccl.so already loaded, on LD_LIBRARY_PATH"
+            ),
+            "{msg}"
+        );
+        assert!(msg.contains("pip install nvidia-nccl-cu13"), "{msg}");
+        assert!(!msg.contains("link"), "{msg}");
 
         let wrapped: crate::Error = e.clone().into();
         assert_eq!(NcclError::find(&wrapped), Some(&e));

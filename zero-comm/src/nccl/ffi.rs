@@ -1,16 +1,28 @@
-//! NCCL as the backend calls it, on top of cudarc's `nccl::sys` layer:
-//! loading without panics, the version, the non-blocking config, type and
-//! operator mapping, and results turned into [`NcclError`]s.
+//! NCCL as the backend calls it: loading without panics, the version, the
+//! non-blocking config, type and operator mapping, and results turned into
+//! [`NcclError`]s.
+//!
+//! The library is the one `zero_core::cuda::libs` opens (`libnccl.so.2` or
+//! `libnccl.so`, from `LD_LIBRARY_PATH`, the system loader, PyTorch's
+//! `nvidia/nccl/lib` wheel folder, `$CUDA_HOME` or `/usr/local/cuda*`);
+//! its functions are called through [`api`], a table filled from that file
+//! when it is loaded, so that a missing one is an error naming it. cudarc's
+//! `nccl::sys` supplies the types only: its loader opens `libnccl.so` (and
+//! CUDA 12's names) but never NCCL's own `libnccl.so.2`.
 //!
 //! cudarc's safe `nccl::Comm` is not used: it initializes in blocking mode
 //! (a missing rank hangs `ncclCommInitRank` forever) and panics in `Drop`
 //! when `ncclCommAbort` fails.
 
-use std::ffi::CStr;
+use std::ffi::{c_char, c_int, c_void, CStr};
 use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
-use cudarc::nccl::sys;
+use cudarc::nccl::sys::{
+    self, cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t,
+    ncclUniqueId,
+};
+use zero_core::cuda::libs::{LibError, Library};
 use zero_core::cuda::version::NCCL_MIN_VERSION;
 use zero_core::DType;
 
@@ -18,25 +30,104 @@ use super::check::{version_string, version_supported};
 use super::{NcclError, NcclFailure};
 use crate::ReduceOp;
 
-/// Every NCCL function the backend calls. cudarc resolves a symbol on its
-/// first call and panics when it is missing, so all are looked up once,
-/// up front.
-const SYMBOLS: [&str; 14] = [
-    "ncclGetVersion",
-    "ncclGetUniqueId",
-    "ncclGetErrorString",
-    "ncclGetLastError",
-    "ncclCommInitRankConfig",
-    "ncclCommGetAsyncError",
-    "ncclCommAbort",
-    "ncclCommFinalize",
-    "ncclCommDestroy",
-    "ncclGroupStart",
-    "ncclGroupEnd",
-    "ncclAllReduce",
-    "ncclReduceScatter",
-    "ncclAllGather",
-];
+/// Declares the NCCL functions the backend calls: the table's fields, the
+/// list of symbols checked when it is filled, and in [`api`] one function
+/// per entry, named and typed as NCCL's.
+macro_rules! nccl_functions {
+    ($( fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty, else $none:expr; )*) => {
+        /// The NCCL functions the backend calls, from the loaded library.
+        #[allow(non_snake_case)]
+        struct Api {
+            $( $name: unsafe extern "C" fn($($ty),*) -> $ret, )*
+        }
+
+        /// Every function of [`Api`], checked together so that the error
+        /// names all that are missing.
+        const SYMBOLS: &[&str] = &[$(stringify!($name)),*];
+
+        /// The table, from `lib` (every symbol checked first).
+        fn fill(lib: &Library) -> Result<Api, LibError> {
+            lib.check_symbols(SYMBOLS)?;
+            // SAFETY: each field's type is the C declaration of its
+            // function in nccl.h (the declarations cudarc's bindings
+            // `nccl-02030` are generated from; unchanged since 2.14).
+            unsafe { Ok(Api { $( $name: lib.get(stringify!($name))?, )* }) }
+        }
+
+        /// NCCL's functions, called through the table filled from the
+        /// library zero opened. Only reached after [`library`] succeeded
+        /// (every path checks it first); before that, each returns an
+        /// error result (or null) instead of calling anything.
+        // ncclGetVersion is called through the table while it is loaded,
+        // so its wrapper is unused.
+        #[allow(non_snake_case, dead_code)]
+        pub(crate) mod api {
+            use super::*;
+            $(
+                #[doc = concat!("`", stringify!($name), "`.")]
+                ///
+                /// # Safety
+                /// NCCL's contract for this function (see nccl.h).
+                pub(crate) unsafe fn $name($($arg: $ty),*) -> $ret {
+                    match super::table() {
+                        // SAFETY: the caller keeps NCCL's contract.
+                        Some(t) => unsafe { (t.$name)($($arg),*) },
+                        None => $none,
+                    }
+                }
+            )*
+        }
+    };
+}
+
+const NOT_LOADED: ncclResult_t = ncclResult_t::ncclInvalidUsage;
+
+nccl_functions! {
+    fn ncclGetVersion(version: *mut c_int) -> ncclResult_t, else NOT_LOADED;
+    fn ncclGetUniqueId(id: *mut ncclUniqueId) -> ncclResult_t, else NOT_LOADED;
+    fn ncclGetErrorString(result: ncclResult_t) -> *const c_char, else std::ptr::null();
+    fn ncclGetLastError(comm: ncclComm_t) -> *const c_char, else std::ptr::null();
+    fn ncclCommInitRankConfig(
+        comm: *mut ncclComm_t,
+        nranks: c_int,
+        id: ncclUniqueId,
+        rank: c_int,
+        config: *mut ncclConfig_t
+    ) -> ncclResult_t, else NOT_LOADED;
+    fn ncclCommGetAsyncError(comm: ncclComm_t, state: *mut ncclResult_t) -> ncclResult_t,
+        else NOT_LOADED;
+    fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t, else NOT_LOADED;
+    fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult_t, else NOT_LOADED;
+    fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t, else NOT_LOADED;
+    fn ncclGroupStart() -> ncclResult_t, else NOT_LOADED;
+    fn ncclGroupEnd() -> ncclResult_t, else NOT_LOADED;
+    fn ncclAllReduce(
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: ncclDataType_t,
+        op: ncclRedOp_t,
+        comm: ncclComm_t,
+        stream: cudaStream_t
+    ) -> ncclResult_t, else NOT_LOADED;
+    fn ncclReduceScatter(
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: ncclDataType_t,
+        op: ncclRedOp_t,
+        comm: ncclComm_t,
+        stream: cudaStream_t
+    ) -> ncclResult_t, else NOT_LOADED;
+    fn ncclAllGather(
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: ncclDataType_t,
+        comm: ncclComm_t,
+        stream: cudaStream_t
+    ) -> ncclResult_t, else NOT_LOADED;
+}
 
 /// The `ncclConfig_t` layout of cudarc's bindings (`nccl-02030`): NCCL
 /// copies `min(size, its own size)` bytes and ignores fields newer than
@@ -45,17 +136,24 @@ const CONFIG_VERSION: u32 = 23_000;
 const CONFIG_MAGIC: u32 = 0xcafe_beef;
 const UNDEF_INT: i32 = i32::MIN;
 
-static LOADED: OnceLock<Result<i32, NcclFailure>> = OnceLock::new();
+/// The loaded library's table and version code, once per process.
+static LOADED: OnceLock<Result<(Api, i32), NcclFailure>> = OnceLock::new();
+
+/// The table, once the library loaded and checked.
+fn table() -> Option<&'static Api> {
+    LOADED.get()?.as_ref().ok().map(|(api, _)| api)
+}
 
 /// Loads NCCL (once) and checks its version and symbols; its version code.
 pub(crate) fn library() -> Result<i32, NcclError> {
     LOADED
         .get_or_init(load)
-        .clone()
+        .as_ref()
+        .map(|(_, v)| *v)
         .map_err(|failure| NcclError {
             rank: None,
             op: "load",
-            failure,
+            failure: failure.clone(),
         })
 }
 
@@ -68,13 +166,19 @@ pub fn version() -> crate::Result<i32> {
     library().map_err(Into::into)
 }
 
-fn load() -> Result<i32, NcclFailure> {
-    // cudarc's search, run first (the same names in the same order), so
-    // that culib() below finds a library instead of panicking; a copy in
-    // the usual places that cudarc does not open is named in the error.
-    use zero_core::cuda::libs::{require, Lib, LibError};
-    match require(Lib::Nccl) {
-        Ok(_) => {}
+/// The file zero opened for NCCL and where it was found, for messages
+/// (`NCCL 2.28.5 at /x/nvidia/nccl/lib/libnccl.so.2 (from a PyTorch wheel
+/// folder)`); `None` when it is not loaded.
+pub fn opened() -> Option<String> {
+    library().ok()?;
+    let found = zero_core::cuda::libs::require(zero_core::cuda::libs::Lib::Nccl).ok()?;
+    Some(format!("{found} ({})", found.place))
+}
+
+fn load() -> Result<(Api, i32), NcclFailure> {
+    use zero_core::cuda::libs::{load, Lib};
+    let lib = match load(Lib::Nccl) {
+        Ok(lib) => lib,
         Err(LibError::Missing {
             tried,
             broken,
@@ -84,45 +188,38 @@ fn load() -> Result<i32, NcclFailure> {
             return Err(NcclFailure::Missing { tried })
         }
         Err(e) => return Err(NcclFailure::Unsupported { msg: e.to_string() }),
-    }
-    // SAFETY: require() just opened the library under the first of the
-    // names culib() tries that opens, so culib() loads it instead of
-    // panicking.
-    let lib = unsafe { sys::culib() };
-    let missing: Vec<&str> = SYMBOLS
-        .iter()
-        .copied()
-        // SAFETY: looking a symbol up calls nothing; the returned pointer
-        // is only tested for presence, never used.
-        .filter(|name| unsafe { lib.get::<*const ()>(name.as_bytes()) }.is_err())
-        .collect();
-    if !missing.is_empty() {
-        return Err(NcclFailure::Unsupported {
-            msg: format!(
-                "the NCCL library lacks {}: NCCL {} or later is needed",
-                missing.join(", "),
-                NCCL_MIN_VERSION
-            ),
+    };
+    let api = fill(lib).map_err(|e| NcclFailure::Unsupported {
+        msg: format!("{e} (NCCL {NCCL_MIN_VERSION} or later is needed)"),
+    })?;
+    let mut v: c_int = 0;
+    // SAFETY: ncclGetVersion writes one int through a valid pointer.
+    let r = unsafe { (api.ncclGetVersion)(&mut v) };
+    if r != ncclResult_t::ncclSuccess {
+        // SAFETY: both symbols are in the table; NCCL returns static or
+        // thread-local NUL-terminated strings (or null), read at once.
+        let detail = unsafe { c_str((api.ncclGetErrorString)(r)) };
+        return Err(NcclFailure::Call {
+            call: "ncclGetVersion",
+            code: format!("{r:?}"),
+            detail,
         });
-    }
-    let mut v: std::ffi::c_int = 0;
-    // SAFETY: ncclGetVersion is present (checked above) and writes one int
-    // through a valid pointer.
-    let r = unsafe { sys::ncclGetVersion(&mut v) };
-    if r != sys::ncclResult_t::ncclSuccess {
-        return Err(call_failure("ncclGetVersion", r, std::ptr::null_mut()));
     }
     if !version_supported(v) {
         return Err(NcclFailure::Unsupported {
             msg: format!(
-                "NCCL {} is too old: the backend needs {} or later (non-blocking \
+                "NCCL {} ({}) is too old: the backend needs {} or later (non-blocking \
                  communicators)",
                 version_string(v),
+                lib.found().path.as_ref().map_or_else(
+                    || lib.found().opened_as.clone(),
+                    |p| p.display().to_string()
+                ),
                 NCCL_MIN_VERSION
             ),
         });
     }
-    Ok(v)
+    Ok((api, v))
 }
 
 /// Bytes of an NCCL unique id (`NCCL_UNIQUE_ID_BYTES`).
@@ -134,7 +231,7 @@ pub(crate) fn unique_id() -> Result<[u8; ID_BYTES], NcclError> {
     let mut id = MaybeUninit::<sys::ncclUniqueId>::uninit();
     // SAFETY: the library and symbol are present (library()); NCCL writes
     // the 128 bytes of the id through the valid pointer.
-    let r = unsafe { sys::ncclGetUniqueId(id.as_mut_ptr()) };
+    let r = unsafe { api::ncclGetUniqueId(id.as_mut_ptr()) };
     if r != sys::ncclResult_t::ncclSuccess {
         return Err(NcclError {
             rank: None,
@@ -213,8 +310,8 @@ pub(crate) fn call_failure(
     // or thread-local NUL-terminated strings (or null), read at once.
     let (what, last) = unsafe {
         (
-            c_str(sys::ncclGetErrorString(r)),
-            c_str(sys::ncclGetLastError(comm)),
+            c_str(api::ncclGetErrorString(r)),
+            c_str(api::ncclGetLastError(comm)),
         )
     };
     let detail = match (what.is_empty(), last.is_empty()) {
@@ -231,7 +328,7 @@ pub(crate) fn call_failure(
 
 /// # Safety
 /// `p` is null or points to a NUL-terminated string valid for the call.
-unsafe fn c_str(p: *const std::ffi::c_char) -> String {
+unsafe fn c_str(p: *const c_char) -> String {
     if p.is_null() {
         return String::new();
     }

@@ -148,11 +148,11 @@ pub use batch::NcclBatch;
 #[cfg(feature = "cuda")]
 pub use comm::NcclComm;
 #[cfg(feature = "cuda")]
-pub use ffi::version;
+pub use ffi::{opened, version};
 #[cfg(feature = "cuda")]
 pub use group::NcclGroup;
 #[cfg(feature = "cuda")]
 pub use work::NcclWork;
 
 #[cfg(not(feature = "cuda"))]
-pub use dummy::{version, NcclComm, NcclGroup};
+pub use dummy::{opened, version, NcclComm, NcclGroup};

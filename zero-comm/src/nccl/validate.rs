@@ -18,6 +18,7 @@ use cudarc::nccl::sys;
 use super::comm::{call_failure_of, NcclComm, State};
 use super::describe::{compare, words, WORDS};
 use super::enqueue::{grouped, ok_or, Launch};
+use super::ffi::api;
 use crate::{Error, Result};
 
 /// Exchanges the descriptors of `ops` and compares them (under the
@@ -77,7 +78,7 @@ fn run(
             // and the in-place send pointer is this rank's row inside it;
             // the stream is this communicator's.
             let r = unsafe {
-                sys::ncclAllGather(
+                api::ncclAllGather(
                     own as *const std::ffi::c_void,
                     base as *mut std::ffi::c_void,
                     WORDS,

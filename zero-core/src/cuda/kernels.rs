@@ -232,15 +232,15 @@ pub fn sumsq_entry_point(dtype: DType) -> &'static str {
 }
 
 /// Install hint for a missing NVRTC library.
-const NVRTC_HINT: &str = "install it with `pip install nvidia-cuda-nvrtc-cu12==12.8.93` and add \
-     <site-packages>/nvidia/cuda_nvrtc/lib to LD_LIBRARY_PATH (or install the CUDA toolkit)";
+const NVRTC_HINT: &str = "install it with `pip install nvidia-cuda-nvrtc` (CUDA 13) or \
+     `pip install nvidia-cuda-nvrtc-cu12` (CUDA 12), or install the CUDA toolkit";
 
 /// Why a kernel source could not be compiled; carried by
 /// [`Error::Cuda`](crate::Error::Cuda).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum KernelError {
-    /// The NVRTC library (`libnvrtc.so`) cannot be loaded.
+    /// The NVRTC library (`libnvrtc.so.13`/`.12`) cannot be loaded.
     NvrtcNotFound,
     /// NVRTC failed on a source.
     Compile {
@@ -269,7 +269,7 @@ impl std::fmt::Display for KernelError {
             KernelError::NvrtcNotFound => {
                 write!(
                     f,
-                    "the NVRTC library (libnvrtc.so) was not found: {NVRTC_HINT}"
+                    "the NVRTC library (libnvrtc.so.13 or .12) was not found: {NVRTC_HINT}"
                 )
             }
             KernelError::Compile {
@@ -338,6 +338,11 @@ mod imp {
         false
     }
 
+    /// The NVRTC zero uses: none in a build without `cuda`.
+    pub fn nvrtc_library() -> Option<(crate::cuda::version::Version, String)> {
+        None
+    }
+
     /// [`Error::NotCompiledWith`]`("cuda")` in this build.
     pub fn compile(_source: &KernelSource, _arch: &str) -> Result<CompiledSource> {
         Err(Error::NotCompiledWith("cuda"))
@@ -354,7 +359,7 @@ mod imp {
         sys::CUdevice_attribute, CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr,
         DevicePtrMut, DeviceRepr, DriverError, LaunchConfig, PushKernelArg,
     };
-    use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
+    use cudarc::nvrtc::{result::NvrtcError, sys as nvrtc_sys, Ptx};
 
     use super::{
         adamw_entry_point, check_arch, source, sumsq_entry_point, CompiledSource, KernelError,
@@ -363,13 +368,109 @@ mod imp {
     use crate::optim::{check_adamw_lengths, AdamWStep, NORM_CHUNK};
     use crate::{CudaDevice, DType, Element, Error, Result};
 
-    /// Whether the NVRTC library can be loaded and used (checked once per
-    /// process by [`libs::require`](crate::cuda::libs::require)).
-    ///
-    /// cudarc panics when an NVRTC function is called without the library,
-    /// so every path to NVRTC checks this first.
+    /// Whether the NVRTC library can be loaded and used: found by
+    /// [`libs::load`](crate::cuda::libs::load) (`libnvrtc.so.13` or `.12`,
+    /// wherever it is installed) with every function zero calls.
     pub fn nvrtc_available() -> bool {
-        crate::cuda::libs::require(crate::cuda::libs::Lib::Nvrtc).is_ok()
+        nvrtc().is_ok()
+    }
+
+    /// The NVRTC zero uses, when it can: its version, and the file and
+    /// where it was found (`NVRTC 13.0 at /x/libnvrtc.so.13 (from
+    /// LD_LIBRARY_PATH)`).
+    pub fn nvrtc_library() -> Option<(crate::cuda::version::Version, String)> {
+        nvrtc().ok()?;
+        let found = crate::cuda::libs::require(crate::cuda::libs::Lib::Nvrtc).ok()?;
+        Some((found.version, format!("{found} ({})", found.place)))
+    }
+
+    type Status = nvrtc_sys::nvrtcResult;
+    type Prog = nvrtc_sys::nvrtcProgram;
+
+    /// The NVRTC functions zero calls, from the library `libs` opened (not
+    /// through cudarc's loader, which opens only CUDA 12's names).
+    struct Nvrtc {
+        create_program: unsafe extern "C" fn(
+            *mut Prog,
+            *const c_char,
+            *const c_char,
+            c_int,
+            *const *const c_char,
+            *const *const c_char,
+        ) -> Status,
+        compile_program: unsafe extern "C" fn(Prog, c_int, *const *const c_char) -> Status,
+        destroy_program: unsafe extern "C" fn(*mut Prog) -> Status,
+        get_ptx_size: unsafe extern "C" fn(Prog, *mut usize) -> Status,
+        get_ptx: unsafe extern "C" fn(Prog, *mut c_char) -> Status,
+        get_cubin_size: unsafe extern "C" fn(Prog, *mut usize) -> Status,
+        get_cubin: unsafe extern "C" fn(Prog, *mut c_char) -> Status,
+        get_program_log_size: unsafe extern "C" fn(Prog, *mut usize) -> Status,
+        get_program_log: unsafe extern "C" fn(Prog, *mut c_char) -> Status,
+        get_num_supported_archs: unsafe extern "C" fn(*mut c_int) -> Status,
+        get_supported_archs: unsafe extern "C" fn(*mut c_int) -> Status,
+    }
+
+    /// Every function of [`Nvrtc`], checked together so that the error
+    /// names all that are missing.
+    const NVRTC_SYMBOLS: [&str; 11] = [
+        "nvrtcCreateProgram",
+        "nvrtcCompileProgram",
+        "nvrtcDestroyProgram",
+        "nvrtcGetPTXSize",
+        "nvrtcGetPTX",
+        "nvrtcGetCUBINSize",
+        "nvrtcGetCUBIN",
+        "nvrtcGetProgramLogSize",
+        "nvrtcGetProgramLog",
+        "nvrtcGetNumSupportedArchs",
+        "nvrtcGetSupportedArchs",
+    ];
+
+    /// The NVRTC table, filled once per process.
+    fn nvrtc() -> Result<&'static Nvrtc> {
+        use crate::cuda::libs::{load, Lib, LibError};
+        static API: OnceLock<std::result::Result<Nvrtc, LibError>> = OnceLock::new();
+        API.get_or_init(|| {
+            let lib = load(Lib::Nvrtc)?;
+            lib.check_symbols(&NVRTC_SYMBOLS)?;
+            // SAFETY: each field's type is the C declaration of its
+            // function in nvrtc.h (CUDA 12 and 13 declare them alike).
+            unsafe {
+                Ok(Nvrtc {
+                    create_program: lib.get("nvrtcCreateProgram")?,
+                    compile_program: lib.get("nvrtcCompileProgram")?,
+                    destroy_program: lib.get("nvrtcDestroyProgram")?,
+                    get_ptx_size: lib.get("nvrtcGetPTXSize")?,
+                    get_ptx: lib.get("nvrtcGetPTX")?,
+                    get_cubin_size: lib.get("nvrtcGetCUBINSize")?,
+                    get_cubin: lib.get("nvrtcGetCUBIN")?,
+                    get_program_log_size: lib.get("nvrtcGetProgramLogSize")?,
+                    get_program_log: lib.get("nvrtcGetProgramLog")?,
+                    get_num_supported_archs: lib.get("nvrtcGetNumSupportedArchs")?,
+                    get_supported_archs: lib.get("nvrtcGetSupportedArchs")?,
+                })
+            }
+        })
+        .as_ref()
+        .map_err(|e| e.clone().into())
+    }
+
+    /// A buffer NVRTC fills after reporting its size (log, PTX, CUBIN).
+    ///
+    /// # Safety
+    /// `prog` is a live program for which both calls are valid now.
+    unsafe fn fetch(
+        prog: Prog,
+        size: unsafe extern "C" fn(Prog, *mut usize) -> Status,
+        get: unsafe extern "C" fn(Prog, *mut c_char) -> Status,
+    ) -> std::result::Result<Vec<c_char>, NvrtcError> {
+        let mut n = 0usize;
+        // SAFETY: `prog` is live (caller); `n` is a valid out pointer.
+        unsafe { size(prog, &mut n) }.result()?;
+        let mut buf = vec![0 as c_char; n];
+        // SAFETY: `buf` has the `n` bytes NVRTC writes.
+        unsafe { get(prog, buf.as_mut_ptr()) }.result()?;
+        Ok(buf)
     }
 
     fn kernel_err(e: KernelError) -> Error {
@@ -401,14 +502,14 @@ mod imp {
     }
 
     /// An NVRTC program, destroyed on drop.
-    struct Program(nvrtc_sys::nvrtcProgram);
+    struct Program(Prog, &'static Nvrtc);
 
     impl Drop for Program {
         fn drop(&mut self) {
             // SAFETY: self.0 was created by nvrtcCreateProgram and is
             // destroyed only here. A failure cannot be reported from drop;
             // it leaks the program at worst.
-            let _ = unsafe { nvrtc::destroy_program(self.0) };
+            let _ = unsafe { (self.1.destroy_program)(&mut self.0) };
         }
     }
 
@@ -423,7 +524,7 @@ mod imp {
     /// the source's name and the log when NVRTC fails, `InvalidInput` for a
     /// malformed architecture. Never panics.
     pub fn compile(source: &KernelSource, arch: &str) -> Result<CompiledSource> {
-        crate::cuda::libs::require(crate::cuda::libs::Lib::Nvrtc)?;
+        let api = nvrtc()?;
         let name = source.name;
         check_arch(name, arch).map_err(kernel_err)?;
         let src = c_string(name, "the source", source.source)?;
@@ -437,7 +538,7 @@ mod imp {
         }
         let text_ptrs: Vec<*const c_char> = header_texts.iter().map(|c| c.as_ptr()).collect();
         let name_ptrs: Vec<*const c_char> = header_names.iter().map(|c| c.as_ptr()).collect();
-        let failed = |status: nvrtc::NvrtcError, log: String| {
+        let failed = |status: NvrtcError, log: String| {
             kernel_err(KernelError::Compile {
                 source_name: name,
                 arch: arch.to_string(),
@@ -452,7 +553,7 @@ mod imp {
         // above live until the end of this function, and NVRTC copies the
         // texts it keeps); the two arrays hold one entry per header each.
         unsafe {
-            nvrtc_sys::nvrtcCreateProgram(
+            (api.create_program)(
                 raw.as_mut_ptr(),
                 src.as_ptr(),
                 c_name.as_ptr(),
@@ -464,24 +565,39 @@ mod imp {
         .result()
         .map_err(|e| failed(e, String::new()))?;
         // SAFETY: nvrtcCreateProgram succeeded, so `raw` is initialized.
-        let prog = Program(unsafe { raw.assume_init() });
+        let prog = Program(unsafe { raw.assume_init() }, api);
 
-        let mut options: Vec<String> = COMPILE_OPTIONS.iter().map(|o| o.to_string()).collect();
-        options.push(format!("--gpu-architecture={arch}"));
+        let mut options: Vec<CString> = Vec::with_capacity(COMPILE_OPTIONS.len() + 1);
+        for o in COMPILE_OPTIONS
+            .iter()
+            .map(|o| o.to_string())
+            .chain([format!("--gpu-architecture={arch}")])
+        {
+            options.push(c_string(name, "an option", &o)?);
+        }
+        let option_ptrs: Vec<*const c_char> = options.iter().map(|c| c.as_ptr()).collect();
         // SAFETY: prog.0 is a live program (destroyed only by Program's
-        // drop); the options contain no NUL byte (fixed strings and an
-        // architecture checked above), so cudarc's CString::new cannot fail.
-        let compiled = unsafe { nvrtc::compile_program(prog.0, &options) };
+        // drop); the option pointers are NUL-terminated strings that
+        // outlive the call, as many as passed.
+        let compiled = unsafe {
+            (api.compile_program)(prog.0, option_ptrs.len() as c_int, option_ptrs.as_ptr())
+        }
+        .result();
         // SAFETY: prog.0 is a live program; the log exists after a
         // compilation whether or not it succeeded.
-        let log = unsafe { nvrtc::get_program_log(prog.0) }
+        let log = unsafe { fetch(prog.0, api.get_program_log_size, api.get_program_log) }
             .map(nvrtc_text)
             .unwrap_or_default();
         compiled.map_err(|e| failed(e, log.clone()))?;
         // SAFETY: prog.0 is a live program that compiled successfully.
-        let ptx = unsafe { nvrtc::get_ptx(prog.0) }.map_err(|e| failed(e, log.clone()))?;
+        let ptx = unsafe { fetch(prog.0, api.get_ptx_size, api.get_ptx) }
+            .map_err(|e| failed(e, log.clone()))?;
         let cubin = if arch.starts_with("sm_") {
-            Some(get_cubin(&prog).map_err(|e| failed(e, log.clone()))?)
+            // SAFETY: prog.0 is a live program compiled for a real
+            // architecture, which has a CUBIN.
+            let cubin = unsafe { fetch(prog.0, api.get_cubin_size, api.get_cubin) }
+                .map_err(|e| failed(e, log.clone()))?;
+            Some(cubin.into_iter().map(|b| b as u8).collect())
         } else {
             None
         };
@@ -494,29 +610,17 @@ mod imp {
         })
     }
 
-    /// The CUBIN of a program compiled for a real architecture (`sm_XY`).
-    fn get_cubin(prog: &Program) -> Result<Vec<u8>, nvrtc::NvrtcError> {
-        let mut size = 0usize;
-        // SAFETY: prog.0 is a live, successfully compiled program; `size`
-        // is a valid out pointer.
-        unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size) }.result()?;
-        let mut cubin = vec![0u8; size];
-        // SAFETY: `cubin` has the `size` bytes NVRTC writes.
-        unsafe { nvrtc_sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast()) }.result()?;
-        Ok(cubin)
-    }
-
     /// The architectures this NVRTC can compile for, as `major * 10 + minor`.
     fn supported_archs() -> Result<Vec<i32>> {
-        crate::cuda::libs::require(crate::cuda::libs::Lib::Nvrtc)?;
+        let api = nvrtc()?;
         let mut count: c_int = 0;
         // SAFETY: the library is loaded; `count` is a valid out pointer.
-        unsafe { nvrtc_sys::nvrtcGetNumSupportedArchs(&mut count) }
+        unsafe { (api.get_num_supported_archs)(&mut count) }
             .result()
             .map_err(|e| Error::Cuda(Box::new(e)))?;
         let mut archs = vec![0 as c_int; count.max(0) as usize];
         // SAFETY: `archs` has room for the `count` entries NVRTC writes.
-        unsafe { nvrtc_sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }
+        unsafe { (api.get_supported_archs)(archs.as_mut_ptr()) }
             .result()
             .map_err(|e| Error::Cuda(Box::new(e)))?;
         Ok(archs)

@@ -1,37 +1,31 @@
-//! Finding the CUDA libraries (driver, NVRTC, cuBLAS, NCCL) without panics.
+//! Finding and opening the CUDA libraries (driver, NVRTC, cuBLAS, NCCL)
+//! as they are installed, CUDA 12 or 13, without panics.
 //!
-//! cudarc (built with `dynamic-loading`) opens each library on first use
-//! by trying a fixed list of file names with `dlopen`, in order, and
-//! panics when none opens; it also panics on the first call of a symbol
-//! the library lacks. The names come from
-//! [`cudarc::get_lib_name_candidates`]: for this build (cudarc's
-//! `cuda-12080`) `libnvrtc.so`, `libnvrtc64*.so` variants,
-//! `libnvrtc.so.12`, `.11`, `.10`, `.9` and `.1`, looked up on the
-//! loader's path only (`LD_LIBRARY_PATH`, the `ld.so` cache, `/usr/lib`).
-//! Two consequences that users hit:
+//! cudarc (built with `dynamic-loading`) opens each library on first use by
+//! trying a fixed list of bare file names with `dlopen` and panics when none
+//! opens. The names come from [`cudarc::get_lib_name_candidates`]: for this
+//! build (cudarc's `cuda-12080`) `libnvrtc.so`, `libnvrtc64*.so` variants,
+//! `libnvrtc.so.12`, `.11`, `.10`, `.9` and `.1`. CUDA 13's libraries
+//! (`libnvrtc.so.13`, `libcublas.so.13`, as in PyTorch's `nvidia/cu13/lib`
+//! wheels) and NCCL's own `libnccl.so.2` are never among them, and a bare
+//! name is looked up only on the loader's path, which is fixed when the
+//! process starts. So zero opens NVRTC, cuBLAS and NCCL itself ([`load`]):
+//! it finds the file ([`candidates`]: already loaded, `LD_LIBRARY_PATH`,
+//! the system loader, PyTorch's wheel folders, `$CUDA_HOME`,
+//! `/usr/local/cuda*`), opens it by path, checks its version, and calls it
+//! through function tables of its own (`kernels`, [`cublas`](super::cublas),
+//! zero-comm's NCCL layer) that are filled from the opened library, so a
+//! missing symbol is an error, never a panic. cudarc's types and enums are
+//! still used; its loaders for these three libraries are never called.
 //!
-//! - CUDA 13 libraries (`libnvrtc.so.13`, `libcublas.so.13`, as in
-//!   PyTorch's `nvidia/cu13/lib` wheels) load only through an unversioned
-//!   `libnvrtc.so` / `libcublas.so` link (a CUDA toolkit's `lib64` has one;
-//!   the wheels do not);
-//! - NCCL loads only as `libnccl.so` (its `-dev` package's link): the
-//!   library's own `libnccl.so.2`, the only name PyTorch's `nvidia/nccl/lib`
-//!   ships, is not among the names.
-//!
-//! [`require`] runs cudarc's search itself, first: it opens the same names
-//! in the same order, checks that the library it would get has the symbols
-//! zero calls and is new enough, and returns a [`LibError`] naming the
-//! library and the version needed otherwise. When cudarc's names find
-//! nothing, it looks for the library under the CUDA 12 and 13 names in the
-//! usual places ([`search_dirs`]: `LD_LIBRARY_PATH`, `$CUDA_HOME`,
-//! `/usr/local/cuda*`, PyTorch's `nvidia/*/lib` wheels, the system
-//! library directories) and says in the error where it is and how to make
-//! it loadable. Every path into cudarc checks [`require`] first.
+//! The driver (`libcuda.so.1`, installed with the NVIDIA driver and among
+//! cudarc's names) stays with cudarc: [`require`] runs cudarc's search
+//! first and returns a [`LibError`] instead of cudarc's panic.
 //!
 //! [`survey`] reports everything found, for `zero doctor`.
 
 use std::collections::HashSet;
-use std::ffi::{c_char, c_int, c_void, CStr, CString, OsStr};
+use std::ffi::{c_char, c_int, c_void, CStr, CString, OsStr, OsString};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -85,9 +79,9 @@ impl Lib {
         }
     }
 
-    /// The symbols checked before the library is handed to cudarc: the
-    /// version query and what zero calls first (cudarc panics on a missing
-    /// one). zero-comm's NCCL layer checks its own longer list.
+    /// The symbols checked when the library is found: the version query
+    /// and what zero calls first. The function tables built on
+    /// [`Library::get`] check the rest when they are filled.
     pub const fn symbols(self) -> &'static [&'static str] {
         match self {
             Lib::Driver => &[
@@ -115,7 +109,8 @@ impl Lib {
         }
     }
 
-    /// The file names cudarc tries, in its order (duplicates removed).
+    /// The file names cudarc tries, in its order (duplicates removed). Only
+    /// the driver is opened this way.
     pub fn cudarc_names(self) -> Vec<String> {
         let mut seen = HashSet::new();
         self.stems()
@@ -127,8 +122,9 @@ impl Lib {
 
     /// The names the library is installed under by CUDA 12 and 13
     /// toolkits, drivers and PyTorch's wheels (the driver's `libcuda.so.1`,
-    /// `libnvrtc.so.12` and `.13`, `libcublas.so.12` and `.13`, NCCL's
-    /// `libnccl.so.2`), then the unversioned development link.
+    /// `libnvrtc.so.13` and `.12`, `libcublas.so.13` and `.12`, NCCL's
+    /// `libnccl.so.2`), then the unversioned development link: the names
+    /// zero opens NVRTC, cuBLAS and NCCL by, newest first.
     pub fn installed_names(self) -> Vec<String> {
         let versions: &[&str] = match self {
             Lib::Driver => &["1"],
@@ -143,8 +139,9 @@ impl Lib {
             .collect()
     }
 
-    /// Every name [`search_dirs`] are searched for: the installed names,
-    /// then cudarc's others.
+    /// Every name [`search_dirs`] are searched for in a survey: the
+    /// installed names, then cudarc's others (older CUDA's, so that a copy
+    /// too old to use is still reported).
     pub fn candidate_names(self) -> Vec<String> {
         let mut seen = HashSet::new();
         self.installed_names()
@@ -154,16 +151,75 @@ impl Lib {
             .collect()
     }
 
-    /// The link to create so that this build loads a copy it does not
-    /// find by itself: the first name cudarc tries.
+    /// The unversioned development name (`libnvrtc.so`), the first name
+    /// cudarc tries.
     pub fn link_name(self) -> String {
         format!("lib{}.so", self.stems()[0])
+    }
+
+    /// How to install the library, for messages.
+    const fn install_hint(self) -> &'static str {
+        match self {
+            Lib::Driver => "install the NVIDIA driver",
+            Lib::Nvrtc => {
+                "install it with `pip install nvidia-cuda-nvrtc` (CUDA 13) or \
+                 `pip install nvidia-cuda-nvrtc-cu12` (CUDA 12), or install the CUDA toolkit"
+            }
+            Lib::Cublas => {
+                "install it with `pip install nvidia-cublas` (CUDA 13) or \
+                 `pip install nvidia-cublas-cu12` (CUDA 12), or install the CUDA toolkit"
+            }
+            Lib::Nccl => {
+                "install it with `pip install nvidia-nccl-cu13` or `pip install \
+                 nvidia-nccl-cu12`, or your distribution's libnccl2 package"
+            }
+        }
     }
 }
 
 impl fmt::Display for Lib {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// Where a library was found, in the order zero searches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Place {
+    /// Already mapped into the process under one of the installed names
+    /// (loaded by another library, e.g. PyTorch's, before zero looked).
+    Loaded,
+    /// A directory on `LD_LIBRARY_PATH`, searched in order, each for the
+    /// names newest first.
+    LdLibraryPath,
+    /// The system loader's search by bare name: the `ld.so` cache and the
+    /// default directories (`/usr/lib`, ...).
+    Loader,
+    /// A folder of PyTorch's NVIDIA wheels: `site-packages/nvidia/*/lib`
+    /// (and `torch/lib`) of the active virtualenv or conda environment,
+    /// the user's, pyenv's and the system's Python.
+    Wheel,
+    /// `$CUDA_HOME` (or `$CUDA_PATH`, `$CUDA_ROOT`): `lib64`, `lib`,
+    /// `targets/<arch>-linux/lib`.
+    CudaHome,
+    /// `/usr/local/cuda`, then the versioned toolkits under `/usr/local`,
+    /// newest first.
+    Toolkit,
+    /// cudarc's own search by name (the driver).
+    Cudarc,
+}
+
+impl fmt::Display for Place {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Place::Loaded => "already loaded in the process",
+            Place::LdLibraryPath => "from LD_LIBRARY_PATH",
+            Place::Loader => "by the system loader",
+            Place::Wheel => "from a PyTorch wheel folder",
+            Place::CudaHome => "from CUDA_HOME",
+            Place::Toolkit => "from a CUDA toolkit under /usr/local",
+            Place::Cudarc => "by cudarc's search",
+        })
     }
 }
 
@@ -174,6 +230,8 @@ pub struct Found {
     pub lib: Lib,
     /// The name or path it was opened by.
     pub opened_as: String,
+    /// Where the search found it.
+    pub place: Place,
     /// The file the loader mapped, where it can tell.
     pub path: Option<PathBuf>,
     /// Its version (for the driver: the CUDA version it supports).
@@ -204,24 +262,24 @@ pub struct Unusable {
 /// the version zero needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LibError {
-    /// None of the names this build loads opened.
+    /// No file of the library was found.
     Missing {
         /// The library.
         lib: Lib,
-        /// The names tried (cudarc's list), in order.
+        /// The names looked for, in order.
         tried: Vec<String>,
         /// Names that exist on the loader path but failed to open.
         broken: Vec<Unusable>,
         /// Copies found in [`search_dirs`] under names or in directories
-        /// this build does not load from.
+        /// this build does not open.
         elsewhere: Vec<PathBuf>,
     },
-    /// The first name that opened (the library cudarc would use) lacks
-    /// symbols zero calls, or its version query failed.
+    /// The first copy found does not load, lacks symbols zero calls, or its
+    /// version query failed.
     Unusable {
         /// The library.
         lib: Lib,
-        /// What opened and what is wrong with it.
+        /// What was opened and what is wrong with it.
         what: Unusable,
         /// The file, where the loader can tell.
         path: Option<PathBuf>,
@@ -240,6 +298,10 @@ impl LibError {
     }
 }
 
+/// The places [`candidates`] searches, for messages.
+const SEARCHED: &str = "already loaded, on LD_LIBRARY_PATH, through the system loader, in \
+     PyTorch's site-packages/nvidia/*/lib wheel folders, in $CUDA_HOME and /usr/local/cuda*";
+
 impl fmt::Display for LibError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let lib = self.lib();
@@ -251,53 +313,62 @@ impl fmt::Display for LibError {
                 elsewhere,
                 ..
             } => {
-                write!(
-                    f,
-                    "{lib} ({needed} or later) could not be loaded: this build opens it only as \
-                     one of {} on the loader's path (LD_LIBRARY_PATH, the ld.so cache, /usr/lib)",
-                    summarize(tried)
-                )?;
+                if lib == Lib::Driver {
+                    write!(
+                        f,
+                        "{lib} ({needed} or later) could not be loaded: it is opened as one of \
+                         {} on the loader's path (LD_LIBRARY_PATH, the ld.so cache, /usr/lib)",
+                        summarize(tried)
+                    )?;
+                } else {
+                    write!(
+                        f,
+                        "{lib} ({needed} or later) was not found: zero looks for {} {SEARCHED}",
+                        tried.join(", ")
+                    )?;
+                }
                 for b in broken {
                     write!(f, "; {} exists but does not load: {}", b.name, b.reason)?;
                 }
-                if elsewhere.is_empty() {
-                    write!(f, "; no copy found in the usual places either")?;
-                }
-                let names = lib.cudarc_names();
                 for p in elsewhere {
                     let dir = p.parent().unwrap_or(Path::new("/")).display();
-                    if file_name(p).is_some_and(|n| names.contains(&n)) {
+                    if lib == Lib::Driver {
                         write!(
                             f,
                             "; found {}, in a directory the loader does not search: add {dir} \
                              to LD_LIBRARY_PATH",
                             p.display()
                         )?;
+                    } else if file_name(p).is_some_and(|n| tried.contains(&n)) {
+                        write!(
+                            f,
+                            "; found {}, in a directory zero does not search: add {dir} to \
+                             LD_LIBRARY_PATH",
+                            p.display()
+                        )?;
                     } else {
                         write!(
                             f,
-                            "; found {}, under a name this build does not open: \
-                             `ln -s {} {dir}/{}` and add {dir} to LD_LIBRARY_PATH (the \
-                             library's companions, such as NVRTC's builtins, are found \
-                             there too; without write access there, put the link in \
-                             another directory on LD_LIBRARY_PATH and keep {dir} on it)",
-                            p.display(),
-                            p.display(),
-                            lib.link_name()
+                            "; found {}, under a name zero does not open (not CUDA 12's or \
+                             13's)",
+                            p.display()
                         )?;
                     }
                 }
-                Ok(())
+                write!(f, "; {}", lib.install_hint())
             }
             LibError::Unusable { what, path, .. } => {
                 write!(f, "{lib} ({needed} or later) is unusable: {}", what.name)?;
-                if let Some(p) = path {
+                if let Some(p) = path
+                    .as_ref()
+                    .filter(|p| p.as_path() != Path::new(&what.name))
+                {
                     write!(f, " ({})", p.display())?;
                 }
                 write!(
                     f,
-                    " is the first name this build opens, and {}; remove it from the \
-                     loader's path or put a working {lib} before it",
+                    " is the first copy zero finds, and {}; remove it or put a working {lib} \
+                     before it ({SEARCHED}, in this order)",
                     what.reason
                 )
             }
@@ -333,16 +404,32 @@ impl From<LibError> for crate::Error {
 }
 
 /// A library opened with `dlopen`; never closed (CUDA libraries do not
-/// unload cleanly, and cudarc opens the same one again by name).
+/// unload cleanly, and function pointers into it live in static tables).
 struct Handle(*mut c_void);
+
+// SAFETY: a dlopen handle is a process-wide token that the loader
+// serializes itself; dlsym may be called with it from any thread.
+unsafe impl Send for Handle {}
+// SAFETY: as above; a Handle has no interior state of its own.
+unsafe impl Sync for Handle {}
 
 /// Opens `name` (a bare name searched on the loader's path, or a path) as
 /// libloading does for cudarc (`RTLD_LAZY | RTLD_LOCAL`).
 fn open(name: &str) -> Result<Handle, String> {
+    open_with(name, libc::RTLD_LAZY | libc::RTLD_LOCAL)
+}
+
+/// The library already mapped into the process under `name` (its soname or
+/// the name it was opened by), without loading anything.
+fn open_loaded(name: &str) -> Option<Handle> {
+    open_with(name, libc::RTLD_LAZY | libc::RTLD_LOCAL | libc::RTLD_NOLOAD).ok()
+}
+
+fn open_with(name: &str, flags: c_int) -> Result<Handle, String> {
     let c = CString::new(name).map_err(|_| format!("{name}: the name contains a NUL byte"))?;
     // SAFETY: dlopen takes a NUL-terminated name; running the library's
-    // initializers is what loading it means, as cudarc would.
-    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
+    // initializers is what loading it means.
+    let h = unsafe { libc::dlopen(c.as_ptr(), flags) };
     if h.is_null() {
         Err(dl_error())
     } else {
@@ -423,7 +510,7 @@ impl Handle {
     }
 
     /// Checks the symbols `lib` needs and asks its version.
-    fn identify(&self, lib: Lib, opened_as: &str) -> Result<Found, Unusable> {
+    fn identify(&self, lib: Lib, opened_as: &str, place: Place) -> Result<Found, Unusable> {
         let missing: Vec<&str> = lib
             .symbols()
             .iter()
@@ -498,29 +585,246 @@ impl Handle {
         Ok(Found {
             lib,
             opened_as: opened_as.to_string(),
+            place,
             path: self.path(),
             version,
         })
     }
 }
 
+/// A CUDA library zero opened, with what it is and where it was found;
+/// open for the rest of the process.
+pub struct Library {
+    found: Found,
+    handle: Handle,
+}
+
+impl fmt::Debug for Library {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Library")
+            .field("found", &self.found)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Library {
+    /// What was opened: the library, its file, version and place.
+    pub fn found(&self) -> &Found {
+        &self.found
+    }
+
+    /// Checks that the library exports every one of `names`; the error
+    /// names all that are missing and the file.
+    pub fn check_symbols(&self, names: &[&str]) -> Result<(), LibError> {
+        let missing: Vec<&str> = names
+            .iter()
+            .copied()
+            .filter(|n| self.handle.symbol(n).is_none())
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(self.lacks(&missing))
+        }
+    }
+
+    fn lacks(&self, missing: &[&str]) -> LibError {
+        let lib = self.found.lib;
+        LibError::Unusable {
+            lib,
+            what: Unusable {
+                name: self.found.opened_as.clone(),
+                reason: format!(
+                    "it lacks {} ({lib} {} does not have what zero calls)",
+                    missing.join(", "),
+                    self.found.version
+                ),
+            },
+            path: self.found.path.clone(),
+        }
+    }
+
+    /// The function `name` of the library, as a function pointer of type
+    /// `F`; an error naming it when the library does not export it.
+    ///
+    /// # Safety
+    /// `F` must be an `unsafe extern "C" fn` type whose parameters and
+    /// result match the C declaration of `name` in the library's header.
+    pub unsafe fn get<F: Copy>(&self, name: &str) -> Result<F, LibError> {
+        const {
+            assert!(std::mem::size_of::<F>() == std::mem::size_of::<*mut c_void>());
+        }
+        let p = self
+            .handle
+            .symbol(name)
+            .ok_or_else(|| self.lacks(&[name]))?;
+        // SAFETY: `F` is a function pointer type of the symbol's signature
+        // (the caller's promise) and has a pointer's size (checked above);
+        // `p` is the symbol's non-null address in a library never closed.
+        Ok(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) })
+    }
+}
+
+/// One name or file that the search tries, and where it comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    /// A bare name ([`Place::Loaded`], [`Place::Loader`]) or a path.
+    pub name: String,
+    /// Where it comes from.
+    pub place: Place,
+}
+
+/// What zero tries, in order, to open `lib` (NVRTC, cuBLAS, NCCL): its
+/// [installed names](Lib::installed_names) already loaded in the process,
+/// then the files under those names in each `LD_LIBRARY_PATH` directory,
+/// then the names through the system loader (its cache and default
+/// directories), then the files in PyTorch's wheel folders, `$CUDA_HOME`
+/// and `/usr/local/cuda*` ([`Place`]). Files are listed only where they
+/// exist. The first candidate that exists is the one zero uses.
+pub fn candidates(lib: Lib) -> Vec<Candidate> {
+    candidates_in(lib, &|k| std::env::var_os(k), Path::new("/"))
+}
+
+/// [`candidates`] with the environment from `env` and the file system
+/// under `root`, for tests.
+pub fn candidates_in(
+    lib: Lib,
+    env: &dyn Fn(&str) -> Option<OsString>,
+    root: &Path,
+) -> Vec<Candidate> {
+    let names = lib.installed_names();
+    let bare = |place: Place| {
+        names.iter().map(move |n| Candidate {
+            name: n.clone(),
+            place,
+        })
+    };
+    let files = |place: Place, dir: &Path| -> Vec<Candidate> {
+        names
+            .iter()
+            .map(|n| dir.join(n))
+            .filter(|p| p.is_file())
+            .map(|p| Candidate {
+                name: p.display().to_string(),
+                place,
+            })
+            .collect()
+    };
+    let dirs = place_dirs_in(env, root);
+    let mut out: Vec<Candidate> = bare(Place::Loaded).collect();
+    for (place, dir) in dirs.iter().filter(|(p, _)| *p == Place::LdLibraryPath) {
+        out.extend(files(*place, dir));
+    }
+    out.extend(bare(Place::Loader));
+    for (place, dir) in &dirs {
+        if matches!(place, Place::Wheel | Place::CudaHome | Place::Toolkit) {
+            out.extend(files(*place, dir));
+        }
+    }
+    out
+}
+
+/// Opens the first of `candidates` that exists (a name already loaded, a
+/// name the loader finds, or a file) and identifies it. That copy is
+/// zero's choice: when it does not load, lacks a symbol of
+/// [`Lib::symbols`] or is older than [`Lib::min_version`], the error names
+/// it rather than trying the next (a broken or old copy ahead of a good
+/// one is something to fix, not to work around silently).
+pub fn open_first(lib: Lib, candidates: &[Candidate]) -> Result<Library, LibError> {
+    for c in candidates {
+        let unusable = |reason: String, path: Option<PathBuf>| LibError::Unusable {
+            lib,
+            what: Unusable {
+                name: c.name.clone(),
+                reason,
+            },
+            path,
+        };
+        let handle = match c.place {
+            Place::Loaded => match open_loaded(&c.name) {
+                Some(h) => h,
+                None => continue,
+            },
+            Place::Loader | Place::Cudarc => match open(&c.name) {
+                Ok(h) => h,
+                Err(msg) if is_absent(&msg) => continue,
+                Err(msg) => return Err(unusable(format!("it does not load: {msg}"), None)),
+            },
+            _ => {
+                let path = PathBuf::from(&c.name);
+                open_companions(lib, &path).map_err(|r| unusable(r, Some(path.clone())))?;
+                open(&c.name).map_err(|msg| {
+                    unusable(format!("it does not load: {msg}"), Some(path.clone()))
+                })?
+            }
+        };
+        let found = handle
+            .identify(lib, &c.name, c.place)
+            .map_err(|what| LibError::Unusable {
+                lib,
+                path: handle.path(),
+                what,
+            })?;
+        if !found.version.at_least(&lib.min_version()) {
+            return Err(LibError::TooOld(found));
+        }
+        return Ok(Library { found, handle });
+    }
+    let tried: HashSet<&str> = candidates.iter().map(|c| c.name.as_str()).collect();
+    Err(LibError::Missing {
+        lib,
+        tried: lib.installed_names(),
+        broken: Vec::new(),
+        elsewhere: installed_copies(lib, &search_dirs())
+            .into_iter()
+            .filter(|p| !tried.contains(p.display().to_string().as_str()))
+            .collect(),
+    })
+}
+
+/// Opens, by path, the libraries that `lib` at `path` needs from its own
+/// folder and that the loader would otherwise look for on its own path:
+/// cuBLAS's `libcublasLt` of the same version, so that a cuBLAS found
+/// outside the loader's path does not pick up another `libcublasLt` (or
+/// none). The loader then reuses it for cuBLAS's dependency of that name.
+fn open_companions(lib: Lib, path: &Path) -> Result<(), String> {
+    if lib != Lib::Cublas {
+        return Ok(());
+    }
+    let (Some(dir), Some(name)) = (path.parent(), file_name(path)) else {
+        return Ok(());
+    };
+    let Some(suffix) = name.strip_prefix("libcublas") else {
+        return Ok(());
+    };
+    let lt = dir.join(format!("libcublasLt{suffix}"));
+    if !lt.is_file() {
+        return Ok(());
+    }
+    open(&lt.display().to_string())
+        .map(|_| ())
+        .map_err(|msg| format!("its companion {} does not load: {msg}", lt.display()))
+}
+
 /// What cudarc's search finds: the first of its names that opens,
 /// identified, or the names that exist but failed to open.
-fn cudarc_search(lib: Lib) -> Result<Found, LibError> {
+fn cudarc_search(lib: Lib) -> Result<Library, LibError> {
     let tried = lib.cudarc_names();
     let mut broken = Vec::new();
     for name in &tried {
         match open(name) {
-            Ok(h) => {
-                let found = h.identify(lib, name).map_err(|what| LibError::Unusable {
-                    lib,
-                    path: h.path(),
-                    what,
+            Ok(handle) => {
+                let found = handle.identify(lib, name, Place::Cudarc).map_err(|what| {
+                    LibError::Unusable {
+                        lib,
+                        path: handle.path(),
+                        what,
+                    }
                 })?;
                 if !found.version.at_least(&lib.min_version()) {
                     return Err(LibError::TooOld(found));
                 }
-                return Ok(found);
+                return Ok(Library { found, handle });
             }
             Err(msg) if is_absent(&msg) => {}
             Err(reason) => broken.push(Unusable {
@@ -549,12 +853,12 @@ fn cudarc_search(lib: Lib) -> Result<Found, LibError> {
     })
 }
 
-/// Checks, once per process, that cudarc will load `lib` without
-/// panicking: the library its search opens first has the symbols zero
-/// calls and is at least [`Lib::min_version`]. Call before the first
-/// cudarc call into the library.
-pub fn require(lib: Lib) -> Result<Found, LibError> {
-    static CACHE: [OnceLock<Result<Found, LibError>>; 4] = [
+/// Opens `lib`, once per process: NVRTC, cuBLAS and NCCL from the first
+/// of their [`candidates`] ([`open_first`]), the driver as cudarc does
+/// (the first of its names that opens). The library is checked: it has the
+/// symbols of [`Lib::symbols`] and is at least [`Lib::min_version`].
+pub fn load(lib: Lib) -> Result<&'static Library, LibError> {
+    static CACHE: [OnceLock<Result<Library, LibError>>; 4] = [
         OnceLock::new(),
         OnceLock::new(),
         OnceLock::new(),
@@ -566,7 +870,19 @@ pub fn require(lib: Lib) -> Result<Found, LibError> {
         Lib::Cublas => &CACHE[2],
         Lib::Nccl => &CACHE[3],
     };
-    slot.get_or_init(|| cudarc_search(lib)).clone()
+    slot.get_or_init(|| match lib {
+        Lib::Driver => cudarc_search(lib),
+        _ => open_first(lib, &candidates(lib)),
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// What [`load`] opens for `lib`: the file, its version and where it was
+/// found, or why it cannot be used. Call before the first call into the
+/// library (for the driver: before the first cudarc call).
+pub fn require(lib: Lib) -> Result<Found, LibError> {
+    load(lib).map(|l| l.found.clone())
 }
 
 /// A path's file name as a string.
@@ -585,7 +901,7 @@ fn same_dir(a: &Path, b: &Path) -> bool {
 
 /// The directories `dlopen` searches for a bare name besides the `ld.so`
 /// cache: `LD_LIBRARY_PATH`, then the defaults.
-fn loader_dirs(env: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> Vec<PathBuf> {
+fn loader_dirs(env: &dyn Fn(&str) -> Option<OsString>) -> Vec<PathBuf> {
     let arch = std::env::consts::ARCH;
     let mut dirs: Vec<PathBuf> = env("LD_LIBRARY_PATH")
         .map(|p| std::env::split_paths(&p).collect())
@@ -605,21 +921,28 @@ fn loader_dirs(env: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> Vec<PathBuf>
 }
 
 /// Directories where CUDA libraries are commonly installed, that exist on
-/// this machine, in search order: `LD_LIBRARY_PATH`, `$CUDA_HOME` (and
-/// `CUDA_PATH`, `CUDA_ROOT`), `/usr/local/cuda*`, the `nvidia/*/lib` and
-/// `torch/lib` folders of Python environments (the active virtualenv or
-/// conda environment, the user's, pyenv's and the system's), then the
-/// system library directories.
+/// this machine, in [`candidates`]' order: `LD_LIBRARY_PATH`, the `nvidia/*/lib`
+/// and `torch/lib` folders of Python environments (the active virtualenv
+/// or conda environment, the user's, pyenv's and the system's),
+/// `$CUDA_HOME` (and `CUDA_PATH`, `CUDA_ROOT`), `/usr/local/cuda*`, then
+/// the system library directories.
 pub fn search_dirs() -> Vec<PathBuf> {
     search_dirs_in(&|k| std::env::var_os(k), Path::new("/"))
 }
 
 /// [`search_dirs`] with the environment from `env` and the file system
 /// under `root`, for tests.
-pub fn search_dirs_in(
-    env: &dyn Fn(&str) -> Option<std::ffi::OsString>,
-    root: &Path,
-) -> Vec<PathBuf> {
+pub fn search_dirs_in(env: &dyn Fn(&str) -> Option<OsString>, root: &Path) -> Vec<PathBuf> {
+    place_dirs_in(env, root)
+        .into_iter()
+        .map(|(_, d)| d)
+        .collect()
+}
+
+/// [`search_dirs_in`] with the [`Place`] of each directory (the system
+/// library directories, which the loader searches by itself, as
+/// [`Place::Loader`]).
+fn place_dirs_in(env: &dyn Fn(&str) -> Option<OsString>, root: &Path) -> Vec<(Place, PathBuf)> {
     let at = |p: &str| root.join(p.trim_start_matches('/'));
     let var = |k: &str| env(k).filter(|v| !v.is_empty()).map(PathBuf::from);
     let arch = std::env::consts::ARCH;
@@ -631,22 +954,13 @@ pub fn search_dirs_in(
         }
         v
     };
-    let mut dirs: Vec<PathBuf> = Vec::new();
+    let mut dirs: Vec<(Place, PathBuf)> = Vec::new();
     if let Some(p) = env("LD_LIBRARY_PATH") {
-        dirs.extend(std::env::split_paths(&p).filter(|d| !d.as_os_str().is_empty()));
-    }
-    for k in ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"] {
-        if let Some(base) = var(k) {
-            dirs.extend(target_dirs(&base));
-        }
-    }
-    // /usr/local/cuda first (the link to the default toolkit), then the
-    // versioned toolkits, newest first.
-    dirs.extend(target_dirs(&at("/usr/local/cuda")));
-    let mut toolkits = children(&at("/usr/local"), "cuda-");
-    toolkits.reverse();
-    for t in toolkits {
-        dirs.extend(target_dirs(&t));
+        dirs.extend(
+            std::env::split_paths(&p)
+                .filter(|d| !d.as_os_str().is_empty())
+                .map(|d| (Place::LdLibraryPath, d)),
+        );
     }
     // Python environments: site-packages folders.
     let mut prefixes: Vec<PathBuf> = Vec::new();
@@ -673,12 +987,24 @@ pub fn search_dirs_in(
         dirs.extend(
             children(&sp.join("nvidia"), "")
                 .into_iter()
-                .map(|d| d.join("lib")),
+                .map(|d| (Place::Wheel, d.join("lib"))),
         );
-        dirs.push(sp.join("torch/lib"));
+        dirs.push((Place::Wheel, sp.join("torch/lib")));
     }
     if let Some(conda) = var("CONDA_PREFIX") {
-        dirs.push(conda.join("lib"));
+        dirs.push((Place::Wheel, conda.join("lib")));
+    }
+    for k in ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"] {
+        if let Some(base) = var(k) {
+            dirs.extend(target_dirs(&base).into_iter().map(|d| (Place::CudaHome, d)));
+        }
+    }
+    // /usr/local/cuda first (the link to the default toolkit), then the
+    // versioned toolkits, newest first.
+    let mut toolkits = children(&at("/usr/local"), "cuda-");
+    toolkits.reverse();
+    for t in [at("/usr/local/cuda")].into_iter().chain(toolkits) {
+        dirs.extend(target_dirs(&t).into_iter().map(|d| (Place::Toolkit, d)));
     }
     for d in [
         format!("/usr/lib/{arch}-linux-gnu"),
@@ -687,12 +1013,12 @@ pub fn search_dirs_in(
         "/usr/lib".into(),
         "/usr/lib/wsl/lib".into(),
     ] {
-        dirs.push(at(&d));
+        dirs.push((Place::Loader, at(&d)));
     }
     let mut seen = HashSet::new();
     dirs.into_iter()
-        .filter(|d| d.is_dir())
-        .filter(|d| seen.insert(std::fs::canonicalize(d).unwrap_or_else(|_| d.clone())))
+        .filter(|(_, d)| d.is_dir())
+        .filter(|(_, d)| seen.insert(std::fs::canonicalize(d).unwrap_or_else(|_| d.clone())))
         .collect()
 }
 
@@ -759,7 +1085,7 @@ pub fn survey(lib: Lib) -> Survey {
             let shown = path.display().to_string();
             let found = match open(&shown) {
                 Ok(h) => h
-                    .identify(lib, &shown)
+                    .identify(lib, &shown, Place::Wheel)
                     .map(|f| f.version)
                     .map_err(|u| u.reason),
                 Err(msg) => Err(msg),
@@ -804,7 +1130,7 @@ mod tests {
         assert_eq!(names[0], "libnvrtc.so");
         assert!(names.contains(&"libnvrtc.so.12".into()), "{names:?}");
         // This build's cudarc (cuda-12080) does not open CUDA 13's or
-        // NCCL's own soname: that is what the errors' link advice is for.
+        // NCCL's own soname: why zero opens those libraries itself.
         assert!(!names.contains(&"libnvrtc.so.13".into()), "{names:?}");
         assert!(!Lib::Nccl.cudarc_names().contains(&"libnccl.so.2".into()));
         let driver = Lib::Driver.cudarc_names();
@@ -867,11 +1193,13 @@ mod tests {
                 .unwrap_or_else(|| panic!("{} not in {dirs:?}", f.display()))
         };
         let order: Vec<usize> = files.iter().map(|f| pos(f)).collect();
-        // LD_LIBRARY_PATH first, the newest toolkit before the older one,
-        // the virtualenv before the user's site-packages.
+        // LD_LIBRARY_PATH first, the virtualenv before the user's
+        // site-packages, the wheels before the toolkits, the newest toolkit
+        // before the older one.
         assert_eq!(order[0], 0);
         assert!(order[2] < order[1], "{dirs:?}");
         assert!(order[3] < order[5] && order[4] < order[5], "{dirs:?}");
+        assert!(order[5] < order[2], "{dirs:?}");
         assert!(dirs.iter().all(|d| d.is_dir()));
 
         let nvrtc = installed_copies(Lib::Nvrtc, &dirs);
@@ -885,59 +1213,99 @@ mod tests {
     }
 
     #[test]
-    fn errors_name_the_library_and_the_version_needed() {
+    fn errors_name_the_library_the_version_needed_and_the_file() {
         let missing = LibError::Missing {
             lib: Lib::Nvrtc,
-            tried: vec!["libnvrtc.so".into(), "libnvrtc.so.12".into()],
-            broken: vec![Unusable {
-                name: "libnvrtc.so.12".into(),
-                reason: "file too short".into(),
-            }],
-            elsewhere: vec!["/x/nvidia/cu13/lib/libnvrtc.so.13".into()],
+            tried: Lib::Nvrtc.installed_names(),
+            broken: vec![],
+            elsewhere: vec![
+                "/x/nvidia/cuda_nvrtc/lib/libnvrtc.so.11.2".into(),
+                "/usr/lib/wsl/lib/libnvrtc.so.12".into(),
+            ],
         };
         let msg = missing.to_string();
         assert!(
-            msg.starts_with("NVRTC (12.0 or later) could not be loaded"),
+            msg.starts_with(
+                "NVRTC (12.0 or later) was not found: zero looks for libnvrtc.so.13, \
+                 libnvrtc.so.12, libnvrtc.so already loaded, on LD_LIBRARY_PATH, through the \
+                 system loader, in PyTorch's site-packages/nvidia/*/lib wheel folders, in \
+                 $CUDA_HOME and /usr/local/cuda*"
+            ),
             "{msg}"
         );
         assert!(
-            msg.contains("one of libnvrtc.so, libnvrtc.so.12 on"),
+            msg.contains("found /x/nvidia/cuda_nvrtc/lib/libnvrtc.so.11.2, under a name zero"),
             "{msg}"
+        );
+        assert!(
+            msg.contains(
+                "found /usr/lib/wsl/lib/libnvrtc.so.12, in a directory zero does not search: \
+                 add /usr/lib/wsl/lib to LD_LIBRARY_PATH"
+            ),
+            "{msg}"
+        );
+        assert!(
+            msg.ends_with(
+                "`pip install nvidia-cuda-nvrtc` (CUDA 13) or `pip install \
+             nvidia-cuda-nvrtc-cu12` (CUDA 12), or install the CUDA toolkit"
+            ),
+            "{msg}"
+        );
+        assert!(!msg.contains("ln -s"), "{msg}");
+
+        let driver = LibError::Missing {
+            lib: Lib::Driver,
+            tried: Lib::Driver.cudarc_names(),
+            broken: vec![Unusable {
+                name: "libcuda.so.1".into(),
+                reason: "file too short".into(),
+            }],
+            elsewhere: vec!["/usr/lib/wsl/lib/libcuda.so.1".into()],
+        }
+        .to_string();
+        assert!(
+            driver.starts_with("CUDA driver (12.0 or later) could not be loaded"),
+            "{driver}"
+        );
+        assert!(
+            driver.contains("libcuda.so.1 exists but does not load: file too short"),
+            "{driver}"
+        );
+        assert!(
+            driver.contains(
+                "found /usr/lib/wsl/lib/libcuda.so.1, in a directory the loader does not \
+                 search: add /usr/lib/wsl/lib to LD_LIBRARY_PATH"
+            ),
+            "{driver}"
         );
         assert_eq!(
             summarize(&Lib::Nvrtc.cudarc_names()),
             "libnvrtc.so, libnvrtc.so.12, libnvrtc.so.11, libnvrtc.so.10, libnvrtc.so.9, \
              libnvrtc.so.1 (and 9 `lib*64*.so` variants)"
         );
-        assert!(
-            msg.contains("libnvrtc.so.12 exists but does not load: file too short"),
-            "{msg}"
-        );
-        assert!(
-            msg.contains(
-                "found /x/nvidia/cu13/lib/libnvrtc.so.13, under a name this build does not \
-                 open: `ln -s /x/nvidia/cu13/lib/libnvrtc.so.13 /x/nvidia/cu13/lib/libnvrtc.so` \
-                 and add /x/nvidia/cu13/lib to LD_LIBRARY_PATH"
-            ),
-            "{msg}"
-        );
-        let in_toolkit = LibError::Missing {
-            lib: Lib::Nvrtc,
-            tried: Lib::Nvrtc.cudarc_names(),
-            broken: vec![],
-            elsewhere: vec!["/usr/local/cuda-12.8/lib64/libnvrtc.so.12".into()],
+
+        let unusable = LibError::Unusable {
+            lib: Lib::Cublas,
+            what: Unusable {
+                name: "/w/nvidia/cu13/lib/libcublas.so.13".into(),
+                reason: "it lacks cublasGemmEx".into(),
+            },
+            path: Some("/w/nvidia/cu13/lib/libcublas.so.13".into()),
         }
         .to_string();
-        assert!(
-            in_toolkit.ends_with(
-                "found /usr/local/cuda-12.8/lib64/libnvrtc.so.12, in a directory the loader \
-                 does not search: add /usr/local/cuda-12.8/lib64 to LD_LIBRARY_PATH"
-            ),
-            "{in_toolkit}"
+        assert_eq!(
+            unusable,
+            format!(
+                "cuBLAS (12.0 or later) is unusable: /w/nvidia/cu13/lib/libcublas.so.13 is the \
+                 first copy zero finds, and it lacks cublasGemmEx; remove it or put a working \
+                 cuBLAS before it ({SEARCHED}, in this order)"
+            )
         );
+
         let old = LibError::TooOld(Found {
             lib: Lib::Nccl,
             opened_as: "libnccl.so".into(),
+            place: Place::Loader,
             path: Some("/usr/lib/libnccl.so.2".into()),
             version: Version::from_nccl_code(21305),
         });
@@ -947,6 +1315,235 @@ mod tests {
         );
         let err: crate::Error = old.into();
         assert!(err.to_string().contains("NCCL 2.14.0 or later"), "{err}");
+    }
+
+    /// A folder laid out like PyTorch's CUDA 13 wheels in a virtualenv
+    /// under `root`: `site-packages/nvidia/{cu13,nccl}/lib`.
+    fn cu13_wheels(root: &Path) -> (PathBuf, PathBuf, PathBuf) {
+        let sp = root.join("venv/lib/python3.12/site-packages/nvidia");
+        let (cu13, nccl) = (sp.join("cu13/lib"), sp.join("nccl/lib"));
+        std::fs::create_dir_all(&cu13).unwrap();
+        std::fs::create_dir_all(&nccl).unwrap();
+        (root.join("venv"), cu13, nccl)
+    }
+
+    /// The candidates that are files (what a test's layout decides; the
+    /// process's loaded libraries and the loader's cache are this
+    /// machine's).
+    fn files_only(c: Vec<Candidate>) -> Vec<Candidate> {
+        c.into_iter()
+            .filter(|c| !matches!(c.place, Place::Loaded | Place::Loader))
+            .collect()
+    }
+
+    #[test]
+    fn candidates_follow_the_search_order_on_a_cu13_wheel_layout() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        let (venv, cu13, nccl) = cu13_wheels(r);
+        let ld = r.join("ld");
+        let home = r.join("cuda-home");
+        let toolkit = r.join("usr/local/cuda-13.0/lib64");
+        for f in [
+            cu13.join("libnvrtc.so.13"),
+            cu13.join("libcublas.so.13"),
+            cu13.join("libcublasLt.so.13"),
+            nccl.join("libnccl.so.2"),
+            ld.join("libnvrtc.so.12"),
+            ld.join("libnvrtc.so"),
+            home.join("lib64/libnvrtc.so.13"),
+            toolkit.join("libnvrtc.so.13"),
+            toolkit.join("libnvrtc.so.11.2"),
+        ] {
+            touch(&f);
+        }
+        let env = |k: &str| -> Option<OsString> {
+            match k {
+                "LD_LIBRARY_PATH" => Some(ld.clone().into()),
+                "VIRTUAL_ENV" => Some(venv.clone().into()),
+                "CUDA_HOME" => Some(home.clone().into()),
+                _ => None,
+            }
+        };
+        let nvrtc = candidates_in(Lib::Nvrtc, &env, r);
+        let (bare, rest) = nvrtc.split_at(3);
+        assert!(bare.iter().all(|c| c.place == Place::Loaded), "{nvrtc:?}");
+        assert_eq!(bare[0].name, "libnvrtc.so.13");
+        let shown: Vec<(Place, String)> = rest
+            .iter()
+            .map(|c| (c.place, c.name.replace(&r.display().to_string(), "")))
+            .collect();
+        let p = |place, name: &str| (place, name.to_string());
+        assert_eq!(
+            shown,
+            vec![
+                // Within a directory the newest name first; the
+                // unversioned link last.
+                p(Place::LdLibraryPath, "/ld/libnvrtc.so.12"),
+                p(Place::LdLibraryPath, "/ld/libnvrtc.so"),
+                p(Place::Loader, "libnvrtc.so.13"),
+                p(Place::Loader, "libnvrtc.so.12"),
+                p(Place::Loader, "libnvrtc.so"),
+                p(
+                    Place::Wheel,
+                    "/venv/lib/python3.12/site-packages/nvidia/cu13/lib/libnvrtc.so.13"
+                ),
+                p(Place::CudaHome, "/cuda-home/lib64/libnvrtc.so.13"),
+                p(Place::Toolkit, "/usr/local/cuda-13.0/lib64/libnvrtc.so.13"),
+            ]
+        );
+        let first = |lib| files_only(candidates_in(lib, &env, r)).remove(0);
+        assert_eq!(
+            first(Lib::Cublas),
+            Candidate {
+                name: cu13.join("libcublas.so.13").display().to_string(),
+                place: Place::Wheel
+            }
+        );
+        assert_eq!(
+            first(Lib::Nccl),
+            Candidate {
+                name: nccl.join("libnccl.so.2").display().to_string(),
+                place: Place::Wheel
+            }
+        );
+    }
+
+    #[test]
+    fn the_first_copy_found_is_used_or_named_in_the_error() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        let (venv, cu13, nccl) = cu13_wheels(r);
+        // cuBLAS: garbage; its companion libcublasLt first (also garbage).
+        std::fs::write(cu13.join("libcublas.so.13"), b"not an ELF file").unwrap();
+        std::fs::write(cu13.join("libcublasLt.so.13"), b"not an ELF file").unwrap();
+        // NCCL: a real library of the wrong kind.
+        std::fs::copy(some_shared_library(), nccl.join("libnccl.so.2")).unwrap();
+        let env =
+            |k: &str| -> Option<OsString> { (k == "VIRTUAL_ENV").then(|| venv.clone().into()) };
+        let open = |lib| open_first(lib, &files_only(candidates_in(lib, &env, r)));
+
+        let cublas = open(Lib::Cublas).unwrap_err().to_string();
+        let lt = cu13.join("libcublasLt.so.13").display().to_string();
+        assert!(
+            cublas.starts_with(&format!(
+                "cuBLAS (12.0 or later) is unusable: {}/libcublas.so.13 is the first copy \
+                 zero finds, and its companion {lt} does not load: ",
+                cu13.display()
+            )),
+            "{cublas}"
+        );
+        std::fs::remove_file(cu13.join("libcublasLt.so.13")).unwrap();
+        let cublas = open(Lib::Cublas).unwrap_err().to_string();
+        assert!(
+            cublas.contains("libcublas.so.13 is the first copy"),
+            "{cublas}"
+        );
+        assert!(cublas.contains("it does not load: "), "{cublas}");
+
+        let nccl_err = open(Lib::Nccl).unwrap_err();
+        let msg = nccl_err.to_string();
+        assert!(matches!(nccl_err, LibError::Unusable { .. }), "{msg}");
+        assert!(
+            msg.contains("libnccl.so.2 is the first copy zero finds"),
+            "{msg}"
+        );
+        assert!(msg.contains("lacks ncclGetVersion"), "{msg}");
+
+        // Nothing in the layout: Missing, with the names looked for.
+        let none = open_first(Lib::Nvrtc, &files_only(candidates_in(Lib::Nvrtc, &env, r)));
+        match none.unwrap_err() {
+            LibError::Missing { lib, tried, .. } => {
+                assert_eq!(lib, Lib::Nvrtc);
+                assert_eq!(tried, Lib::Nvrtc.installed_names());
+            }
+            e => panic!("{e}"),
+        }
+    }
+
+    /// A real shared library of this machine that is not a CUDA library.
+    fn some_shared_library() -> PathBuf {
+        let arch = std::env::consts::ARCH;
+        [
+            format!("/lib/{arch}-linux-gnu/libz.so.1"),
+            format!("/usr/lib/{arch}-linux-gnu/libz.so.1"),
+            format!("/lib/{arch}-linux-gnu/libm.so.6"),
+            format!("/usr/lib/{arch}-linux-gnu/libm.so.6"),
+            "/lib64/libm.so.6".into(),
+            "/usr/lib64/libm.so.6".into(),
+        ]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
+        .expect("no libz.so.1 or libm.so.6 in the usual directories")
+    }
+
+    /// The first NVRTC file this machine's search finds (without loading
+    /// it), or `None` (a skip, or a failure with `ZERO_REQUIRE_NVRTC=1`).
+    fn nvrtc_file(test: &str) -> Option<PathBuf> {
+        let file = candidates(Lib::Nvrtc)
+            .into_iter()
+            .find(|c| !matches!(c.place, Place::Loaded | Place::Loader))
+            .map(|c| PathBuf::from(c.name));
+        if file.is_none() {
+            assert!(
+                std::env::var_os("ZERO_REQUIRE_NVRTC").is_none(),
+                "{test}: ZERO_REQUIRE_NVRTC is set but no libnvrtc.so.13/.12 file was found"
+            );
+            eprintln!("{test}: skipped: no libnvrtc.so.13/.12 file found");
+        }
+        file
+    }
+
+    #[test]
+    fn a_real_nvrtc_in_a_wheel_layout_is_opened_from_there() {
+        let test = "a_real_nvrtc_in_a_wheel_layout_is_opened_from_there";
+        let Some(real) = nvrtc_file(test) else {
+            return;
+        };
+        let root = tempfile::tempdir().unwrap();
+        let (venv, cu13, _) = cu13_wheels(root.path());
+        // The wheel's file names, copied (not linked: the loader would
+        // reuse an already loaded file of the same inode), with NVRTC's
+        // builtins beside it as in the wheel.
+        let name = file_name(&real).unwrap();
+        // CUDA 12's wheel (nvidia-cuda-nvrtc-cu12) has its own folder.
+        let wheel = if name.ends_with(".so.12") {
+            venv.join("lib/python3.12/site-packages/nvidia/cuda_nvrtc/lib")
+        } else {
+            cu13
+        };
+        std::fs::create_dir_all(&wheel).unwrap();
+        std::fs::copy(&real, wheel.join(&name)).unwrap();
+        for e in std::fs::read_dir(real.parent().unwrap()).unwrap() {
+            let e = e.unwrap();
+            if e.file_name()
+                .to_string_lossy()
+                .starts_with("libnvrtc-builtins.so")
+            {
+                std::fs::copy(e.path(), wheel.join(e.file_name())).unwrap();
+            }
+        }
+        let env =
+            |k: &str| -> Option<OsString> { (k == "VIRTUAL_ENV").then(|| venv.clone().into()) };
+        let cands = files_only(candidates_in(Lib::Nvrtc, &env, root.path()));
+        let lib = open_first(Lib::Nvrtc, &cands).unwrap_or_else(|e| panic!("{e}"));
+        let found = lib.found();
+        assert_eq!(found.place, Place::Wheel);
+        assert_eq!(found.path.as_deref(), Some(wheel.join(&name).as_path()));
+        assert!(found.version.major >= 12, "{found}");
+        assert!(
+            name.ends_with(&format!(".so.{}", found.version.major)),
+            "{found}"
+        );
+        lib.check_symbols(&["nvrtcCompileProgram", "nvrtcGetCUBIN"])
+            .unwrap();
+        let lacks = lib.check_symbols(&["nvrtcNoSuchFunction"]).unwrap_err();
+        assert!(
+            lacks.to_string().contains("lacks nvrtcNoSuchFunction"),
+            "{lacks}"
+        );
+        eprintln!("{test}: opened {found} ({})", found.place);
     }
 
     #[test]

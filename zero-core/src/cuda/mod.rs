@@ -7,9 +7,12 @@
 //!   start-up and carved into the engine's buffers.
 //! - [`stream`]: the compute, communication and copy streams and the events
 //!   that hand buffers between them; pinned host buffers.
-//! - `libs` (with `cuda`): finding the driver, NVRTC, cuBLAS and NCCL
-//!   libraries (CUDA 12 and 13) and checking them before cudarc loads them,
-//!   so that a missing or too-old library is an error, never a panic.
+//! - `libs` (with `cuda`): finding and opening the driver, NVRTC, cuBLAS
+//!   and NCCL libraries as they are installed (CUDA 12 and 13, toolkits and
+//!   PyTorch's wheels), so that a missing or too-old library is an error
+//!   naming the file, never a panic.
+//! - `cublas` (with `cuda`): the cuBLAS functions zero calls, from the
+//!   library `libs` opened.
 //! - [`version`]: library versions (CUDA's and NCCL's version codes) and
 //!   the oldest NCCL zero works with, in every build.
 //!
@@ -18,6 +21,8 @@
 //! build, so that it is tested on machines without a GPU.
 
 pub mod arena;
+#[cfg(feature = "cuda")]
+pub mod cublas;
 pub mod kernels;
 #[cfg(feature = "cuda")]
 pub mod libs;

@@ -20,7 +20,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::cublas::{result as cublas, sys as cublas_sys, CudaBlas};
+use cudarc::cublas::sys as cublas_sys;
 use cudarc::driver::{
     sys as driver_sys, CudaEvent, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut,
     DriverError,
@@ -28,7 +28,7 @@ use cudarc::driver::{
 use zero::core::backend::{
     Backend, BufferHandle, CudaBackend, CudaBuffer, CudaReadView, CudaView, Stream,
 };
-use zero::core::cuda::libs::{require, Lib};
+use zero::core::cuda::cublas::{BlasHandle, CublasError};
 use zero::core::{DType, Device, Element, Error};
 use zero::Result;
 
@@ -63,7 +63,7 @@ pub struct CudaOps {
 }
 
 struct State {
-    blas: CudaBlas,
+    blas: BlasHandle,
     /// f32 scratch on the compute stream (RMSNorm's partial sums, the
     /// cross-entropy's per-row losses), grown on demand; the ops that use
     /// it are ordered by the stream.
@@ -99,7 +99,7 @@ fn driver(what: &'static str) -> impl FnOnce(DriverError) -> zero::Error {
     move |e| Error::Cuda(format!("{what}: {e}").into()).into()
 }
 
-fn blas_failed(what: &'static str) -> impl FnOnce(cublas::CublasError) -> zero::Error {
+fn blas_failed(what: &'static str) -> impl FnOnce(CublasError) -> zero::Error {
     move |e| Error::Cuda(format!("cuBLAS {what}: {e}").into()).into()
 }
 
@@ -241,13 +241,11 @@ impl LlamaDevice for CudaBackend {
         let kernels = LlamaKernels::new(&device)?;
         let host_rope = Rope::new(head_dim, cfg.max_seq, cfg.rope_theta);
         let rope = GpuRope::new(&stream, &host_rope)?;
-        // cudarc panics when it cannot load cuBLAS: find it first.
-        require(Lib::Cublas).map_err(Error::from)?;
         device
             .context()
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))?;
-        let blas = CudaBlas::new(stream.clone()).map_err(blas_failed("cublasCreate"))?;
+        let blas = BlasHandle::new(&stream)?;
         let on = stream.clone();
         let prof = Recorder::new(Box::new(move || {
             on.record_event(Some(driver_sys::CUevent_flags::CU_EVENT_DEFAULT))
@@ -403,8 +401,7 @@ impl LlamaDevice for CudaBackend {
         // default host pointer mode), read before the call returns.
         let done = unsafe {
             if g.count == 1 {
-                cublas::gemm_ex(
-                    *state.blas.handle(),
+                state.blas.gemm_ex(
                     transpose(g.transa),
                     transpose(g.transb),
                     g.m,
@@ -425,8 +422,7 @@ impl LlamaDevice for CudaBackend {
                     algo,
                 )
             } else {
-                cublas::gemm_strided_batched_ex(
-                    *state.blas.handle(),
+                state.blas.gemm_strided_batched_ex(
                     transpose(g.transa),
                     transpose(g.transb),
                     g.m,
