@@ -855,11 +855,19 @@ fn device_staging(
     }
     if offloading && !param_offloading && !swap_grads {
         for u in units {
-            let home = if stage == 0 { u.padded_numel } else { u.shard_len };
+            let home = if stage == 0 {
+                u.padded_numel
+            } else {
+                u.shard_len
+            };
             track(Tier::Host, Category::Grads, home as u64 * asize);
         }
         for u in units {
-            let params = if stage == 3 { u.shard_len } else { u.param_len() };
+            let params = if stage == 3 {
+                u.shard_len
+            } else {
+                u.param_len()
+            };
             track(Tier::Host, Category::Params, params as u64 * psize);
         }
     }

@@ -312,10 +312,7 @@ fn device_lora_is_the_cpu_trainers_bit_for_bit() {
 /// they went out (what `--export-adapter` and `--adapter` do).
 #[test]
 fn device_adapters_go_out_in_pefts_layout() {
-    let r = Run {
-        stage: 3,
-        ..BASE
-    };
+    let r = Run { stage: 3, ..BASE };
     let got = run(r, Trainer::Device(CpuMode::Checked, true));
     let dir = TempDir::new("device-lora-adapter");
     let setup = lora_setup(&r);

@@ -45,14 +45,21 @@ fn dropout_on<B: LlamaDevice, T: Element>(dev: &B, x: &[f32], y: &[f32]) -> Vec<
     let mask = dev.upload_mask(&ops, &bits).unwrap();
     let xs: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
     let ys: Vec<T> = y.iter().map(|&v| T::from_f32(v)).collect();
-    let (xb, yb) = (upload(dev, &xs, "x").unwrap(), upload(dev, &ys, "y").unwrap());
+    let (xb, yb) = (
+        upload(dev, &xs, "x").unwrap(),
+        upload(dev, &ys, "y").unwrap(),
+    );
     let mut out = dev.alloc::<T>(n, "out").unwrap();
     let keep = lora::dropout_keep(0.3);
     dev.dropout(&ops, src(&xb), &mask, 1, keep, dst(&mut out), n, false)
         .unwrap();
     dev.dropout(&ops, src(&yb), &mask, 1, keep, dst(&mut out), n, true)
         .unwrap();
-    download(dev, &out).unwrap().iter().map(|v| v.to_f32()).collect()
+    download(dev, &out)
+        .unwrap()
+        .iter()
+        .map(|v| v.to_f32())
+        .collect()
 }
 
 #[test]
@@ -102,8 +109,14 @@ fn train_rank<T: Element>(
     on_gpu: bool,
 ) -> zero::Result<(Vec<f32>, Vec<Vec<f32>>)> {
     let mut b = zero::Engine::builder(cfg, comm).seed(SEED);
-    let model =
-        SftModel::register_lora(&mut b, model_config(false), None, Some(lora_setup()), 1, false)?;
+    let model = SftModel::register_lora(
+        &mut b,
+        model_config(false),
+        None,
+        Some(lora_setup()),
+        1,
+        false,
+    )?;
     if on_gpu {
         let b = b
             .map_comm(|c| {
@@ -128,7 +141,12 @@ fn lora_training_on_the_gpu_matches_the_cpu_backend() {
         for (what, stage, offload, frozen) in [
             ("stage 0", 0u8, OffloadDevice::None, FrozenParams::Auto),
             ("stage 3 shard", 3, OffloadDevice::None, FrozenParams::Shard),
-            ("stage 3 offload", 3, OffloadDevice::Cpu, FrozenParams::Offload),
+            (
+                "stage 3 offload",
+                3,
+                OffloadDevice::Cpu,
+                FrozenParams::Offload,
+            ),
         ] {
             let mut cfg = engine_config(world, stage, 1, p);
             cfg.zero.offload_optimizer.device = offload;
@@ -155,10 +173,7 @@ fn lora_training_on_the_gpu_matches_the_cpu_backend() {
                 if p == Precision::Fp32 {
                     for (k, (a, b)) in ga.iter().zip(wa).enumerate() {
                         let top = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-                        let worst = a
-                            .iter()
-                            .zip(b)
-                            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                        let worst = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
                         assert!(
                             worst <= 1e-3 * top,
                             "{what} rank {r} adapter {k}: {worst} off (largest {top})"

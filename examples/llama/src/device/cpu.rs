@@ -143,7 +143,11 @@ impl LlamaDevice for CpuBackend {
             let (x, out) = (x.get(run), out.get(run));
             let bits = &bits[word..];
             for (i, (o, v)) in out.iter_mut().zip(x).enumerate() {
-                let k = if crate::lora::kept(bits, i) { keep } else { 0.0 };
+                let k = if crate::lora::kept(bits, i) {
+                    keep
+                } else {
+                    0.0
+                };
                 let v = v.to_f32() * k;
                 *o = T::from_f32(if accumulate { o.to_f32() + v } else { v });
             }

@@ -240,7 +240,10 @@ impl<B: LlamaDevice> DeviceModel<B> {
             return Ok(());
         };
         let xa = la.xa[i].as_ref().ok_or_else(|| Error::Unsupported {
-            what: format!("internal: no saved adapter product for module {}", TARGETS[i].0),
+            what: format!(
+                "internal: no saved adapter product for module {}",
+                TARGETS[i].0
+            ),
         })?;
         // d(xa) = s · dy B            [rows, r]
         let mut dxa = tmp::<B, T>(dev, rows * r, "lora dxa")?;
@@ -267,7 +270,16 @@ impl<B: LlamaDevice> DeviceModel<B> {
                 let m = Mm::new(rows, d_in, r);
                 dev.gemm(ops, dxin.dst(), dxa.src(), src_at(p, ad.a), m, Batch::ONE)?;
                 let keep = lora::dropout_keep(ll.dropout);
-                dev.dropout(ops, dxin.src(), &mk.bits, mk.word[i], keep, dx.dst(), n, true)
+                dev.dropout(
+                    ops,
+                    dxin.src(),
+                    &mk.bits,
+                    mk.word[i],
+                    keep,
+                    dx.dst(),
+                    n,
+                    true,
+                )
             }
         }
     }
