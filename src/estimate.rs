@@ -1430,9 +1430,19 @@ pub struct Table {
 /// `estimate_zero3_model_states_mem_needs_all_live` but for every stage
 /// and with buffers and activations.
 pub fn estimate_table(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Table {
+    table_on(model, cfg, work, false)
+}
+
+/// [`estimate_table`] of [`estimate_device`]: for an engine on a device
+/// backend.
+pub fn estimate_table_device(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Table {
+    table_on(model, cfg, work, true)
+}
+
+fn table_on(model: &Model, cfg: &ResolvedConfig, work: &Workload, device: bool) -> Table {
     let rows = Setup::ALL
         .iter()
-        .map(|&s| (s, estimate(model, &s.apply(cfg), work)))
+        .map(|&s| (s, estimate_on(model, &s.apply(cfg), work, device)))
         .collect();
     Table { rows }
 }
