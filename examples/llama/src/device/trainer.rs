@@ -122,6 +122,9 @@ impl<B: LlamaDevice, T: Element> Acts<B, T> {
     }
 }
 
+/// The gradients of the queries, keys and values.
+type Qkv<B, T> = (Tmp<B, T>, Tmp<B, T>, Tmp<B, T>);
+
 /// A block's forward: what its backward reads, and its output.
 type Forward<B, T> = (Box<Acts<B, T>>, Tmp<B, T>);
 
@@ -888,7 +891,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         c: &Acts<B, T>,
         dattn: Tmp<B, T>,
         s: Shape,
-    ) -> Result<(Tmp<B, T>, Tmp<B, T>, Tmp<B, T>)> {
+    ) -> Result<Qkv<B, T>> {
         let ops = &self.ops;
         let rows = s.rows;
         let t = s.seq;
