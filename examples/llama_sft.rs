@@ -1824,14 +1824,6 @@ fn setup(args: Args) -> Result<Setup, String> {
     if args.device == Compute::Cuda {
         return Err(CUDA_MISSING.into());
     }
-    if args.device != Compute::Cpu && (args.lora.is_some() || args.adapter.is_some()) {
-        return Err(format!(
-            "--device {}: LoRA (--lora, --adapter) runs on --device cpu only for now",
-            args.device
-                .to_possible_value()
-                .map_or("?".into(), |v| v.get_name().to_string())
-        ));
-    }
     let mut hf = match &args.model_dir {
         Some(d) => Some(HfDir::open(d).map_err(|e| format!("--model-dir {e}"))?),
         None => None,

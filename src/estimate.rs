@@ -309,6 +309,9 @@ enum Script {
 pub struct Model {
     units: Vec<UnitSpec>,
     script: Script,
+    /// [`Model::llama_lora`]'s adapters, and whether they drop out
+    /// ([`Model::lora_dropout`]): what their activations add.
+    lora: Option<(Lora, bool)>,
 }
 
 impl Model {
@@ -336,6 +339,7 @@ impl Model {
         Ok(Model {
             units,
             script: Script::Generic,
+            lora: None,
         })
     }
 
@@ -353,6 +357,7 @@ impl Model {
         Ok(Model {
             units,
             script: Script::Generic,
+            lora: None,
         })
     }
 
@@ -396,6 +401,7 @@ impl Model {
         Ok(Model {
             units,
             script: Script::Llama(dims),
+            lora: None,
         })
     }
 
@@ -419,7 +425,50 @@ impl Model {
                 u.tensors.push(TensorSpec::new("lora", &[adapters]));
             }
         }
+        m.lora = Some((lora.clone(), false));
         Ok(m)
+    }
+
+    /// With [`Model::llama_lora`]'s adapters: whether they train with
+    /// dropout (`lora_dropout > 0`), whose masks the trainer keeps from a
+    /// block's forward to its backward (the CPU trainer an f32 per input
+    /// element of each adapter, the device trainer one bit:
+    /// [`estimate_device`]). No effect on another model.
+    pub fn lora_dropout(mut self, dropout: bool) -> Self {
+        if let Some((_, d)) = &mut self.lora {
+            *d = dropout;
+        }
+        self
+    }
+
+    /// The bytes a block's adapters keep for its backward on `micro`
+    /// sequences of `seq` tokens: each adapter's `drop(x) Aᵀ` (`rows × r`
+    /// f32) and, with dropout, its mask (`rows × in` f32, or bits on a
+    /// device).
+    fn lora_cache_bytes(&self, micro: usize, seq: usize, device: bool) -> u64 {
+        let (Some((lora, dropout)), Script::Llama(d)) = (&self.lora, &self.script) else {
+            return 0;
+        };
+        let rows = micro * seq;
+        let (h, i) = (d.hidden, d.intermediate);
+        let qd = d.heads * d.head_dim();
+        lora.targets
+            .iter()
+            .map(|t| {
+                let d_in = match t.as_str() {
+                    "o_proj" => qd,
+                    "down_proj" => i,
+                    _ => h,
+                };
+                let n = rows * d_in;
+                let mask = match (dropout, device) {
+                    (false, _) => 0,
+                    (true, false) => 4 * n,
+                    (true, true) => 4 * n.div_ceil(32),
+                };
+                (4 * rows * lora.rank + mask) as u64
+            })
+            .sum()
     }
 
     /// The number of trainable parameters.
@@ -606,12 +655,37 @@ fn config(key: String, msg: String) -> Error {
 /// A config the engine would refuse (stage, offload settings; the error
 /// names the key), or a model the partition plan rejects.
 pub fn estimate(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Result<Estimate> {
+    estimate_on(model, cfg, work, false)
+}
+
+/// [`estimate`] for an engine on a device backend (a GPU, or the CPU
+/// backend staging as one): it adds the pinned host buffers such a
+/// backend's transfers go through: with the offloaded optimizer the
+/// copies of the gradient homes and of the parameters, with parameter
+/// offload alone the two parameter-step slots (device and host), at
+/// stage 3 the ring of shard uploads (`offload_param.buffer_count` of the
+/// largest shard) when shards or frozen segments live in host memory,
+/// and with `swap_gradients` the window's host copy; LoRA's dropout masks
+/// count one bit per element (the device trainer's).
+///
+/// # Errors
+/// As [`estimate`].
+pub fn estimate_device(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Result<Estimate> {
+    estimate_on(model, cfg, work, true)
+}
+
+fn estimate_on(
+    model: &Model,
+    cfg: &ResolvedConfig,
+    work: &Workload,
+    device: bool,
+) -> Result<Estimate> {
     let plan = PartitionPlan::new(&model.units, cfg.world_size)?;
     cfg.check_runnable(&plan, CheckFor::Estimate)?;
-    let mut sim = Sim::build(cfg, plan);
+    let mut sim = Sim::build(cfg, plan, device);
     let built_states = Tier::ALL.map(|t| sim.tracker.model_states(t));
     let built_device = sim.tracker.tier_current(Tier::Device);
-    let events = script(model, &sim.plan, cfg.micro_batch_size, work);
+    let events = script(model, &sim.plan, cfg.micro_batch_size, work, device);
     let ga = cfg.gradient_accumulation_steps.max(1);
     for k in 0..2 * ga {
         sim.micro_batch(&events, (k + 1) % ga == 0);
@@ -645,7 +719,13 @@ enum Event {
 }
 
 /// The events of one micro-batch of `model`.
-fn script(model: &Model, plan: &PartitionPlan, micro: usize, work: &Workload) -> Vec<Event> {
+fn script(
+    model: &Model,
+    plan: &PartitionPlan,
+    micro: usize,
+    work: &Workload,
+    device: bool,
+) -> Vec<Event> {
     use Event::*;
     let n = model.units.len();
     let mut ev = Vec::new();
@@ -661,7 +741,8 @@ fn script(model: &Model, plan: &PartitionPlan, micro: usize, work: &Workload) ->
         Script::Llama(d) => {
             // Units: 0 embedding, 1..=layers blocks, layers + 1 head.
             let (seq, ckpt) = (work.seq_len, work.activation_checkpointing);
-            let cache = d.block_cache_bytes(micro, seq) as i64;
+            let cache = (d.block_cache_bytes(micro, seq)
+                + model.lora_cache_bytes(micro, seq, device)) as i64;
             let input = d.block_input_bytes(micro, seq) as i64;
             let head = d.layers + 1;
             // The trainer's working memory, counted with the activations:
@@ -752,6 +833,68 @@ fn page(bytes: usize) -> u64 {
     bytes.div_ceil(PAGE) as u64 * PAGE as u64
 }
 
+/// The pinned host buffers (and device slots) a device backend's
+/// transfers go through, as `EngineBuilder::build` allocates them when
+/// the backend is a device (`src/engine/mod.rs`): the reducer's staged
+/// gradient homes and `OffloadStage`'s parameter copies (optimizer
+/// offload without parameter offload or `swap_gradients`),
+/// `ParamStepStage`'s two slots (parameter offload alone), the stage-3
+/// upload ring (`ParamGatherer::stage_uploads`) and the `swap_gradients`
+/// window's host copy (`GradReducer::stage_window`).
+fn device_staging(
+    cfg: &ResolvedConfig,
+    plan: &PartitionPlan,
+    frozen: FrozenParams,
+    track: &mut impl FnMut(Tier, Category, u64),
+) {
+    let stage = cfg.zero.stage;
+    let psize = pdt_of(cfg.precision).size_in_bytes() as u64;
+    let asize = cfg.grad_accum_dtype.size_in_bytes() as u64;
+    let offloading = cfg.zero.offload_optimizer.device != OffloadDevice::None;
+    let param_offloading = stage == 3 && cfg.zero.offload_param.device != OffloadDevice::None;
+    let swap_grads = cfg.zero.offload_optimizer.swap_gradients;
+    let units = plan.units();
+    if swap_grads {
+        let largest = units.iter().map(|u| u.shard_len).max().unwrap_or(0);
+        track(Tier::Host, Category::Grads, largest.max(1) as u64 * asize);
+    }
+    if stage == 3 && (param_offloading || frozen == FrozenParams::Offload) {
+        let len = units
+            .iter()
+            .map(|u| u.shard_len.max(u.frozen_shard_len()))
+            .max()
+            .unwrap_or(0)
+            .max(1) as u64;
+        let count = cfg.zero.offload_param.buffer_count.max(2) as u64;
+        track(Tier::Host, Category::Params, count * len * psize);
+    }
+    if offloading && !param_offloading && !swap_grads {
+        for u in units {
+            let home = if stage == 0 {
+                u.padded_numel
+            } else {
+                u.shard_len
+            };
+            track(Tier::Host, Category::Grads, home as u64 * asize);
+        }
+        for u in units {
+            let params = if stage == 3 {
+                u.shard_len
+            } else {
+                u.param_len()
+            };
+            track(Tier::Host, Category::Params, params as u64 * psize);
+        }
+    }
+    if param_offloading && !offloading {
+        let largest = units.iter().map(|u| u.shard_len).max().unwrap_or(0).max(1) as u64;
+        for _ in 0..2 {
+            track(Tier::Device, Category::Params, largest * psize);
+            track(Tier::Host, Category::CommBuffers, largest * psize);
+        }
+    }
+}
+
 /// The length of a swap file of regions `regions` (name, bytes):
 /// `zero_offload::SwapFile::create`'s layout (header and each region
 /// rounded up to whole blocks).
@@ -771,7 +914,7 @@ fn swap_file_len(block: u64, regions: &[(String, u64)]) -> u64 {
 
 impl Sim {
     /// `EngineBuilder::build`: every allocation it accounts.
-    fn build(cfg: &ResolvedConfig, plan: PartitionPlan) -> Sim {
+    fn build(cfg: &ResolvedConfig, plan: PartitionPlan, device: bool) -> Sim {
         let tracker = MemoryTracker::new(0);
         let stage = cfg.zero.stage;
         let pdt = pdt_of(cfg.precision);
@@ -918,6 +1061,9 @@ impl Sim {
                     2 * largest as u64,
                 ));
             }
+        }
+        if device {
+            device_staging(cfg, &plan, frozen, &mut track);
         }
         let s3 = Stage3Schedule::new(Stage3Knobs::from_config(cfg), plan.units());
         let mut sim = Sim {
@@ -1299,9 +1445,19 @@ pub struct Table {
 /// `estimate_zero3_model_states_mem_needs_all_live` but for every stage
 /// and with buffers and activations.
 pub fn estimate_table(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Table {
+    table_on(model, cfg, work, false)
+}
+
+/// [`estimate_table`] of [`estimate_device`]: for an engine on a device
+/// backend.
+pub fn estimate_table_device(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Table {
+    table_on(model, cfg, work, true)
+}
+
+fn table_on(model: &Model, cfg: &ResolvedConfig, work: &Workload, device: bool) -> Table {
     let rows = Setup::ALL
         .iter()
-        .map(|&s| (s, estimate(model, &s.apply(cfg), work)))
+        .map(|&s| (s, estimate_on(model, &s.apply(cfg), work, device)))
         .collect();
     Table { rows }
 }

@@ -15,7 +15,8 @@ use std::process::ExitCode;
 use zero::core::config::{AutoValues, DeepSpeedConfig, OffloadDevice, Precision, ResolvedConfig};
 use zero::core::DType;
 use zero::estimate::{
-    estimate, estimate_table, format_bytes, LlamaDims, Lora, Model, Workload, LORA_TARGETS,
+    estimate, estimate_device, estimate_table, estimate_table_device, format_bytes, LlamaDims,
+    Lora, Model, Workload, LORA_TARGETS,
 };
 
 const USAGE: &str = "usage: zero estimate [OPTIONS]
@@ -38,6 +39,8 @@ Model (one of):
                         trainable
   --lora-targets LIST   PEFT module names, comma-separated (default: all of
                         q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)
+  --lora-dropout        the adapters train with dropout: their masks are kept
+                        from forward to backward (f32 per element; --device: 1 bit)
 
 Training:
   --world N             data-parallel ranks (default 1)
@@ -53,6 +56,9 @@ Training:
   --seq-len N           tokens per sequence (default 2048; Llama dims only)
   --activation-checkpointing
                         keep block inputs only, recompute in backward
+  --device              the engine on a device backend (a GPU): adds the pinned
+                        host buffers its transfers go through (offload staging,
+                        parameter-step slots, the stage-3 shard uploads)
   --reduce-bucket-size N  zero_optimization.reduce_bucket_size (default 5e8)
   --config FILE         a DeepSpeed JSON config; the flags above override it
   -h, --help            this text";
@@ -110,6 +116,8 @@ struct Opts {
     config: Option<PathBuf>,
     lora_rank: Option<usize>,
     lora_targets: Option<Vec<String>>,
+    lora_dropout: bool,
+    device: bool,
 }
 
 /// A count such as `7e9`, `7B`, `350M`, `1.5k` or `4096`.
@@ -168,6 +176,14 @@ fn parse(args: impl IntoIterator<Item = String>) -> Result<Option<Opts>, String>
         }
         if arg == "--swap-gradients" {
             o.swap_gradients = true;
+            continue;
+        }
+        if arg == "--lora-dropout" {
+            o.lora_dropout = true;
+            continue;
+        }
+        if arg == "--device" {
+            o.device = true;
             continue;
         }
         let (flag, inline) = match arg.split_once('=') {
@@ -284,6 +300,9 @@ fn model(o: &Opts) -> Result<Model, String> {
             };
             let built = match (o.lora_rank, &o.lora_targets) {
                 (None, Some(_)) => return Err("--lora-targets: needs --lora-rank".into()),
+                (None, None) if o.lora_dropout => {
+                    return Err("--lora-dropout: needs --lora-rank".into())
+                }
                 (None, None) => Model::llama(d),
                 (Some(rank), targets) => {
                     let lora = Lora {
@@ -300,7 +319,7 @@ fn model(o: &Opts) -> Result<Model, String> {
                         };
                         return Err(format!("{flag}: {e}"));
                     }
-                    Model::llama_lora(d, &lora)
+                    Model::llama_lora(d, &lora).map(|m| m.lora_dropout(o.lora_dropout))
                 }
             };
             built.map_err(|e| {
@@ -487,7 +506,8 @@ fn run(o: &Opts) -> Result<String, String> {
          each category's own peak.\n\n",
     );
     if o.stage.is_some() {
-        let e = estimate(&m, &c, &work).map_err(|e| {
+        let run = if o.device { estimate_device } else { estimate };
+        let e = run(&m, &c, &work).map_err(|e| {
             let text = e.to_string();
             let flag = if text.contains("offload_param") {
                 "--offload-param"
@@ -500,7 +520,11 @@ fn run(o: &Opts) -> Result<String, String> {
         })?;
         out.push_str(&e.to_string());
     } else {
-        let t = estimate_table(&m, &c, &work);
+        let t = if o.device {
+            estimate_table_device(&m, &c, &work)
+        } else {
+            estimate_table(&m, &c, &work)
+        };
         out.push_str(&t.to_string());
         if let Some(best) = t
             .rows

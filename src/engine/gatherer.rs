@@ -488,9 +488,12 @@ impl<B: HostAccess> ParamGatherer<B> {
                     Some(up) => up.upload(backend, (&mut buf, rank * shard, shard), |slot| {
                         po.load_into(i, slot)
                     })?,
-                    None => buf.write_bytes(backend, rank * shard..(rank + 1) * shard, |slot| {
-                        Ok(po.load_into(i, slot))
-                    })?,
+                    None => {
+                        host_writes_after_compute(backend)?;
+                        buf.write_bytes(backend, rank * shard..(rank + 1) * shard, |slot| {
+                            Ok(po.load_into(i, slot))
+                        })?
+                    }
                 };
                 match fetch {
                     Fetch::Read => stats.param_swap_reads += 1,
@@ -534,10 +537,13 @@ impl<B: HostAccess> ParamGatherer<B> {
                         Some(up) => up.upload(backend, (&mut t, rank * fs, fs), |slot| {
                             slot.copy_from_slice(bytes)
                         })?,
-                        None => t.write_bytes(backend, rank * fs..(rank + 1) * fs, |slot| {
-                            slot.copy_from_slice(bytes);
-                            Ok(())
-                        })?,
+                        None => {
+                            host_writes_after_compute(backend)?;
+                            t.write_bytes(backend, rank * fs..(rank + 1) * fs, |slot| {
+                                slot.copy_from_slice(bytes);
+                                Ok(())
+                            })?
+                        }
                     },
                     FrozenHome::Resident(_) => unreachable!("matched above"),
                 }
@@ -559,4 +565,13 @@ impl<B: HostAccess> ParamGatherer<B> {
         self.inflight[i] = Some(buf.all_gather(backend, comm, &vec![shard; world], &filled));
         Ok(())
     }
+}
+
+/// Before the host writes a shard into a gathered buffer without staging
+/// (the CPU backend): the buffer may come from the pool while the compute
+/// stream still reads what it held (a trainer's ops on the unit freed
+/// last), so the host waits for the compute stream first.
+fn host_writes_after_compute<B: HostAccess>(backend: &B) -> Result<()> {
+    backend.sync(&backend.record(Stream::Compute)?)?;
+    Ok(())
 }

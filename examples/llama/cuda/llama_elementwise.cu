@@ -13,6 +13,7 @@
 //       indices by token) is built on the host from the batch's tokens.
 //   llama_swiglu_fwd_E(h1, h3, a, n)           a = silu(h1) * h3
 //   llama_swiglu_bwd_E(da, h1, h3, dh1, dh3, n)
+//   llama_dropout_E(x, bits, keep, out, n, acc)  out (+)= x * (bit i ? keep : 0)
 //   llama_rope_E(x, cos, sin, rows, seq, heads, half, inverse)
 //       in place on [rows, heads * 2 * half]; inverse = 1 for the backward.
 
@@ -49,6 +50,11 @@
                                 const E::T* __restrict__ h3, E::T* __restrict__ dh1,            \
                                 E::T* __restrict__ dh3, zero_u64 n) {                           \
     LLAMA_GRID_STRIDE(i, n) { llama_swiglu_bwd_elem<E>(da, h1, h3, dh1, dh3, i); }              \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(LLAMA_EW_BLOCK)                                  \
+      llama_dropout_##SUFFIX(const E::T* __restrict__ x, const zero_u32* __restrict__ bits,     \
+                             float keep, E::T* __restrict__ out, zero_u64 n, int acc) {         \
+    LLAMA_GRID_STRIDE(i, n) { llama_dropout_elem<E>(x, bits, keep, out, acc, i); }              \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(LLAMA_EW_BLOCK)                                  \
       llama_rope_##SUFFIX(E::T* __restrict__ x, const float* __restrict__ cos_t,                \

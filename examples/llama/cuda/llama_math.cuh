@@ -348,6 +348,17 @@ LLAMA_HD void llama_swiglu_bwd_elem(const typename E::T* da, const typename E::T
   E::store(dh1, i, g * u * sg * (1.0f + z * (1.0f - sg)));
 }
 
+// LoRA's inverted dropout with a bit mask (bit i % 32 of word i / 32 set:
+// element i kept): v = x * (kept ? keep : 0); out = v, or out + v with acc
+// (the backward's dx += dx_in * mask). f32 arithmetic, as the CPU's.
+template <class E>
+LLAMA_HD void llama_dropout_elem(const typename E::T* x, const zero_u32* bits, float keep,
+                                 typename E::T* out, int acc, zero_u64 i) {
+  const float k = ((bits[i >> 5] >> (i & 31)) & 1u) ? keep : 0.0f;
+  const float v = E::load(x, i) * k;
+  E::store(out, i, acc ? E::load(out, i) + v : v);
+}
+
 // ---------------------------------------------------------------------------
 // RoPE, "rotate half": in place on [rows, heads * 2 * half], position of
 // row r = r % seq; cos/sin tables [max_seq, half] (f32)

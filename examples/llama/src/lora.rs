@@ -255,16 +255,41 @@ pub fn init_a(rng: &mut XorShift, r: usize, d_in: usize) -> Vec<f32> {
 /// else `1/(1−p)`, from `seed` (the same seed gives the same mask on every
 /// rank, stage and run). `None` when `p = 0` (nothing dropped).
 pub fn dropout_mask(n: usize, p: f32, seed: u64) -> Option<Vec<f32>> {
+    let bits = dropout_bits(n, p, seed)?;
+    let keep = dropout_keep(p);
+    Some(
+        (0..n)
+            .map(|i| if kept(&bits, i) { keep } else { 0.0 })
+            .collect(),
+    )
+}
+
+/// The factor of a kept element of an inverted-dropout mask: `1/(1−p)`.
+pub fn dropout_keep(p: f32) -> f32 {
+    1.0 / (1.0 - p)
+}
+
+/// [`dropout_mask`] as a bit mask, 1 bit per element: bit `i % 32` of
+/// word `i / 32` is set when element `i` is kept (the same draws, so
+/// the same mask). `None` when `p = 0`. What the device trainer keeps
+/// between forward and backward (a 32nd of the f32 mask).
+pub fn dropout_bits(n: usize, p: f32, seed: u64) -> Option<Vec<u32>> {
     if p == 0.0 {
         return None;
     }
-    let keep = 1.0 / (1.0 - p);
     let mut rng = XorShift::new(seed);
-    Some(
-        (0..n)
-            .map(|_| if rng.uniform() < p { 0.0 } else { keep })
-            .collect(),
-    )
+    let mut bits = vec![0u32; n.div_ceil(32)];
+    for i in 0..n {
+        if rng.uniform() >= p {
+            bits[i / 32] |= 1 << (i % 32);
+        }
+    }
+    Some(bits)
+}
+
+/// Whether element `i` of bit mask `bits` ([`dropout_bits`]) is kept.
+pub fn kept(bits: &[u32], i: usize) -> bool {
+    bits[i / 32] >> (i % 32) & 1 == 1
 }
 
 /// `x ⊙ mask`, or `x` itself without a mask.

@@ -315,13 +315,21 @@ impl SftModel {
 
     /// The dropout key of layer `l` in this micro-batch; `None` without
     /// LoRA dropout.
-    fn dropout_key(&self, rank: usize, l: usize) -> Option<u64> {
+    pub(crate) fn dropout_key(&self, rank: usize, l: usize) -> Option<u64> {
         let (lc, seed) = self.lora.as_ref()?;
         if lc.dropout == 0.0 {
             return None;
         }
         let (step, micro) = self.micro.get();
         Some(lora::dropout_key(*seed, step, micro, rank, l))
+    }
+
+    /// Counts one micro-batch of optimizer step `step` (the engine's
+    /// global steps): the `(step, micro-batch)` of the dropout keys.
+    pub(crate) fn next_micro(&self, step: u64) {
+        let (last, micro) = self.micro.get();
+        self.micro
+            .set((step, if last == step { micro + 1 } else { 0 }));
     }
 
     /// One micro-batch on this rank: forward, loss, backward, `grad_ready`
@@ -342,10 +350,7 @@ impl SftModel {
         let rows = batch * seq;
         assert_eq!(tokens.len(), rows);
         assert_eq!(targets.len(), rows);
-        let step = e.global_steps();
-        let (last, micro) = self.micro.get();
-        self.micro
-            .set((step, if last == step { micro + 1 } else { 0 }));
+        self.next_micro(e.global_steps());
         let frozen = self.lora.is_some();
         let mut act = e.tracker().allocate(Tier::Device, Category::Activations, 0);
         let mut live = 0u64;

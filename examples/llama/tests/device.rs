@@ -10,8 +10,9 @@
 //!   puts it);
 //! - with bf16 parameters (bf16 activations, as on the GPU) it is
 //!   bit-identical across stages and its losses stay within bf16 rounding
-//!   of the CPU trainer's f32 activations;
-//! - what it does not run (LoRA) is an error naming it.
+//!   of the CPU trainer's f32 activations.
+//!
+//! LoRA on the device trainer: `tests/device_lora.rs`.
 
 use zero::comm::{Communicator, ThreadComm, ThreadGroup};
 use zero::core::backend::{CpuBackend, CpuMode};
@@ -23,8 +24,7 @@ use zero_llama as llama;
 use zero_testkit::backend::assert_same_bits;
 
 use llama::device::DeviceModel;
-use llama::lora::LoraConfig;
-use llama::train::{LoraSetup, SftModel};
+use llama::train::SftModel;
 use llama::Config;
 
 #[path = "common/device.rs"]
@@ -208,32 +208,6 @@ fn bf16_activations_are_exact_across_stages_and_near_the_cpu_trainer() {
             );
         }
     }
-}
-
-/// The error of a device trainer for `model` with `lora`.
-fn refusal(model: Config, lora: Option<LoraSetup>) -> String {
-    ThreadGroup::run(1, move |comm: ThreadComm| {
-        let mut b = Engine::builder(engine_config(1, 0, 1, Precision::Fp32), comm).seed(SEED);
-        let model = SftModel::register_lora(&mut b, model, None, lora.clone(), 1, false).unwrap();
-        let dev = CpuBackend::new(CpuMode::Checked).unwrap();
-        match DeviceModel::new(model, &dev, 1) {
-            Ok(_) => panic!("the device trainer accepted what it does not run"),
-            Err(e) => e.to_string(),
-        }
-    })
-    .unwrap()
-    .remove(0)
-}
-
-#[test]
-fn lora_is_refused_by_name() {
-    let lora = LoraSetup {
-        cfg: LoraConfig::new(4, 8.0, 0.0, &["q_proj"]).unwrap(),
-        seed: SEED,
-        adapters: None,
-    };
-    let e = refusal(model_config(false), Some(lora));
-    assert!(e.contains("LoRA"), "{e}");
 }
 
 /// A micro-batch whose every target is ignored (a prompt-only batch) gives

@@ -507,6 +507,41 @@ impl LlamaKernels {
         Ok(())
     }
 
+    /// LoRA's inverted dropout: `out = x · k` (with `accumulate`, `out +=
+    /// x · k`), `k = keep` where bit `i % 32` of `bits[i / 32]` is set,
+    /// else 0, elementwise.
+    pub fn dropout<E: Element>(
+        &self,
+        stream: &CudaStream,
+        x: &impl DevicePtr<E>,
+        bits: &impl DevicePtr<u32>,
+        keep: f32,
+        out: &mut impl DevicePtrMut<E>,
+        accumulate: bool,
+    ) -> Result<()> {
+        const OP: &str = "llama_dropout";
+        let n = x.len();
+        check_lens(OP, &[("out", out.len(), n)])?;
+        if bits.len() < n.div_ceil(32) {
+            return Err(size_err(
+                OP,
+                format!("a mask of {} words for {n} elements", bits.len()),
+            ));
+        }
+        let name = Self::entry::<E>(OP, "llama_dropout")?;
+        let (n64, acc) = (n as u64, i32::from(accumulate));
+        let mut b = self.builder(stream, &name)?;
+        let (px, _g1) = x.device_ptr(stream);
+        let (pb, _g2) = bits.device_ptr(stream);
+        let (po, _g3) = out.device_ptr_mut(stream);
+        b.arg(&px).arg(&pb).arg(&keep).arg(&po).arg(&n64).arg(&acc);
+        // SAFETY: llama_dropout_E(const E* x, const u32* bits, f32 keep, E*
+        // out, u64 n, int acc): x and out hold n elements, bits at least
+        // n / 32 rounded up words (checked).
+        unsafe { b.launch(grid(n, EW_BLOCK, self.max_blocks)) }.map_err(driver_err)?;
+        Ok(())
+    }
+
     /// Backward of [`LlamaKernels::swiglu_forward`]: `dh1`, `dh3` from `da`.
     pub fn swiglu_backward<E: Element>(
         &self,

@@ -57,17 +57,19 @@ pub const SOFTMAX_ENTRY_POINTS: &[&str] = &[
     "llama_loss_mean",
 ];
 
-/// Embedding, SwiGLU and RoPE kernels.
+/// Embedding, SwiGLU, LoRA's dropout and RoPE kernels.
 pub const ELEMENTWISE_ENTRY_POINTS: &[&str] = &[
     "llama_embedding_fwd_f32",
     "llama_embedding_bwd_f32",
     "llama_swiglu_fwd_f32",
     "llama_swiglu_bwd_f32",
+    "llama_dropout_f32",
     "llama_rope_f32",
     "llama_embedding_fwd_bf16",
     "llama_embedding_bwd_bf16",
     "llama_swiglu_fwd_bf16",
     "llama_swiglu_bwd_bf16",
+    "llama_dropout_bf16",
     "llama_rope_bf16",
 ];
 

@@ -104,6 +104,7 @@ impl LlamaDevice for CpuBackend {
     type Ids = Arc<[u32]>;
     type Targets = Arc<[i32]>;
     type EmbedPlan = CpuEmbedPlan;
+    type Mask = Arc<[u32]>;
 
     fn llama_ops(&self, cfg: &Config, threads: usize) -> Result<CpuOps> {
         Ok(CpuOps {
@@ -135,6 +136,49 @@ impl LlamaDevice for CpuBackend {
 
     fn upload_targets(&self, _: &CpuOps, targets: &[i32]) -> Result<Arc<[i32]>> {
         Ok(Arc::from(targets))
+    }
+
+    fn upload_mask(&self, _: &CpuOps, bits: &[u32]) -> Result<Arc<[u32]>> {
+        Ok(Arc::from(bits))
+    }
+
+    /// [`crate::lora`]'s `x · k` (and `out + x · k`) per element.
+    fn dropout<T: Element>(
+        &self,
+        _: &CpuOps,
+        x: Src<'_, Self, T>,
+        mask: &Arc<[u32]>,
+        word: usize,
+        keep: f32,
+        out: Dst<'_, Self, T>,
+        n: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        const OP: &str = "llama_dropout";
+        let words = mask.len();
+        if word + n.div_ceil(32) > words {
+            return Err(invalid(
+                OP,
+                format!("{n} elements from word {word} of a mask of {words} words"),
+            ));
+        }
+        let args = (input(self, x, n)?, output(self, out, n)?);
+        let bits = mask.clone();
+        self.launch(Stream::Compute, OP, args, move |run, (x, mut out)| {
+            let (x, out) = (x.get(run), out.get(run));
+            let bits = &bits[word..];
+            for (i, (o, v)) in out.iter_mut().zip(x).enumerate() {
+                let k = if crate::lora::kept(bits, i) {
+                    keep
+                } else {
+                    0.0
+                };
+                let v = v.to_f32() * k;
+                *o = T::from_f32(if accumulate { o.to_f32() + v } else { v });
+            }
+            Ok(())
+        })?;
+        Ok(())
     }
 
     fn embed_plan(

@@ -77,6 +77,13 @@ pub struct CudaIds {
     dev: Option<CudaSlice<u32>>,
 }
 
+/// LoRA's dropout bit masks on the device ([`LlamaDevice::Mask`]).
+pub struct CudaMask {
+    words: usize,
+    /// `None` for no words (the driver has no empty allocation).
+    dev: Option<CudaSlice<u32>>,
+}
+
 /// Targets on the device (`< 0`: ignored), and on the host for the range
 /// checks and the count of rows not ignored (the loss's divisor).
 pub struct CudaTargets {
@@ -217,6 +224,7 @@ impl LlamaDevice for CudaBackend {
     type Ids = CudaIds;
     type Targets = CudaTargets;
     type EmbedPlan = CudaEmbedPlan;
+    type Mask = CudaMask;
 
     /// The kernels (compiled by NVRTC once per process), the RoPE tables
     /// and a cuBLAS handle on the compute stream; `threads` is the CPU's
@@ -281,6 +289,62 @@ impl LlamaDevice for CudaBackend {
             host: tokens.into(),
             dev,
         })
+    }
+
+    /// A copy from pageable memory, as the ids' (the driver may stage it
+    /// after the compute stream's work so far: once per block's forward
+    /// with dropout).
+    fn upload_mask(&self, ops: &CudaOps, bits: &[u32]) -> Result<CudaMask> {
+        ops.check(self, "llama_upload_mask")?;
+        let dev = if bits.is_empty() {
+            None
+        } else {
+            Some(
+                ops.stream
+                    .clone_htod(bits)
+                    .map_err(driver("cuMemcpyHtoDAsync (dropout masks)"))?,
+            )
+        };
+        Ok(CudaMask {
+            words: bits.len(),
+            dev,
+        })
+    }
+
+    fn dropout<T: Element>(
+        &self,
+        ops: &CudaOps,
+        x: Src<'_, Self, T>,
+        mask: &CudaMask,
+        word: usize,
+        keep: f32,
+        out: Dst<'_, Self, T>,
+        n: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        const OP: &str = "llama_dropout";
+        ops.check(self, OP)?;
+        let words = n.div_ceil(32);
+        if word + words > mask.words {
+            return Err(invalid(
+                OP,
+                format!(
+                    "{n} elements from word {word} of a mask of {} words",
+                    mask.words
+                ),
+            ));
+        }
+        let xv = read(self, OP, "x", x, n)?;
+        let mut ov = write(self, OP, "out", out, n)?;
+        match &mask.dev {
+            Some(d) if n > 0 => {
+                let bits = d.slice(word..word + words);
+                ops.kernels
+                    .dropout(&ops.stream, &xv, &bits, keep, &mut ov, accumulate)?;
+            }
+            _ => {}
+        }
+        Ok(())
     }
 
     fn upload_targets(&self, ops: &CudaOps, targets: &[i32]) -> Result<CudaTargets> {

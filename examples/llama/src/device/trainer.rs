@@ -24,6 +24,9 @@ use crate::ops::Mm;
 use crate::train::{MicroStats, SftModel};
 use crate::{block_tensors, tensors, Config};
 
+mod lora;
+use lora::{LayerLora, LoraActs};
+
 /// A Llama registered with an engine ([`SftModel::register`]), trained on
 /// the engine's device backend.
 pub struct DeviceModel<B: LlamaDevice> {
@@ -35,16 +38,25 @@ pub struct DeviceModel<B: LlamaDevice> {
     workspace_peak: AtomicU64,
 }
 
+/// Whether the model's base is frozen (LoRA): then the embedding and the
+/// head get no gradient and the blocks' gradients are their adapters'.
+fn frozen(m: &SftModel) -> bool {
+    m.lora.is_some()
+}
+
 /// A block's tensors' offsets in its gathered buffer (and gradient
 /// buffer): `wq, wk, wv, wo, gate, up, down, attn_norm, mlp_norm`.
 /// With q/k/v biases (Qwen2), `bias` holds theirs.
 struct BlockAt {
     w: [usize; 9],
     bias: Option<[usize; 3]>,
+    /// With LoRA, the adapters' offsets ([`LayerLora`]).
+    lora: Option<LayerLora>,
 }
 
 impl BlockAt {
-    fn of(cfg: &Config, l: usize, lay: &UnitLayout) -> Result<Self> {
+    fn of(m: &SftModel, l: usize, lay: &UnitLayout) -> Result<Self> {
+        let cfg = &m.cfg;
         let names = block_tensors(cfg, l);
         let mut w = [0; 9];
         for (o, t) in w.iter_mut().zip(&names) {
@@ -58,7 +70,11 @@ impl BlockAt {
             ]),
             _ => None,
         };
-        Ok(BlockAt { w, bias })
+        let lora = match &m.lora {
+            Some((lc, _)) => Some(LayerLora::of(cfg, lc, l, lay)?),
+            None => None,
+        };
+        Ok(BlockAt { w, bias, lora })
     }
 }
 
@@ -71,7 +87,7 @@ fn offset(lay: &UnitLayout, name: &str) -> Result<usize> {
 }
 
 /// The activations of one block's forward that its backward reads.
-struct Acts<B: Backend, T: Element> {
+struct Acts<B: LlamaDevice, T: Element> {
     x: Tmp<B, T>,
     xn1: Tmp<B, T>,
     inv1: Tmp<B, f32>,
@@ -86,9 +102,11 @@ struct Acts<B: Backend, T: Element> {
     h1: Tmp<B, T>,
     h3: Tmp<B, T>,
     a: Tmp<B, T>,
+    /// With LoRA: the adapters' `drop(x) Aᵀ` and the dropout bit masks.
+    lora: Option<LoraActs<B, T>>,
 }
 
-impl<B: Backend, T: Element> Acts<B, T> {
+impl<B: LlamaDevice, T: Element> Acts<B, T> {
     fn bytes(&self) -> u64 {
         let t = [
             &self.x,
@@ -105,15 +123,19 @@ impl<B: Backend, T: Element> Acts<B, T> {
             &self.a,
         ];
         let n: usize = t.iter().map(|b| b.len()).sum();
-        (n * size_of::<T>() + 4 * (self.inv1.len() + self.inv2.len())) as u64
+        let lora = self.lora.as_ref().map_or(0, LoraActs::bytes);
+        (n * size_of::<T>() + 4 * (self.inv1.len() + self.inv2.len())) as u64 + lora
     }
 }
+
+/// The gradients of the queries, keys and values.
+type Qkv<B, T> = (Tmp<B, T>, Tmp<B, T>, Tmp<B, T>);
 
 /// A block's forward: what its backward reads, and its output.
 type Forward<B, T> = (Box<Acts<B, T>>, Tmp<B, T>);
 
 /// What forward keeps of a block.
-enum Saved<B: Backend, T: Element> {
+enum Saved<B: LlamaDevice, T: Element> {
     Full(Box<Acts<B, T>>),
     /// Activation checkpointing: the block input only.
     Input(Tmp<B, T>),
@@ -273,16 +295,11 @@ impl<B: LlamaDevice> DeviceModel<B> {
     /// The model on `backend` (the engine's, [`Engine::device_backend`]);
     /// `threads`: the CPU backend's GEMM threads.
     ///
-    /// Errors: LoRA adapters, which the device trainer does not run yet
-    /// ([`Error::Unsupported`]).
+    /// With LoRA ([`SftModel::register_lora`]) the adapters train on the
+    /// device as the CPU trainer trains them (the same products, the same
+    /// dropout masks, kept as bit masks), the frozen base read in place
+    /// from the gathered units.
     pub fn new(model: SftModel, backend: &B, threads: usize) -> Result<Self> {
-        if model.lora.is_some() {
-            return Err(Error::Unsupported {
-                what: "LoRA on a device backend (the device trainer runs full fine-tuning; \
-                       use --device cpu for LoRA)"
-                    .into(),
-            });
-        }
         let ops = backend.llama_ops(&model.cfg, threads)?;
         Ok(DeviceModel {
             model,
@@ -341,6 +358,8 @@ impl<B: LlamaDevice> DeviceModel<B> {
         let owned = e.device_backend().clone();
         let dev = &owned;
         let ops = &self.ops;
+        m.next_micro(e.global_steps());
+        let frozen = frozen(m);
         let live_before = LIVE.with(|c| {
             let (live, _) = c.get();
             c.set((live, live));
@@ -374,10 +393,11 @@ impl<B: LlamaDevice> DeviceModel<B> {
         let mut saved: Vec<Saved<B, T>> = Vec::with_capacity(c.n_layers);
         for (l, &u) in m.layers.iter().enumerate() {
             let g = e.gather(u)?;
-            let at = BlockAt::of(c, l, g.layout())?;
+            let at = BlockAt::of(m, l, g.layout())?;
+            let key = m.dropout_key(rank, l);
             // Counted: what forward keeps, and the current block input.
             let x_bytes = bytes::<B, T>(&x);
-            let (acts, y) = self.block_forward(dev, g.buffer::<T>()?, &at, x, s)?;
+            let (acts, y) = self.block_forward(dev, g.buffer::<T>()?, &at, x, s, key)?;
             drop(g);
             let s_ = if m.checkpointing {
                 Saved::Input(acts.x)
@@ -450,24 +470,30 @@ impl<B: LlamaDevice> DeviceModel<B> {
         // The loss scale enters as the products' alpha (the CPU trainer
         // scales dlogits first: the same bits for a power-of-two scale).
         let head_len = e.layout(m.head)?.numel;
-        let mut gh = tmp::<B, T>(dev, head_len, "lm_head grad")?;
-        let mut dhead_tied = if c.tie_embeddings {
+        // A frozen head (LoRA) gets no gradient: the input gradient only.
+        let mut gh = match frozen {
+            true => None,
+            false => Some(tmp::<B, T>(dev, head_len, "lm_head grad")?),
+        };
+        let mut dhead_tied = if c.tie_embeddings && !frozen {
             Some(tmp::<B, T>(dev, c.vocab * s.dim, "tied head grad")?)
         } else {
             None
         };
-        let dw = match dhead_tied.as_mut() {
-            Some(d) => d.dst(),
-            None => gh.dst_at(w_at),
-        };
-        dev.gemm(
-            ops,
-            dw,
-            dlogits.src(),
-            xn.src(),
-            Mm::new(c.vocab, s.dim, np).ta().alpha(scale),
-            Batch::ONE,
-        )?;
+        if let Some(gh) = gh.as_mut() {
+            let dw = match dhead_tied.as_mut() {
+                Some(d) => d.dst(),
+                None => gh.dst_at(w_at),
+            };
+            dev.gemm(
+                ops,
+                dw,
+                dlogits.src(),
+                xn.src(),
+                Mm::new(c.vocab, s.dim, np).ta().alpha(scale),
+                Batch::ONE,
+            )?;
+        }
         let mut dxn = tmp::<B, T>(dev, np * s.dim, "head dnorm")?;
         dev.gemm(
             ops,
@@ -493,13 +519,18 @@ impl<B: LlamaDevice> DeviceModel<B> {
             false,
         )?;
         drop((tied, head));
-        dev.cast(Stream::Compute, &dnorm, 0, &mut gh, norm_at, s.dim, false)?;
-        let mut g = e.grad_buffer::<T>(m.head)?;
-        dev.write_grad(ops, &gh, g.lent(), head_len)?;
-        e.grad_ready(m.head, g)?;
-        let mut demb = tmp::<B, f32>(dev, c.vocab * s.dim, "embedding grad")?;
-        if let Some(d) = &dhead_tied {
-            dev.cast(Stream::Compute, d, 0, &mut demb, 0, c.vocab * s.dim, false)?;
+        if let Some(mut gh) = gh {
+            dev.cast(Stream::Compute, &dnorm, 0, &mut gh, norm_at, s.dim, false)?;
+            let mut g = e.grad_buffer::<T>(m.head)?;
+            dev.write_grad(ops, &gh, g.lent(), head_len)?;
+            e.grad_ready(m.head, g)?;
+        }
+        let mut demb = match frozen {
+            true => None,
+            false => Some(tmp::<B, f32>(dev, c.vocab * s.dim, "embedding grad")?),
+        };
+        if let (Some(d), Some(demb)) = (&dhead_tied, demb.as_mut()) {
+            dev.cast(Stream::Compute, d, 0, demb, 0, c.vocab * s.dim, false)?;
         }
         drop(dhead_tied);
         let mut dx = tmp::<B, T>(dev, s.rows * s.dim, "dx")?;
@@ -522,7 +553,8 @@ impl<B: LlamaDevice> DeviceModel<B> {
         dev.profile_phase(ops, Phase::Backward);
         for (l, &u) in m.layers.iter().enumerate().rev() {
             let g = e.gather(u)?;
-            let at = BlockAt::of(c, l, g.layout())?;
+            let at = BlockAt::of(m, l, g.layout())?;
+            let key = m.dropout_key(rank, l);
             let sv = saved.pop().ok_or_else(|| Error::Usage {
                 rank,
                 what: format!("no saved activations for layer {l}"),
@@ -530,12 +562,17 @@ impl<B: LlamaDevice> DeviceModel<B> {
             grow(-(saved_bytes(&sv) as i64));
             let acts = match sv {
                 Saved::Full(a) => a,
-                Saved::Input(x) => self.block_forward(dev, g.buffer::<T>()?, &at, x, s)?.0,
+                Saved::Input(x) => self.block_forward(dev, g.buffer::<T>()?, &at, x, s, key)?.0,
             };
             grow(acts.bytes() as i64);
             let len = g.layout().numel;
             let mut gb = tmp::<B, T>(dev, len, "block grad")?;
-            let next = self.block_backward(dev, g.buffer::<T>()?, &at, &acts, dx, &mut gb, s)?;
+            let p = g.buffer::<T>()?;
+            let next = if frozen {
+                self.block_backward_lora(dev, p, &at, &acts, dx, &mut gb, s)?
+            } else {
+                self.block_backward(dev, p, &at, &acts, dx, &mut gb, s)?
+            };
             drop(g);
             grow(-(acts.bytes() as i64));
             drop(acts);
@@ -545,16 +582,21 @@ impl<B: LlamaDevice> DeviceModel<B> {
             e.grad_ready(u, lent)?;
         }
 
-        // Embedding: no parameters needed, so no gather.
-        dev.embedding_backward(ops, dx.src(), &plan, demb.dst(), s.dim)?;
+        // Embedding: no parameters needed, so no gather; nothing at all
+        // when it is frozen.
+        if let Some(demb) = demb.as_mut() {
+            dev.embedding_backward(ops, dx.src(), &plan, demb.dst(), s.dim)?;
+        }
         grow(-bytes::<B, T>(&dx));
         drop(dx);
-        let n = c.vocab * s.dim;
-        let mut ge = tmp::<B, T>(dev, n, "embedding grad")?;
-        dev.cast(Stream::Compute, &demb, 0, &mut ge, 0, n, false)?;
-        let mut g = e.grad_buffer::<T>(m.embed)?;
-        dev.write_grad(ops, &ge, g.lent(), n)?;
-        e.grad_ready(m.embed, g)?;
+        if let Some(demb) = demb {
+            let n = c.vocab * s.dim;
+            let mut ge = tmp::<B, T>(dev, n, "embedding grad")?;
+            dev.cast(Stream::Compute, &demb, 0, &mut ge, 0, n, false)?;
+            let mut g = e.grad_buffer::<T>(m.embed)?;
+            dev.write_grad(ops, &ge, g.lent(), n)?;
+            e.grad_ready(m.embed, g)?;
+        }
         drop(bwd);
 
         dev.sync(&dev.record(Stream::Compute)?)?;
@@ -570,7 +612,9 @@ impl<B: LlamaDevice> DeviceModel<B> {
     }
 
     /// A block's forward from input `x`: what its backward reads, and the
-    /// output `y = h + down(silu(gate) ∘ up)`.
+    /// output `y = h + down(silu(gate) ∘ up)`; with LoRA each target's
+    /// adapter adds its output after its projection (`key`: the block's
+    /// dropout key, [`SftModel`]'s).
     fn block_forward<T: Element>(
         &self,
         dev: &B,
@@ -578,6 +622,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         at: &BlockAt,
         x: Tmp<B, T>,
         s: Shape,
+        key: Option<u64>,
     ) -> Result<Forward<B, T>> {
         let (c, ops) = (&self.model.cfg, &self.ops);
         let [wq, wk, wv, wo, gate, up, down, n1, n2] = at.w;
@@ -601,6 +646,15 @@ impl<B: LlamaDevice> DeviceModel<B> {
             dev.add_bias(ops, q.dst(), src_at(p, bq), rows, s.qd)?;
             dev.add_bias(ops, k.dst(), src_at(p, bk), rows, s.kd)?;
             dev.add_bias(ops, v.dst(), src_at(p, bv), rows, s.kd)?;
+        }
+        let mut lora = match &at.lora {
+            Some(ll) => Some(self.lora_acts(dev, ll, s, key)?),
+            None => None,
+        };
+        if let (Some(ll), Some(la)) = (&at.lora, lora.as_mut()) {
+            self.adapt(dev, p, ll, la, 0, &xn1, &mut q, s)?;
+            self.adapt(dev, p, ll, la, 1, &xn1, &mut k, s)?;
+            self.adapt(dev, p, ll, la, 2, &xn1, &mut v, s)?;
         }
         dev.rope(ops, q.dst(), rows, s.seq, s.heads, false)?;
         dev.rope(ops, k.dst(), rows, s.seq, s.kv, false)?;
@@ -653,6 +707,9 @@ impl<B: LlamaDevice> DeviceModel<B> {
             linear(rows, s.qd, dim).acc(),
             Batch::ONE,
         )?;
+        if let (Some(ll), Some(la)) = (&at.lora, lora.as_mut()) {
+            self.adapt(dev, p, ll, la, 3, &attn, &mut h, s)?;
+        }
         let mut xn2 = tmp::<B, T>(dev, rows * dim, "xn2")?;
         let mut inv2 = tmp::<B, f32>(dev, rows, "inv2")?;
         dev.rmsnorm_forward(
@@ -665,11 +722,18 @@ impl<B: LlamaDevice> DeviceModel<B> {
             dim,
             c.norm_eps,
         )?;
-        let h1 = self.project(dev, &xn2, p, gate, (rows, dim, s.hidden), "h1")?;
-        let h3 = self.project(dev, &xn2, p, up, (rows, dim, s.hidden), "h3")?;
+        let mut h1 = self.project(dev, &xn2, p, gate, (rows, dim, s.hidden), "h1")?;
+        let mut h3 = self.project(dev, &xn2, p, up, (rows, dim, s.hidden), "h3")?;
+        if let (Some(ll), Some(la)) = (&at.lora, lora.as_mut()) {
+            self.adapt(dev, p, ll, la, 4, &xn2, &mut h1, s)?;
+            self.adapt(dev, p, ll, la, 5, &xn2, &mut h3, s)?;
+        }
         let mut a = tmp::<B, T>(dev, rows * s.hidden, "swiglu")?;
         dev.swiglu_forward(ops, h1.src(), h3.src(), a.dst(), rows * s.hidden)?;
-        let mlp = self.project(dev, &a, p, down, (rows, s.hidden, dim), "mlp out")?;
+        let mut mlp = self.project(dev, &a, p, down, (rows, s.hidden, dim), "mlp out")?;
+        if let (Some(ll), Some(la)) = (&at.lora, lora.as_mut()) {
+            self.adapt(dev, p, ll, la, 6, &a, &mut mlp, s)?;
+        }
         let mut y = tmp::<B, T>(dev, rows * dim, "y")?;
         dev.copy_d2d(Stream::Compute, &h, 0, &mut y, 0, rows * dim)?;
         dev.cast(Stream::Compute, &mlp, 0, &mut y, 0, rows * dim, true)?;
@@ -688,6 +752,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
             h1,
             h3,
             a,
+            lora,
         });
         Ok((acts, y))
     }
@@ -835,6 +900,81 @@ impl<B: LlamaDevice> DeviceModel<B> {
             (rows, s.qd, dim),
             false,
         )?;
+        let (dq, dk, dv) = self.attention_backward(dev, c, dattn, s)?;
+        // The biases' gradients: column sums of the projections' output
+        // gradients (before RoPE, where the bias is added).
+        if let Some([bq, bk, bv]) = at.bias {
+            dev.bias_grad(ops, dq.src(), dst_at(gb, bq), rows, s.qd)?;
+            dev.bias_grad(ops, dk.src(), dst_at(gb, bk), rows, s.kd)?;
+            dev.bias_grad(ops, dv.src(), dst_at(gb, bv), rows, s.kd)?;
+        }
+        let mut dxn1 = tmp::<B, T>(dev, rows * dim, "dxn1")?;
+        self.linear_backward(
+            dev,
+            p,
+            wq,
+            gb,
+            &dq,
+            &c.xn1,
+            &mut dxn1,
+            (rows, dim, s.qd),
+            false,
+        )?;
+        self.linear_backward(
+            dev,
+            p,
+            wk,
+            gb,
+            &dk,
+            &c.xn1,
+            &mut dxn1,
+            (rows, dim, s.kd),
+            true,
+        )?;
+        self.linear_backward(
+            dev,
+            p,
+            wv,
+            gb,
+            &dv,
+            &c.xn1,
+            &mut dxn1,
+            (rows, dim, s.kd),
+            true,
+        )?;
+        drop((dq, dk, dv));
+        let mut dx = tmp::<B, T>(dev, rows * dim, "dx")?;
+        dev.copy_d2d(Stream::Compute, &dh, 0, &mut dx, 0, rows * dim)?;
+        let mut dn1 = tmp::<B, f32>(dev, dim, "attn norm grad")?;
+        dev.rmsnorm_backward(
+            ops,
+            dxn1.src(),
+            c.x.src(),
+            src_at(p, n1),
+            c.inv1.src(),
+            dx.dst(),
+            dn1.dst(),
+            rows,
+            dim,
+            true,
+        )?;
+        dev.cast(Stream::Compute, &dn1, 0, gb, n1, dim, false)?;
+        dev.cast(Stream::Compute, &dn2, 0, gb, n2, dim, false)?;
+        Ok(dx)
+    }
+
+    /// Attention's backward from `dattn` (the gradient of its output
+    /// before `o_proj`): `(dq, dk, dv)`, the queries' and keys' before
+    /// RoPE (where the projections and their biases are).
+    fn attention_backward<T: Element>(
+        &self,
+        dev: &B,
+        c: &Acts<B, T>,
+        dattn: Tmp<B, T>,
+        s: Shape,
+    ) -> Result<Qkv<B, T>> {
+        let ops = &self.ops;
+        let rows = s.rows;
         let t = s.seq;
         let scale = 1.0 / (s.hd as f32).sqrt();
         let mut dp = tmp_scratch::<B, T>(dev, s.mats(), "dprobs")?;
@@ -904,66 +1044,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         drop((ds, dattn));
         dev.rope(ops, dq.dst(), rows, t, s.heads, true)?;
         dev.rope(ops, dk.dst(), rows, t, s.kv, true)?;
-        // The biases' gradients: column sums of the projections' output
-        // gradients (before RoPE, where the bias is added).
-        if let Some([bq, bk, bv]) = at.bias {
-            dev.bias_grad(ops, dq.src(), dst_at(gb, bq), rows, s.qd)?;
-            dev.bias_grad(ops, dk.src(), dst_at(gb, bk), rows, s.kd)?;
-            dev.bias_grad(ops, dv.src(), dst_at(gb, bv), rows, s.kd)?;
-        }
-        let mut dxn1 = tmp::<B, T>(dev, rows * dim, "dxn1")?;
-        self.linear_backward(
-            dev,
-            p,
-            wq,
-            gb,
-            &dq,
-            &c.xn1,
-            &mut dxn1,
-            (rows, dim, s.qd),
-            false,
-        )?;
-        self.linear_backward(
-            dev,
-            p,
-            wk,
-            gb,
-            &dk,
-            &c.xn1,
-            &mut dxn1,
-            (rows, dim, s.kd),
-            true,
-        )?;
-        self.linear_backward(
-            dev,
-            p,
-            wv,
-            gb,
-            &dv,
-            &c.xn1,
-            &mut dxn1,
-            (rows, dim, s.kd),
-            true,
-        )?;
-        drop((dq, dk, dv));
-        let mut dx = tmp::<B, T>(dev, rows * dim, "dx")?;
-        dev.copy_d2d(Stream::Compute, &dh, 0, &mut dx, 0, rows * dim)?;
-        let mut dn1 = tmp::<B, f32>(dev, dim, "attn norm grad")?;
-        dev.rmsnorm_backward(
-            ops,
-            dxn1.src(),
-            c.x.src(),
-            src_at(p, n1),
-            c.inv1.src(),
-            dx.dst(),
-            dn1.dst(),
-            rows,
-            dim,
-            true,
-        )?;
-        dev.cast(Stream::Compute, &dn1, 0, gb, n1, dim, false)?;
-        dev.cast(Stream::Compute, &dn2, 0, gb, n2, dim, false)?;
-        Ok(dx)
+        Ok((dq, dk, dv))
     }
 }
 
@@ -971,7 +1052,7 @@ fn bytes<B: Backend, T: Element>(b: &Tmp<B, T>) -> i64 {
     (b.len() * size_of::<T>()) as i64
 }
 
-fn saved_bytes<B: Backend, T: Element>(s: &Saved<B, T>) -> u64 {
+fn saved_bytes<B: LlamaDevice, T: Element>(s: &Saved<B, T>) -> u64 {
     match s {
         Saved::Full(a) => a.bytes(),
         Saved::Input(x) => bytes::<B, T>(x) as u64,
