@@ -162,6 +162,7 @@ if [ "$mode" = build ]; then
     "llama_cuda|test:cuda_kernels|test -p zero-llama --features cuda --test cuda_kernels --no-run"
     "llama_cuda_nvrtc|test:nvrtc|test -p zero-llama --features cuda --test nvrtc --no-run"
     "llama_device_cuda|test:device_cuda|test -p zero-llama --features cuda --test device_cuda --no-run"
+    "llama_device_lora_cuda|test:device_lora_cuda|test -p zero-llama --features cuda --test device_lora_cuda --no-run"
     "llama_sft|example:llama_sft|build -p zero --no-default-features --features cuda --example llama_sft"
     "llama_cuda-bench|bench:llama_cuda|test -p zero --no-default-features --features cuda --bench llama_cuda --no-run"
     "engine_cuda|test:engine|test -p zero --no-default-features --features cuda --test engine --no-run"
@@ -178,7 +179,7 @@ if [ "$mode" = build ]; then
     [zero-core-lib]=zero-core [cuda_adamw]=zero-core [cuda_arena]=zero-core
     [cuda_streams]=zero-core [nvrtc]=zero-core [backend_conformance]=zero-core [cuda_pool]=zero-core
     [nccl]=zero-comm [nccl_device]=zero-comm [cuda_pin]=zero-offload [cuda-bench]= [engine_cuda]= [engine_offload_cuda]= [engine_checkpoint_cuda]=
-    [llama_cuda]=examples/llama [llama_cuda_nvrtc]=examples/llama [llama_device_cuda]=examples/llama
+    [llama_cuda]=examples/llama [llama_cuda_nvrtc]=examples/llama [llama_device_cuda]=examples/llama [llama_device_lora_cuda]=examples/llama
     [llama_sft]= [llama_cuda-bench]=
   )
   for b in "${builds[@]}"; do
@@ -498,7 +499,7 @@ if [ "$mode" = cargo ]; then
   step test-nccl "$CARGO" test -p zero-comm --no-default-features --features cuda --test nccl --test nccl_device
   step test-cuda_pin "$CARGO" test -p zero-offload --features cuda --test cuda_pin
   step test-llama_cuda "$CARGO" test -p zero-llama --features cuda --test cuda_kernels --test nvrtc
-  step test-llama_device_cuda "$CARGO" test -p zero-llama --features cuda --test device_cuda
+  step test-llama_device_cuda "$CARGO" test -p zero-llama --features cuda --test device_cuda --test device_lora_cuda
   step test-engine_cuda "$CARGO" test -p zero --no-default-features --features cuda --test engine --test offload --test checkpoint -- ::cuda
   "$CARGO" build -q -p zero --no-default-features --features cuda --example llama_sft &&
     llama_sft_stages "$REPO/target/debug/examples/llama_sft" &&
@@ -552,7 +553,7 @@ else
   # against the CPU backend, the collectives.
   if [ "$run" != 2 ]; then
     for name in zero zero-core-lib cuda_adamw cuda_arena cuda_streams nvrtc backend_conformance cuda_pool \
-      llama_cuda llama_cuda_nvrtc llama_device_cuda; do
+      llama_cuda llama_cuda_nvrtc llama_device_cuda llama_device_lora_cuda; do
       run_exe "$name"
     done
     if [ -n "${exes[llama_sft]:-}" ]; then
@@ -578,7 +579,7 @@ section "summary"
   echo "mode: $mode, run $run; $(($(date +%s) - started)) s"
   printf '%s\n' "${summary[@]}"
   [ -f "$OUT/doctor.log" ] && grep -E "^ *(driver|nvrtc|cublas|nccl|NVRTC|cuBLAS|NCCL|libcuda)" "$OUT/doctor.log" | head -8
-  for name in test-zero-core test-zero-core-lib test-cuda_adamw test-cuda_arena test-cuda_streams test-nvrtc test-backend_conformance test-cuda_pool test-nccl test-llama_cuda test-llama_cuda_nvrtc test-llama_device_cuda test-engine_cuda test-engine_offload_cuda test-engine_checkpoint_cuda; do
+  for name in test-zero-core test-zero-core-lib test-cuda_adamw test-cuda_arena test-cuda_streams test-nvrtc test-backend_conformance test-cuda_pool test-nccl test-llama_cuda test-llama_cuda_nvrtc test-llama_device_cuda test-llama_device_lora_cuda test-engine_cuda test-engine_offload_cuda test-engine_checkpoint_cuda; do
     f="$OUT/$name.log"
     [ -f "$f" ] || continue
     n=$(grep -c -E "skipped|^SKIP" "$f" || true)
