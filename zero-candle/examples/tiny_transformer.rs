@@ -21,7 +21,7 @@
 
 use std::process::exit;
 
-use zero::comm::{launch, CommOptions, Communicator, ReduceOp};
+use zero::comm::{launch, CommOptions, ReduceOp};
 use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::optim::LrSchedule;
 use zero::core::{bf16, Element, HostBuffer};

@@ -16,7 +16,7 @@ use crate::{candle_err, Error, Result};
 
 /// Builds one unit's module from a `VarBuilder` already prefixed with the
 /// unit's name.
-type BuildFn = dyn Fn(VarBuilder<'_>) -> candle_core::Result<Box<dyn Module>>;
+type BuildFn = dyn Fn(VarBuilder<'_>) -> candle_core::Result<Box<dyn Module>> + Send + Sync;
 
 /// One unit of a [`CandleModel`]: a name prefix and the module it builds.
 pub(crate) struct UnitDef {
@@ -41,7 +41,7 @@ pub(crate) struct UnitDef {
 #[derive(Default)]
 pub struct CandleModel {
     pub(crate) units: Vec<UnitDef>,
-    frozen: Option<Box<dyn Fn(&str) -> bool>>,
+    frozen: Option<Box<dyn Fn(&str) -> bool + Send + Sync>>,
     values: HashMap<String, Tensor>,
 }
 
@@ -57,7 +57,7 @@ impl CandleModel {
     pub fn unit<M: Module + 'static>(
         &mut self,
         name: impl Into<String>,
-        build: impl Fn(VarBuilder<'_>) -> candle_core::Result<M> + 'static,
+        build: impl Fn(VarBuilder<'_>) -> candle_core::Result<M> + Send + Sync + 'static,
     ) -> &mut Self {
         self.units.push(UnitDef {
             name: name.into(),
@@ -70,7 +70,7 @@ impl CandleModel {
     /// `frozen` selects: registered with [`TensorSpec::frozen`], they get
     /// no gradient and the optimizer never writes them (give them values
     /// with [`CandleModel::values_from`]).
-    pub fn freeze(&mut self, frozen: impl Fn(&str) -> bool + 'static) -> &mut Self {
+    pub fn freeze(&mut self, frozen: impl Fn(&str) -> bool + Send + Sync + 'static) -> &mut Self {
         self.frozen = Some(Box::new(frozen));
         self
     }

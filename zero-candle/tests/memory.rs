@@ -8,7 +8,7 @@
 
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
-use zero::comm::ThreadGroup;
+use zero::comm::{Communicator, ThreadGroup};
 use zero::core::config::{Precision, ResolvedConfig};
 use zero::core::optim::LrSchedule;
 use zero::core::memory::Tier;
@@ -22,7 +22,7 @@ const SHAPE: TinyConfig = TinyConfig {
     dim: 192,
     heads: 4,
     hidden: 768,
-    layers: 8,
+    layers: 16,
 };
 const SEQ: usize = 16;
 const MICRO: usize = 4;
@@ -79,6 +79,9 @@ fn stage_3_recompute_peak_rss_is_the_estimate_plus_one_unit() {
         unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 10) },
         1
     );
+    // Twice: the first also starts candle's thread pool (for the matrix
+    // products), which the training below finds started.
+    one_unit_working_set();
     let unit = one_unit_working_set();
 
     let mut cfg = ResolvedConfig::simple(3, RANKS, MICRO);
@@ -97,26 +100,7 @@ fn stage_3_recompute_peak_rss_is_the_estimate_plus_one_unit() {
         mib(unit)
     );
 
-    let base = reset_peak();
-    let cfg = &cfg;
-    let losses = ThreadGroup::run(RANKS, |comm| {
-        let rank = comm.rank();
-        let model = SHAPE.model();
-        let mut b = Engine::builder(cfg.clone(), comm).seed(3);
-        let reg = model.register(&mut b).unwrap();
-        let mut t = Trainer::<zero::core::bf16, _>::new(b.build().unwrap(), model, reg).unwrap();
-        assert_eq!(t.backward_mode(), Backward::Recompute);
-        let mut l = Vec::new();
-        for step in 0..3 {
-            let first = ((step * RANKS + rank) * MICRO) as u64;
-            let (x, y) = tiny::batch(first, MICRO, SEQ, SHAPE.vocab).unwrap();
-            l.push(t.train_micro_batch(&x, |o| tiny::loss(o, &y)).unwrap());
-            t.step().unwrap();
-        }
-        l
-    })
-    .unwrap();
-    let grown = status("VmHWM") - base;
+    let (grown, losses) = train(&cfg, Backward::Recompute);
     let bound = planned + planned / 10 + RANKS as u64 * unit;
     println!(
         "peak RSS growth {:.1} MiB; zero::estimate {:.1} MiB ({} ranks × {:.1}) + one unit's \
@@ -135,4 +119,40 @@ fn stage_3_recompute_peak_rss_is_the_estimate_plus_one_unit() {
         mib(grown),
         mib(bound)
     );
+    // The bound tells the two modes apart: with the whole graph, candle
+    // holds every parameter and gradient in f32 (8 bytes per parameter
+    // per rank) on top of the engine's states.
+    let (whole, _) = train(&cfg, Backward::WholeGraph);
+    println!("whole graph: peak RSS growth {:.1} MiB", mib(whole));
+    assert!(
+        whole > bound,
+        "the whole-graph run ({:.1} MiB) should not fit the recompute's bound ({:.1} MiB)",
+        mib(whole),
+        mib(bound)
+    );
+}
+
+/// Trains 3 steps on `RANKS` thread ranks: the peak RSS growth and the
+/// losses.
+fn train(cfg: &ResolvedConfig, backward: Backward) -> (u64, Vec<Vec<f32>>) {
+    let base = reset_peak();
+    let losses = ThreadGroup::run(RANKS, |comm| {
+        let rank = comm.rank();
+        let model = SHAPE.model();
+        let mut b = Engine::builder(cfg.clone(), comm).seed(3);
+        let reg = model.register(&mut b).unwrap();
+        let mut t = Trainer::<zero::core::bf16, _>::new(b.build().unwrap(), model, reg)
+            .unwrap()
+            .with_backward(backward);
+        let mut l = Vec::new();
+        for step in 0..3 {
+            let first = ((step * RANKS + rank) * MICRO) as u64;
+            let (x, y) = tiny::batch(first, MICRO, SEQ, SHAPE.vocab).unwrap();
+            l.push(t.train_micro_batch(&x, |o| tiny::loss(o, &y)).unwrap());
+            t.step().unwrap();
+        }
+        l
+    })
+    .unwrap();
+    (status("VmHWM") - base, losses)
 }
