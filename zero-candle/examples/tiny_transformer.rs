@@ -10,7 +10,7 @@
 //! ```
 //!
 //! Flags: `--stage 0..3` (default 3), `--ranks N` threads when not under
-//! mpirun (default 2), `--steps N` (default 60), `--micro N` sequences per
+//! mpirun (default 2), `--steps N` (default 200), `--micro N` sequences per
 //! rank and micro-batch (default 16), `--layers N` (default 4), `--dtype
 //! fp32|bf16` parameters (default bf16; candle computes in f32),
 //! `--backward whole|recompute` (default: recompute at stage 3, whole
@@ -47,7 +47,7 @@ fn parse() -> Result<Args, String> {
     let mut a = Args {
         stage: 3,
         ranks: 2,
-        steps: 60,
+        steps: 200,
         micro: 16,
         layers: 4,
         bf16: true,
@@ -113,7 +113,7 @@ fn run<T: Element, C: EngineComm<zero::core::backend::CpuBackend>>(
     a: &Args,
 ) -> zero_candle::Result<()> {
     let (rank, world) = (comm.rank(), comm.world_size());
-    let cfg = config(a, world);
+    let mut cfg = config(a, world);
     let shape = TinyConfig {
         vocab: 32,
         dim: 64,
@@ -122,6 +122,9 @@ fn run<T: Element, C: EngineComm<zero::core::backend::CpuBackend>>(
         layers: a.layers,
     };
     let model = shape.model();
+    // Buckets and stage-3 prefetch sized to one block, not DeepSpeed's
+    // defaults for billion-parameter models.
+    model.size_config(&mut cfg)?;
     let mut b = Engine::builder(cfg, comm).seed(1);
     let registered = model.register(&mut b)?;
     let mut t = Trainer::<T, _>::new(b.build()?, model, registered)?;
