@@ -308,7 +308,16 @@ impl<T: Element, C: EngineComm<B>, B: EngineBackend> Trainer<T, C, B> {
             let (module, vars) = self.build_unit(u, true)?;
             let x = inputs.pop().expect("one input per unit");
             // Its gradient is wanted when a unit before needs it.
-            let x = if u > 0 && x.dtype().is_float() {
+            if u > 0 && !x.dtype().is_float() {
+                return Err(Error::Model(format!(
+                    "unit `{}` gets a {:?} input from unit `{}`: with per-unit recompute, every \
+                     unit but the first takes a float tensor (the gradient flows back through it)",
+                    self.registered.units[u].name,
+                    x.dtype(),
+                    self.registered.units[u - 1].name
+                )));
+            }
+            let x = if u > 0 {
                 Var::from_tensor(&x)
                     .map_err(|e| candle_err(format!("unit `{}`'s input", self.registered.units[u].name), e))?
                     .into_inner()
@@ -364,9 +373,20 @@ impl<T: Element, C: EngineComm<B>, B: EngineBackend> Trainer<T, C, B> {
     /// evaluation mode for the pass: stage 3's gathers are not recorded
     /// into its prefetch order).
     pub fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
-        self.engine.eval()?;
-        let out = self.forward_eval(input);
-        self.engine.train()?;
+        self.in_eval(|t| t.forward_eval(input))
+    }
+
+    /// Runs `f` with the engine in evaluation mode, then back in the mode
+    /// it was in.
+    fn in_eval<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
+        let training = self.engine.is_training();
+        if training {
+            self.engine.eval()?;
+        }
+        let out = f(self);
+        if training {
+            self.engine.train()?;
+        }
         out
     }
 
@@ -383,8 +403,13 @@ impl<T: Element, C: EngineComm<B>, B: EngineBackend> Trainer<T, C, B> {
     /// missing variable is created, an existing one of another shape is
     /// an error naming it): the trained model for candle alone
     /// (`VarMap::save` writes safetensors). A collective at stage 3 (every
-    /// rank calls it).
+    /// rank calls it). Between micro-batches only.
     pub fn write_vars(&mut self, vars: &VarMap) -> Result<()> {
+        // Evaluation mode: these gathers stay out of stage 3's prefetch order.
+        self.in_eval(|t| t.write_vars_eval(vars))
+    }
+
+    fn write_vars_eval(&mut self, vars: &VarMap) -> Result<()> {
         for u in 0..self.registered.units.len() {
             let unit = &self.registered.units[u];
             let guard = self.engine.gather(unit.id)?;
