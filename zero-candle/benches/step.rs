@@ -74,7 +74,11 @@ fn main() {
         shape.dim
     );
     let out = {
-        let one = || ThreadGroup::comms(1, &CommOptions::default()).unwrap().remove(0);
+        let one = || {
+            ThreadGroup::comms(1, &CommOptions::default())
+                .unwrap()
+                .remove(0)
+        };
         let (comm, comm2) = (one(), one());
         let model = shape.model();
         let mut b = Engine::builder(config(0, micro), comm).seed(1);
@@ -139,7 +143,10 @@ fn main() {
     let [plain, z0, z3] = times.map(median);
     println!("| setup | median step s | × plain candle | last loss |");
     println!("|---|---|---|---|");
-    println!("| plain candle (candle_nn::AdamW) | {plain:.4} | 1.00 | {:.4} |", losses[0]);
+    println!(
+        "| plain candle (candle_nn::AdamW) | {plain:.4} | 1.00 | {:.4} |",
+        losses[0]
+    );
     println!(
         "| zero-candle, stage 0, whole graph | {z0:.4} | {:.2} | {:.4} |",
         z0 / plain,

@@ -168,7 +168,10 @@ fn run<T: Element, C: EngineComm<zero::core::backend::CpuBackend>>(
     let logits = t.forward(&x)?;
     let acc = (|| {
         let pred = logits.argmax(candle_core::D::Minus1)?;
-        let hits = pred.eq(&y)?.narrow(1, 1, SEQ - 1)?.to_dtype(candle_core::DType::F32)?;
+        let hits = pred
+            .eq(&y)?
+            .narrow(1, 1, SEQ - 1)?
+            .to_dtype(candle_core::DType::F32)?;
         hits.mean_all()?.to_scalar::<f32>()
     })()
     .map_err(|e| zero_candle::Error::Model(e.to_string()))?;
@@ -179,7 +182,11 @@ fn run<T: Element, C: EngineComm<zero::core::backend::CpuBackend>>(
         if r == rank {
             println!("{}", t.engine().memory_report());
         }
-        t.engine().comm().barrier().wait().map_err(zero::Error::from)?;
+        t.engine()
+            .comm()
+            .barrier()
+            .wait()
+            .map_err(zero::Error::from)?;
     }
     Ok(())
 }
@@ -192,14 +199,18 @@ fn main() {
             exit(2);
         }
     };
-    let out = launch(a.ranks, &CommOptions::from_env().unwrap_or_default(), |comm| {
-        if a.bf16 {
-            run::<bf16, _>(comm, &a)
-        } else {
-            run::<f32, _>(comm, &a)
-        }
-        .map_err(|e| e.to_string())
-    });
+    let out = launch(
+        a.ranks,
+        &CommOptions::from_env().unwrap_or_default(),
+        |comm| {
+            if a.bf16 {
+                run::<bf16, _>(comm, &a)
+            } else {
+                run::<f32, _>(comm, &a)
+            }
+            .map_err(|e| e.to_string())
+        },
+    );
     match out {
         Ok(results) => {
             for r in results {

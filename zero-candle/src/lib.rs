@@ -53,8 +53,8 @@ pub enum Error {
     Candle {
         /// What was being done (names the unit or tensor).
         what: String,
-        /// Candle's error.
-        source: candle_core::Error,
+        /// Candle's error (boxed: it is large).
+        source: Box<candle_core::Error>,
     },
     /// The model cannot be trained as defined (names the unit or tensor).
     #[error("{0}")]
@@ -71,5 +71,8 @@ impl From<zero::core::Error> for Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 pub(crate) fn candle_err(what: String, source: candle_core::Error) -> Error {
-    Error::Candle { what, source }
+    Error::Candle {
+        what,
+        source: Box::new(source),
+    }
 }

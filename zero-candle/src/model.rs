@@ -18,6 +18,9 @@ use crate::{candle_err, Error, Result};
 /// unit's name.
 type BuildFn = dyn Fn(VarBuilder<'_>) -> candle_core::Result<Box<dyn Module>> + Send + Sync;
 
+/// Selects the frozen tensors by full name.
+type FrozenFn = dyn Fn(&str) -> bool + Send + Sync;
+
 /// One unit of a [`CandleModel`]: a name prefix and the module it builds.
 pub(crate) struct UnitDef {
     pub(crate) name: String,
@@ -41,7 +44,7 @@ pub(crate) struct UnitDef {
 #[derive(Default)]
 pub struct CandleModel {
     pub(crate) units: Vec<UnitDef>,
-    frozen: Option<Box<dyn Fn(&str) -> bool + Send + Sync>>,
+    frozen: Option<Box<FrozenFn>>,
     values: HashMap<String, Tensor>,
 }
 
@@ -204,7 +207,6 @@ impl CandleModel {
         Ok(())
     }
 
-
     /// Each unit's tensors and initialisers, learnt by building its module
     /// against the recording backend.
     fn record(&self) -> Result<Vec<RecordedUnit>> {
@@ -301,10 +303,10 @@ pub fn map_init(name: &str, shape: &Shape, hint: candle_nn::Init) -> Result<Init
         )))
     };
     Ok(match hint {
-        H::Const(c) if c == 0.0 => Init::Zeros,
-        H::Const(c) if c == 1.0 => Init::Ones,
+        H::Const(0.0) => Init::Zeros,
+        H::Const(1.0) => Init::Ones,
         H::Const(c) => Init::Constant(c as f32),
-        H::Randn { mean, stdev } if mean == 0.0 => Init::normal(stdev as f32),
+        H::Randn { mean: 0.0, stdev } => Init::normal(stdev as f32),
         H::Randn { .. } => return unsupported("has a non-zero mean, which zero's Normal lacks"),
         H::Uniform { lo, up } if lo == -up => Init::Uniform { bound: up as f32 },
         H::Uniform { .. } => {

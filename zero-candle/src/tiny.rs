@@ -106,7 +106,11 @@ impl Block {
     fn attention(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
         let hd = d / self.heads;
-        let split = |y: Tensor| y.reshape((b, t, self.heads, hd))?.transpose(1, 2)?.contiguous();
+        let split = |y: Tensor| {
+            y.reshape((b, t, self.heads, hd))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
         let q = split(self.q.forward(x)?)?;
         let k = split(self.k.forward(x)?)?;
         let v = split(self.v.forward(x)?)?;

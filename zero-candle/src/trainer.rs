@@ -13,6 +13,10 @@ use zero::{Engine, EngineBackend, EngineComm, StepOutcome, UnitGuard};
 use crate::model::{CandleModel, Registered, RegisteredUnit};
 use crate::{candle_err, Error, Result};
 
+/// A unit's module and its trainable tensors' `Var`s (with their index in
+/// the unit).
+type BuiltUnit = (Box<dyn Module>, Vec<(usize, Tensor)>);
+
 /// How a micro-batch's backward pass runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backward {
@@ -61,7 +65,8 @@ impl Backward {
 /// on the way). With [`Backward::Recompute`], each unit's parameters are
 /// copied twice (forward, then the recompute) and each boundary
 /// activation once more (into a `Var`, to get its gradient).
-pub struct Trainer<T: Element, C: EngineComm<B>, B: EngineBackend = zero::core::backend::CpuBackend> {
+pub struct Trainer<T: Element, C: EngineComm<B>, B: EngineBackend = zero::core::backend::CpuBackend>
+{
     engine: Engine<C, B>,
     model: CandleModel,
     registered: Registered,
@@ -186,7 +191,7 @@ impl<T: Element, C: EngineComm<B>, B: EngineBackend> Trainer<T, C, B> {
 
     /// Gathers unit `u` and builds its module (`vars`: trainable tensors
     /// as `Var`s, returned with their index in the unit).
-    fn build_unit(&mut self, u: usize, vars: bool) -> Result<(Box<dyn Module>, Vec<(usize, Tensor)>)> {
+    fn build_unit(&mut self, u: usize, vars: bool) -> Result<BuiltUnit> {
         let unit = &self.registered.units[u];
         let guard = self.engine.gather(unit.id)?;
         let mut tensors = HashMap::with_capacity(unit.tensors.len());
@@ -319,7 +324,12 @@ impl<T: Element, C: EngineComm<B>, B: EngineBackend> Trainer<T, C, B> {
             }
             let x = if u > 0 {
                 Var::from_tensor(&x)
-                    .map_err(|e| candle_err(format!("unit `{}`'s input", self.registered.units[u].name), e))?
+                    .map_err(|e| {
+                        candle_err(
+                            format!("unit `{}`'s input", self.registered.units[u].name),
+                            e,
+                        )
+                    })?
                     .into_inner()
             } else {
                 x
@@ -337,9 +347,12 @@ impl<T: Element, C: EngineComm<B>, B: EngineBackend> Trainer<T, C, B> {
                     .and_then(|p| p.sum_all())
                     .map_err(|e| candle_err("the output gradient's product".into(), e))?,
             };
-            let store = objective
-                .backward()
-                .map_err(|e| candle_err(format!("unit `{}`'s backward pass", self.registered.units[u].name), e))?;
+            let store = objective.backward().map_err(|e| {
+                candle_err(
+                    format!("unit `{}`'s backward pass", self.registered.units[u].name),
+                    e,
+                )
+            })?;
             if u > 0 {
                 // Detached: a gradient computed from Vars carries its graph,
                 // which the next unit's backward would walk again.

@@ -10,8 +10,8 @@ use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use zero::comm::{Communicator, ThreadGroup};
 use zero::core::config::{Precision, ResolvedConfig};
-use zero::core::optim::LrSchedule;
 use zero::core::memory::Tier;
+use zero::core::optim::LrSchedule;
 use zero::estimate::{estimate, Workload};
 use zero::Engine;
 use zero_candle::tiny::{self, Block, TinyConfig};
@@ -74,8 +74,8 @@ fn stage_3_recompute_peak_rss_is_the_estimate_plus_one_unit() {
     // freed (glibc's default threshold moves up to 32 MiB as buffers are
     // freed, and the freed memory then stays in its arenas): the RSS
     // follows what is allocated.
-    // SAFETY: mallopt only changes the allocator's parameters.
     assert_eq!(
+        // SAFETY: mallopt only changes the allocator's parameters.
         unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 10) },
         1
     );

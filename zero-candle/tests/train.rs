@@ -126,7 +126,10 @@ fn stages_offload_and_backward_modes_are_bit_identical() {
         let run = train(cfg, 2, backward, steps);
         assert_eq!(run.0, reference.0, "{name}: losses differ from stage 0's");
         for (k, v) in &reference.1 {
-            assert!(run.1[k] == *v, "{name}: parameter `{k}` differs from stage 0's");
+            assert!(
+                run.1[k] == *v,
+                "{name}: parameter `{k}` differs from stage 0's"
+            );
         }
     }
 }
@@ -184,7 +187,9 @@ fn candle_alone_matches_stage_0_up_to_adamw_arithmetic() {
     })
     .unwrap();
     let (worst, max_diff) = out[0];
-    println!("loss: largest relative difference {worst:e}; parameters: largest difference {max_diff:e}");
+    println!(
+        "loss: largest relative difference {worst:e}; parameters: largest difference {max_diff:e}"
+    );
     // The two AdamWs round differently (zero: a fused f32 kernel; candle:
     // one tensor op at a time, each rounded): the step m̂ / (√v̂ + ε) of an
     // element whose gradient is near zero is sensitive to that rounding, so
@@ -202,7 +207,9 @@ fn frozen_tensors_keep_their_values_and_values_come_from_a_varmap() {
     let given = VarMap::new();
     {
         let mut d = given.data().lock().unwrap();
-        let w: Vec<f32> = (0..TINY.dim * TINY.dim).map(|i| (i % 7) as f32 * 0.01).collect();
+        let w: Vec<f32> = (0..TINY.dim * TINY.dim)
+            .map(|i| (i % 7) as f32 * 0.01)
+            .collect();
         let t = Tensor::from_vec(w, (TINY.dim, TINY.dim), &Device::Cpu).unwrap();
         d.insert(
             "blocks.0.attn.q.weight".into(),
@@ -263,7 +270,10 @@ fn registration_names_what_it_cannot_train() {
     m.unit("a", |vb| candle_nn::linear(4, 4, vb.root().pp("shared")));
     m.unit("b", |vb| candle_nn::linear(4, 4, vb.root().pp("shared")));
     let e = err(m);
-    assert!(e.contains("`shared.weight`") && e.contains("`a`") && e.contains("`b`"), "{e}");
+    assert!(
+        e.contains("`shared.weight`") && e.contains("`a`") && e.contains("`b`"),
+        "{e}"
+    );
 
     let mut m = CandleModel::new();
     m.unit("empty", |_vb| Ok(candle_nn::Activation::Relu));
@@ -273,7 +283,8 @@ fn registration_names_what_it_cannot_train() {
     // Kaiming (candle-nn's Linear default) becomes zero's Uniform with
     // candle's bound.
     let shape = candle_core::Shape::from((8, 32));
-    let init = zero_candle::map_init("w", &shape, candle_nn::init::DEFAULT_KAIMING_UNIFORM).unwrap();
+    let init =
+        zero_candle::map_init("w", &shape, candle_nn::init::DEFAULT_KAIMING_UNIFORM).unwrap();
     let bound = (3f64.sqrt() * 2f64.sqrt() / 32f64.sqrt()) as f32;
     assert_eq!(init, zero::Init::Uniform { bound });
 }
