@@ -31,6 +31,7 @@ use super::optimizer::{Moments, OptimizerShard};
 use super::param_offload::{self, ParamOffload};
 use super::reducer::{GradReducer, SkipWait};
 use super::staging::{OffloadStage, ParamStepStage};
+use super::step::OptimizerStep;
 use super::{
     is_bias_norm_or_embedding, store_as, Engine, EngineBackend, EngineComm, EngineStats,
     GroupPredicate, Init, ParamGroup, Params, StepOutcome, Unit, UnitId,
@@ -806,6 +807,13 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             |i| reducer.has_acc(i),
             (adam, offload, GroupMap::new(plan.units(), &groups)),
         );
+        let optimizer = OptimizerStep::new(
+            opt.offload().is_some(),
+            reducer.grad_swap().is_some(),
+            poff.is_some(),
+            offload_stage,
+            param_stage,
+        );
         let mut engine = Engine {
             id,
             comm,
@@ -845,8 +853,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             health: Health::Ok,
             opt,
             rescued_error: None,
-            offload_stage,
-            param_stage,
+            optimizer: Some(optimizer),
             poff,
             tracer,
             cfg,

@@ -103,6 +103,16 @@
 //! With `offload_param` `"cpu"` and an optimizer swap-file error, the
 //! shards are written home only after every rank's optimizer step
 //! succeeded: the parameters of the last completed step stay readable.
+//!
+//! # Where things are
+//! This file is the coordinator: the unit lifecycle, the micro-batch and
+//! step bookkeeping, and the calls into the components. `builder.rs`
+//! builds the engine ([`EngineBuilder`]); `step/` holds the optimizer step,
+//! one type per tier (device, parameter offload on the host or a device,
+//! host or nvme tiles, `swap_gradients`), which the coordinator calls once
+//! per step; `reducer.rs`, `gatherer.rs`, `optimizer.rs`, `offload.rs`,
+//! `param_offload.rs`, `grad_swap.rs` and `staging.rs` are the components
+//! they drive; `checkpoint.rs` and `export.rs` save and export.
 
 mod backend;
 mod builder;
@@ -123,6 +133,7 @@ mod param_offload;
 mod reducer;
 mod staging;
 mod stats;
+mod step;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -134,7 +145,7 @@ use zero_comm::Communicator;
 use zero_core::backend::{CpuBackend, HostAccess, Stream};
 use zero_core::config::{FrozenParams, ResolvedConfig};
 use zero_core::memory::{Allocation, MemoryReport, MemoryTracker};
-use zero_core::optim::{clip_coefficient, AdamWStep, LossScaler};
+use zero_core::optim::{clip_coefficient, LossScaler};
 use zero_core::partition::{PartitionPlan, UnitLayout};
 use zero_core::{bf16, f16, DType, Element, HostBuffer};
 
@@ -161,8 +172,8 @@ use param_offload::ParamOffload;
 #[doc(hidden)]
 pub use reducer::SkipWait;
 use reducer::{GradReducer, GradState};
-use staging::{OffloadStage, ParamStepStage};
 pub use stats::{EngineStats, SwapTraffic};
+use step::OptimizerStep;
 
 /// A registered unit of one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -372,12 +383,9 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     /// The error of a rescued step, returned by `step()` once the step is
     /// finished (parameter all-gather included).
     rescued_error: Option<Error>,
-    /// The offloaded optimizer's pinned staging on a device backend (see
-    /// [`staging`]).
-    offload_stage: Option<OffloadStage<B>>,
-    /// Parameter offload with the optimizer state on a device: AdamW's
-    /// device buffers and their host copies (see [`staging`]).
-    param_stage: Option<ParamStepStage<B>>,
+    /// The optimizer step of this engine's tier, with its buffers (see
+    /// [`step`]); `None` only while it runs.
+    optimizer: Option<OptimizerStep<B>>,
     /// Stage 3 parameter offload (`offload_param.device` cpu or nvme): the
     /// home of every unit's shard.
     poff: Option<ParamOffload>,
@@ -401,14 +409,6 @@ impl<C: Communicator> Engine<C, CpuBackend> {
     pub fn builder(cfg: ResolvedConfig, comm: C) -> EngineBuilder<C> {
         EngineBuilder::new(cfg, comm)
     }
-}
-
-/// Writes back host views of device buffers ([`HostAccess::commit`]).
-fn commit_all<B: HostAccess, T: Element>(backend: &B, views: Vec<B::HostMut<'_, T>>) -> Result<()> {
-    for v in views {
-        backend.commit(v)?;
-    }
-    Ok(())
 }
 
 /// Bytes of `T` values (any alignment) as f32.
@@ -1328,170 +1328,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         Ok(outcome)
     }
 
-    /// AdamW on this rank's part of every unit, in one parallel region,
-    /// writing the updated parameters in the parameter dtype.
-    fn adamw_update(&mut self, k: &[AdamWStep]) -> Result<()> {
-        let Some(gdt) = self.reducer.home_dtype() else {
-            return Ok(());
-        };
-        match gdt {
-            DType::F32 => self.adamw_for_grad::<f32>(k),
-            DType::BF16 => self.adamw_for_grad::<bf16>(k),
-            DType::F16 => self.adamw_for_grad::<f16>(k),
-        }
-    }
-
-    fn adamw_for_grad<G: Element>(&mut self, k: &[AdamWStep]) -> Result<()> {
-        match self.pdt {
-            DType::F32 => self.adamw_typed::<G, f32>(k),
-            DType::BF16 => self.adamw_typed::<G, bf16>(k),
-            DType::F16 => self.adamw_typed::<G, f16>(k),
-        }
-    }
-
-    fn adamw_typed<G: Element, P: Element>(&mut self, k: &[AdamWStep]) -> Result<()> {
-        if self.opt.offload().is_some() {
-            return self.offload_typed::<G, P>(k);
-        }
-        if self.poff.is_some() {
-            return self.adamw_param_offload::<G, P>(k);
-        }
-        if !self.cfg.zero.overlap_comm || self.stage == 0 {
-            let params = self
-                .units
-                .iter_mut()
-                .enumerate()
-                .map(|(i, u)| (i, u.params_mut()));
-            return self
-                .opt
-                .step_units::<G, P>(&self.backend, k, &self.reducer, params);
-        }
-        // overlap_comm: unit by unit, so that the all-gathers of updated
-        // parameters start while AdamW runs on the next units — every
-        // unit's at stages 1–2, the head of the recorded order (what the
-        // next forward gathers first) at stage 3. AdamW is elementwise: the
-        // same bits as one call over all units.
-        let head = self.s3.head();
-        for i in 0..self.units.len() {
-            let low = self.units[i].params_mut();
-            self.opt.step_units::<G, P>(
-                &self.backend,
-                k,
-                &self.reducer,
-                std::iter::once((i, low)),
-            )?;
-            if self.stage < 3 {
-                if self.units[i].queue_gather() {
-                    self.param_gather_queue.push_back(i);
-                }
-                self.advance_param_gathers(None)?;
-            } else if head == Some(i + 1) {
-                let (s3, io) = self.s3_parts();
-                s3.prefetch_next(io)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// AdamW with the optimizer state on the device tier and the parameter
-    /// shards offloaded: with `cpu` AdamW writes the parameters straight
-    /// into their host buffers (one parallel region, as without offload);
-    /// with `nvme` unit by unit into a staging buffer that is then written
-    /// to the unit's swap region (AdamW is elementwise, so the bits are
-    /// the same).
-    fn adamw_param_offload<G: Element, P: Element>(&mut self, k: &[AdamWStep]) -> Result<()> {
-        let Engine {
-            poff,
-            opt,
-            reducer,
-            backend,
-            ..
-        } = self;
-        let Some(po) = poff.as_mut() else {
-            return Ok(());
-        };
-        if self.param_stage.is_some() {
-            return self.adamw_param_offload_device::<G, P>(k);
-        }
-        if let Some(homes) = po.host_shards::<P>()? {
-            return opt.step_units_host::<G, P>(backend, k, reducer, homes.into_iter().enumerate());
-        }
-        let mut r = Ok(());
-        for i in 0..self.units.len() {
-            r = po.write_with::<P>(i, |home| {
-                opt.step_units_host::<G, P>(backend, k, reducer, std::iter::once((i, home)))
-            });
-            if r.is_err() {
-                break;
-            }
-        }
-        let flushed = po.flush();
-        self.param_write_verdict(r.and(flushed))
-    }
-
-    /// [`adamw_param_offload`](Self::adamw_param_offload) on a device (see
-    /// [`ParamStepStage`]): unit by unit, AdamW on the device into one of
-    /// two slots, the updated shard down into the slot's host buffer, and
-    /// into its home once the slot is needed again (or at the end), so
-    /// that the host's copy of one unit overlaps the next unit's AdamW.
-    fn adamw_param_offload_device<G: Element, P: Element>(
-        &mut self,
-        k: &[AdamWStep],
-    ) -> Result<()> {
-        let Engine {
-            poff,
-            opt,
-            reducer,
-            backend,
-            param_stage,
-            ..
-        } = self;
-        let (Some(po), Some(st)) = (poff.as_mut(), param_stage.as_mut()) else {
-            return Ok(());
-        };
-        let n = self.units.len();
-        let ranges: Vec<_> = (0..n).map(|i| opt.params_range(i)).collect();
-        // Unit `j`'s updated elements, from slot `b` into its home.
-        let mut home = |st: &mut ParamStepStage<B>, b: usize, j: usize| -> Result<()> {
-            let r = ranges[j].clone();
-            st.take::<P>(backend, b, r.clone(), |data| {
-                po.write_with::<P>(j, |home| {
-                    home[r].copy_from_slice(data);
-                    Ok(())
-                })
-            })
-        };
-        let mut waiting: [Option<usize>; 2] = [None, None];
-        let mut r = Ok(());
-        for (i, range) in ranges.iter().enumerate() {
-            let b = i % 2;
-            if let Some(j) = waiting[b].take() {
-                r = home(st, b, j);
-                if r.is_err() {
-                    break;
-                }
-            }
-            r = opt
-                .step_units::<G, P>(backend, k, reducer, std::iter::once((i, st.low(b))))
-                .and_then(|()| st.send_down::<P>(backend, b, range.clone()));
-            if r.is_err() {
-                break;
-            }
-            waiting[b] = Some(i);
-        }
-        // The last two units, in order.
-        for i in n.saturating_sub(2)..n {
-            if r.is_err() {
-                break;
-            }
-            if let Some(j) = waiting[i % 2].take() {
-                r = home(st, i % 2, j);
-            }
-        }
-        let flushed = po.flush();
-        self.param_write_verdict(r.and(flushed))
-    }
-
     /// nvme parameter offload, after the write-back of a step: every rank
     /// learns whether every rank's writes worked. On an error anywhere the
     /// engine is failed and the parameters are lost (some units were
@@ -1537,223 +1373,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             let msg = format!(
                 "the parameter swap file of rank {bad} could not be read in step {} ({why}); \
                  nothing was updated and the parameters are lost",
-                self.steps + 1
-            );
-            self.health.params_lost_now(msg.clone());
-            return Err(self.usage(msg));
-        }
-        Ok(())
-    }
-
-    /// Writes the updated shards from the optimizer offload's staging
-    /// buffer to their home (parameter offload with optimizer offload).
-    fn param_write_back<P: Element>(&mut self) -> Result<()> {
-        let (Some(off), Some(po)) = (self.opt.offload(), self.poff.as_mut()) else {
-            return Ok(());
-        };
-        let mut r = Ok(());
-        for i in 0..self.units.len() {
-            let src = match off.staged::<P>(i) {
-                Ok(s) => s,
-                Err(e) => {
-                    r = Err(e);
-                    break;
-                }
-            };
-            r = po.write_with::<P>(i, |home| {
-                home.copy_from_slice(src);
-                Ok(())
-            });
-            if r.is_err() {
-                break;
-            }
-        }
-        let flushed = po.flush();
-        self.param_write_verdict(r.and(flushed))
-    }
-
-    /// AdamW on the offloaded optimizer state, tile by tile (see
-    /// [`offload`]). With nvme, every rank learns whether every rank's swap
-    /// file worked before any parameter changes: on an error anywhere that
-    /// lost a rank's state, no rank's parameters change, and the engine is
-    /// failed. If every error was a failed write whose tiles the rank kept
-    /// in host memory ([`Offload::rescued`]), every rank commits the step
-    /// (its parameters match the state kept) and `step()` returns the
-    /// error once the step is finished; the state stays readable.
-    fn offload_typed<G: Element, P: Element>(&mut self, k: &[AdamWStep]) -> Result<()> {
-        if self.reducer.grad_swap().is_some() {
-            return self.offload_streamed::<G, P>(k);
-        }
-        // With parameter offload the shards are not here: the updated
-        // parameters stay in the staging buffer and are written back to
-        // their home below.
-        let param_home = self.poff.is_some();
-        // The gradients and the parameters the host AdamW reads and writes:
-        // pinned copies on a device backend (staged), else host views of
-        // the homes and of the units' parameters (the memory itself on the
-        // CPU backend).
-        let mut grad_views = Vec::new();
-        let mut views = Vec::new();
-        let (homes, mut params): (Vec<&[G]>, Vec<&mut [P]>) = match self.offload_stage.as_mut() {
-            Some(stage) => (
-                self.reducer.staged_homes::<G>()?,
-                stage.params_mut::<P>(&self.backend)?,
-            ),
-            None => {
-                for i in 0..self.units.len() {
-                    grad_views.push(self.reducer.home_slice::<G>(i)?);
-                }
-                if !param_home {
-                    for u in self.units.iter_mut() {
-                        views.push(
-                            u.params_mut()
-                                .host_typed_mut::<P>(&self.backend)?
-                                .expect("the parameter dtype"),
-                        );
-                    }
-                }
-                (
-                    grad_views.iter().map(|v| &v[..]).collect(),
-                    views.iter_mut().map(|v| &mut v[..]).collect(),
-                )
-            }
-        };
-        let r = self.opt.step_offloaded::<G, P>(k, &homes, &mut params);
-        let Some(off) = self.opt.offload_mut() else {
-            return Ok(());
-        };
-        if !off.is_nvme() {
-            drop((homes, params));
-            drop(grad_views);
-            commit_all(&self.backend, views)?;
-            self.params_up::<P>()?;
-            r?;
-            return self.param_write_back::<P>();
-        }
-        // 0: done; 1: a failed write, the tiles kept (the step completed);
-        // 2: the state is lost.
-        let word = match &r {
-            Ok(()) => 0,
-            Err(_) if off.rescued() => 1,
-            Err(_) => 2,
-        };
-        let verdict = exchange_u64(&self.comm, &[word])?;
-        let rank = self.rank;
-        let usage = |what: String| Error::Usage { rank, what };
-        if verdict.iter().any(|w| w[0] == 2) {
-            let lost = first_failure(&self.comm, r.as_ref().err().filter(|_| word == 2))?;
-            let (lost, why) = lost.expect("a rank lost its state");
-            let msg = format!(
-                "the optimizer swap file of rank {lost} failed in step {} ({why}); no rank's \
-                 parameters changed",
-                self.steps + 1
-            );
-            let e = match r {
-                Err(e) if word == 2 => e,
-                Err(e) => usage(format!("{e}; but {msg}, and the state is lost")),
-                Ok(()) => usage(msg),
-            };
-            self.health.state_lost(e.to_string());
-            return Err(e);
-        }
-        if verdict.iter().any(|w| w[0] == 1) {
-            let failed = first_failure(&self.comm, r.as_ref().err())?;
-            let (bad, why) = failed.expect("a rank's write failed");
-            let e = match r {
-                Err(e) => e,
-                Ok(()) => usage(format!(
-                    "a write to the optimizer swap file of rank {bad} failed in step {} ({why}); \
-                     the step completed and rank {bad} keeps the state it could not write in \
-                     host memory",
-                    self.steps + 1
-                )),
-            };
-            self.health.rescued(e.to_string());
-            self.rescued_error = Some(e);
-        }
-        let committed = off.commit(&mut params);
-        drop((homes, params));
-        drop(grad_views);
-        commit_all(&self.backend, views)?;
-        self.params_up::<P>()?;
-        committed?;
-        self.param_write_back::<P>()
-    }
-
-    /// With the offloaded optimizer staged: the updated range of every
-    /// unit's parameters up to the device (see [`staging`]).
-    fn params_up<P: Element>(&mut self) -> Result<()> {
-        let Engine {
-            units,
-            backend,
-            opt,
-            offload_stage,
-            ..
-        } = self;
-        let (Some(stage), Some(off)) = (offload_stage.as_ref(), opt.offload()) else {
-            return Ok(());
-        };
-        let dsts = units
-            .iter_mut()
-            .enumerate()
-            .map(|(i, u)| (u.params_mut(), off.param_range(i)));
-        stage.params_up::<P>(backend, dsts)
-    }
-
-    /// `swap_gradients`: AdamW unit by unit over the swapped gradients (see
-    /// [`Offload::step_streamed`]); each unit's updated parameters go to
-    /// the device tier or, with parameter offload, straight to their home.
-    /// Every rank learns whether every rank's step worked: an error
-    /// anywhere fails the engine with the state and the parameters lost
-    /// (some units were written, others not: resume from a checkpoint).
-    fn offload_streamed<G: Element, P: Element>(&mut self, k: &[AdamWStep]) -> Result<()> {
-        let Engine {
-            units,
-            backend,
-            opt,
-            reducer,
-            poff,
-            ..
-        } = self;
-        let mut views = Vec::new();
-        if poff.is_none() {
-            for u in units.iter_mut() {
-                views.push(
-                    u.params_mut()
-                        .host_typed_mut::<P>(backend)?
-                        .expect("the parameter dtype"),
-                );
-            }
-        }
-        let mut params: Vec<&mut [P]> = views.iter_mut().map(|v| &mut v[..]).collect();
-        let gs = reducer.grad_swap_mut().expect("swap_gradients");
-        let mut emit = |i: usize, staged: &[P]| -> Result<()> {
-            match poff.as_mut() {
-                Some(po) => po.write_with::<P>(i, |home| {
-                    home.copy_from_slice(staged);
-                    Ok(())
-                }),
-                None => Ok(()),
-            }
-        };
-        let r = opt.step_streamed::<G, P>(k, gs, &mut params, &mut emit);
-        drop(params);
-        let r = r.and(commit_all(backend, views));
-        let flushed = match poff.as_mut() {
-            Some(po) => po.flush(),
-            None => Ok(()),
-        };
-        let r = r.and(flushed);
-        let failed = first_failure(&self.comm, r.as_ref().err())?;
-        if let Err(e) = r {
-            self.health.params_lost_now(e.to_string());
-            return Err(e);
-        }
-        if let Some((bad, why)) = failed {
-            let msg = format!(
-                "the offloaded optimizer step of rank {bad} failed in step {} ({why}); with \
-                 swap_gradients the units are updated one after another, so the optimizer state \
-                 and the parameters are lost: resume from the last checkpoint",
                 self.steps + 1
             );
             self.health.params_lost_now(msg.clone());
@@ -1842,7 +1461,10 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             let ks = self
                 .opt
                 .steps(&self.cfg.optimizer, lr, self.steps + 1, grad_scale);
-            self.adamw_update(&ks)?;
+            let mut tier = self.optimizer.take().expect("the optimizer step is home");
+            let r = tier.run(self, &ks);
+            self.optimizer = Some(tier);
+            r?;
             self.steps += 1;
         }
         Ok(StepOutcome {
