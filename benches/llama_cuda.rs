@@ -17,14 +17,29 @@
 //! full), the usual MFU basis. Memory: the tracker's device peak and the
 //! driver's peak in use (`cuMemGetInfo`, every process's) after each step.
 //!
+//! `--profile` times each op of the timed steps on the device (CUDA
+//! events around every op, per phase and kind: the linear, attention and
+//! LM-head GEMMs with their TFLOP/s, softmax, norms, RoPE, SwiGLU,
+//! embedding, cross-entropy, the gradient copies, and the compute stream's
+//! time between ops: zeroing of fresh buffers, copies, casts, waits for the
+//! engine's streams, idle while the host enqueues), and the host's time in
+//! the engine (the tracer's spans: gathers, reductions, the optimizer, the
+//! host collectives), over two more steps after the timed ones (so the
+//! timings do not slow the steps the table reports), and prints the
+//! breakdown per step beside the row (and in the JSON,
+//! `rows.NAME.profile`). Off, the ops pay one atomic load; the host split
+//! of each timed step (micro-batch, `step()`, final sync) is always
+//! measured.
+//!
 //! `cargo bench --features cuda --bench llama_cuda [-- --steps N --batch B
-//! --seq S --dim ... --only stage3,offload --json PATH]`; `--cpu` runs the
+//! --seq S --dim ... --only stage3,offload --profile --json PATH]`; `--cpu` runs the
 //! same loop on the CPU backend with a tiny model (a smoke test of the
 //! harness; no targets). Without a GPU the bench prints `skipped:` and
 //! exits 0. Output: the table on stdout and
 //! `target/zero-bench/llama_cuda.json` (or `--json PATH`).
 //! `scripts/gpu-session.sh` runs it on a GPU machine.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -42,7 +57,7 @@ type OnBackendFn =
     dyn Fn(EngineBuilder<ThreadComm>, SftModel, &Args) -> zero::Result<Measured> + Sync;
 type OnBackend = Box<OnBackendFn>;
 use zero::{Engine, EngineBuilder, Tracer};
-use zero_llama::device::{DeviceModel, LlamaDevice};
+use zero_llama::device::{workspace_bytes, DeviceModel, LlamaDevice, OpProfile};
 use zero_llama::train::{forward_flops, gpu_bf16_peak, measure_gemm_peak, SftModel};
 use zero_llama::{Config, XorShift};
 
@@ -50,6 +65,8 @@ use zero_llama::{Config, XorShift};
 const MFU_TARGET: f64 = 0.40;
 /// The offloaded step's target, as a multiple of the stage-3 step.
 const OFFLOAD_TARGET: f64 = 1.5;
+/// Steps profiled with `--profile`, after the timed ones.
+const PROFILE_STEPS: usize = 2;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Row {
@@ -74,13 +91,15 @@ struct Args {
     warmup: usize,
     rows: Vec<Row>,
     cpu: bool,
+    profile: bool,
     json: PathBuf,
 }
 
 fn usage(msg: &str) -> ! {
     eprintln!(
         "llama_cuda bench: {msg}\noptions: --dim N --layers N --heads N --kv-heads N --hidden N \
-         --vocab N --seq N --batch N --steps N --warmup N --only stage3,offload --cpu --json PATH"
+         --vocab N --seq N --batch N --steps N --warmup N --only stage3,offload --profile --cpu \
+         --json PATH"
     );
     std::process::exit(2)
 }
@@ -110,6 +129,7 @@ fn parse_args() -> Args {
         warmup: if cpu { 1 } else { 2 },
         rows: vec![Row::Stage3, Row::Offload],
         cpu,
+        profile: false,
         json: PathBuf::from("target/zero-bench/llama_cuda.json"),
     };
     let mut it = raw.into_iter();
@@ -147,6 +167,7 @@ fn parse_args() -> Args {
                     .collect()
             }
             "--json" => a.json = PathBuf::from(value()),
+            "--profile" => a.profile = true,
             "--cpu" | "--bench" => {}
             _ => usage(&format!("unknown option {flag}")),
         }
@@ -185,6 +206,27 @@ struct Measured {
     /// `build` (the engine's plan reserved), after the first step and
     /// after the last (`None` on the CPU).
     pool: Option<[u64; 3]>,
+    /// Host seconds of each timed step in `train_micro_batch` (which ends
+    /// with the compute stream synced, to read the loss), in `step()` and
+    /// in the final `sync_all`.
+    split: [Vec<f64>; 3],
+    /// With `--profile`: the timed steps' profile.
+    profile: Option<Profile>,
+    /// The trainer's own buffers: the peak measured in the last step and
+    /// the planned peak (`workspace_bytes`, reserved with the plan).
+    workspace: [u64; 2],
+}
+
+/// What `--profile` measured over the timed steps (sums).
+#[derive(Default)]
+struct Profile {
+    /// The ops' device times per phase and kind (`None` without timers).
+    ops: Option<OpProfile>,
+    /// Host seconds and count per tracer span name (`"gather"`,
+    /// `"reduce"`, `"optimizer"`, `"forward"`, ...).
+    host: BTreeMap<String, (f64, usize)>,
+    /// The profiled steps' times (after the timed ones).
+    step_s: Vec<f64>,
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -199,12 +241,16 @@ fn measure<C: EngineComm<B>, B: LlamaDevice>(
     model: SftModel,
     a: &Args,
 ) -> zero::Result<Measured> {
-    let mut e = b.build()?;
+    let tracer = if a.profile {
+        Tracer::new()
+    } else {
+        Tracer::disabled()
+    };
+    let mut e = b.tracer(tracer.clone()).build()?;
     let built = e.device_backend().device_pool()?;
     let dm = DeviceModel::new(model, e.device_backend(), 1)?;
     let mut rng = XorShift::new(7);
     let rows = a.batch * a.seq;
-    let tracer = Tracer::disabled();
     let mut m = Measured {
         step_s: Vec::new(),
         device_peak: 0,
@@ -212,9 +258,19 @@ fn measure<C: EngineComm<B>, B: LlamaDevice>(
         loss_first: f32::NAN,
         loss_last: f32::NAN,
         pool: None,
+        split: Default::default(),
+        profile: a.profile.then(Profile::default),
+        workspace: [
+            0,
+            workspace_bytes(&a.model, a.batch, a.seq, false, 2).buffers,
+        ],
     };
     let mut first_step = None;
-    for k in 0..a.warmup + a.steps {
+    // The profiled steps come after the timed ones, so that the timings
+    // around every op do not slow the steps the table reports.
+    let timed = a.warmup..a.warmup + a.steps;
+    let profiled = if a.profile { PROFILE_STEPS } else { 0 };
+    for k in 0..timed.end + profiled {
         let tokens: Vec<u32> = (0..rows).map(|_| rng.below(a.model.vocab) as u32).collect();
         let targets: Vec<i32> = (0..rows)
             .map(|r| {
@@ -225,14 +281,30 @@ fn measure<C: EngineComm<B>, B: LlamaDevice>(
                 }
             })
             .collect();
+        if k == timed.end && a.profile {
+            dm.set_profiling(e.device_backend(), true);
+            tracer.clear();
+        }
         let t = Instant::now();
         let st =
             dm.train_micro_batch::<bf16, C>(&mut e, &tokens, &targets, a.batch, a.seq, &tracer)?;
+        let t1 = Instant::now();
         e.step()?;
+        let t2 = Instant::now();
         e.device_backend().sync_all()?;
-        let dt = t.elapsed().as_secs_f64();
-        if k >= a.warmup {
+        let t3 = Instant::now();
+        let dt = (t3 - t).as_secs_f64();
+        if timed.contains(&k) {
             m.step_s.push(dt);
+            for (v, d) in m.split.iter_mut().zip([t1 - t, t2 - t1, t3 - t2]) {
+                v.push(d.as_secs_f64());
+            }
+        }
+        if let Some(p) = m.profile.as_mut().filter(|_| k >= timed.end) {
+            p.step_s.push(dt);
+            if let Some(ops) = dm.take_profile(e.device_backend())? {
+                p.ops.get_or_insert_with(OpProfile::default).merge(&ops);
+            }
         }
         if k == 0 {
             m.loss_first = st.loss;
@@ -243,6 +315,15 @@ fn measure<C: EngineComm<B>, B: LlamaDevice>(
             m.driver_peak = Some(m.driver_peak.unwrap_or(0).max(u));
         }
     }
+    if let Some(p) = m.profile.as_mut() {
+        dm.set_profiling(e.device_backend(), false);
+        for ev in tracer.events() {
+            let h = p.host.entry(ev.name.to_string()).or_insert((0.0, 0));
+            h.0 += ev.dur_us / 1e6;
+            h.1 += 1;
+        }
+    }
+    m.workspace[0] = dm.workspace_peak();
     m.device_peak = e.tracker().tier_peak(Tier::Device);
     if let (Some(b), Some(f), Some(l)) = (built, first_step, e.device_backend().device_pool()?) {
         m.pool = Some([b, f, l]);
@@ -255,7 +336,10 @@ fn run_row(a: &Args, row: Row, on: &OnBackendFn) -> Result<Measured, String> {
     let out = ThreadGroup::run(1, |comm: ThreadComm| {
         let mut b = Engine::builder(engine_config(row, a.batch), comm).seed(1);
         let model = SftModel::register(&mut b, a.model, None, 1, false)?;
-        on(b, model, a)
+        // The trainer's activations and workspaces (bf16) reserved with
+        // the engine's plan: the pool should not grow after the build.
+        let ws = workspace_bytes(&a.model, a.batch, a.seq, false, 2);
+        on(b.device_workspace(ws.total()), model, a)
     })
     .map_err(|e| e.to_string())?;
     out.into_iter()
@@ -454,6 +538,32 @@ fn main() {
                         gib(l.saturating_sub(f))
                     );
                 }
+                let steps = m.step_s.len().max(1) as f64;
+                let mean = |v: &[f64]| v.iter().sum::<f64>() / steps;
+                let [micro, opt, sync] = &m.split;
+                println!(
+                    "{}: per step (mean) {:.1} ms in train_micro_batch (host, to the loss read), \
+                     {:.1} ms in step(), {:.1} ms in the final sync",
+                    row.name(),
+                    1e3 * mean(micro),
+                    1e3 * mean(opt),
+                    1e3 * mean(sync)
+                );
+                let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+                println!(
+                    "{}: the trainer's own buffers peaked at {} (planned {}, reserved with the \
+                     engine's plan)",
+                    row.name(),
+                    mib(m.workspace[0]),
+                    mib(m.workspace[1])
+                );
+                doc["rows"][row.name()]["workspace_bytes_measured_planned"] = json!(m.workspace);
+                doc["rows"][row.name()]["split_s"] = json!({
+                    "train_micro_batch": m.split[0], "step": m.split[1], "sync": m.split[2],
+                });
+                if let Some(p) = &m.profile {
+                    doc["rows"][row.name()]["profile"] = print_profile(row.name(), p);
+                }
                 match row {
                     Row::Stage3 => {
                         base = Some(step);
@@ -489,6 +599,80 @@ fn main() {
         }
     }
     write_json(&a.json, &doc);
+}
+
+/// Prints `p` (sums over its steps) per step, and returns it as JSON.
+fn print_profile(row: &str, p: &Profile) -> Value {
+    let steps = p.step_s.len().max(1) as f64;
+    let step_s = p.step_s.iter().sum::<f64>() / steps;
+    let ms = |s: f64| 1e3 * s / steps;
+    let mut ops_json = Vec::new();
+    match &p.ops {
+        Some(ops) => {
+            println!(
+                "{row} profile, device time per step (mean of {steps} steps; the compute \
+                 stream's clock around each op: CUDA events, or the host's on the CPU backend): \
+                 ops {:.1} ms + between ops {:.1} ms = {:.1} ms from the first op to the last, \
+                 of a {:.1} ms (profiled) step",
+                ms(ops.op_seconds()),
+                ms(ops.span_s - ops.op_seconds()),
+                ms(ops.span_s),
+                1e3 * step_s
+            );
+            println!("| phase | op | ms/step | calls/step | TFLOP/s | % of step |");
+            println!("|---|---|---|---|---|---|");
+            for r in &ops.rows {
+                let kind = r
+                    .kind
+                    .map_or("(between ops: zeroing, copies, casts, waits, idle)", |k| {
+                        k.name()
+                    });
+                let rate = if r.flops > 0.0 && r.seconds > 0.0 {
+                    format!("{:.1}", r.flops / r.seconds / 1e12)
+                } else {
+                    "-".into()
+                };
+                println!(
+                    "| {} | {kind} | {:.2} | {:.0} | {rate} | {:.1}% |",
+                    r.phase.name(),
+                    ms(r.seconds),
+                    r.count as f64 / steps,
+                    100.0 * r.seconds / steps / step_s
+                );
+                ops_json.push(json!({
+                    "phase": r.phase.name(), "op": kind, "seconds_per_step": r.seconds / steps,
+                    "calls_per_step": r.count as f64 / steps, "flops_per_step": r.flops / steps,
+                }));
+            }
+        }
+        None => println!("{row} profile: this backend has no op timers"),
+    }
+    let host: Vec<String> = p
+        .host
+        .iter()
+        .map(|(name, (s, n))| format!("{name} {:.1} ms ({:.0}x)", ms(*s), *n as f64 / steps))
+        .collect();
+    println!(
+        "{row} host time per step in the tracer's spans (nested spans overlap): {}",
+        host.join(", ")
+    );
+    let host_json: BTreeMap<&str, Value> = p
+        .host
+        .iter()
+        .map(|(name, (s, n))| {
+            (
+                name.as_str(),
+                json!({ "seconds_per_step": s / steps, "count_per_step": *n as f64 / steps }),
+            )
+        })
+        .collect();
+    json!({
+        "ops": ops_json,
+        "span_s_per_step": p.ops.as_ref().map(|o| o.span_s / steps),
+        "op_s_per_step": p.ops.as_ref().map(|o| o.op_seconds() / steps),
+        "host": host_json,
+        "step_s": p.step_s,
+    })
 }
 
 fn write_json(path: &PathBuf, doc: &Value) {

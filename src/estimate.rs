@@ -552,8 +552,16 @@ impl Estimate {
     /// without optimizer offload, the two device slots AdamW writes the
     /// updated shards into on a GPU. [`ArenaPlan::check_capacity`]
     /// says, when it does not fit, which buffers are the largest and how
-    /// many bytes are missing. The trainer's activations are not in it.
+    /// many bytes are missing. The trainer's activations are not in it
+    /// ([`device_plan_with`](Estimate::device_plan_with) adds them).
     pub fn device_plan(&self, rank: usize) -> Result<ArenaPlan> {
+        self.device_plan_with(rank, 0)
+    }
+
+    /// [`device_plan`](Estimate::device_plan) with `workspace` bytes more
+    /// for what the trainer allocates in a step (its activations and
+    /// workspaces; 0: none).
+    pub fn device_plan_with(&self, rank: usize, workspace: u64) -> Result<ArenaPlan> {
         let step = self
             .tier_peak(Tier::Device)
             .saturating_sub(self.built_device);
@@ -563,6 +571,13 @@ impl Estimate {
                 "a step's gathered units and gradient buffers (peak)",
                 Category::GatheredParams,
                 step,
+            ));
+        }
+        if workspace > 0 {
+            all.push(BufferRequest::new(
+                "the trainer's activations and workspaces (peak)",
+                Category::Activations,
+                workspace,
             ));
         }
         Ok(ArenaPlan::new(rank, all)?)

@@ -71,6 +71,9 @@ pub(super) struct Settings {
     /// The device memory per rank `frozen_params: "auto"` plans for
     /// (`None`: this rank's share of the host's available memory).
     device_budget: Option<u64>,
+    /// Device bytes the trainer allocates per micro-batch at most
+    /// (activations and workspaces), reserved with the memory plan.
+    device_workspace: u64,
     /// Checkpoints hold the frozen tensors too.
     save_frozen: bool,
     /// Set by [`Engine::load_checkpoint`]: the load fills the master, m, v
@@ -108,6 +111,7 @@ impl<C: Communicator> EngineBuilder<C> {
                 for_load: false,
                 stage_offload: false,
                 device_budget: None,
+                device_workspace: 0,
                 save_frozen: false,
             },
         }
@@ -298,6 +302,17 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         self
     }
 
+    /// The device memory the trainer allocates at most in a micro-batch
+    /// besides the engine's buffers (its activations and workspaces, e.g.
+    /// `zero_llama::device::workspace_bytes`): `build` checks it against
+    /// the free memory and reserves it in the backend's pool with the
+    /// engine's memory plan, so that the trainer's buffers do not ask the
+    /// driver for memory in a step either. Default 0.
+    pub fn device_workspace(mut self, bytes: u64) -> Self {
+        self.s.device_workspace = bytes;
+        self
+    }
+
     /// No weight decay on biases, norms and embeddings (a group named
     /// `no_decay`, by the names of units and tensors:
     /// [`is_bias_norm_or_embedding`]), as Hugging Face trainers do.
@@ -374,6 +389,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
                     groups,
                     for_load,
                     device_budget,
+                    device_workspace,
                     save_frozen,
                     stage_offload,
                 },
@@ -444,7 +460,8 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             let fits = id.and(free).and_then(|free| {
                 let model = crate::estimate::Model::from_units(unit_specs.clone())?;
                 let work = crate::estimate::Workload::default();
-                let plan = crate::estimate::estimate(&model, &cfg, &work)?.device_plan(rank)?;
+                let plan = crate::estimate::estimate(&model, &cfg, &work)?
+                    .device_plan_with(rank, device_workspace)?;
                 plan.check_capacity(free / sharing)
                     .map_err(|e| shared_device(e, sharing, free))?;
                 backend

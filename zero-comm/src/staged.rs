@@ -14,8 +14,10 @@
 //!                                       (progress thread)     wait()
 //! ```
 //!
-//! Only what the collective reads goes down and only what it writes comes
-//! back: all-reduce moves `buf[..len]` both ways; reduce-scatter moves the
+//! A world of one rank stages nothing: its collectives' results are their
+//! inputs, so they only order the communication stream (no copy, no host
+//! wait). Otherwise only what the collective reads goes down and only what
+//! it writes comes back: all-reduce moves `buf[..len]` both ways; reduce-scatter moves the
 //! whole input down and this rank's part back; all-gather moves this rank's
 //! part down and the other ranks' parts back. The device buffer's other
 //! elements are never touched.
@@ -123,6 +125,9 @@ impl<C: Communicator> HostStaged<C> {
             );
             return self.refuse(op, msg);
         }
+        if self.comm.world_size() == 1 {
+            return self.alone(backend, op, buf, after);
+        }
         let down: Vec<_> = down.iter().filter(|r| !r.is_empty()).cloned().collect();
         let up: Vec<_> = up.iter().filter(|r| !r.is_empty()).cloned().collect();
         let host = match self.stage_down(backend, op, &buf, total, &down, after) {
@@ -149,6 +154,27 @@ impl<C: Communicator> HostStaged<C> {
             Ok((buf, done))
         });
         DeviceWork::host(op, work)
+    }
+
+    /// A collective of one rank: its result is its input (the sum, mean or
+    /// maximum of one value; an all-gather with no other part), so nothing
+    /// is staged, copied or waited for on the host. The communication
+    /// stream waits for `after`, and the buffer's next users for an event
+    /// recorded there after it, as for a staged collective.
+    fn alone<B: Backend, T: Element>(
+        &self,
+        backend: &B,
+        op: &'static str,
+        buf: B::Buffer<T>,
+        after: &B::Event,
+    ) -> DeviceWork<B, T> {
+        let done = backend
+            .wait(Stream::Comm, after)
+            .and_then(|()| backend.record(Stream::Comm));
+        match done {
+            Ok(done) => DeviceWork::ready(op, buf, done),
+            Err(e) => refuse(&self.comm, op, e.into()),
+        }
     }
 
     /// The communication stream waits for `after` and copies `down` of

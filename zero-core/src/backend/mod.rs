@@ -332,6 +332,19 @@ pub trait Backend: Send + Sync + 'static {
         self.alloc(len, label)
     }
 
+    /// A buffer of `len` elements for `stream`'s work, as
+    /// [`alloc_on`](Backend::alloc_on) but with contents unspecified until
+    /// written: for a buffer that is overwritten whole before it is read
+    /// (CUDA: no memset). The default is `alloc_on` (zeroed).
+    fn alloc_scratch_on<T: Element>(
+        &self,
+        stream: Stream,
+        len: usize,
+        label: &str,
+    ) -> Result<Self::Buffer<T>> {
+        self.alloc_on(stream, len, label)
+    }
+
     /// Frees `buf` in `stream`'s order, without blocking: after the work
     /// enqueued on `stream` so far, and nothing else (CUDA:
     /// `cuMemFreeAsync` on that stream). Every access of another stream

@@ -4,11 +4,13 @@
 //! the GPU's kernel would make.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use zero::core::backend::{Backend, BufferHandle, CpuBackend, CpuBuffer, In, Out, Running, Stream};
 use zero::core::{Element, Error, HostBuffer};
 use zero::Result;
 
+use super::profile::{gemm_flops, gemm_kind, OpKind, OpProfile, Phase, Recorder};
 use super::{Batch, Dst, LlamaDevice, Src};
 use crate::ops::{self, Mm, Rope};
 use crate::Config;
@@ -24,6 +26,12 @@ pub struct CpuEmbedPlan {
 pub struct CpuOps {
     rope: Arc<Rope>,
     threads: usize,
+    /// The vocabulary (the LM head's GEMMs in the profile).
+    vocab: usize,
+    /// The host's clock around each op when profiling: the ops' own time
+    /// in [`CpuMode::Inline`](zero::core::backend::CpuMode::Inline), where
+    /// a launch runs at once (in the other modes, the enqueueing).
+    prof: Recorder<Instant>,
 }
 
 fn invalid(op: &'static str, msg: String) -> zero::Error {
@@ -101,7 +109,24 @@ impl LlamaDevice for CpuBackend {
         Ok(CpuOps {
             rope: Arc::new(Rope::new(cfg.head_dim(), cfg.max_seq, cfg.rope_theta)),
             threads: threads.max(1),
+            vocab: cfg.vocab,
+            prof: Recorder::new(Box::new(|| Ok(Instant::now()))),
         })
+    }
+
+    fn set_profiling(&self, ops: &CpuOps, on: bool) {
+        ops.prof.set(on);
+    }
+
+    fn profile_phase(&self, ops: &CpuOps, phase: Phase) {
+        ops.prof.phase(phase);
+    }
+
+    fn take_profile(&self, ops: &CpuOps) -> Result<Option<OpProfile>> {
+        let p = ops
+            .prof
+            .take(|a, b| Ok(b.saturating_duration_since(*a).as_secs_f64()))?;
+        Ok(Some(p))
     }
 
     fn upload_ids(&self, _: &CpuOps, tokens: &[u32]) -> Result<Arc<[u32]>> {
@@ -137,11 +162,12 @@ impl LlamaDevice for CpuBackend {
 
     fn write_grad<T: Element>(
         &self,
-        _: &CpuOps,
+        ops: &CpuOps,
         src: &CpuBuffer<T>,
         lent: &mut HostBuffer<T>,
         len: usize,
     ) -> Result<()> {
+        let _t = ops.prof.timer(OpKind::WriteGrad, 0.0);
         // The lent memory is the host's: wait for the compute stream, then
         // copy as host code (the engine orders its reduction after that).
         self.sync(&self.record(Stream::Compute)?)?;
@@ -166,6 +192,9 @@ impl LlamaDevice for CpuBackend {
         mm: Mm,
         batch: Batch,
     ) -> Result<()> {
+        let _t = ops
+            .prof
+            .timer(gemm_kind(&mm, &batch, ops.vocab), gemm_flops(&mm, &batch));
         const OP: &str = "llama_gemm";
         let (ea, eb, ec) = gemm_extents(&mm);
         if batch.count > 1 && batch.out < ec {
@@ -207,12 +236,13 @@ impl LlamaDevice for CpuBackend {
     /// [`ops::add_bias`], the CPU trainer's loop (the same bits).
     fn add_bias<T: Element>(
         &self,
-        _: &CpuOps,
+        ops: &CpuOps,
         y: Dst<'_, Self, T>,
         b: Src<'_, Self, T>,
         rows: usize,
         n: usize,
     ) -> Result<()> {
+        let _t = ops.prof.timer(OpKind::Bias, 0.0);
         let args = (output(self, y, rows * n)?, input(self, b, n)?);
         self.launch(
             Stream::Compute,
@@ -232,12 +262,13 @@ impl LlamaDevice for CpuBackend {
     /// trainer's bits).
     fn bias_grad<T: Element>(
         &self,
-        _: &CpuOps,
+        ops: &CpuOps,
         dy: Src<'_, Self, T>,
         db: Dst<'_, Self, T>,
         rows: usize,
         n: usize,
     ) -> Result<()> {
+        let _t = ops.prof.timer(OpKind::Bias, 0.0);
         let args = (input(self, dy, rows * n)?, output(self, db, n)?);
         self.launch(
             Stream::Compute,
@@ -255,12 +286,13 @@ impl LlamaDevice for CpuBackend {
 
     fn embedding_forward<T: Element>(
         &self,
-        _: &CpuOps,
+        ops: &CpuOps,
         table: Src<'_, Self, T>,
         ids: &Arc<[u32]>,
         out: Dst<'_, Self, T>,
         dim: usize,
     ) -> Result<()> {
+        let _t = ops.prof.timer(OpKind::Embedding, 0.0);
         const OP: &str = "llama_embedding_forward";
         let rows = ids.len();
         let vocab = (table.buf.len().saturating_sub(table.at)) / dim.max(1);
@@ -285,12 +317,13 @@ impl LlamaDevice for CpuBackend {
 
     fn embedding_backward<T: Element>(
         &self,
-        _: &CpuOps,
+        ops: &CpuOps,
         dout: Src<'_, Self, T>,
         plan: &CpuEmbedPlan,
         dtable: Dst<'_, Self, f32>,
         dim: usize,
     ) -> Result<()> {
+        let _t = ops.prof.timer(OpKind::Embedding, 0.0);
         const OP: &str = "llama_embedding_backward";
         let rows = plan.tokens.len();
         let vocab = (dtable.buf.len().saturating_sub(dtable.at)) / dim.max(1);
@@ -308,7 +341,7 @@ impl LlamaDevice for CpuBackend {
 
     fn rmsnorm_forward<T: Element>(
         &self,
-        _: &CpuOps,
+        ops: &CpuOps,
         x: Src<'_, Self, T>,
         w: Src<'_, Self, T>,
         y: Dst<'_, Self, T>,
@@ -317,6 +350,7 @@ impl LlamaDevice for CpuBackend {
         dim: usize,
         eps: f32,
     ) -> Result<()> {
+        let _t = ops.prof.timer(OpKind::Norm, 0.0);
         let args = (
             input(self, x, rows * dim)?,
             input(self, w, dim)?,
@@ -339,7 +373,7 @@ impl LlamaDevice for CpuBackend {
 
     fn rmsnorm_backward<T: Element>(
         &self,
-        _: &CpuOps,
+        ops: &CpuOps,
         dy: Src<'_, Self, T>,
         x: Src<'_, Self, T>,
         w: Src<'_, Self, T>,
@@ -350,6 +384,7 @@ impl LlamaDevice for CpuBackend {
         dim: usize,
         accumulate: bool,
     ) -> Result<()> {
+        let _t = ops.prof.timer(OpKind::Norm, 0.0);
         let args = (
             (input(self, dy, rows * dim)?, input(self, x, rows * dim)?),
             (input(self, w, dim)?, input(self, inv, rows)?),
@@ -390,6 +425,7 @@ impl LlamaDevice for CpuBackend {
         heads: usize,
         inverse: bool,
     ) -> Result<()> {
+        let _t = ops.prof.timer(OpKind::Rope, 0.0);
         const OP: &str = "llama_rope";
         if seq == 0 || seq > ops.rope.max_seq {
             return Err(invalid(
@@ -414,12 +450,13 @@ impl LlamaDevice for CpuBackend {
 
     fn softmax_forward<T: Element>(
         &self,
-        _: &CpuOps,
+        ops: &CpuOps,
         s: Src<'_, Self, T>,
         p: Dst<'_, Self, T>,
         mats: usize,
         t: usize,
     ) -> Result<()> {
+        let _t = ops.prof.timer(OpKind::Softmax, 0.0);
         let n = mats * t * t;
         let args = (input(self, s, n)?, output(self, p, n)?);
         self.launch(
@@ -438,7 +475,7 @@ impl LlamaDevice for CpuBackend {
 
     fn softmax_backward<T: Element>(
         &self,
-        _: &CpuOps,
+        ops: &CpuOps,
         p: Src<'_, Self, T>,
         dp: Src<'_, Self, T>,
         ds: Dst<'_, Self, T>,
@@ -446,6 +483,7 @@ impl LlamaDevice for CpuBackend {
         t: usize,
         scale: f32,
     ) -> Result<()> {
+        let _t = ops.prof.timer(OpKind::Softmax, 0.0);
         let n = mats * t * t;
         let args = (
             input(self, p, n)?,
@@ -468,12 +506,13 @@ impl LlamaDevice for CpuBackend {
 
     fn swiglu_forward<T: Element>(
         &self,
-        _: &CpuOps,
+        ops: &CpuOps,
         h1: Src<'_, Self, T>,
         h3: Src<'_, Self, T>,
         a: Dst<'_, Self, T>,
         n: usize,
     ) -> Result<()> {
+        let _t = ops.prof.timer(OpKind::Swiglu, 0.0);
         let args = (
             input(self, h1, n)?,
             input(self, h3, n)?,
@@ -494,7 +533,7 @@ impl LlamaDevice for CpuBackend {
 
     fn swiglu_backward<T: Element>(
         &self,
-        _: &CpuOps,
+        ops: &CpuOps,
         da: Src<'_, Self, T>,
         h1: Src<'_, Self, T>,
         h3: Src<'_, Self, T>,
@@ -502,6 +541,7 @@ impl LlamaDevice for CpuBackend {
         dh3: Dst<'_, Self, T>,
         n: usize,
     ) -> Result<()> {
+        let _t = ops.prof.timer(OpKind::Swiglu, 0.0);
         let args = (
             (
                 input(self, da, n)?,
@@ -534,13 +574,14 @@ impl LlamaDevice for CpuBackend {
 
     fn cross_entropy<T: Element>(
         &self,
-        _: &CpuOps,
+        ops: &CpuOps,
         logits: Src<'_, Self, T>,
         targets: &Arc<[i32]>,
         dlogits: Dst<'_, Self, T>,
         loss: Dst<'_, Self, f32>,
         vocab: usize,
     ) -> Result<()> {
+        let _t = ops.prof.timer(OpKind::CrossEntropy, 0.0);
         const OP: &str = "llama_cross_entropy";
         if let Some((r, t)) = targets
             .iter()

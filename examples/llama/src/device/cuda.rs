@@ -21,7 +21,10 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::{result as cublas, sys as cublas_sys, CudaBlas};
-use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, DriverError};
+use cudarc::driver::{
+    sys as driver_sys, CudaEvent, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut,
+    DriverError,
+};
 use zero::core::backend::{
     Backend, BufferHandle, CudaBackend, CudaBuffer, CudaReadView, CudaView, Stream,
 };
@@ -30,6 +33,7 @@ use zero::core::{DType, Device, Element, Error};
 use zero::Result;
 
 use super::blas::{self, Operand};
+use super::profile::{gemm_flops, gemm_kind, OpKind, OpProfile, Phase, Recorder};
 use super::{Batch, Dst, LlamaDevice, Src};
 use crate::cuda::{
     rmsnorm_scratch_len, EmbeddingGradPlan, GpuEmbeddingPlan, GpuRope, LlamaKernels,
@@ -49,6 +53,11 @@ pub struct CudaOps {
     rope: GpuRope,
     head_dim: usize,
     max_seq: usize,
+    /// The vocabulary (a GEMM with an operand this wide is the LM head's,
+    /// in the profile).
+    vocab: usize,
+    /// Timing events around each op when profiling ([`super::profile`]).
+    prof: Recorder<CudaEvent>,
     /// What an op uses exclusively while it enqueues.
     state: Mutex<State>,
 }
@@ -239,12 +248,19 @@ impl LlamaDevice for CudaBackend {
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))?;
         let blas = CudaBlas::new(stream.clone()).map_err(blas_failed("cublasCreate"))?;
+        let on = stream.clone();
+        let prof = Recorder::new(Box::new(move || {
+            on.record_event(Some(driver_sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(driver("cuEventRecord (op profile)"))
+        }));
         Ok(CudaOps {
             stream,
             kernels,
             rope,
             head_dim,
             max_seq: host_rope.max_seq,
+            vocab: cfg.vocab,
+            prof,
             state: Mutex::new(State {
                 blas,
                 scratch: None,
@@ -312,6 +328,7 @@ impl LlamaDevice for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "llama_write_grad";
         ops.check(self, OP)?;
+        let _t = ops.prof.timer(OpKind::WriteGrad, 0.0);
         operand(src, 0).check(OP, "gradient", len)?;
         if lent.len() < len {
             return Err(invalid(
@@ -357,6 +374,9 @@ impl LlamaDevice for CudaBackend {
         let Some(g) = p.call else {
             return Ok(());
         };
+        let _t = ops
+            .prof
+            .timer(gemm_kind(&mm, &batch, ops.vocab), gemm_flops(&mm, &batch));
         let state = ops.lock(OP)?;
         ops.stream
             .context()
@@ -439,6 +459,24 @@ impl LlamaDevice for CudaBackend {
         }))
     }
 
+    fn set_profiling(&self, ops: &CudaOps, on: bool) {
+        ops.prof.set(on);
+    }
+
+    fn profile_phase(&self, ops: &CudaOps, phase: Phase) {
+        ops.prof.phase(phase);
+    }
+
+    /// Reads the timing events back (waiting for each).
+    fn take_profile(&self, ops: &CudaOps) -> Result<Option<OpProfile>> {
+        let p = ops.prof.take(|a, b| {
+            a.elapsed_ms(b)
+                .map(|ms| f64::from(ms) / 1e3)
+                .map_err(driver("cuEventElapsedTime (op profile)"))
+        })?;
+        Ok(Some(p))
+    }
+
     fn embedding_forward<T: Element>(
         &self,
         ops: &CudaOps,
@@ -449,6 +487,7 @@ impl LlamaDevice for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "llama_embedding_forward";
         ops.check(self, OP)?;
+        let _t = ops.prof.timer(OpKind::Embedding, 0.0);
         let rows = ids.host.len();
         let vocab = (table.buf.len().saturating_sub(table.at)) / dim.max(1);
         if let Some((r, t)) = ids
@@ -484,6 +523,7 @@ impl LlamaDevice for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "llama_embedding_backward";
         ops.check(self, OP)?;
+        let _t = ops.prof.timer(OpKind::Embedding, 0.0);
         let vocab = (dtable.buf.len().saturating_sub(dtable.at)) / dim.max(1);
         let dv = read(self, OP, "dout", dout, plan.rows * dim)?;
         let mut tv = write(self, OP, "dtable", dtable, vocab * dim)?;
@@ -509,6 +549,7 @@ impl LlamaDevice for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "llama_rmsnorm_forward";
         ops.check(self, OP)?;
+        let _t = ops.prof.timer(OpKind::Norm, 0.0);
         let xv = read(self, OP, "x", x, rows * dim)?;
         let wv = read(self, OP, "w", w, dim)?;
         let mut yv = write(self, OP, "y", y, rows * dim)?;
@@ -538,6 +579,7 @@ impl LlamaDevice for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "llama_rmsnorm_backward";
         ops.check(self, OP)?;
+        let _t = ops.prof.timer(OpKind::Norm, 0.0);
         let dyv = read(self, OP, "dy", dy, rows * dim)?;
         let xv = read(self, OP, "x", x, rows * dim)?;
         let wv = read(self, OP, "w", w, dim)?;
@@ -574,6 +616,7 @@ impl LlamaDevice for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "llama_rope";
         ops.check(self, OP)?;
+        let _t = ops.prof.timer(OpKind::Rope, 0.0);
         if seq == 0 || seq > ops.max_seq {
             return Err(invalid(OP, format!("seq {seq} not in 1..={}", ops.max_seq)));
         }
@@ -597,6 +640,7 @@ impl LlamaDevice for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "llama_softmax_causal_forward";
         ops.check(self, OP)?;
+        let _t = ops.prof.timer(OpKind::Softmax, 0.0);
         let n = mats * t * t;
         let sv = read(self, OP, "s", s, n)?;
         let mut pv = write(self, OP, "p", p, n)?;
@@ -622,6 +666,7 @@ impl LlamaDevice for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "llama_softmax_causal_backward";
         ops.check(self, OP)?;
+        let _t = ops.prof.timer(OpKind::Softmax, 0.0);
         let n = mats * t * t;
         let pv = read(self, OP, "p", p, n)?;
         let dpv = read(self, OP, "dp", dp, n)?;
@@ -644,6 +689,7 @@ impl LlamaDevice for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "llama_swiglu_forward";
         ops.check(self, OP)?;
+        let _t = ops.prof.timer(OpKind::Swiglu, 0.0);
         let h1v = read(self, OP, "h1", h1, n)?;
         let h3v = read(self, OP, "h3", h3, n)?;
         let mut av = write(self, OP, "a", a, n)?;
@@ -667,6 +713,7 @@ impl LlamaDevice for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "llama_swiglu_backward";
         ops.check(self, OP)?;
+        let _t = ops.prof.timer(OpKind::Swiglu, 0.0);
         let dav = read(self, OP, "da", da, n)?;
         let h1v = read(self, OP, "h1", h1, n)?;
         let h3v = read(self, OP, "h3", h3, n)?;
@@ -695,6 +742,7 @@ impl LlamaDevice for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "llama_cross_entropy";
         ops.check(self, OP)?;
+        let _t = ops.prof.timer(OpKind::CrossEntropy, 0.0);
         if let Some((r, t)) = targets
             .host
             .iter()

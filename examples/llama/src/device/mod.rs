@@ -34,9 +34,11 @@ mod blas;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod profile;
 mod trainer;
 
-pub use trainer::DeviceModel;
+pub use profile::{OpKind, OpProfile, OpTime, Phase};
+pub use trainer::{workspace_bytes, DeviceModel, Workspace};
 
 /// What trains the registered model on an engine of backend `B`: the CPU
 /// trainer ([`SftModel`], on the CPU backend) or [`DeviceModel`] (on any
@@ -374,6 +376,25 @@ pub trait LlamaDevice: EngineBackend {
         dh3: Dst<'_, Self, T>,
         n: usize,
     ) -> Result<()>;
+
+    /// Starts (`on`) or stops timing each op on the device, per
+    /// [`Phase`] and [`OpKind`] ([`profile`]). The default has no timers
+    /// ([`take_profile`](LlamaDevice::take_profile) then gives `None`).
+    fn set_profiling(&self, ops: &Self::Ops, on: bool) {
+        let _ = (ops, on);
+    }
+
+    /// The phase the next ops belong to in the profile.
+    fn profile_phase(&self, ops: &Self::Ops, phase: Phase) {
+        let _ = (ops, phase);
+    }
+
+    /// The device times of the ops timed since profiling started or was
+    /// last taken (waits for them); `None` for a backend without timers.
+    fn take_profile(&self, ops: &Self::Ops) -> Result<Option<OpProfile>> {
+        let _ = ops;
+        Ok(None)
+    }
 
     /// Mean cross-entropy over the rows whose target is not ignored:
     /// `loss[0]` (f32) and `dlogits`, the loss's gradient (0 on ignored

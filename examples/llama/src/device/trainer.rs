@@ -8,6 +8,9 @@
 //! per head (the batch over the sequences of the micro-batch), the causal
 //! softmax over every head at once.
 
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use zero::core::backend::{Backend, BufferHandle, Stream};
 use zero::core::memory::{Category, Tier};
 use zero::core::partition::UnitLayout;
@@ -16,7 +19,7 @@ use zero::engine::EngineComm;
 use zero::trace::Tracer;
 use zero::{Engine, Error, Result};
 
-use super::{dst_at, src, src_at, Batch, Dst, LlamaDevice, Src};
+use super::{dst_at, src, src_at, Batch, Dst, LlamaDevice, OpProfile, Phase, Src};
 use crate::ops::Mm;
 use crate::train::{MicroStats, SftModel};
 use crate::{block_tensors, tensors, Config};
@@ -27,6 +30,9 @@ pub struct DeviceModel<B: LlamaDevice> {
     /// The registered model (units, configuration, checkpointing).
     pub model: SftModel,
     ops: B::Ops,
+    /// The largest bytes of the trainer's own buffers live at once in the
+    /// last micro-batch.
+    workspace_peak: AtomicU64,
 }
 
 /// A block's tensors' offsets in its gathered buffer (and gradient
@@ -121,11 +127,49 @@ struct Tmp<B: Backend, T: Element> {
     dev: B,
 }
 
+thread_local! {
+    /// Bytes of the trainer's buffers ([`Tmp`]) live on this thread, and
+    /// their peak: what [`DeviceModel::workspace_peak`] reports (a
+    /// micro-batch allocates and frees them all on its caller's thread).
+    static LIVE: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+}
+
+/// `bytes` more (or fewer) of the trainer's buffers live on this thread.
+fn meter(bytes: u64, alloc: bool) {
+    LIVE.with(|c| {
+        let (live, peak) = c.get();
+        let live = if alloc {
+            live + bytes
+        } else {
+            live.saturating_sub(bytes)
+        };
+        c.set((live, peak.max(live)));
+    });
+}
+
 fn tmp<B: Backend + Clone, T: Element>(dev: &B, len: usize, label: &str) -> Result<Tmp<B, T>> {
-    Ok(Tmp {
+    let t = Tmp {
         buf: Some(dev.alloc_on::<T>(Stream::Compute, len, label)?),
         dev: dev.clone(),
-    })
+    };
+    meter((len * size_of::<T>()) as u64, true);
+    Ok(t)
+}
+
+/// [`tmp`] for a buffer overwritten whole before it is read (the score
+/// matrices): not zeroed ([`Backend::alloc_scratch_on`]; NaN on the
+/// checked CPU backend, so a read of what was not written shows).
+fn tmp_scratch<B: Backend + Clone, T: Element>(
+    dev: &B,
+    len: usize,
+    label: &str,
+) -> Result<Tmp<B, T>> {
+    let t = Tmp {
+        buf: Some(dev.alloc_scratch_on::<T>(Stream::Compute, len, label)?),
+        dev: dev.clone(),
+    };
+    meter((len * size_of::<T>()) as u64, true);
+    Ok(t)
 }
 
 impl<B: Backend, T: Element> std::ops::Deref for Tmp<B, T> {
@@ -159,6 +203,7 @@ impl<B: Backend, T: Element> Tmp<B, T> {
 impl<B: Backend, T: Element> Drop for Tmp<B, T> {
     fn drop(&mut self) {
         if let Some(b) = self.buf.take() {
+            meter((b.len() * size_of::<T>()) as u64, false);
             self.dev.release_on(Stream::Compute, b);
         }
     }
@@ -239,7 +284,32 @@ impl<B: LlamaDevice> DeviceModel<B> {
             });
         }
         let ops = backend.llama_ops(&model.cfg, threads)?;
-        Ok(DeviceModel { model, ops })
+        Ok(DeviceModel {
+            model,
+            ops,
+            workspace_peak: AtomicU64::new(0),
+        })
+    }
+
+    /// The largest bytes of the trainer's own buffers (activations,
+    /// workspaces, gradients before their copy into the engine's buffers)
+    /// live at once in the last micro-batch; at most [`workspace_bytes`]
+    /// of its shape.
+    pub fn workspace_peak(&self) -> u64 {
+        self.workspace_peak.load(Ordering::Relaxed)
+    }
+
+    /// Starts (`on`) or stops timing each op of the micro-batches on the
+    /// device ([`super::profile`]); off by default, and cheap when off.
+    pub fn set_profiling(&self, backend: &B, on: bool) {
+        backend.set_profiling(&self.ops, on);
+    }
+
+    /// The device time of the ops since profiling started or was last
+    /// taken, per phase and kind (waits for the ops); `None` on a backend
+    /// without timers.
+    pub fn take_profile(&self, backend: &B) -> Result<Option<OpProfile>> {
+        backend.take_profile(&self.ops)
     }
 
     /// One micro-batch on this rank, as [`SftModel::train_micro_batch`]:
@@ -271,6 +341,11 @@ impl<B: LlamaDevice> DeviceModel<B> {
         let owned = e.device_backend().clone();
         let dev = &owned;
         let ops = &self.ops;
+        let live_before = LIVE.with(|c| {
+            let (live, _) = c.get();
+            c.set((live, live));
+            live
+        });
         let mut act = e.tracker().allocate(Tier::Device, Category::Activations, 0);
         let (mut live, mut peak) = (0u64, 0u64);
         let mut grow = |by: i64| {
@@ -288,6 +363,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         let plan = dev.embed_plan(ops, tokens, c.vocab, c.pad_id)?;
 
         // Forward.
+        dev.profile_phase(ops, Phase::Forward);
         let fwd = tracer.span(rank, "forward", "compute");
         let mut x = tmp::<B, T>(dev, s.rows * s.dim, "x")?;
         {
@@ -317,6 +393,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         // Head: the final norm and the LM head on the rows that carry loss,
         // then its backward at once.
         let bwd = tracer.span(rank, "backward", "compute");
+        dev.profile_phase(ops, Phase::Head);
         let runs = runs(&picked);
         let scale = e.loss_scale();
         let head = e.gather(m.head)?;
@@ -442,6 +519,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         drop((hx, xn, inv, dxn, dhx, x));
 
         // Blocks, last to first.
+        dev.profile_phase(ops, Phase::Backward);
         for (l, &u) in m.layers.iter().enumerate().rev() {
             let g = e.gather(u)?;
             let at = BlockAt::of(c, l, g.layout())?;
@@ -481,6 +559,9 @@ impl<B: LlamaDevice> DeviceModel<B> {
 
         dev.sync(&dev.record(Stream::Compute)?)?;
         let loss = dev.host_ref(&loss, 0..1)?[0];
+        let peak_now = LIVE.with(|c| c.get().1);
+        self.workspace_peak
+            .store(peak_now.saturating_sub(live_before), Ordering::Relaxed);
         Ok(MicroStats {
             loss,
             target_tokens: np,
@@ -525,7 +606,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         dev.rope(ops, k.dst(), rows, s.seq, s.kv, false)?;
         let t = s.seq;
         let scale = 1.0 / (s.hd as f32).sqrt();
-        let mut scores = tmp::<B, T>(dev, s.mats(), "scores")?;
+        let mut scores = tmp_scratch::<B, T>(dev, s.mats(), "scores")?;
         for h in 0..s.heads {
             let g = s.kv_of(h);
             dev.gemm(
@@ -542,7 +623,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
                 },
             )?;
         }
-        let mut probs = tmp::<B, T>(dev, s.mats(), "probs")?;
+        let mut probs = tmp_scratch::<B, T>(dev, s.mats(), "probs")?;
         dev.softmax_forward(ops, scores.src(), probs.dst(), s.batch * s.heads, t)?;
         drop(scores);
         let mut attn = tmp::<B, T>(dev, rows * s.qd, "attn")?;
@@ -756,7 +837,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         )?;
         let t = s.seq;
         let scale = 1.0 / (s.hd as f32).sqrt();
-        let mut dp = tmp::<B, T>(dev, s.mats(), "dprobs")?;
+        let mut dp = tmp_scratch::<B, T>(dev, s.mats(), "dprobs")?;
         let mut dq = tmp::<B, T>(dev, rows * s.qd, "dq")?;
         let mut dk = tmp::<B, T>(dev, rows * s.kd, "dk")?;
         let mut dv = tmp::<B, T>(dev, rows * s.kd, "dv")?;
@@ -788,7 +869,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
                 per_seq(mats, t * s.qd, t * s.kd),
             )?;
         }
-        let mut ds = tmp::<B, T>(dev, s.mats(), "dscores")?;
+        let mut ds = tmp_scratch::<B, T>(dev, s.mats(), "dscores")?;
         dev.softmax_backward(
             ops,
             c.probs.src(),
@@ -894,5 +975,159 @@ fn saved_bytes<B: Backend, T: Element>(s: &Saved<B, T>) -> u64 {
     match s {
         Saved::Full(a) => a.bytes(),
         Saved::Input(x) => bytes::<B, T>(x) as u64,
+    }
+}
+
+/// The device memory [`DeviceModel`] allocates at most in a micro-batch of
+/// a shape ([`workspace_bytes`]): what the engine reserves for it
+/// ([`zero::EngineBuilder::device_workspace`]) so that the device pool
+/// grows by nothing after the build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Workspace {
+    /// The largest bytes of the trainer's own buffers live at once
+    /// (activations, workspaces, gradients before their copy into the
+    /// engine's buffers): [`DeviceModel::workspace_peak`] measures it.
+    pub buffers: u64,
+    /// What the CUDA ops allocate besides (token ids, targets, the
+    /// embedding's gradient plan, the norms' and the loss's scratch, the
+    /// RoPE tables, the ones of a bias), which the CPU backend does not.
+    pub ops: u64,
+}
+
+impl Workspace {
+    /// Both.
+    pub fn total(&self) -> u64 {
+        self.buffers + self.ops
+    }
+}
+
+/// [`DeviceModel`]'s device memory in a micro-batch of `batch` sequences
+/// of `seq` tokens of model `cfg` with elements of `elem` bytes (2 for
+/// bf16), with or without activation checkpointing, every token a target
+/// (the most): the trainer's allocations replayed in its order by size.
+pub fn workspace_bytes(
+    cfg: &Config,
+    batch: usize,
+    seq: usize,
+    checkpointing: bool,
+    elem: usize,
+) -> Workspace {
+    let s = Shape::new(cfg, batch, seq);
+    let e = elem as u64;
+    let (r, d, q, k, h) = (
+        s.rows as u64,
+        s.dim as u64,
+        s.qd as u64,
+        s.kd as u64,
+        s.hidden as u64,
+    );
+    let m = s.mats() as u64;
+    let v = cfg.vocab as u64;
+    let np = r;
+    let block_len: u64 = block_tensors(cfg, 0).iter().map(|t| t.numel() as u64).sum();
+    let head_len: u64 = tensors(cfg)[cfg.norm_index()..]
+        .iter()
+        .map(|t| t.numel() as u64)
+        .sum();
+    let mut l = Ledger::default();
+    // Acts of one block: x, xn1, h, xn2; q, attn; k, v; probs; h1, h3, a;
+    // inv1, inv2.
+    let acts = e * (4 * r * d + 2 * r * q + 2 * r * k + m + 3 * r * h) + 8 * r;
+    // A block's forward from its input (live), as block_forward: leaves
+    // acts (without x) and y live.
+    let forward = |l: &mut Ledger| {
+        l.alloc(e * r * d + 4 * r); // xn1, inv1
+        l.alloc(e * (r * q + 2 * r * k)); // q, k, v
+        l.alloc(e * m); // scores
+        l.alloc(e * m); // probs
+        l.free(e * m); // scores
+        l.alloc(e * r * q); // attn
+        l.alloc(2 * e * r * d + 4 * r); // h, xn2, inv2
+        l.alloc(3 * e * r * h); // h1, h3, a
+        l.alloc(e * r * d); // mlp out
+        l.alloc(e * r * d); // y
+        l.free(e * r * d); // mlp out
+    };
+    l.alloc(e * r * d); // x
+    for _ in 0..cfg.n_layers {
+        forward(&mut l);
+        if checkpointing {
+            // Only the block input stays.
+            l.free(acts - e * r * d);
+        }
+    }
+    // Head; y of the last block is x.
+    l.alloc(2 * e * np * d + 4 * np); // hx, xn, inv
+    l.alloc(2 * e * np * v + 4); // logits, dlogits, loss
+    l.free(e * np * v); // logits
+    l.alloc(e * head_len); // lm_head grad
+    let tied = if cfg.tie_embeddings { e * v * d } else { 0 };
+    l.alloc(tied);
+    l.alloc(e * np * d); // dxn
+    l.free(e * np * v); // dlogits
+    l.alloc(4 * d + e * np * d); // dnorm, dhx
+    l.alloc(4 * v * d); // embedding grad (f32)
+    l.free(tied);
+    l.alloc(e * r * d); // dx
+    l.free(3 * e * np * d + 4 * np + e * np * d + e * r * d); // hx, xn, inv, dxn, dhx, x
+    for _ in 0..cfg.n_layers {
+        if checkpointing {
+            // The saved input becomes the recomputed block's x; its y is
+            // dropped at once.
+            forward(&mut l);
+            l.free(e * r * d);
+        }
+        l.alloc(e * block_len); // block grad
+                                // block_backward(dy = dx).
+        l.alloc(3 * e * r * h); // da, dh1, dh3
+        l.free(e * r * h); // da
+        l.alloc(e * r * d); // dxn2
+        l.free(2 * e * r * h); // dh1, dh3
+        l.alloc(e * r * d); // dh
+        l.free(e * r * d); // dy
+        l.alloc(4 * d); // mlp norm grad
+        l.free(e * r * d); // dxn2
+        l.alloc(e * r * q); // dattn
+        l.alloc(e * (m + r * q + 2 * r * k)); // dprobs, dq, dk, dv
+        l.alloc(e * m); // dscores
+        l.free(e * m); // dprobs
+        l.free(e * m + e * r * q); // dscores, dattn
+        l.alloc(e * r * d); // dxn1
+        l.free(e * (r * q + 2 * r * k)); // dq, dk, dv
+        l.alloc(e * r * d + 4 * d); // dx, attn norm grad
+        l.free(2 * e * r * d + 8 * d); // dh, dxn1, both norm grads
+        l.free(acts); // the block's activations
+        l.free(e * block_len); // block grad
+    }
+    l.free(e * r * d); // dx (after the embedding's backward)
+    l.alloc(e * v * d); // embedding grad (T)
+                        // The CUDA ops' own: ids, targets (u32/i32), the embedding plan (three
+                        // u32 arrays of at most rows + 1), the norms' and the loss's f32
+                        // scratch, the RoPE tables (f32 cos and sin, made with the ops), the
+                        // ones of a bias (one at a time).
+    let scratch = (crate::cuda::rmsnorm_scratch_len(s.rows, s.dim) as u64).max(np) * 4;
+    let rope = 8 * cfg.max_seq as u64 * (s.hd as u64 / 2);
+    let ones = if cfg.qkv_bias { e * r } else { 0 };
+    Workspace {
+        buffers: l.peak,
+        ops: 4 * (r + np) + 4 * (3 * r + 1) + scratch + rope + ones,
+    }
+}
+
+/// Bytes live and their peak, for [`workspace_bytes`].
+#[derive(Default)]
+struct Ledger {
+    live: u64,
+    peak: u64,
+}
+
+impl Ledger {
+    fn alloc(&mut self, bytes: u64) {
+        self.live += bytes;
+        self.peak = self.peak.max(self.live);
+    }
+
+    fn free(&mut self, bytes: u64) {
+        self.live = self.live.saturating_sub(bytes);
     }
 }

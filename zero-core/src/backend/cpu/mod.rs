@@ -772,6 +772,22 @@ impl Backend for CpuBackend {
         Ok(buf)
     }
 
+    /// Checked (and chaos) mode fills the buffer with NaN on `stream`: a
+    /// read of what was not written shows, and the fill stands for the
+    /// GPU's allocation on `stream`, which other streams must wait for.
+    fn alloc_scratch_on<T: Element>(
+        &self,
+        stream: Stream,
+        len: usize,
+        label: &str,
+    ) -> Result<CpuBuffer<T>> {
+        let mut buf = self.alloc(len, label)?;
+        if self.inner.checked {
+            self.fill(stream, &mut buf, 0..len, T::from_f32(f32::NAN))?;
+        }
+        Ok(buf)
+    }
+
     fn release_on<T: Element>(&self, stream: Stream, buf: CpuBuffer<T>) {
         if !buf.owner.checked {
             // Inline: everything enqueued already ran.

@@ -596,12 +596,14 @@ impl CudaBackend {
 
     /// Zeroed device memory of `bytes` bytes (at least one): ready for any
     /// stream when this returns, or with `on` allocated and zeroed in that
-    /// stream's order without blocking the host.
+    /// stream's order without blocking the host; with `on` and not `zero`,
+    /// allocated only (its contents unspecified).
     fn alloc_device(
         &self,
         bytes: usize,
         what: &str,
         on: Option<Stream>,
+        zero: bool,
     ) -> Result<sys::CUdeviceptr> {
         let inner = &*self.inner;
         inner.begin()?;
@@ -624,6 +626,9 @@ impl CudaBackend {
         // for an event of it (the contract of `alloc_on`).
         let ptr = unsafe { result::malloc_async(stream, bytes) }
             .map_err(|e| failed("cuMemAllocAsync", e))?;
+        if !zero && on.is_some() {
+            return Ok(ptr);
+        }
         // SAFETY: [ptr, ptr + bytes) was just allocated.
         let zeroed =
             unsafe { result::memset_d8_async(ptr, 0, bytes, stream) }.and_then(|()| match on {
@@ -637,13 +642,15 @@ impl CudaBackend {
         Ok(ptr)
     }
 
-    /// A zeroed buffer of `len` elements: see [`alloc_device`](Self::alloc_device).
+    /// A buffer of `len` elements, zeroed unless `on` and not `zero`: see
+    /// [`alloc_device`](Self::alloc_device).
     fn buffer<T: Element>(
         &self,
         op: &'static str,
         len: usize,
         label: &str,
         on: Option<Stream>,
+        zero: bool,
     ) -> Result<CudaBuffer<T>> {
         let bytes = len
             .checked_mul(size_of::<T>())
@@ -655,7 +662,7 @@ impl CudaBackend {
                     T::DTYPE
                 ),
             })?;
-        let ptr = self.alloc_device(bytes, &format!("buffer {label:?}"), on)?;
+        let ptr = self.alloc_device(bytes, &format!("buffer {label:?}"), on, zero)?;
         Ok(CudaBuffer {
             ptr,
             len,
@@ -945,7 +952,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc<T: Element>(&self, len: usize, label: &str) -> Result<CudaBuffer<T>> {
-        self.buffer("alloc", len, label, None)
+        self.buffer("alloc", len, label, None, true)
     }
 
     fn alloc_on<T: Element>(
@@ -954,7 +961,17 @@ impl Backend for CudaBackend {
         len: usize,
         label: &str,
     ) -> Result<CudaBuffer<T>> {
-        self.buffer("alloc_on", len, label, Some(stream))
+        self.buffer("alloc_on", len, label, Some(stream), true)
+    }
+
+    /// `cuMemAllocAsync` on `stream` without the memset.
+    fn alloc_scratch_on<T: Element>(
+        &self,
+        stream: Stream,
+        len: usize,
+        label: &str,
+    ) -> Result<CudaBuffer<T>> {
+        self.buffer("alloc_scratch_on", len, label, Some(stream), false)
     }
 
     fn release_on<T: Element>(&self, stream: Stream, buf: CudaBuffer<T>) {
