@@ -181,6 +181,26 @@ impl LlamaDims {
         self.hidden / self.heads
     }
 
+    /// `(d_in, d_out)` of projection `module` (by PEFT's names,
+    /// [`LORA_TARGETS`]) in one block; `None` for another name. The LoRA
+    /// adapters of the estimator and of `zero_llama::lora` take their
+    /// shapes from here.
+    pub fn projection_dims(&self, module: &str) -> Option<(usize, usize)> {
+        let (d, h) = (self.hidden, self.intermediate);
+        let (qd, kd) = (
+            self.heads * self.head_dim(),
+            self.kv_heads * self.head_dim(),
+        );
+        Some(match module {
+            "q_proj" => (d, qd),
+            "k_proj" | "v_proj" => (d, kd),
+            "o_proj" => (qd, d),
+            "gate_proj" | "up_proj" => (d, h),
+            "down_proj" => (h, d),
+            _ => return None,
+        })
+    }
+
     /// Parameters of one block.
     pub fn block_numel(&self) -> usize {
         let (d, h) = (self.hidden, self.intermediate);
@@ -273,20 +293,16 @@ impl Lora {
 
     /// The adapter elements of one block of `dims`: `r × (in + out)` per
     /// targeted projection.
+    ///
+    /// # Panics
+    /// On a target not in [`LORA_TARGETS`] ([`Lora::validate`] refuses it).
     pub fn block_numel(&self, dims: &LlamaDims) -> usize {
-        let (d, h) = (dims.hidden, dims.intermediate);
-        let qd = dims.heads * dims.head_dim();
-        let kd = dims.kv_heads * dims.head_dim();
         self.targets
             .iter()
             .map(|t| {
-                let (i, o) = match t.as_str() {
-                    "q_proj" => (d, qd),
-                    "k_proj" | "v_proj" => (d, kd),
-                    "o_proj" => (qd, d),
-                    "gate_proj" | "up_proj" => (d, h),
-                    _ => (h, d), // down_proj (validated)
-                };
+                let (i, o) = dims
+                    .projection_dims(t)
+                    .expect("the targets are validated against LORA_TARGETS");
                 self.rank * (i + o)
             })
             .sum()

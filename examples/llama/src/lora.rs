@@ -437,16 +437,7 @@ pub fn merge(w: &mut [f32], a: &[f32], b: &[f32], d_in: usize, d_out: usize, r: 
 /// `(d_in, d_out)` of target `module` in a block of `cfg`; `None` for a
 /// module not in [`TARGETS`].
 pub fn module_dims(cfg: &crate::Config, module: &str) -> Option<(usize, usize)> {
-    let hd = cfg.head_dim();
-    let (d, qd, kd, h) = (cfg.dim, cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.hidden);
-    Some(match module {
-        "q_proj" => (d, qd),
-        "k_proj" | "v_proj" => (d, kd),
-        "o_proj" => (qd, d),
-        "gate_proj" | "up_proj" => (d, h),
-        "down_proj" => (h, d),
-        _ => return None,
-    })
+    cfg.llama_dims().projection_dims(module)
 }
 
 /// The adapter tensors of layer `layer`: for each target in [`TARGETS`]
