@@ -1147,6 +1147,7 @@ pub fn workspace_bytes(
     l.alloc(e * np * d); // dxn
     l.free(e * np * v); // dlogits
     l.alloc(4 * d + e * np * d); // dnorm, dhx
+    l.free(e * head_len); // lm_head grad, handed to the engine
     l.alloc(4 * v * d); // embedding grad (f32)
     l.free(tied);
     l.alloc(e * r * d); // dx
