@@ -133,6 +133,12 @@ enum Preset {
     Task,
     /// ~48 M parameters with a byte vocabulary (a real but slow model on a CPU).
     Small,
+    /// Qwen2.5-14B's published shape (14.8 B parameters, vocab 152064, q/k/v biases) with
+    /// random weights on every core at once (`llama::shapes`); the byte tokenizer's ids, and
+    /// the recipe of LoRA on a pretrained checkpoint. For time and memory; with its weights,
+    /// --model-dir.
+    #[value(name = "qwen2.5-14b")]
+    Qwen2_5_14b,
 }
 
 #[derive(Parser, Debug)]
@@ -179,7 +185,7 @@ struct Args {
     /// model.safetensors or sharded files with their index, tokenizer.json,
     /// tokenizer_config.json): its weights are the initial values, its tokenizer and chat
     /// template make the samples. Instead of --model and the dims, --init-from.
-    #[arg(long, conflicts_with_all = ["model", "init_from", "dim", "layers", "heads", "kv_heads", "hidden"])]
+    #[arg(long, conflicts_with_all = ["model", "init_from", "dim", "layers", "heads", "kv_heads", "hidden", "vocab"])]
     model_dir: Option<PathBuf>,
     /// Model width.
     #[arg(long)]
@@ -196,6 +202,9 @@ struct Args {
     /// SwiGLU inner width.
     #[arg(long)]
     hidden: Option<usize>,
+    /// Rows of the embedding and the LM head (at least the byte tokenizer's 261).
+    #[arg(long)]
+    vocab: Option<usize>,
     /// Optimizer steps (0: evaluate and export the initial weights). Default: --epochs over
     /// the training set.
     #[arg(long)]
@@ -342,6 +351,10 @@ struct Args {
     /// Fold the adapters into the base weights (PEFT's merge_and_unload) for --export.
     #[arg(long, requires = "export")]
     merge_lora: bool,
+    /// Leave out the held-out accuracy before and after training (greedy decoding on the
+    /// host, long for a large model): for runs that measure time and memory.
+    #[arg(long, conflicts_with = "min_accuracy")]
+    skip_eval: bool,
     /// Exit with status 3 if the held-out accuracy after training is below this percentage
     /// (for scripts and CI).
     #[arg(long)]
@@ -379,8 +392,9 @@ impl Args {
     /// The optimizer recipe: the pretrained one with --model-dir, the
     /// presets' otherwise; --lr and --weight-decay win.
     fn recipe(&self) -> Recipe {
+        // A published shape stands in for its pretrained checkpoint.
         Recipe::choose(
-            self.model_dir.is_some(),
+            self.model_dir.is_some() || self.model == Preset::Qwen2_5_14b,
             self.lora.is_some() || self.adapter.is_some(),
             self.lr,
             self.weight_decay,
@@ -399,8 +413,12 @@ impl Args {
                 ..Config::tiny()
             },
             Preset::Small => Config::small(),
+            Preset::Qwen2_5_14b => llama::shapes::qwen2_5_14b(),
         };
-        c.vocab = data::VOCAB;
+        if self.model != Preset::Qwen2_5_14b {
+            c.vocab = data::VOCAB;
+        }
+        c.vocab = self.vocab.unwrap_or(c.vocab);
         c.max_seq = seq;
         if let Some(v) = self.dim {
             c.dim = v;
@@ -423,6 +441,13 @@ impl Args {
                 c.dim, c.n_heads, c.n_kv_heads
             ))
         };
+        if c.vocab < data::VOCAB {
+            return Err(format!(
+                "--vocab {}: the byte tokenizer's ids need {} rows",
+                c.vocab,
+                data::VOCAB
+            ));
+        }
         if c.dim == 0 || c.n_layers == 0 || c.hidden == 0 {
             return bad("--dim, --layers and --hidden must be positive");
         }
@@ -1835,7 +1860,11 @@ fn setup(args: Args) -> Result<Setup, String> {
         )),
         None => Tok::Bytes,
     };
-    let (task, chat) = load_task(&args, &tok)?;
+    let (mut task, mut chat) = load_task(&args, &tok)?;
+    if args.skip_eval {
+        task.eval.clear();
+        chat.exact.clear();
+    }
     Sampler::new(args.temperature, args.top_p, args.seed)?;
     let longest = data::max_len(&task.train);
     let seq = args.seq_len.unwrap_or(longest);
@@ -1921,7 +1950,14 @@ fn setup(args: Args) -> Result<Setup, String> {
         }
     };
     let checkpoint_dtypes = init.as_deref().map(llama::weights::TensorDtypes::of_files);
-    let init = init.map(sources);
+    let init = match init {
+        Some(files) => Some(sources(files)),
+        // Random weights that start in seconds at 14.8 B parameters.
+        None if hf.is_none() && args.model == Preset::Qwen2_5_14b => {
+            Some(llama::shapes::random_init(&model, args.seed))
+        }
+        None => None,
+    };
     let lora = lora_setup(&args, &model)?;
     Ok(Setup {
         args,

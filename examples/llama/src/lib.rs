@@ -8,8 +8,8 @@
 //! Hugging Face safetensors in and out, [`export`] what an export writes
 //! (the fp32 master in the checkpoint's dtype), [`hf`] Hugging Face model
 //! directories (config, sharded weights, tokenizer and chat template) in
-//! and out, [`cuda`] the GPU kernels of the non-GEMM ops (launchers with the
-//! `cuda` feature).
+//! and out, [`shapes`] published shapes with random weights, [`cuda`] the
+//! GPU kernels of the non-GEMM ops (launchers with the `cuda` feature).
 
 pub mod block;
 pub mod chat;
@@ -23,6 +23,7 @@ pub mod lora;
 pub mod ops;
 pub mod recipe;
 pub mod sampling;
+pub mod shapes;
 pub mod train;
 pub mod weights;
 
