@@ -35,14 +35,20 @@
 #      tiny model trained on the GPU against the CPU backend);
 #   7. `llama_sft --device cuda` at stages 0-3 (and stage 3 with optimizer
 #      offload), 2 ranks as threads on GPU 0, each to 95% held-out accuracy;
-#   8. the benchmarks: benches/llama_cuda.rs (a ~1B Llama, stage 3 MFU and
+#   8. the LoRA experiment at its full size (scripts/lora-experiment.sh
+#      --device cuda: Qwen2.5-14B's shape with random weights, the four
+#      DeepSpeed configs of tests/fixtures/ds_*.json, LORA_STEPS steps each
+#      (default 4: a warm-up step and 3 timed), 2 ranks sharing GPU 0 where
+#      `zero estimate` says they fit, then PyTorch + PEFT on the same shape
+#      and batch; its table and targets in $OUT/lora-experiment.log);
+#   9. the benchmarks: benches/llama_cuda.rs (a ~1B Llama, stage 3 MFU and
 #      the optimizer-offload step against it; $OUT/llama_cuda.json), then
 #      PyTorch on the same machine (scripts/torch_baseline.py: FSDP2 with
 #      and without CPU offload, fused AdamW; $OUT/torch_baseline.json), and
 #      benches/cuda.rs ($OUT/cuda.json).
 #
-# Prebuilt, they run in the order 3, 6, 7, 8 (but benches/cuda.rs), 5, 4,
-# benches/cuda.rs; a step that would start after BUDGET seconds (default
+# Prebuilt, they run in the order 3, 6, 7, 5, 4 (--run 1), then 8, 9 (but
+# benches/cuda.rs), benches/cuda.rs, the examples at every stage (--run 2); a step that would start after BUDGET seconds (default
 # 540) is not run.
 #
 # Usage:
@@ -74,7 +80,9 @@
 # default 240), BUDGET (seconds after which no step starts, default 540),
 # BENCH_ARGS (extra options of benches/cuda.rs, e.g. "--reps 10"),
 # LLAMA_BENCH_ARGS (of benches/llama_cuda.rs, e.g. "--batch 2"),
-# TORCH_ARGS (of scripts/torch_baseline.py), NCCL_DEBUG (default WARN).
+# TORCH_ARGS (of scripts/torch_baseline.py), LORA_STEPS (steps per config of
+# the LoRA experiment, default 4), LORA_TIMEOUT (its time limit, default
+# 420 s), NCCL_DEBUG (default WARN).
 #
 # The device tool brings back at most 8 files of $OUT: run it as
 #   OUT=/tmp/gs scripts/gpu-session.sh --prebuilt target/gpu-prebuilt;
@@ -470,6 +478,15 @@ llama_sft_stages() {
   done
 }
 
+# The LoRA experiment at Qwen2.5-14B's size (issue 31): the executables
+# given (prebuilt) or built by the script; its own time limit.
+lora_experiment() {
+  local bins=()
+  [ -n "${1:-}" ] && bins=(--bin "$1" --zero "$2")
+  STEP_TIMEOUT="${LORA_TIMEOUT:-420}" step lora-experiment bash "$REPO/scripts/lora-experiment.sh" \
+    --device cuda --shape qwen2.5-14b --steps "${LORA_STEPS:-4}" "${bins[@]}" --out "$OUT/lora-experiment"
+}
+
 # PyTorch on the same machine: FSDP2 and fused AdamW (scripts/torch_baseline.py).
 torch_baseline() {
   if [ -n "$PY" ] && "$PY" -c 'import torch' 2>/dev/null; then
@@ -504,6 +521,7 @@ if [ "$mode" = cargo ]; then
   "$CARGO" build -q -p zero --no-default-features --features cuda --example llama_sft &&
     llama_sft_stages "$REPO/target/debug/examples/llama_sft" &&
     step llama_sft-stage3-offload "$REPO/target/debug/examples/llama_sft" --device cuda --stage 3 --offload cpu --min-accuracy 95
+  lora_experiment
   # shellcheck disable=SC2086
   step bench-llama_cuda "$CARGO" bench -p zero --no-default-features --features cuda --bench llama_cuda -- \
     --json "$OUT/llama_cuda.json" ${LLAMA_BENCH_ARGS:-}
@@ -564,9 +582,15 @@ else
       run_exe "$name"
     done
   fi
-  # Run 2, speed: the ~1B Llama and PyTorch's FSDP2 on the same machine,
-  # the backend's benchmark, then the example at every stage.
+  # Run 2, speed: the LoRA experiment at its full size, the ~1B Llama and
+  # PyTorch's FSDP2 on the same machine, the backend's benchmark, then the
+  # example at every stage.
   if [ "$run" != 1 ]; then
+    if [ -n "${exes[llama_sft]:-}" ] && [ -n "${exes[zero]:-}" ]; then
+      lora_experiment "${exes[llama_sft]}" "${exes[zero]}"
+    else
+      summary+=("lora-experiment: NOT RUN (llama_sft or zero missing from $dir)")
+    fi
     run_exe llama_cuda-bench
     torch_baseline
     run_exe cuda-bench
@@ -587,6 +611,8 @@ section "summary"
   done
   [ -f "$OUT/bench-cuda.log" ] && grep -E "skipped:|FAILED:|MISS" "$OUT/bench-cuda.log"
   [ -f "$OUT/bench-llama_cuda.log" ] && grep -E "^\||target|skipped:" "$OUT/bench-llama_cuda.log"
+  [ -f "$OUT/lora-experiment.log" ] &&
+    grep -E "^\| ds_|^\| PyTorch|^LoRA experiment|^steps cut|^  .*: (met|MISSED|-) \(" "$OUT/lora-experiment.log"
   for f in "$OUT"/llama_sft-stage*.log; do
     [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -E "^\| [0-3] \|" "$f" | head -1)"
   done

@@ -150,7 +150,11 @@ estimate() {
   "$zero" estimate --config "tests/fixtures/$1.json" $(setup_of "$1") --dtype bf16 \
     --hidden "$hidden" --intermediate "$inter" --layers "$layers" --heads "$heads" --kv-heads "$kv" \
     --vocab "$vocab" --lora-rank 8 --lora-dropout --world "$2" --micro 16 --seq-len "$seq" \
-    --activation-checkpointing "${dev_flag[@]}" >"$out/$1.estimate-$2.txt"
+    --activation-checkpointing "${dev_flag[@]}" >"$out/$1.estimate-$2.txt" 2>&1 || {
+    echo "lora-experiment: zero estimate failed for $1:" >&2
+    cat "$out/$1.estimate-$2.txt" >&2
+    return 1
+  }
   python3 - "$out/$1.estimate-$2.txt" <<'EOF'
 import re, sys
 units = {"B": 2**-30, "KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0, "TiB": 1024.0}
@@ -174,9 +178,10 @@ fi
 # of the GPU and 85% of the host's available memory (on the CPU both tiers
 # are host memory).
 fits() {
-  local c d h
+  local c d h est
   for c in "${configs[@]}"; do
-    read -r d h < <(estimate "$c" "$1")
+    est=$(estimate "$c" "$1") || exit 1
+    read -r d h <<<"$est"
     if ! python3 -c "
 import sys
 n, d, h, host = $1, $d, $h, $host_gib
@@ -203,7 +208,10 @@ if [ -z "$ranks" ]; then
     exit 1
   fi
 fi
-for c in "${configs[@]}"; do estimate "$c" "$ranks" >"$out/$c.estimate"; done
+for c in "${configs[@]}"; do
+  est=$(estimate "$c" "$ranks") || exit 1
+  echo "$est" >"$out/$c.estimate"
+done
 echo "lora-experiment: $ranks rank(s) per config (GPU ${gpu_gib:--} GiB, host $host_gib GiB available)" >&2
 
 lora=(--lora 8 --lora-alpha 64 --lora-dropout 0.01

@@ -57,3 +57,11 @@ cargo run -q --example llama_sft -- --model-dir examples/llama/tests/fixtures/qw
 chat=examples/llama/tests/fixtures/chat/sample.jsonl
 cargo run -q --example llama_sft -- --model-dir examples/llama/tests/fixtures/qwen2 --data "$chat" --val-data "$chat" --eval-data "$chat" --prompts "$chat" --steps 300 --batch 3 --lr 3e-2 --dtype fp32 --max-new-tokens 8 --min-accuracy 90
 rm -rf "$hf_out"
+# --- The LoRA experiment (issue 31) at its small shape on the CPU ---------
+# The motivating experiment as one command: the four DeepSpeed configs of
+# tests/fixtures/ds_*.json as they are, the experiment's recipe (LoRA r 8 on
+# the seven projections, 16 x 51 tokens per rank, checkpointing, bf16), one
+# epoch each, 2 ranks as threads, on the dev build above (~1 minute on 2
+# cores); fails if a config fails or its table cannot be read.
+bash scripts/lora-experiment.sh --device cpu --shape small
+# ---------------------------------------------------------------------------
