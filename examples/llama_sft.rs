@@ -2157,6 +2157,70 @@ mod tests {
         path
     }
 
+    fn args(flags: &[&str]) -> Args {
+        Args::try_parse_from(std::iter::once("llama_sft").chain(flags.iter().copied())).unwrap()
+    }
+
+    #[test]
+    fn the_published_shape_is_qwen2_5_14b_with_its_recipe() {
+        let a = args(&["--model", "qwen2.5-14b", "--lora", "8"]);
+        let c = a.model_config(51).unwrap();
+        assert_eq!(
+            (
+                c.vocab,
+                c.dim,
+                c.n_layers,
+                c.n_heads,
+                c.n_kv_heads,
+                c.hidden
+            ),
+            (152_064, 5120, 48, 40, 8, 13_824)
+        );
+        assert!(c.qkv_bias && !c.tie_embeddings && c.rope_theta == 1e6 && c.max_seq == 51);
+        // It stands in for the checkpoint: LoRA's fine-tuning recipe.
+        assert_eq!(
+            optimizer(&["--model", "qwen2.5-14b", "--lora", "8"]),
+            (1e-4, 0.1, 3, 0.0)
+        );
+        let small = ["--model", "qwen2.5-14b", "--dim", "160", "--vocab", "261"];
+        let c = args(&small).model_config(51).unwrap();
+        assert_eq!((c.vocab, c.dim, c.n_layers), (261, 160, 48));
+        let e = args(&["--vocab", "100"]).model_config(51).unwrap_err();
+        assert!(e.contains("--vocab 100") && e.contains("261"), "{e}");
+        assert!(Args::try_parse_from(["llama_sft", "--model-dir", "m", "--vocab", "300"]).is_err());
+    }
+
+    #[test]
+    fn a_random_published_shape_and_skip_eval() {
+        let flags = [
+            "--model",
+            "qwen2.5-14b",
+            "--dim",
+            "64",
+            "--layers",
+            "1",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--hidden",
+            "96",
+            "--vocab",
+            "300",
+            "--skip-eval",
+        ];
+        let s = setup(args(&flags)).unwrap();
+        let init = s.init.as_ref().expect("random initialisers");
+        assert_eq!(init.len(), s.model.tensor_count());
+        assert!(matches!(init[0], Init::Source(_)), "{:?}", init[0]);
+        assert!(s.task.eval.is_empty() && s.chat.exact.is_empty());
+        // The presets keep the engine's own initialisation, and their evaluation.
+        let s = setup(args(&["--model", "tiny"])).unwrap();
+        assert!(s.init.is_none() && !s.task.eval.is_empty());
+        let both = ["--skip-eval", "--min-accuracy", "90"];
+        assert!(Args::try_parse_from(std::iter::once("llama_sft").chain(both)).is_err());
+    }
+
     #[test]
     fn steps_0_takes_any_data_size() {
         assert!(batch_fits(Some(0), 16, 2, 3).is_ok());
