@@ -82,7 +82,8 @@
 # LLAMA_BENCH_ARGS (of benches/llama_cuda.rs, e.g. "--batch 2"),
 # TORCH_ARGS (of scripts/torch_baseline.py), LORA_STEPS (steps per config of
 # the LoRA experiment, default 4), LORA_TIMEOUT (its time limit, default
-# 420 s), NCCL_DEBUG (default WARN).
+# 480 s), LORA_CONFIG_TIMEOUT (each of its configs' and the baseline's,
+# default 100 s), NCCL_DEBUG (default WARN).
 #
 # The device tool brings back at most 8 files of $OUT: run it as
 #   OUT=/tmp/gs scripts/gpu-session.sh --prebuilt target/gpu-prebuilt;
@@ -483,8 +484,9 @@ llama_sft_stages() {
 lora_experiment() {
   local bins=()
   [ -n "${1:-}" ] && bins=(--bin "$1" --zero "$2")
-  STEP_TIMEOUT="${LORA_TIMEOUT:-420}" step lora-experiment bash "$REPO/scripts/lora-experiment.sh" \
-    --device cuda --shape qwen2.5-14b --steps "${LORA_STEPS:-4}" "${bins[@]}" --out "$OUT/lora-experiment"
+  STEP_TIMEOUT="${LORA_TIMEOUT:-480}" step lora-experiment bash "$REPO/scripts/lora-experiment.sh" \
+    --device cuda --shape qwen2.5-14b --steps "${LORA_STEPS:-4}" --timeout "${LORA_CONFIG_TIMEOUT:-100}" \
+    "${bins[@]}" --out "$OUT/lora-experiment"
 }
 
 # PyTorch on the same machine: FSDP2 and fused AdamW (scripts/torch_baseline.py).

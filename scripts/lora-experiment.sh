@@ -34,6 +34,8 @@
 #                         kit); default: built with cargo (the dev profile,
 #                         `--features cuda` for cuda)
 #   --peft / --no-peft    run the PyTorch + PEFT baseline (default: on cuda)
+#   --timeout S           stop a config (or the baseline) after S seconds:
+#                         it counts as failed, the others still run
 #   --out DIR             keep every log, metrics file and the table here
 #
 # Without --model-dir the token ids are the byte tokenizer's (the task's
@@ -45,7 +47,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() {
-  sed -n '18,40p' "$0" >&2
+  sed -n "/^# Usage:/,/^#$/p" "$0" >&2
   exit 2
 }
 device=cpu
@@ -57,6 +59,7 @@ bin=""
 zero=""
 peft=""
 out=""
+limit=""
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -70,6 +73,7 @@ while [ $# -gt 0 ]; do
     --peft) peft=1 ;;
     --no-peft) peft=0 ;;
     --out) out=${2:-}; shift ;;
+    --timeout) limit=${2:-}; shift ;;
     --) shift; extra=("$@"); break ;;
     -h | --help) usage ;;
     *) echo "lora-experiment: unknown option $1" >&2; usage ;;
@@ -81,9 +85,9 @@ if [ -z "$shape" ]; then
   if [ "$device" = cuda ]; then shape=qwen2.5-14b; else shape=small; fi
 fi
 case "$shape" in small | qwen2.5-14b) ;; *) echo "lora-experiment: --shape small or qwen2.5-14b, not '$shape'" >&2; exit 2 ;; esac
-for n in "$steps" "$ranks"; do
+for n in "$steps" "$ranks" "$limit"; do
   if [ -n "$n" ] && ! [[ "$n" =~ ^[1-9][0-9]*$ ]]; then
-    echo "lora-experiment: --steps and --ranks take a whole number of at least 1, not '$n'" >&2
+    echo "lora-experiment: --steps, --ranks and --timeout take a whole number of at least 1, not '$n'" >&2
     exit 2
   fi
 done
@@ -218,14 +222,18 @@ lora=(--lora 8 --lora-alpha 64 --lora-dropout 0.01
   --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)
 recipe=(--batch 16 --activation-checkpointing --dtype bf16 --lr 1e-4 --weight-decay 0.1 --epochs 1)
 [ -n "$steps" ] && recipe+=(--steps "$steps")
+limited=()
+[ -n "$limit" ] && limited=(timeout -k 10 "$limit")
 failed=0
 for c in "${configs[@]}"; do
   args=(--config "tests/fixtures/$c.json" --device "$device" --ranks "$ranks" "${model[@]}" "${lora[@]}"
     "${recipe[@]}" --skip-eval --metrics "$out/$c.jsonl" "${extra[@]}")
   echo "== $c: llama_sft ${args[*]}" >&2
   t0=$(date +%s)
-  if "$bin" "${args[@]}" >"$out/$c.log" 2>&1; then
-    echo "   done in $(($(date +%s) - t0)) s" >&2
+  if "${limited[@]}" "$bin" "${args[@]}" >"$out/$c.log" 2>&1; then
+    echo "   done in $(($(date +%s) - t0)) s:" >&2
+    # Its own report's rows, before the table (a later config may run out of time).
+    grep -E "^device:|^\| [0-3] \||^\| [0-9]+ \| [0-9.]+ MiB" "$out/$c.log" >&2 || true
   else
     echo "   FAILED (exit $?) after $(($(date +%s) - t0)) s; its last lines:" >&2
     tail -15 "$out/$c.log" >&2
@@ -236,7 +244,7 @@ if [ "$peft" = 1 ]; then
   pargs=(--device "$device" --batch 16 --seq "$seq" --json "$out/peft.json")
   if [ -n "$model_dir" ]; then pargs+=(--model-dir "$model_dir"); else pargs+=(--shape "$shape"); fi
   echo "== PyTorch + PEFT: python3 scripts/peft_baseline.py ${pargs[*]}" >&2
-  python3 scripts/peft_baseline.py "${pargs[@]}" >"$out/peft.log" 2>&1 || {
+  "${limited[@]}" python3 scripts/peft_baseline.py "${pargs[@]}" >"$out/peft.log" 2>&1 || {
     failed=1
     tail -15 "$out/peft.log" >&2
   }
