@@ -48,8 +48,9 @@
 #      benches/cuda.rs ($OUT/cuda.json).
 #
 # Prebuilt, they run in the order 3, 6, 7, 5, 4 (--run 1), then 8, 9 (but
-# benches/cuda.rs), benches/cuda.rs, the examples at every stage (--run 2); a step that would start after BUDGET seconds (default
-# 540) is not run.
+# benches/cuda.rs), benches/cuda.rs, the examples at every stage (--run
+# 2); a step that would start after BUDGET seconds (default 540) is not
+# run.
 #
 # Usage:
 #   scripts/gpu-session.sh                  on the GPU machine; builds with
@@ -523,7 +524,8 @@ if [ "$mode" = cargo ]; then
   "$CARGO" build -q -p zero --no-default-features --features cuda --example llama_sft &&
     llama_sft_stages "$REPO/target/debug/examples/llama_sft" &&
     step llama_sft-stage3-offload "$REPO/target/debug/examples/llama_sft" --device cuda --stage 3 --offload cpu --min-accuracy 95
-  lora_experiment
+  "$CARGO" build -q -p zero --no-default-features --features cuda --bin zero &&
+    lora_experiment "$REPO/target/debug/examples/llama_sft" "$REPO/target/debug/zero"
   # shellcheck disable=SC2086
   step bench-llama_cuda "$CARGO" bench -p zero --no-default-features --features cuda --bench llama_cuda -- \
     --json "$OUT/llama_cuda.json" ${LLAMA_BENCH_ARGS:-}
