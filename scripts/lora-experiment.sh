@@ -245,8 +245,12 @@ if [ "$peft" = 1 ]; then
   if [ -n "$model_dir" ]; then pargs+=(--model-dir "$model_dir"); else pargs+=(--shape "$shape"); fi
   echo "== PyTorch + PEFT: python3 scripts/peft_baseline.py ${pargs[*]}" >&2
   "${limited[@]}" python3 scripts/peft_baseline.py "${pargs[@]}" >"$out/peft.log" 2>&1 || {
+    rc=$?
     failed=1
     tail -15 "$out/peft.log" >&2
+    # No result of its own: say why in the table.
+    [ -s "$out/peft.json" ] || printf '{"failed": "exit %s%s (see peft.log)"}\n' "$rc" \
+      "$([ "$rc" = 124 ] && echo ": stopped by --timeout $limit s")" >"$out/peft.json"
   }
   grep -E "^peft: (skipped|FAILED)" "$out/peft.log" >&2 || true
 fi

@@ -248,13 +248,13 @@ def main(argv: list[str] | None = None) -> int:
         import torch
     except Exception as e:  # noqa: BLE001 (ImportError, or OSError from a CUDA library)
         return skip(f"torch is not importable ({type(e).__name__}: {e})", a)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        return skip("no CUDA device", a)
     try:
         import peft
         import transformers
     except Exception as e:  # noqa: BLE001
         return skip(f"transformers or peft is not importable ({type(e).__name__}: {e})", a)
-    if a.device == "cuda" and not torch.cuda.is_available():
-        return skip("no CUDA device", a)
     try:
         r = run(a, torch, transformers, peft)
     except Exception as e:  # noqa: BLE001 (out of memory, an API this version lacks)
