@@ -44,6 +44,7 @@
 # Qwen tokenizer is needed offline; the work per step is the experiment's.
 # The small shape on 2 cores: about a minute for the four configs.
 set -euo pipefail
+caller=$PWD
 cd "$(dirname "$0")/.."
 
 usage() {
@@ -91,11 +92,17 @@ for n in "$steps" "$ranks" "$limit"; do
     exit 2
   fi
 done
+# Paths are the caller's: relative ones from where it ran.
+absolute() { case "$1" in "" | /*) echo "$1" ;; *) echo "$caller/$1" ;; esac; }
+model_dir=$(absolute "$model_dir")
+bin=$(absolute "$bin")
+zero=$(absolute "$zero")
+out=$(absolute "$out")
+[ -n "$peft" ] || peft=$([ "$device" = cuda ] && echo 1 || echo 0)
 if [ -n "$model_dir" ] && [ ! -f "$model_dir/config.json" ]; then
   echo "lora-experiment: --model-dir $model_dir: no config.json there" >&2
   exit 2
 fi
-[ -n "$peft" ] || peft=$([ "$device" = cuda ] && echo 1 || echo 0)
 
 # The executables.
 if [ -z "$bin" ] || [ -z "$zero" ]; then
