@@ -680,7 +680,9 @@ pub fn estimate(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Result<
 /// copies of the gradient homes and of the parameters, with parameter
 /// offload alone the two parameter-step slots (device and host), at
 /// stage 3 the ring of shard uploads (`offload_param.buffer_count` of the
-/// largest shard) when shards or frozen segments live in host memory,
+/// largest shard that goes up: a trainable one with parameter offload, a
+/// frozen one with `frozen_params` `offload`; a resident frozen base does
+/// not size it),
 /// and with `swap_gradients` the window's host copy; LoRA's dropout masks
 /// count one bit per element (the device trainer's).
 ///
@@ -874,15 +876,14 @@ fn device_staging(
         let largest = units.iter().map(|u| u.shard_len).max().unwrap_or(0);
         track(Tier::Host, Category::Grads, largest.max(1) as u64 * asize);
     }
-    if stage == 3 && (param_offloading || frozen == FrozenParams::Offload) {
-        let len = units
-            .iter()
-            .map(|u| u.shard_len.max(u.frozen_shard_len()))
-            .max()
-            .unwrap_or(0)
-            .max(1) as u64;
-        let count = cfg.zero.offload_param.buffer_count.max(2) as u64;
-        track(Tier::Host, Category::Params, count * len * psize);
+    let ring = crate::plan::upload_ring(
+        cfg,
+        plan,
+        param_offloading,
+        frozen == FrozenParams::Offload,
+    );
+    if let (3, Some((count, len))) = (stage, ring) {
+        track(Tier::Host, Category::Params, (count * len) as u64 * psize);
     }
     if offloading && !param_offloading && !swap_grads {
         for u in units {
