@@ -836,10 +836,10 @@ struct Sim {
     /// gatherer's pool, `src/engine/gatherer.rs`).
     gathered_pool: HashMap<usize, usize>,
     /// Stage 3 with `frozen_params` `shard` or `offload`: frozen segments
-    /// are all-gathered into a pooled buffer of their own, back in the
-    /// pool when the unit's gather is waited for …
+    /// are all-gathered into a pooled buffer of their own, read there,
+    /// and back in the pool when the unit is freed …
     frozen_gathers: bool,
-    /// … the units with one in flight, and its length.
+    /// … the units holding one (in flight or gathered), and its length.
     frozen_inflight: HashMap<usize, usize>,
 }
 
@@ -1127,9 +1127,15 @@ impl Sim {
         self.plan.units()[i].padded_numel
     }
 
-    /// Unit `i`'s gathered buffer length (both segments).
+    /// Unit `i`'s gathered buffer length: both segments, or the
+    /// trainable one where the frozen segment is gathered apart.
     fn gathered(&self, i: usize) -> usize {
-        self.plan.units()[i].param_len()
+        let u = &self.plan.units()[i];
+        if self.frozen_gathers && u.frozen_padded > 0 {
+            u.padded_numel
+        } else {
+            u.param_len()
+        }
     }
 
     /// One micro-batch of `events`, then `Engine::step` (which runs the
@@ -1209,14 +1215,17 @@ impl Sim {
                     self.take_gathered(self.gathered(i));
                     self.launch_frozen(i);
                 }
-                Action::Refresh(i) => self.launch_frozen(i),
-                Action::Wait(i) => {
+                // A refresh keeps the gathered frozen segment (it never
+                // changes); the wait hands it to the unit's guards where it
+                // landed, until the free.
+                Action::Refresh(_) | Action::Wait(_) => {}
+                Action::Free(i) if self.keeps_buffer(i) => {}
+                Action::Free(i) => {
+                    *self.gathered_pool.entry(self.gathered(i)).or_default() += 1;
                     if let Some(len) = self.frozen_inflight.remove(&i) {
                         *self.gathered_pool.entry(len).or_default() += 1;
                     }
                 }
-                Action::Free(i) if self.keeps_buffer(i) => {}
-                Action::Free(i) => *self.gathered_pool.entry(self.gathered(i)).or_default() += 1,
                 Action::ReadAhead(_) => {}
             }
         }

@@ -761,6 +761,9 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             reducer.stage_window(&tracker)?;
         }
         let mut s3 = ParamGatherer::new(&cfg, &plan, frozen);
+        if skip_wait == Some(SkipWait::FrozenBeforeRead) {
+            s3.skip_frozen_wait();
+        }
         // On a device, shards kept in host memory go up to the gathered
         // buffers through host buffers (pinned on a GPU) on the
         // host-to-device stream.

@@ -360,3 +360,38 @@ fn a_removed_wait_is_a_hazard_under_device_lora() {
         }
     }
 }
+
+/// Stage 3 with the frozen base gathered apart (`frozen_params` `shard`
+/// and `offload`): the device trainer reads it where its all-gather
+/// landed, so leaving out the compute stream's wait for that gather
+/// ([`SkipWait::FrozenBeforeRead`]) is a hazard the checker names, in
+/// Checked mode and under Chaos, with and without parameter offload.
+#[test]
+fn reading_the_frozen_base_before_its_gather_is_a_hazard() {
+    let skip = Some(SkipWait::FrozenBeforeRead);
+    for (frozen, param) in [
+        (FrozenParams::Shard, OffloadDevice::None),
+        (FrozenParams::Shard, OffloadDevice::Cpu),
+        (FrozenParams::Offload, OffloadDevice::Cpu),
+    ] {
+        for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 5 }] {
+            let r = Run {
+                stage: 3,
+                frozen,
+                param,
+                ..BASE
+            };
+            for (rank, got) in run_with(r, Trainer::Device(mode, true), skip)
+                .into_iter()
+                .enumerate()
+            {
+                let what = format!("{frozen:?} param {param:?} {mode:?} rank {rank}");
+                match got {
+                    Ok(_) => panic!("{what}: trained without a hazard"),
+                    Err(Error::Core(zero::core::Error::Hazard(_))) => {}
+                    Err(e) => panic!("{what}: not a hazard: {e}"),
+                }
+            }
+        }
+    }
+}
