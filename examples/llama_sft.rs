@@ -1012,8 +1012,14 @@ fn run<T: Element, C: Communicator>(
     let b = match a.device {
         Compute::Cpu => b,
         Compute::CpuChecked | Compute::Cuda => b.device_workspace(
-            workspace_bytes(&s.model, micro, s.seq, a.activation_checkpointing, T::DTYPE.size_in_bytes())
-                .total(),
+            workspace_bytes(
+                &s.model,
+                micro,
+                s.seq,
+                a.activation_checkpointing,
+                T::DTYPE.size_in_bytes(),
+            )
+            .total(),
         ),
     };
     let p = Prep {

@@ -876,12 +876,8 @@ fn device_staging(
         let largest = units.iter().map(|u| u.shard_len).max().unwrap_or(0);
         track(Tier::Host, Category::Grads, largest.max(1) as u64 * asize);
     }
-    let ring = crate::plan::upload_ring(
-        cfg,
-        plan,
-        param_offloading,
-        frozen == FrozenParams::Offload,
-    );
+    let ring =
+        crate::plan::upload_ring(cfg, plan, param_offloading, frozen == FrozenParams::Offload);
     if let (3, Some((count, len))) = (stage, ring) {
         track(Tier::Host, Category::Params, (count * len) as u64 * psize);
     }

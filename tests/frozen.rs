@@ -766,6 +766,10 @@ fn every_frozen_params_policy_gives_the_same_bits() {
         assert_frozen_unchanged(&t, &what);
         assert_bits_eq(&all(&base), &all(&t), &what);
         assert_eq!(base.losses, t.losses, "{what}");
+        println!(
+            "{what}: gather_bytes {} frozen_gather_bytes {} gather_copy_bytes {}",
+            t.stats.gather_bytes, t.stats.frozen_gather_bytes, t.stats.gather_copy_bytes
+        );
         gathered.push((
             what,
             t.stats.gather_bytes,
@@ -982,7 +986,11 @@ fn reading_a_frozen_segment_before_its_gather_is_a_hazard() {
             match r {
                 Ok(_) => panic!("{what} rank {rank}: trained without a hazard"),
                 Err(Error::Core(zero::core::Error::Hazard(h))) => {
-                    assert!(h.buffer.starts_with("frozen gathered"), "{what}: {}", h.buffer);
+                    assert!(
+                        h.buffer.starts_with("frozen gathered"),
+                        "{what}: {}",
+                        h.buffer
+                    );
                     hazards += 1;
                 }
                 Err(Error::Comm(e)) => eprintln!("{what} rank {rank}: {e}"),

@@ -379,15 +379,23 @@ impl<B: HostAccess> UnitGuard<B> {
         let mut out = Vec::with_capacity(self.params_len());
         let f32s = |v: &[T], out: &mut Vec<f32>| out.extend(v.iter().map(|x| x.to_f32()));
         if l.frozen_numel == 0 {
-            f32s(&self.backend.host_ref(self.buffer::<T>()?, 0..l.numel)?, &mut out);
+            f32s(
+                &self.backend.host_ref(self.buffer::<T>()?, 0..l.numel)?,
+                &mut out,
+            );
             return Ok(out);
         }
         // The trainable segment with its padding (all of the unit's buffer
         // where the frozen segment is apart), then the frozen elements.
         let (fb, start) = self.frozen_buffer::<T>()?;
-        let trainable = self.backend.host_ref(self.buffer::<T>()?, 0..l.frozen_offset())?;
+        let trainable = self
+            .backend
+            .host_ref(self.buffer::<T>()?, 0..l.frozen_offset())?;
         f32s(&trainable, &mut out);
-        f32s(&self.backend.host_ref(fb, start..start + l.frozen_numel)?, &mut out);
+        f32s(
+            &self.backend.host_ref(fb, start..start + l.frozen_numel)?,
+            &mut out,
+        );
         Ok(out)
     }
 }

@@ -345,18 +345,22 @@ fn a_removed_wait_is_a_hazard_under_device_lora() {
             }
             for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 5 }] {
                 let r = Run { stage, ..BASE };
-                for (rank, got) in run_with(r, Trainer::Device(mode, true), Some(skip))
-                    .into_iter()
-                    .enumerate()
-                {
-                    let what = format!("stage {stage} {skip:?} {mode:?} rank {rank}");
-                    match got {
-                        Ok(_) => panic!("{what}: trained without a hazard"),
-                        Err(Error::Core(zero::core::Error::Hazard(_))) => {}
-                        Err(e) => panic!("{what}: not a hazard: {e}"),
-                    }
-                }
+                assert_hazards(
+                    run_with(r, Trainer::Device(mode, true), Some(skip)),
+                    &format!("stage {stage} {skip:?} {mode:?}"),
+                );
             }
+        }
+    }
+}
+
+/// Every rank of a run with a wait left out stopped at a hazard.
+fn assert_hazards(got: Vec<zero::Result<RankRun>>, what: &str) {
+    for (rank, got) in got.into_iter().enumerate() {
+        match got {
+            Ok(_) => panic!("{what} rank {rank}: trained without a hazard"),
+            Err(Error::Core(zero::core::Error::Hazard(_))) => {}
+            Err(e) => panic!("{what} rank {rank}: not a hazard: {e}"),
         }
     }
 }
@@ -381,17 +385,10 @@ fn reading_the_frozen_base_before_its_gather_is_a_hazard() {
                 param,
                 ..BASE
             };
-            for (rank, got) in run_with(r, Trainer::Device(mode, true), skip)
-                .into_iter()
-                .enumerate()
-            {
-                let what = format!("{frozen:?} param {param:?} {mode:?} rank {rank}");
-                match got {
-                    Ok(_) => panic!("{what}: trained without a hazard"),
-                    Err(Error::Core(zero::core::Error::Hazard(_))) => {}
-                    Err(e) => panic!("{what}: not a hazard: {e}"),
-                }
-            }
+            assert_hazards(
+                run_with(r, Trainer::Device(mode, true), skip),
+                &format!("{frozen:?} param {param:?} {mode:?}"),
+            );
         }
     }
 }

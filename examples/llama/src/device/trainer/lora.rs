@@ -238,6 +238,8 @@ impl<B: LlamaDevice> DeviceModel<B> {
         let (rows, r, scale) = (s.rows, ll.r, ll.scale);
         let back = Mm::new(rows, d_in, d_out).acc();
         dev.gemm(ops, dx.dst(), dy.src(), src_at(p.base, w), back, Batch::ONE)?;
+        // The adapter's tensors, in the unit's buffer.
+        let pu = p.unit;
         let Some(ad) = ll.ad[i] else {
             return Ok(());
         };
@@ -250,7 +252,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         // d(xa) = s · dy B            [rows, r]
         let mut dxa = tmp::<B, T>(dev, rows * r, "lora dxa")?;
         let m = Mm::new(rows, r, d_out).alpha(scale);
-        dev.gemm(ops, dxa.dst(), dy.src(), src_at(p.unit, ad.b), m, Batch::ONE)?;
+        dev.gemm(ops, dxa.dst(), dy.src(), src_at(pu, ad.b), m, Batch::ONE)?;
         // dB += s · dyᵀ xa            [d_out, r]
         let m = Mm::new(d_out, r, rows).ta().acc().alpha(scale);
         dev.gemm(ops, dst_at(gb, ad.b), dy.src(), xa.src(), m, Batch::ONE)?;
@@ -264,13 +266,13 @@ impl<B: LlamaDevice> DeviceModel<B> {
         match &la.masks {
             None => {
                 let m = Mm::new(rows, d_in, r).acc();
-                dev.gemm(ops, dx.dst(), dxa.src(), src_at(p.unit, ad.a), m, Batch::ONE)
+                dev.gemm(ops, dx.dst(), dxa.src(), src_at(pu, ad.a), m, Batch::ONE)
             }
             Some(mk) => {
                 let n = rows * d_in;
                 let mut dxin = tmp::<B, T>(dev, n, "lora dx")?;
                 let m = Mm::new(rows, d_in, r);
-                dev.gemm(ops, dxin.dst(), dxa.src(), src_at(p.unit, ad.a), m, Batch::ONE)?;
+                dev.gemm(ops, dxin.dst(), dxa.src(), src_at(pu, ad.a), m, Batch::ONE)?;
                 let keep = lora::dropout_keep(ll.dropout);
                 dev.dropout(
                     ops,
