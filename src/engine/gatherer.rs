@@ -142,13 +142,13 @@ pub(crate) struct ParamGatherer<B: HostAccess> {
     /// the gathered buffer after the trainable segment.
     frozen: Vec<Option<FrozenHome<B>>>,
     /// Per unit: the all-gather of its frozen shards in flight (into a
-    /// buffer of the frozen segment's length), then, from the wait until
-    /// the unit is freed, that buffer (shared with the trainer's guards:
-    /// the frozen segment is read where its gather landed), and a
-    /// launched unit whose trainable segment needs no all-gather (only
-    /// frozen tensors).
+    /// buffer of the frozen segment's length) …
     frozen_inflight: Vec<Option<DynWork<B>>>,
+    /// … then, from its wait until the unit is freed, that buffer, shared
+    /// with the trainer's guards (read where the gather landed) …
     frozen_full: Vec<Option<Arc<DevBuf<B>>>>,
+    /// … and a launched unit whose trainable segment needs no all-gather
+    /// (only frozen tensors).
     parked: Vec<Option<DevBuf<B>>>,
     /// Per unit: the label of its gathered buffers.
     labels: Vec<String>,
@@ -556,9 +556,10 @@ impl<B: HostAccess> ParamGatherer<B> {
             }
         }
         match &self.frozen[i] {
-            // Resident: the frozen segment is in the buffer already; a
-            // refresh keeps the frozen segment gathered (it never changes).
+            // Resident: the frozen segment is in the buffer already.
             None | Some(FrozenHome::Resident(_)) => {}
+            // Gathered or in flight (a refresh after the step): it never
+            // changes, so it stays.
             Some(_) if self.frozen_full[i].is_some() || self.frozen_inflight[i].is_some() => {}
             Some(home) => {
                 let frozen_len = self.frozen_len[i];
