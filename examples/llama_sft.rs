@@ -44,7 +44,7 @@ use zero::{Engine, EngineBuilder, Init};
 use zero_llama as llama;
 
 use llama::data::{self, Sample, Task};
-use llama::device::{DeviceModel, Trainer};
+use llama::device::{workspace_bytes, DeviceModel, Trainer};
 use llama::hf::{ExportSource, HfDir, HfTokenizer};
 use llama::lora::LoraConfig;
 use llama::recipe::{LossWatch, Recipe};
@@ -1032,6 +1032,21 @@ fn run<T: Element, C: Communicator>(
         a.activation_checkpointing,
     )?;
     let b = b.keep_last_checkpoints(a.keep_last);
+    // The device trainer's activations and workspaces are reserved with
+    // the engine's plan, so its first step does not grow the pool.
+    let b = match a.device {
+        Compute::Cpu => b,
+        Compute::CpuChecked | Compute::Cuda => b.device_workspace(
+            workspace_bytes(
+                &s.model,
+                micro,
+                s.seq,
+                a.activation_checkpointing,
+                T::DTYPE.size_in_bytes(),
+            )
+            .total(),
+        ),
+    };
     let p = Prep {
         threads,
         steps,

@@ -680,7 +680,9 @@ pub fn estimate(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Result<
 /// copies of the gradient homes and of the parameters, with parameter
 /// offload alone the two parameter-step slots (device and host), at
 /// stage 3 the ring of shard uploads (`offload_param.buffer_count` of the
-/// largest shard) when shards or frozen segments live in host memory,
+/// largest shard that goes up: a trainable one with parameter offload, a
+/// frozen one with `frozen_params` `offload`; a resident frozen base does
+/// not size it),
 /// and with `swap_gradients` the window's host copy; LoRA's dropout masks
 /// count one bit per element (the device trainer's).
 ///
@@ -834,10 +836,10 @@ struct Sim {
     /// gatherer's pool, `src/engine/gatherer.rs`).
     gathered_pool: HashMap<usize, usize>,
     /// Stage 3 with `frozen_params` `shard` or `offload`: frozen segments
-    /// are all-gathered into a pooled buffer of their own, back in the
-    /// pool when the unit's gather is waited for …
+    /// are all-gathered into a pooled buffer of their own, read there,
+    /// and back in the pool when the unit is freed …
     frozen_gathers: bool,
-    /// … the units with one in flight, and its length.
+    /// … the units holding one (in flight or gathered), and its length.
     frozen_inflight: HashMap<usize, usize>,
 }
 
@@ -874,15 +876,10 @@ fn device_staging(
         let largest = units.iter().map(|u| u.shard_len).max().unwrap_or(0);
         track(Tier::Host, Category::Grads, largest.max(1) as u64 * asize);
     }
-    if stage == 3 && (param_offloading || frozen == FrozenParams::Offload) {
-        let len = units
-            .iter()
-            .map(|u| u.shard_len.max(u.frozen_shard_len()))
-            .max()
-            .unwrap_or(0)
-            .max(1) as u64;
-        let count = cfg.zero.offload_param.buffer_count.max(2) as u64;
-        track(Tier::Host, Category::Params, count * len * psize);
+    let ring =
+        crate::plan::upload_ring(cfg, plan, param_offloading, frozen == FrozenParams::Offload);
+    if let (3, Some((count, len))) = (stage, ring) {
+        track(Tier::Host, Category::Params, (count * len) as u64 * psize);
     }
     if offloading && !param_offloading && !swap_grads {
         for u in units {
@@ -1126,9 +1123,15 @@ impl Sim {
         self.plan.units()[i].padded_numel
     }
 
-    /// Unit `i`'s gathered buffer length (both segments).
+    /// Unit `i`'s gathered buffer length: both segments, or the
+    /// trainable one where the frozen segment is gathered apart.
     fn gathered(&self, i: usize) -> usize {
-        self.plan.units()[i].param_len()
+        let u = &self.plan.units()[i];
+        if self.frozen_gathers && u.frozen_padded > 0 {
+            u.padded_numel
+        } else {
+            u.param_len()
+        }
     }
 
     /// One micro-batch of `events`, then `Engine::step` (which runs the
@@ -1208,14 +1211,17 @@ impl Sim {
                     self.take_gathered(self.gathered(i));
                     self.launch_frozen(i);
                 }
-                Action::Refresh(i) => self.launch_frozen(i),
-                Action::Wait(i) => {
+                // A refresh keeps the gathered frozen segment (it never
+                // changes); the wait hands it to the unit's guards where it
+                // landed, until the free.
+                Action::Refresh(_) | Action::Wait(_) => {}
+                Action::Free(i) if self.keeps_buffer(i) => {}
+                Action::Free(i) => {
+                    *self.gathered_pool.entry(self.gathered(i)).or_default() += 1;
                     if let Some(len) = self.frozen_inflight.remove(&i) {
                         *self.gathered_pool.entry(len).or_default() += 1;
                     }
                 }
-                Action::Free(i) if self.keeps_buffer(i) => {}
-                Action::Free(i) => *self.gathered_pool.entry(self.gathered(i)).or_default() += 1,
                 Action::ReadAhead(_) => {}
             }
         }

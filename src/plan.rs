@@ -4,7 +4,7 @@
 //! module (a pure plan executed twice), so the two cannot drift apart.
 //!
 //! ```text
-//!   plan::{bucket_plan, grad_home_bytes, grad_swap_buffers, optimizer_tiles}
+//!   plan::{bucket_plan, grad_home_bytes, grad_swap_buffers, optimizer_tiles, upload_ring}
 //!        ▲                                   ▲
 //!   engine (reducer, grad_swap, offload)     estimate
 //! ```
@@ -67,6 +67,40 @@ pub(crate) fn grad_swap_buffers(cfg: &ResolvedConfig, largest_home_bytes: usize)
         cfg.zero.offload_optimizer.buffer_count.max(2),
         largest_home_bytes.max(1),
     )
+}
+
+/// Stage 3 on a device backend: the host buffers that shards kept in host
+/// memory go up through to their gathers — how many, and their length in
+/// elements: the largest shard that goes up, the trainable shards with
+/// `offload_param` (`param_offloading`) and the frozen shards with
+/// `frozen_params` `offload` (`frozen_offloaded`); a frozen segment kept
+/// resident or sharded on the device never goes up, so it does not size
+/// them. `None` when nothing goes up.
+pub(crate) fn upload_ring(
+    cfg: &ResolvedConfig,
+    plan: &PartitionPlan,
+    param_offloading: bool,
+    frozen_offloaded: bool,
+) -> Option<(usize, usize)> {
+    if !(param_offloading || frozen_offloaded) {
+        return None;
+    }
+    let len = plan
+        .units()
+        .iter()
+        .map(|u| {
+            let trainable = if param_offloading { u.shard_len } else { 0 };
+            let frozen = if frozen_offloaded {
+                u.frozen_shard_len()
+            } else {
+                0
+            };
+            trainable.max(frozen)
+        })
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    Some((cfg.zero.offload_param.buffer_count.max(2), len))
 }
 
 /// The tiles over the flat state of units with `state_lens` elements:

@@ -28,6 +28,7 @@ use zero::core::config::{FrozenParams, OffloadDevice, Precision, ResolvedConfig}
 use zero::core::memory::{Category, Tier};
 use zero::core::partition::{TensorSpec, UnitSpec};
 use zero::core::Element;
+use zero::engine::SkipWait;
 use zero::{Engine, EngineStats, Error, Init, StepOutcome, UnitId, UnitState};
 use zero_testkit::runs::{assert_bits_eq, bits, config, TestDevice, MB};
 
@@ -155,11 +156,7 @@ fn register_frozen<C: Communicator>(
 
 /// Tensor `t` of a gathered unit, as f32.
 fn tensor<T: Element>(g: &zero::UnitGuard, t: &str) -> zero::Result<Vec<f32>> {
-    let l = g.layout().tensor(t).expect("tensor registered").clone();
-    Ok(g.params::<T>()?[l.range()]
-        .iter()
-        .map(|x| x.to_f32())
-        .collect())
+    Ok(g.param::<T>(t)?.iter().map(|x| x.to_f32()).collect())
 }
 
 /// One rank's view of a run.
@@ -769,7 +766,16 @@ fn every_frozen_params_policy_gives_the_same_bits() {
         assert_frozen_unchanged(&t, &what);
         assert_bits_eq(&all(&base), &all(&t), &what);
         assert_eq!(base.losses, t.losses, "{what}");
-        gathered.push((what, t.stats.gather_bytes, t.stats.frozen_gather_bytes));
+        println!(
+            "{what}: gather_bytes {} frozen_gather_bytes {} gather_copy_bytes {}",
+            t.stats.gather_bytes, t.stats.frozen_gather_bytes, t.stats.gather_copy_bytes
+        );
+        gathered.push((
+            what,
+            t.stats.gather_bytes,
+            t.stats.frozen_gather_bytes,
+            t.stats.gather_copy_bytes,
+        ));
     }
     // Resident frozen segments are never all-gathered; sharded ones are,
     // with every gather of their unit, and that is all the difference.
@@ -777,6 +783,17 @@ fn every_frozen_params_policy_gives_the_same_bits() {
     assert_eq!(resident.2, 0, "{}", resident.0);
     assert!(shard.2 > 0, "{}", shard.0);
     assert_eq!(shard.1 - shard.2, resident.1, "{}", shard.0);
+    // The gathered frozen segment is read where it landed: the device
+    // copies nothing but each rank's shard into its slot, so sharding
+    // adds one frozen shard per frozen gather (a ring all-gather sends
+    // world - 1 of them) and no copy of the gathered segment.
+    assert!(resident.3 > 0, "{}", resident.0);
+    assert_eq!(
+        shard.3 - resident.3,
+        shard.2 / (world as u64 - 1),
+        "{}",
+        shard.0
+    );
     // The default here is resident (a tiny model fits).
     assert_eq!(gathered[2].1, resident.1);
     assert_eq!(gathered[5].2, shard.2, "offload gathers as shard");
@@ -937,6 +954,50 @@ fn the_hazard_checker_finds_every_frozen_copy_ordered() {
         .swap_remove(0)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
         assert_bits_eq(&all(&inline), &all(&checked), &what);
+    }
+}
+
+#[test]
+fn reading_a_frozen_segment_before_its_gather_is_a_hazard() {
+    // With `shard` and `offload` the trainer reads the gathered frozen
+    // segment where its all-gather landed (host views here): without the
+    // wait for that gather the checked backend refuses the read.
+    let world = 2;
+    for (policy, param) in [
+        (FrozenParams::Shard, OffloadDevice::None),
+        (FrozenParams::Offload, OffloadDevice::Cpu),
+    ] {
+        let c = stage3(policy, param);
+        let got = ThreadGroup::run(world, |comm| -> zero::Result<Run> {
+            let mut b = TestDevice::Cpu(CpuMode::Checked)
+                .builder(c.clone(), comm)?
+                .seed(3)
+                .skip_wait_for_tests(SkipWait::FrozenBeforeRead);
+            let ids = register(&mut b, Shape::Mixed, false)?;
+            let mut e = b.build()?;
+            steps_of::<bf16>(&mut e, &ids, Shape::Mixed, 0..1)
+        })
+        .expect("ranks ran");
+        // A rank whose peer stopped at the hazard first may fail in a
+        // collective instead; none trains through.
+        let what = format!("frozen_params {policy} offload_param {param}");
+        let mut hazards = 0;
+        for (rank, r) in got.into_iter().enumerate() {
+            match r {
+                Ok(_) => panic!("{what} rank {rank}: trained without a hazard"),
+                Err(Error::Core(zero::core::Error::Hazard(h))) => {
+                    assert!(
+                        h.buffer.starts_with("frozen gathered"),
+                        "{what}: {}",
+                        h.buffer
+                    );
+                    hazards += 1;
+                }
+                Err(Error::Comm(e)) => eprintln!("{what} rank {rank}: {e}"),
+                Err(e) => panic!("{what} rank {rank}: not a hazard: {e}"),
+            }
+        }
+        assert!(hazards > 0, "{what}: no rank saw the hazard");
     }
 }
 

@@ -761,22 +761,23 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             reducer.stage_window(&tracker)?;
         }
         let mut s3 = ParamGatherer::new(&cfg, &plan, frozen);
+        if skip_wait == Some(SkipWait::FrozenBeforeRead) {
+            s3.skip_frozen_wait();
+        }
         // On a device, shards kept in host memory go up to the gathered
         // buffers through host buffers (pinned on a GPU) on the
         // host-to-device stream.
-        if stage == 3
-            && (param_offloading || frozen_policy == FrozenParams::Offload)
-            && (stage_offload || backend.device_free()?.is_some())
-        {
-            let len = plan
-                .units()
-                .iter()
-                .map(|l| l.shard_len.max(l.frozen_shard_len()))
-                .max()
-                .unwrap_or(0)
-                .max(1);
-            let count = cfg.zero.offload_param.buffer_count.max(2);
-            s3.stage_uploads(&backend, &tracker, (count, len, pdt))?;
+        let ring = crate::plan::upload_ring(
+            &cfg,
+            &plan,
+            param_offloading,
+            frozen_policy == FrozenParams::Offload,
+        );
+        if let (3, Some((count, len))) = (stage, ring) {
+            // (On the CPU backend the host writes them into the gathers.)
+            if stage_offload || backend.device_free()?.is_some() {
+                s3.stage_uploads(&backend, &tracker, (count, len, pdt))?;
+            }
         }
         let adam = backend.host_adamw(threads);
         // The offloaded optimizer on a device: pinned copies of the

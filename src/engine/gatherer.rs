@@ -45,10 +45,13 @@ pub(crate) enum FrozenHome<B: HostAccess> {
     /// only the trainable segment into it, and a free keeps it here
     /// (`None` while it is gathered or in flight).
     Resident(Option<DevBuf<B>>),
-    /// This rank's shard on the device: all-gathered with the unit.
+    /// This rank's shard on the device: all-gathered with the unit into a
+    /// buffer of the frozen segment's own, which the unit's guards read
+    /// where it landed (`UnitGuard::frozen_buffer`).
     Shard(DevBuf<B>),
     /// This rank's shard in host memory (the parameter dtype's bytes):
-    /// copied into the rank's slot, then all-gathered with the unit.
+    /// copied into the rank's slot of the frozen segment's buffer, then
+    /// all-gathered with the unit as [`FrozenHome::Shard`].
     Host(Vec<u8>),
 }
 
@@ -128,17 +131,24 @@ impl<B: HostAccess> Uploads<B> {
 /// The stage-3 parameter gatherer of one rank (see the module docs).
 pub(crate) struct ParamGatherer<B: HostAccess> {
     schedule: Stage3Schedule,
-    /// Per unit: the gathered buffer's length (both segments) and the
+    /// Per unit: the gathered buffer's length (both segments, or only the
+    /// trainable one where the frozen segment is gathered apart) and the
     /// trainable shard's.
     padded: Vec<usize>,
     shard_len: Vec<usize>,
+    /// Per unit: the frozen segment's length (padded).
+    frozen_len: Vec<usize>,
     /// Per unit: its frozen segment (see [`FrozenHome`]), which goes into
     /// the gathered buffer after the trainable segment.
     frozen: Vec<Option<FrozenHome<B>>>,
     /// Per unit: the all-gather of its frozen shards in flight (into a
-    /// buffer of the frozen segment's length), and a launched unit whose
-    /// trainable segment needs no all-gather (only frozen tensors).
+    /// buffer of the frozen segment's length) …
     frozen_inflight: Vec<Option<DynWork<B>>>,
+    /// … then, from its wait until the unit is freed, that buffer, shared
+    /// with the trainer's guards (read where the gather landed) …
+    frozen_full: Vec<Option<Arc<DevBuf<B>>>>,
+    /// … and a launched unit whose trainable segment needs no all-gather
+    /// (only frozen tensors).
     parked: Vec<Option<DevBuf<B>>>,
     /// Per unit: the label of its gathered buffers.
     labels: Vec<String>,
@@ -155,6 +165,9 @@ pub(crate) struct ParamGatherer<B: HostAccess> {
     actions: Actions,
     /// The warning of the last call, for the engine to issue.
     warning: Option<String>,
+    /// Test-only: the compute stream does not wait for the gathers of
+    /// frozen segments (`SkipWait::FrozenBeforeRead`).
+    skip_frozen_wait: bool,
 }
 
 impl<B: HostAccess> ParamGatherer<B> {
@@ -167,12 +180,23 @@ impl<B: HostAccess> ParamGatherer<B> {
     ) -> ParamGatherer<B> {
         let units = plan.units();
         let n = units.len();
+        let padded = units
+            .iter()
+            .zip(&frozen)
+            .map(|(u, f)| match f {
+                Some(FrozenHome::Shard(_) | FrozenHome::Host(_)) => u.padded_numel,
+                _ => u.param_len(),
+            })
+            .collect();
         ParamGatherer {
             schedule: Stage3Schedule::new(Stage3Knobs::from_config(cfg), units),
-            padded: units.iter().map(|u| u.param_len()).collect(),
+            padded,
             shard_len: units.iter().map(|u| u.shard_len).collect(),
+            frozen_len: units.iter().map(|u| u.frozen_padded).collect(),
             frozen,
             frozen_inflight: (0..n).map(|_| None).collect(),
+            frozen_full: (0..n).map(|_| None).collect(),
+            skip_frozen_wait: false,
             parked: (0..n).map(|_| None).collect(),
             labels: units
                 .iter()
@@ -208,6 +232,12 @@ impl<B: HostAccess> ParamGatherer<B> {
         Ok(())
     }
 
+    /// Test-only: leaves out the compute stream's wait for the gathers of
+    /// frozen segments, so that a test proves the hazard checker sees it.
+    pub(crate) fn skip_frozen_wait(&mut self) {
+        self.skip_frozen_wait = true;
+    }
+
     /// Unit `i`'s frozen segment or shard, if it has frozen tensors.
     pub(crate) fn frozen(&self, i: usize) -> Option<&FrozenHome<B>> {
         self.frozen.get(i).and_then(Option::as_ref)
@@ -227,6 +257,13 @@ impl<B: HostAccess> ParamGatherer<B> {
     /// not in flight.
     pub(crate) fn params(&self, i: usize) -> Option<&Arc<DevBuf<B>>> {
         self.full[i].as_ref()
+    }
+
+    /// Unit `i`'s gathered frozen segment (padded), if it is gathered
+    /// apart from the trainable one (`frozen_params` `shard` or
+    /// `offload`) and not in flight.
+    pub(crate) fn frozen_params(&self, i: usize) -> Option<&Arc<DevBuf<B>>> {
+        self.frozen_full[i].as_ref()
     }
 
     /// The warning of the last call (a gather off the recorded order), once.
@@ -344,10 +381,12 @@ impl<B: HostAccess> ParamGatherer<B> {
                 Action::Launch(i) | Action::Refresh(i) => {
                     self.launch(i, (backend, after), comm, tracker, pdt, &mut shards, stats)?;
                 }
-                Action::Wait(i) => {
-                    self.settle(i, backend, comm.world_size(), tracer, comm.rank())?
-                }
+                Action::Wait(i) => self.settle(i, backend, tracer, comm.rank())?,
                 Action::Free(i) => {
+                    if let Some(t) = self.frozen_full[i].take() {
+                        let t = exclusive(t, i, comm.rank())?;
+                        self.pool.entry(t.len()).or_default().push(t);
+                    }
                     if let Some(b) = self.full[i].take() {
                         let b = exclusive(b, i, comm.rank())?;
                         match &mut self.frozen[i] {
@@ -371,12 +410,13 @@ impl<B: HostAccess> ParamGatherer<B> {
     }
 
     /// Waits for unit `i`'s all-gathers in flight (if any): then its
-    /// parameters are in `full[i]`, readable from the host.
+    /// parameters are in `full[i]` (and a frozen segment gathered apart in
+    /// `frozen_full[i]`, where it landed), readable from the host and
+    /// the compute stream.
     pub(crate) fn settle(
         &mut self,
         i: usize,
         backend: &B,
-        world: usize,
         tracer: &Tracer,
         rank: usize,
     ) -> Result<()> {
@@ -389,14 +429,16 @@ impl<B: HostAccess> ParamGatherer<B> {
             }
             None => self.parked[i].take(),
         };
-        if let Some(mut b) = main {
+        if let Some(b) = main {
             if let Some(w) = self.frozen_inflight[i].take() {
-                // The gathered frozen segment, after the trainable one.
+                // The gathered frozen segment stays where it landed; the
+                // compute stream (the trainer's kernels, and the host
+                // after the sync below) reads it after the gather.
                 let (t, done) = w.wait(tracer, rank)?;
-                backend.wait(Stream::Compute, &done)?;
-                let at = self.shard_len[i] * world;
-                b.copy_from(backend, Stream::Compute, at, &t, 0, t.len())?;
-                self.pool.entry(t.len()).or_default().push(t);
+                if !self.skip_frozen_wait {
+                    backend.wait(Stream::Compute, &done)?;
+                }
+                self.frozen_full[i] = Some(Arc::new(t));
             }
             backend.sync(&backend.record(Stream::Compute)?)?;
             self.full[i] = Some(Arc::new(b));
@@ -501,20 +543,26 @@ impl<B: HostAccess> ParamGatherer<B> {
                     Fetch::Host => {}
                 }
             }
-            Shards::Home(home) => buf.copy_from(
-                backend,
-                Stream::Compute,
-                rank * shard,
-                home.shard(i),
-                0,
-                shard,
-            )?,
+            Shards::Home(home) => {
+                buf.copy_from(
+                    backend,
+                    Stream::Compute,
+                    rank * shard,
+                    home.shard(i),
+                    0,
+                    shard,
+                )?;
+                stats.gather_copy_bytes += (shard * pdt.size_in_bytes()) as u64;
+            }
         }
-        let frozen_len = padded - shard * world;
         match &self.frozen[i] {
             // Resident: the frozen segment is in the buffer already.
             None | Some(FrozenHome::Resident(_)) => {}
+            // Gathered or in flight (a refresh after the step): it never
+            // changes, so it stays.
+            Some(_) if self.frozen_full[i].is_some() || self.frozen_inflight[i].is_some() => {}
             Some(home) => {
+                let frozen_len = self.frozen_len[i];
                 let fs = frozen_len / world;
                 let mut t = match self.pool.get_mut(&frozen_len).and_then(Vec::pop) {
                     Some(t) => t,
@@ -531,7 +579,8 @@ impl<B: HostAccess> ParamGatherer<B> {
                 };
                 match home {
                     FrozenHome::Shard(f) => {
-                        t.copy_from(backend, Stream::Compute, rank * fs, f, 0, fs)?
+                        t.copy_from(backend, Stream::Compute, rank * fs, f, 0, fs)?;
+                        stats.gather_copy_bytes += (fs * pdt.size_in_bytes()) as u64;
                     }
                     FrozenHome::Host(bytes) => match self.uploads.as_mut() {
                         Some(up) => up.upload(backend, (&mut t, rank * fs, fs), |slot| {

@@ -238,13 +238,23 @@ impl Releases {
 
 /// A gathered unit's parameters, from
 /// [`Engine::gather`](super::Engine::gather) until dropped (which releases
-/// the unit). It needs no borrow of the engine: a trainer keeps it while it
+/// the unit).
+///
+/// Its frozen segment (frozen tensors, `TensorSpec::frozen`) lies in the
+/// unit's buffer after the trainable one, except at stage 3 with
+/// `frozen_params` `shard` or `offload`: there it is gathered into a
+/// buffer of its own and read where it landed, with no copy
+/// ([`UnitGuard::frozen_buffer`]); [`UnitGuard::tensor_buffer`],
+/// [`UnitGuard::host_tensor`] and [`UnitGuard::params_f32`] find any
+/// tensor either way. It needs no borrow of the engine: a trainer keeps it while it
 /// asks the engine for the unit's gradient buffer, and may hold several
 /// units at once. While any guard of a unit is alive the engine neither
 /// frees nor updates its parameters (`step` refuses to run).
 #[must_use = "the unit is released when the guard drops: bind it with `let p = engine.gather(u)?`"]
 pub struct UnitGuard<B: HostAccess = CpuBackend> {
     params: Arc<DevBuf<B>>,
+    /// The frozen segment where it was gathered apart (padded), if it was.
+    frozen: Option<Arc<DevBuf<B>>>,
     /// The device the parameters are on (reads are checked host reads).
     backend: B,
     layout: Arc<UnitLayout>,
@@ -255,7 +265,7 @@ pub struct UnitGuard<B: HostAccess = CpuBackend> {
 
 impl<B: HostAccess> UnitGuard<B> {
     pub(crate) fn new(
-        params: Arc<DevBuf<B>>,
+        (params, frozen): (Arc<DevBuf<B>>, Option<Arc<DevBuf<B>>>),
         backend: B,
         layout: Arc<UnitLayout>,
         unit: usize,
@@ -264,6 +274,7 @@ impl<B: HostAccess> UnitGuard<B> {
     ) -> Self {
         UnitGuard {
             params,
+            frozen,
             backend,
             layout,
             unit,
@@ -290,28 +301,115 @@ impl<B: HostAccess> UnitGuard<B> {
     }
 
     /// The gathered unit as a buffer of the backend, in the training dtype
-    /// `T` (padded: [`UnitGuard::params_len`] elements are the unit's).
-    /// Work that reads it on a stream must be ordered after the gather
-    /// like any other access: the engine's gathers complete before
-    /// `gather` returns, for the compute stream.
+    /// `T` (padded: [`UnitGuard::params_len`] elements are the unit's),
+    /// or only its trainable segment where the frozen one was gathered
+    /// apart (see [`UnitGuard::frozen_buffer`]). Work that reads it on a
+    /// stream must be ordered after the gather like any other access: the
+    /// engine's gathers complete before `gather` returns, for the compute
+    /// stream.
     pub fn buffer<T: Element>(&self) -> Result<&B::Buffer<T>> {
-        Ok(self
-            .params
-            .typed::<T>()
-            .ok_or(zero_core::Error::DTypeMismatch {
-                op: "UnitGuard::buffer",
-                expected: self.params.dtype(),
-                got: T::DTYPE,
-            })?)
+        typed(&self.params, "UnitGuard::buffer")
+    }
+
+    /// The buffer that holds the unit's frozen segment, and where the
+    /// segment starts in it: the unit's buffer ([`UnitGuard::buffer`]) at
+    /// [`UnitLayout::frozen_offset`], or, at stage 3 with `frozen_params`
+    /// `shard` or `offload`, the buffer its all-gather landed in, at 0
+    /// (the compute stream reads it after the gather, as the unit's).
+    pub fn frozen_buffer<T: Element>(&self) -> Result<(&B::Buffer<T>, usize)> {
+        Ok(match &self.frozen {
+            Some(f) => (typed(f, "UnitGuard::frozen_buffer")?, 0),
+            None => (self.buffer::<T>()?, self.layout.frozen_offset()),
+        })
+    }
+
+    /// Where tensor `name` lies: the buffer that holds it
+    /// ([`UnitGuard::buffer`] or [`UnitGuard::frozen_buffer`]'s) and its
+    /// elements there. An unknown tensor is an error naming it.
+    pub fn tensor_buffer<T: Element>(&self, name: &str) -> Result<(&B::Buffer<T>, Range<usize>)> {
+        let l = &self.layout;
+        let t = l.tensor(name).ok_or_else(|| Error::Usage {
+            rank: self.rank,
+            what: format!("tensor `{name}` of unit `{}`: no such tensor", l.name),
+        })?;
+        if t.trainable {
+            return Ok((self.buffer::<T>()?, t.range()));
+        }
+        let (b, start) = self.frozen_buffer::<T>()?;
+        let at = start + t.offset - l.frozen_offset();
+        Ok((b, at..at + t.numel))
+    }
+
+    /// Tensor `name` in the training dtype `T` as a host view (on the CPU
+    /// backend the memory itself, on a device backend a copy), wherever
+    /// it lies.
+    pub fn host_tensor<T: Element>(&self, name: &str) -> Result<B::HostRef<'_, T>> {
+        let (b, r) = self.tensor_buffer::<T>(name)?;
+        Ok(self.backend.host_ref(b, r)?)
     }
 
     /// The unit's parameters in the training dtype `T` as a host view
     /// ([`UnitGuard::params_len`] elements; on the CPU backend the memory
-    /// itself, on a device backend a copy).
+    /// itself, on a device backend a copy). Where the frozen segment was
+    /// gathered apart there is no one view of both: an error says so
+    /// (read them with [`UnitGuard::params_f32`],
+    /// [`UnitGuard::host_tensor`] or [`UnitGuard::frozen_buffer`]).
     pub fn host_params<T: Element>(&self) -> Result<B::HostRef<'_, T>> {
+        if self.frozen.is_some() {
+            return Err(Error::Usage {
+                rank: self.rank,
+                what: format!(
+                    "the parameters of unit `{}` as one view: its frozen segment is gathered \
+                     into a buffer of its own (stage 3, frozen_params shard or offload); read \
+                     them with UnitGuard::params_f32, host_tensor or frozen_buffer",
+                    self.layout.name
+                ),
+            });
+        }
         let n = self.params_len();
         Ok(self.backend.host_ref(self.buffer::<T>()?, 0..n)?)
     }
+
+    /// The unit's parameters converted to f32 in [`UnitGuard::params`]'
+    /// layout (the trainable segment's real elements and padding, then
+    /// the frozen segment's real elements), wherever the frozen segment
+    /// lies: the one pass of a trainer that computes in f32.
+    pub fn params_f32<T: Element>(&self) -> Result<Vec<f32>> {
+        let l = &self.layout;
+        let mut out = Vec::with_capacity(self.params_len());
+        let f32s = |v: &[T], out: &mut Vec<f32>| out.extend(v.iter().map(|x| x.to_f32()));
+        if l.frozen_numel == 0 {
+            f32s(
+                &self.backend.host_ref(self.buffer::<T>()?, 0..l.numel)?,
+                &mut out,
+            );
+            return Ok(out);
+        }
+        // The trainable segment with its padding (all of the unit's buffer
+        // where the frozen segment is apart), then the frozen elements.
+        let (fb, start) = self.frozen_buffer::<T>()?;
+        let trainable = self
+            .backend
+            .host_ref(self.buffer::<T>()?, 0..l.frozen_offset())?;
+        f32s(&trainable, &mut out);
+        f32s(
+            &self.backend.host_ref(fb, start..start + l.frozen_numel)?,
+            &mut out,
+        );
+        Ok(out)
+    }
+}
+
+/// `buf`'s typed buffer, or a dtype mismatch naming `op`.
+fn typed<'a, B: HostAccess, T: Element>(
+    buf: &'a DevBuf<B>,
+    op: &'static str,
+) -> Result<&'a B::Buffer<T>> {
+    Ok(buf.typed::<T>().ok_or(zero_core::Error::DTypeMismatch {
+        op,
+        expected: buf.dtype(),
+        got: T::DTYPE,
+    })?)
 }
 
 impl UnitGuard<CpuBackend> {
@@ -319,19 +417,21 @@ impl UnitGuard<CpuBackend> {
     /// elements of the trainable segment; with frozen tensors, followed
     /// by that segment's padding and the frozen segment's real elements
     /// (find a tensor through [`UnitGuard::layout`] or use
-    /// [`UnitGuard::param`]).
+    /// [`UnitGuard::param`]); an error where the frozen segment was
+    /// gathered apart (see [`UnitGuard::host_params`]).
     pub fn params<T: Element>(&self) -> Result<&[T]> {
         self.host_params::<T>()
     }
 
     /// One tensor of the unit.
     pub fn param<T: Element>(&self, tensor: &str) -> Result<&[T]> {
-        let all = self.params::<T>()?;
-        let t = self.layout.tensor(tensor).ok_or_else(|| Error::Usage {
-            rank: self.rank,
-            what: format!("param(`{}`, `{tensor}`): no such tensor", self.layout.name),
-        })?;
-        Ok(&all[t.offset..t.offset + t.numel])
+        if self.layout.tensor(tensor).is_none() {
+            return Err(Error::Usage {
+                rank: self.rank,
+                what: format!("param(`{}`, `{tensor}`): no such tensor", self.layout.name),
+            });
+        }
+        self.host_tensor::<T>(tensor)
     }
 }
 

@@ -782,9 +782,15 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 ))
             })?
             .clone();
+        // Stage 3 with frozen_params shard or offload: the frozen segment,
+        // where its gather landed.
+        let frozen = match self.stage {
+            3 => self.s3.frozen_params(i).cloned(),
+            _ => None,
+        };
         self.units[i].gathers += 1;
         Ok(UnitGuard::new(
-            params,
+            (params, frozen),
             self.backend.clone(),
             self.units[i].layout.clone(),
             i,
@@ -1031,9 +1037,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     pub(crate) fn extend_frozen(&mut self, i: usize, out: &mut Vec<f32>) -> Result<()> {
         if self.stage == 3 {
             // A resident unit's gather into its own buffer completes first.
-            let (world, rank) = (self.world, self.rank);
-            self.s3
-                .settle(i, &self.backend, world, &self.tracer, rank)?;
+            let rank = self.rank;
+            self.s3.settle(i, &self.backend, &self.tracer, rank)?;
         }
         let l = &self.units[i].layout;
         if l.frozen_numel == 0 {

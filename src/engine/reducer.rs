@@ -93,6 +93,10 @@ pub enum SkipWait {
     /// communication stream instead of the compute stream's: they do not
     /// wait for the copy of the shard or for AdamW.
     ParamsBeforeGather,
+    /// Stage 3 with `frozen_params` `shard` or `offload`: the compute
+    /// stream does not wait for the all-gather of a unit's frozen segment
+    /// before the trainer reads it where it landed.
+    FrozenBeforeRead,
 }
 
 /// Where a unit's gradient of the current micro-batch is.

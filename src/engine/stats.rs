@@ -25,6 +25,11 @@ pub struct EngineStats {
     /// with `frozen_params` `"shard"` or `"offload"`; 0 when they are
     /// resident).
     pub frozen_gather_bytes: u64,
+    /// Stage 3: bytes copied on the device into the buffers parameters
+    /// are gathered in (this rank's shards into their slots, trainable
+    /// and frozen). A gathered frozen segment is read where its
+    /// all-gather landed, so it adds nothing here.
+    pub gather_copy_bytes: u64,
     /// Bytes this rank read from a checkpoint's rank files in
     /// [`Engine::load_checkpoint`](super::Engine::load_checkpoint): whole CRC blocks, those that hold the
     /// elements the rank needs, each read once without offload (with

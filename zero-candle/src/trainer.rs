@@ -83,16 +83,17 @@ fn unit_tensors<T: Element, B: EngineBackend>(
     into: &mut HashMap<String, Tensor>,
     grads: &mut Vec<(usize, Tensor)>,
 ) -> Result<()> {
-    let params = guard.host_params::<T>()?;
     let layout = guard.layout();
     for (k, t) in unit.tensors.iter().enumerate() {
-        let l = layout.tensor(&t.name).ok_or_else(|| {
-            Error::Model(format!(
+        if layout.tensor(&t.name).is_none() {
+            return Err(Error::Model(format!(
                 "unit `{}`: the engine's layout has no tensor `{}`",
                 unit.name, t.name
-            ))
-        })?;
-        let data: Vec<f32> = params[l.offset..l.offset + l.numel]
+            )));
+        }
+        // Wherever it lies (a frozen segment may be gathered apart).
+        let data: Vec<f32> = guard
+            .host_tensor::<T>(&t.name)?
             .iter()
             .map(|x| x.to_f32())
             .collect();

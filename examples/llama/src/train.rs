@@ -149,10 +149,6 @@ fn inits(infos: &[TensorInfo], values: &mut dyn Iterator<Item = Option<Init>>) -
         .collect()
 }
 
-fn f32s<T: Element>(s: &[T]) -> Vec<f32> {
-    s.iter().map(|x| x.to_f32()).collect()
-}
-
 fn cache_bytes(c: &BlockCache) -> u64 {
     c.bytes()
 }
@@ -283,7 +279,8 @@ impl SftModel {
         u: UnitId,
     ) -> Result<(UnitGuard, Vec<f32>)> {
         let p = e.gather(u)?;
-        let flat = f32s(p.params::<T>()?);
+        // (The frozen segment read where its gather landed.)
+        let flat = p.params_f32::<T>()?;
         Ok((p, flat))
     }
 

@@ -345,18 +345,50 @@ fn a_removed_wait_is_a_hazard_under_device_lora() {
             }
             for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 5 }] {
                 let r = Run { stage, ..BASE };
-                for (rank, got) in run_with(r, Trainer::Device(mode, true), Some(skip))
-                    .into_iter()
-                    .enumerate()
-                {
-                    let what = format!("stage {stage} {skip:?} {mode:?} rank {rank}");
-                    match got {
-                        Ok(_) => panic!("{what}: trained without a hazard"),
-                        Err(Error::Core(zero::core::Error::Hazard(_))) => {}
-                        Err(e) => panic!("{what}: not a hazard: {e}"),
-                    }
-                }
+                assert_hazards(
+                    run_with(r, Trainer::Device(mode, true), Some(skip)),
+                    &format!("stage {stage} {skip:?} {mode:?}"),
+                );
             }
+        }
+    }
+}
+
+/// Every rank of a run with a wait left out stopped at a hazard.
+fn assert_hazards(got: Vec<zero::Result<RankRun>>, what: &str) {
+    for (rank, got) in got.into_iter().enumerate() {
+        match got {
+            Ok(_) => panic!("{what} rank {rank}: trained without a hazard"),
+            Err(Error::Core(zero::core::Error::Hazard(_))) => {}
+            Err(e) => panic!("{what} rank {rank}: not a hazard: {e}"),
+        }
+    }
+}
+
+/// Stage 3 with the frozen base gathered apart (`frozen_params` `shard`
+/// and `offload`): the device trainer reads it where its all-gather
+/// landed, so leaving out the compute stream's wait for that gather
+/// ([`SkipWait::FrozenBeforeRead`]) is a hazard the checker names, in
+/// Checked mode and under Chaos, with and without parameter offload.
+#[test]
+fn reading_the_frozen_base_before_its_gather_is_a_hazard() {
+    let skip = Some(SkipWait::FrozenBeforeRead);
+    for (frozen, param) in [
+        (FrozenParams::Shard, OffloadDevice::None),
+        (FrozenParams::Shard, OffloadDevice::Cpu),
+        (FrozenParams::Offload, OffloadDevice::Cpu),
+    ] {
+        for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 5 }] {
+            let r = Run {
+                stage: 3,
+                frozen,
+                param,
+                ..BASE
+            };
+            assert_hazards(
+                run_with(r, Trainer::Device(mode, true), skip),
+                &format!("{frozen:?} param {param:?} {mode:?}"),
+            );
         }
     }
 }

@@ -17,9 +17,9 @@ use zero::core::partition::UnitLayout;
 use zero::core::Element;
 use zero::engine::EngineComm;
 use zero::trace::Tracer;
-use zero::{Engine, Error, Result};
+use zero::{Engine, Error, Result, UnitGuard};
 
-use super::{dst_at, src, src_at, Batch, Dst, LlamaDevice, OpProfile, Phase, Src};
+use super::{dst_at, src_at, Batch, Dst, LlamaDevice, OpProfile, Phase, Src};
 use crate::ops::Mm;
 use crate::train::{MicroStats, SftModel};
 use crate::{block_tensors, tensors, Config};
@@ -44,9 +44,10 @@ fn frozen(m: &SftModel) -> bool {
     m.lora.is_some()
 }
 
-/// A block's tensors' offsets in its gathered buffer (and gradient
-/// buffer): `wq, wk, wv, wo, gate, up, down, attn_norm, mlp_norm`.
-/// With q/k/v biases (Qwen2), `bias` holds theirs.
+/// A block's tensors' offsets in the buffers they are read from
+/// ([`Params`]; trainable ones also in its gradient buffer): `wq, wk,
+/// wv, wo, gate, up, down, attn_norm, mlp_norm`. With q/k/v biases
+/// (Qwen2), `bias` holds theirs.
 struct BlockAt {
     w: [usize; 9],
     bias: Option<[usize; 3]>,
@@ -55,19 +56,24 @@ struct BlockAt {
 }
 
 impl BlockAt {
-    fn of(m: &SftModel, l: usize, lay: &UnitLayout) -> Result<Self> {
+    /// `frozen_at`: where the unit's frozen segment starts in the buffer
+    /// it is read from ([`UnitGuard::frozen_buffer`]).
+    fn of(m: &SftModel, l: usize, lay: &UnitLayout, frozen_at: usize) -> Result<Self> {
         let cfg = &m.cfg;
         let names = block_tensors(cfg, l);
+        let base = |name: &str| -> Result<usize> {
+            let at = offset(lay, name)?;
+            Ok(match lay.tensor(name).is_some_and(|t| t.trainable) {
+                true => at,
+                false => frozen_at + at - lay.frozen_offset(),
+            })
+        };
         let mut w = [0; 9];
         for (o, t) in w.iter_mut().zip(&names) {
-            *o = offset(lay, &t.name)?;
+            *o = base(&t.name)?;
         }
         let bias = match &names[9..] {
-            [q, k, v] => Some([
-                offset(lay, &q.name)?,
-                offset(lay, &k.name)?,
-                offset(lay, &v.name)?,
-            ]),
+            [q, k, v] => Some([base(&q.name)?, base(&k.name)?, base(&v.name)?]),
             _ => None,
         };
         let lora = match &m.lora {
@@ -76,6 +82,44 @@ impl BlockAt {
         };
         Ok(BlockAt { w, bias, lora })
     }
+}
+
+/// A block's gathered parameters: the buffer of its base tensors (under
+/// LoRA the frozen segment's, read where its gather landed) and the
+/// unit's buffer (its adapters; the same buffer in a full fine-tune).
+struct Params<'a, B: LlamaDevice, T: Element> {
+    base: &'a B::Buffer<T>,
+    unit: &'a B::Buffer<T>,
+}
+
+impl<B: LlamaDevice, T: Element> Clone for Params<'_, B, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: LlamaDevice, T: Element> Copy for Params<'_, B, T> {}
+
+impl<'a, B: LlamaDevice, T: Element> Params<'a, B, T> {
+    /// Unit `g`'s (a block's) buffers, and where its frozen segment
+    /// starts in the base one.
+    fn of(g: &'a UnitGuard<B>) -> Result<(Self, usize)> {
+        let unit = g.buffer::<T>()?;
+        if g.layout().frozen_numel == 0 {
+            return Ok((Params { base: unit, unit }, 0));
+        }
+        let (base, at) = g.frozen_buffer::<T>()?;
+        Ok((Params { base, unit }, at))
+    }
+}
+
+/// Where tensor `name` of `g` is read: its buffer and offset there.
+fn read_at<'g, B: LlamaDevice, T: Element>(
+    g: &'g UnitGuard<B>,
+    name: &str,
+) -> Result<(&'g B::Buffer<T>, usize)> {
+    let (b, r) = g.tensor_buffer::<T>(name)?;
+    Ok((b, r.start))
 }
 
 fn offset(lay: &UnitLayout, name: &str) -> Result<usize> {
@@ -387,17 +431,19 @@ impl<B: LlamaDevice> DeviceModel<B> {
         let mut x = tmp::<B, T>(dev, s.rows * s.dim, "x")?;
         {
             let g = e.gather(m.embed)?;
-            dev.embedding_forward(ops, src(g.buffer::<T>()?), &ids, x.dst(), s.dim)?;
+            let (eb, ea) = read_at::<B, T>(&g, &tensors(c)[0].name)?;
+            dev.embedding_forward(ops, src_at(eb, ea), &ids, x.dst(), s.dim)?;
         }
         grow(bytes::<B, T>(&x));
         let mut saved: Vec<Saved<B, T>> = Vec::with_capacity(c.n_layers);
         for (l, &u) in m.layers.iter().enumerate() {
             let g = e.gather(u)?;
-            let at = BlockAt::of(m, l, g.layout())?;
+            let (p, frozen_at) = Params::<B, T>::of(&g)?;
+            let at = BlockAt::of(m, l, g.layout(), frozen_at)?;
             let key = m.dropout_key(rank, l);
             // Counted: what forward keeps, and the current block input.
             let x_bytes = bytes::<B, T>(&x);
-            let (acts, y) = self.block_forward(dev, g.buffer::<T>()?, &at, x, s, key)?;
+            let (acts, y) = self.block_forward(dev, p, &at, x, s, key)?;
             drop(g);
             let s_ = if m.checkpointing {
                 Saved::Input(acts.x)
@@ -422,12 +468,14 @@ impl<B: LlamaDevice> DeviceModel<B> {
         } else {
             None
         };
-        let hp = head.buffer::<T>()?;
+        // Where the head's tensors are read (a frozen head's segment may
+        // be gathered apart); a trained head's lie there at their layout
+        // offsets, which its gradient buffer shares.
         let head_names = &tensors(c)[c.norm_index()..];
-        let norm_at = offset(head.layout(), &head_names[0].name)?;
+        let (hp, norm_at) = read_at::<B, T>(&head, &head_names[0].name)?;
         let (wbuf, w_at) = match &tied {
-            Some(t) => (t.buffer::<T>()?, 0),
-            None => (hp, offset(head.layout(), &head_names[1].name)?),
+            Some(t) => read_at::<B, T>(t, &tensors(c)[0].name)?,
+            None => read_at::<B, T>(&head, &head_names[1].name)?,
         };
         let mut hx = tmp::<B, T>(dev, np * s.dim, "head input")?;
         let mut k = 0;
@@ -553,7 +601,8 @@ impl<B: LlamaDevice> DeviceModel<B> {
         dev.profile_phase(ops, Phase::Backward);
         for (l, &u) in m.layers.iter().enumerate().rev() {
             let g = e.gather(u)?;
-            let at = BlockAt::of(m, l, g.layout())?;
+            let (p, frozen_at) = Params::<B, T>::of(&g)?;
+            let at = BlockAt::of(m, l, g.layout(), frozen_at)?;
             let key = m.dropout_key(rank, l);
             let sv = saved.pop().ok_or_else(|| Error::Usage {
                 rank,
@@ -562,16 +611,15 @@ impl<B: LlamaDevice> DeviceModel<B> {
             grow(-(saved_bytes(&sv) as i64));
             let acts = match sv {
                 Saved::Full(a) => a,
-                Saved::Input(x) => self.block_forward(dev, g.buffer::<T>()?, &at, x, s, key)?.0,
+                Saved::Input(x) => self.block_forward(dev, p, &at, x, s, key)?.0,
             };
             grow(acts.bytes() as i64);
             let len = g.layout().numel;
             let mut gb = tmp::<B, T>(dev, len, "block grad")?;
-            let p = g.buffer::<T>()?;
             let next = if frozen {
                 self.block_backward_lora(dev, p, &at, &acts, dx, &mut gb, s)?
             } else {
-                self.block_backward(dev, p, &at, &acts, dx, &mut gb, s)?
+                self.block_backward(dev, p.unit, &at, &acts, dx, &mut gb, s)?
             };
             drop(g);
             grow(-(acts.bytes() as i64));
@@ -618,7 +666,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
     fn block_forward<T: Element>(
         &self,
         dev: &B,
-        p: &B::Buffer<T>,
+        p: Params<'_, B, T>,
         at: &BlockAt,
         x: Tmp<B, T>,
         s: Shape,
@@ -632,29 +680,29 @@ impl<B: LlamaDevice> DeviceModel<B> {
         dev.rmsnorm_forward(
             ops,
             x.src(),
-            src_at(p, n1),
+            src_at(p.base, n1),
             xn1.dst(),
             inv1.dst(),
             rows,
             dim,
             c.norm_eps,
         )?;
-        let mut q = self.project(dev, &xn1, p, wq, (rows, dim, s.qd), "q")?;
-        let mut k = self.project(dev, &xn1, p, wk, (rows, dim, s.kd), "k")?;
-        let mut v = self.project(dev, &xn1, p, wv, (rows, dim, s.kd), "v")?;
+        let mut q = self.project(dev, &xn1, p.base, wq, (rows, dim, s.qd), "q")?;
+        let mut k = self.project(dev, &xn1, p.base, wk, (rows, dim, s.kd), "k")?;
+        let mut v = self.project(dev, &xn1, p.base, wv, (rows, dim, s.kd), "v")?;
         if let Some([bq, bk, bv]) = at.bias {
-            dev.add_bias(ops, q.dst(), src_at(p, bq), rows, s.qd)?;
-            dev.add_bias(ops, k.dst(), src_at(p, bk), rows, s.kd)?;
-            dev.add_bias(ops, v.dst(), src_at(p, bv), rows, s.kd)?;
+            dev.add_bias(ops, q.dst(), src_at(p.base, bq), rows, s.qd)?;
+            dev.add_bias(ops, k.dst(), src_at(p.base, bk), rows, s.kd)?;
+            dev.add_bias(ops, v.dst(), src_at(p.base, bv), rows, s.kd)?;
         }
         let mut lora = match &at.lora {
             Some(ll) => Some(self.lora_acts(dev, ll, s, key)?),
             None => None,
         };
         if let (Some(ll), Some(la)) = (&at.lora, lora.as_mut()) {
-            self.adapt(dev, p, ll, la, 0, &xn1, &mut q, s)?;
-            self.adapt(dev, p, ll, la, 1, &xn1, &mut k, s)?;
-            self.adapt(dev, p, ll, la, 2, &xn1, &mut v, s)?;
+            self.adapt(dev, p.unit, ll, la, 0, &xn1, &mut q, s)?;
+            self.adapt(dev, p.unit, ll, la, 1, &xn1, &mut k, s)?;
+            self.adapt(dev, p.unit, ll, la, 2, &xn1, &mut v, s)?;
         }
         dev.rope(ops, q.dst(), rows, s.seq, s.heads, false)?;
         dev.rope(ops, k.dst(), rows, s.seq, s.kv, false)?;
@@ -703,36 +751,36 @@ impl<B: LlamaDevice> DeviceModel<B> {
             ops,
             h.dst(),
             attn.src(),
-            src_at(p, wo),
+            src_at(p.base, wo),
             linear(rows, s.qd, dim).acc(),
             Batch::ONE,
         )?;
         if let (Some(ll), Some(la)) = (&at.lora, lora.as_mut()) {
-            self.adapt(dev, p, ll, la, 3, &attn, &mut h, s)?;
+            self.adapt(dev, p.unit, ll, la, 3, &attn, &mut h, s)?;
         }
         let mut xn2 = tmp::<B, T>(dev, rows * dim, "xn2")?;
         let mut inv2 = tmp::<B, f32>(dev, rows, "inv2")?;
         dev.rmsnorm_forward(
             ops,
             h.src(),
-            src_at(p, n2),
+            src_at(p.base, n2),
             xn2.dst(),
             inv2.dst(),
             rows,
             dim,
             c.norm_eps,
         )?;
-        let mut h1 = self.project(dev, &xn2, p, gate, (rows, dim, s.hidden), "h1")?;
-        let mut h3 = self.project(dev, &xn2, p, up, (rows, dim, s.hidden), "h3")?;
+        let mut h1 = self.project(dev, &xn2, p.base, gate, (rows, dim, s.hidden), "h1")?;
+        let mut h3 = self.project(dev, &xn2, p.base, up, (rows, dim, s.hidden), "h3")?;
         if let (Some(ll), Some(la)) = (&at.lora, lora.as_mut()) {
-            self.adapt(dev, p, ll, la, 4, &xn2, &mut h1, s)?;
-            self.adapt(dev, p, ll, la, 5, &xn2, &mut h3, s)?;
+            self.adapt(dev, p.unit, ll, la, 4, &xn2, &mut h1, s)?;
+            self.adapt(dev, p.unit, ll, la, 5, &xn2, &mut h3, s)?;
         }
         let mut a = tmp::<B, T>(dev, rows * s.hidden, "swiglu")?;
         dev.swiglu_forward(ops, h1.src(), h3.src(), a.dst(), rows * s.hidden)?;
-        let mut mlp = self.project(dev, &a, p, down, (rows, s.hidden, dim), "mlp out")?;
+        let mut mlp = self.project(dev, &a, p.base, down, (rows, s.hidden, dim), "mlp out")?;
         if let (Some(ll), Some(la)) = (&at.lora, lora.as_mut()) {
-            self.adapt(dev, p, ll, la, 6, &a, &mut mlp, s)?;
+            self.adapt(dev, p.unit, ll, la, 6, &a, &mut mlp, s)?;
         }
         let mut y = tmp::<B, T>(dev, rows * dim, "y")?;
         dev.copy_d2d(Stream::Compute, &h, 0, &mut y, 0, rows * dim)?;

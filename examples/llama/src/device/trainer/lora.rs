@@ -6,10 +6,12 @@
 //! the same shapes and accumulation, so on the CPU backend with f32
 //! parameters both trainers give the same bits.
 //!
-//! The frozen base is read where the engine's gather put it (the unit's
-//! guard buffer, at each tensor's layout offset, under every
-//! `frozen_params` policy); the adapters' gradients go into the unit's
-//! gradient buffer, whose trainable segment holds the adapters alone.
+//! The frozen base is read where the engine's gather put it, under every
+//! `frozen_params` policy (the guard's `frozen_buffer`: the unit's own
+//! buffer with `resident`, the buffer the frozen segment's all-gather
+//! landed in with `shard` and `offload`, with no copy); the adapters are
+//! read from the unit's buffer and their gradients go into its gradient
+//! buffer, whose trainable segment holds the adapters alone.
 //!
 //! Dropout masks are drawn on the host as the CPU trainer draws them
 //! ([`crate::lora::dropout_bits`]: the same key per layer and module,
@@ -22,7 +24,7 @@ use zero::core::partition::UnitLayout;
 use zero::core::Element;
 use zero::{Error, Result};
 
-use super::{offset, tmp, Acts, BlockAt, DeviceModel, Shape, Tmp};
+use super::{offset, tmp, Acts, BlockAt, DeviceModel, Params, Shape, Tmp};
 use crate::device::{dst_at, src_at, Batch, LlamaDevice};
 use crate::lora::{self, LoraConfig, TARGETS};
 use crate::ops::Mm;
@@ -215,14 +217,14 @@ impl<B: LlamaDevice> DeviceModel<B> {
     }
 
     /// Backward of frozen projection `i` of [`TARGETS`] (its weight at
-    /// element `w` of `p`) with its adapter: `dx += dy W` (no gradient for
+    /// element `w` of `p.base`, its adapter in `p.unit`) with its adapter: `dx += dy W` (no gradient for
     /// `W`), then [`lora::backward`]'s products: `dA`, `dB` into the
     /// unit's gradient buffer `gb` and the adapter's share of `dx`.
     #[allow(clippy::too_many_arguments)]
     fn frozen_backward<T: Element>(
         &self,
         dev: &B,
-        p: &B::Buffer<T>,
+        p: Params<'_, B, T>,
         w: usize,
         (ll, la): (&LayerLora, &LoraActs<B, T>),
         i: usize,
@@ -235,7 +237,9 @@ impl<B: LlamaDevice> DeviceModel<B> {
         let (d_in, d_out) = dims(&self.model.cfg, i);
         let (rows, r, scale) = (s.rows, ll.r, ll.scale);
         let back = Mm::new(rows, d_in, d_out).acc();
-        dev.gemm(ops, dx.dst(), dy.src(), src_at(p, w), back, Batch::ONE)?;
+        dev.gemm(ops, dx.dst(), dy.src(), src_at(p.base, w), back, Batch::ONE)?;
+        // The adapter's tensors, in the unit's buffer.
+        let pu = p.unit;
         let Some(ad) = ll.ad[i] else {
             return Ok(());
         };
@@ -248,7 +252,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         // d(xa) = s · dy B            [rows, r]
         let mut dxa = tmp::<B, T>(dev, rows * r, "lora dxa")?;
         let m = Mm::new(rows, r, d_out).alpha(scale);
-        dev.gemm(ops, dxa.dst(), dy.src(), src_at(p, ad.b), m, Batch::ONE)?;
+        dev.gemm(ops, dxa.dst(), dy.src(), src_at(pu, ad.b), m, Batch::ONE)?;
         // dB += s · dyᵀ xa            [d_out, r]
         let m = Mm::new(d_out, r, rows).ta().acc().alpha(scale);
         dev.gemm(ops, dst_at(gb, ad.b), dy.src(), xa.src(), m, Batch::ONE)?;
@@ -262,13 +266,13 @@ impl<B: LlamaDevice> DeviceModel<B> {
         match &la.masks {
             None => {
                 let m = Mm::new(rows, d_in, r).acc();
-                dev.gemm(ops, dx.dst(), dxa.src(), src_at(p, ad.a), m, Batch::ONE)
+                dev.gemm(ops, dx.dst(), dxa.src(), src_at(pu, ad.a), m, Batch::ONE)
             }
             Some(mk) => {
                 let n = rows * d_in;
                 let mut dxin = tmp::<B, T>(dev, n, "lora dx")?;
                 let m = Mm::new(rows, d_in, r);
-                dev.gemm(ops, dxin.dst(), dxa.src(), src_at(p, ad.a), m, Batch::ONE)?;
+                dev.gemm(ops, dxin.dst(), dxa.src(), src_at(pu, ad.a), m, Batch::ONE)?;
                 let keep = lora::dropout_keep(ll.dropout);
                 dev.dropout(
                     ops,
@@ -291,7 +295,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
     pub(super) fn block_backward_lora<T: Element>(
         &self,
         dev: &B,
-        p: &B::Buffer<T>,
+        p: Params<'_, B, T>,
         at: &BlockAt,
         c: &Acts<B, T>,
         dy: Tmp<B, T>,
@@ -338,7 +342,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
             ops,
             dxn2.src(),
             c.h.src(),
-            src_at(p, n2),
+            src_at(p.base, n2),
             c.inv2.src(),
             dh.dst(),
             scratch.dst(),
@@ -362,7 +366,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
             ops,
             dxn1.src(),
             c.x.src(),
-            src_at(p, n1),
+            src_at(p.base, n1),
             c.inv1.src(),
             dx.dst(),
             scratch.dst(),
