@@ -13,11 +13,20 @@
 #   give the reference's bits (zero-core/tests/kernels_on_host.rs); the
 #   library search is tested on folders laid out like the wheels
 #   (zero-core's `cuda::libs` tests). Tests that need a GPU run when one is
-#   present and print a "skipped" line otherwise;
+#   present and print a "skipped" line otherwise; also every workspace
+#   crate's unit tests and doc tests with `cuda`, zero-comm's NCCL tests and
+#   zero-llama's kernel tests;
 # - compiles every kernel of zero-core and zero-llama again with NVRTC 13.0,
 #   which zero opens as `libnvrtc.so.13` from its wheel folder (no link);
 #   ZERO_NVRTC_VERSION makes each run check which NVRTC compiled;
 # - runs `zero doctor` on a CUDA 13 wheel layout (tests/doctor.rs).
+#
+# Every cargo command here selects the whole workspace with `cuda` (the
+# test targets by name): one build, and the dependencies of `cargo test
+# --workspace` and `clippy --features cuda` as they are. A `-p PACKAGE`
+# alone unifies other features in the dependencies (serde's, half's,
+# gemm's, syn's) and so rebuilds them and every crate above them, once per
+# package.
 #
 # Without pip or without the package index this fails: the kernels would
 # go untested.
@@ -53,21 +62,25 @@ nvrtc13="$PWD/target/nvrtc-13.0.88/nvidia/cu13/lib"
 path="${LD_LIBRARY_PATH:-}"
 export ZERO_REQUIRE_NVRTC=1
 
-# CUDA 12.8: everything.
-export LD_LIBRARY_PATH="$nvrtc12${path:+:$path}" ZERO_NVRTC_VERSION=12.8
-cargo test -p zero-core --features cuda
-# The NCCL backend's checks and tests (the GPU tests print "skipped"; the
-# missing-library path runs in a process that sees no NCCL).
-cargo test -p zero-comm --features cuda --lib nccl
-cargo test -p zero-comm --features cuda --test nccl
-# The Llama model's kernels (the zero-llama crate, examples/llama): NVRTC
-# compilation (required), the host check of their math against the CPU ops,
-# and the GPU tests (skipped without one).
-cargo test -p zero-llama --features cuda --test nvrtc --test kernels_on_host --test cuda_kernels
+# The workspace with `cuda`; zero-core's integration tests by name (all of
+# them), those of the other crates that need CUDA, and `zero doctor`'s.
+ws=(--workspace --features cuda)
+core_tests=()
+for t in zero-core/tests/*.rs; do
+  core_tests+=(--test "$(basename "$t" .rs)")
+done
 
-# CUDA 13.0: every kernel compiles with it too, opened as libnvrtc.so.13.
+# CUDA 12.8: everything. Every crate's unit tests (zero-core's `cuda::libs`
+# among them), zero-core's integration tests, the NCCL backend's checks and
+# tests (the GPU tests print "skipped"; the missing-library path runs in a
+# process that sees no NCCL), and the Llama model's kernels (the zero-llama
+# crate, examples/llama): NVRTC compilation (required), the host check of
+# their math against the CPU ops, and the GPU tests (skipped without one).
+export LD_LIBRARY_PATH="$nvrtc12${path:+:$path}" ZERO_NVRTC_VERSION=12.8
+cargo test "${ws[@]}" --lib "${core_tests[@]}" --test nccl --test cuda_kernels
+cargo test "${ws[@]}" --doc
+
+# CUDA 13.0: every kernel compiles with it too, opened as libnvrtc.so.13,
+# and `zero doctor` on a CUDA 13 wheel layout (with NVRTC 13's file in it).
 export LD_LIBRARY_PATH="$nvrtc13${path:+:$path}" ZERO_NVRTC_VERSION=13.0
-cargo test -p zero-core --features cuda --test nvrtc
-cargo test -p zero-llama --features cuda --test nvrtc
-# `zero doctor` on a CUDA 13 wheel layout (with NVRTC 13's file in it).
-cargo test -p zero --no-default-features --features cuda --test doctor
+cargo test "${ws[@]}" --test nvrtc --test doctor

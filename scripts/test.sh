@@ -14,9 +14,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 cargo test --workspace
 # Say which SIMD paths the CPU AdamW tests ran here (AVX-512 runs only where
-# the CPU has it).
+# the CPU has it). `--workspace`, not `-p zero-core`: the same features as
+# the run above, so nothing is rebuilt.
 isa_log=$(mktemp)
-cargo test -q -p zero-core --test cpu_adam every_path -- --nocapture >"$isa_log" 2>&1
+cargo test -q --workspace --test cpu_adam every_path -- --nocapture >"$isa_log" 2>&1
 grep -m1 "instruction sets checked" "$isa_log" || true
 rm -f "$isa_log"
 # The NEON kernels, cross-compiled and run under qemu-user.
