@@ -3,11 +3,12 @@
 //! (through f32 for bf16 elements), so the hazard checker sees each access
 //! the GPU's kernel would make.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
 use zero::core::backend::{Backend, BufferHandle, CpuBackend, CpuBuffer, In, Out, Running, Stream};
-use zero::core::{Element, Error, HostBuffer};
+use zero::core::{DType, Element, Error, HostBuffer};
 use zero::Result;
 
 use super::profile::{gemm_flops, gemm_kind, OpKind, OpProfile, Phase, Recorder};
@@ -57,6 +58,15 @@ fn output<'a, T: Element>(
 
 fn f32s<T: Element>(v: &[T]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
+}
+
+/// `v` as f32: borrowed when it is f32 already, widened otherwise.
+fn f32_view<T: Element>(v: &[T]) -> Cow<'_, [f32]> {
+    if T::DTYPE == DType::F32 {
+        Cow::Borrowed(bytemuck::cast_slice(v))
+    } else {
+        Cow::Owned(f32s(v))
+    }
 }
 
 fn store<T: Element>(out: &mut [T], v: &[f32]) {
@@ -262,14 +272,19 @@ impl LlamaDevice for CpuBackend {
             OP,
             args,
             move |run: &Running, (a, b, mut c)| {
-                let (a, b, c) = (f32s(a.get(run)), f32s(b.get(run)), c.get(run));
+                let (a, b, c) = (f32_view(a.get(run)), f32_view(b.get(run)), c.get(run));
                 for i in 0..n {
                     let a = &a[i * batch.a..][..ea];
                     let b = &b[i * batch.b..][..eb];
                     let c = &mut c[i * batch.out..][..ec];
-                    let mut acc = f32s(c);
-                    ops::matmul(&mut acc, a, b, mm);
-                    store(c, &acc);
+                    if T::DTYPE == DType::F32 {
+                        // In place: the same bits as a copy multiplied and stored back.
+                        ops::matmul(bytemuck::cast_slice_mut(c), a, b, mm);
+                    } else {
+                        let mut acc = f32s(c);
+                        ops::matmul(&mut acc, a, b, mm);
+                        store(c, &acc);
+                    }
                 }
                 Ok(())
             },
