@@ -4,7 +4,6 @@
 //! and initialises this rank's parameters.
 
 use std::cell::RefCell;
-use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -32,9 +31,12 @@ use super::param_offload::{self, ParamOffload};
 use super::reducer::{GradReducer, SkipWait};
 use super::staging::{OffloadStage, ParamStepStage};
 use super::step::OptimizerStep;
+use super::state::store_as;
+use super::step::StepOutcome;
+use super::unit::{Params, Unit, UnitId, Units};
 use super::{
-    is_bias_norm_or_embedding, store_as, Engine, EngineBackend, EngineComm, EngineStats,
-    GroupPredicate, Init, ParamGroup, Params, StepOutcome, Unit, UnitId,
+    is_bias_norm_or_embedding, Engine, EngineBackend, EngineComm, EngineStats, GroupPredicate,
+    Init, ParamGroup,
 };
 use crate::agree::agree_on_setup;
 use crate::trace::Tracer;
@@ -840,29 +842,19 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             world,
             stage,
             pdt,
-            units,
+            units: Units::new(units),
             backend,
             gather_after,
             reducer,
             returns: Returns::default(),
             releases: Releases::default(),
             training: true,
-            param_gathers: VecDeque::new(),
-            param_gather_elems: 0,
-            param_gather_queue: VecDeque::new(),
             micro: 0,
             steps: 0,
             global_steps: 0,
             micro_batches: 0,
             scaler,
-            last: StepOutcome {
-                boundary: false,
-                skipped: false,
-                grad_norm: None,
-                lr,
-                loss_scale,
-                steps: 0,
-            },
+            last: StepOutcome::between(lr, loss_scale, 0),
             s3,
             stats: EngineStats::default(),
             swap_base: Default::default(),
@@ -870,7 +862,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             health: Health::Ok,
             opt,
             rescued_error: None,
-            optimizer: Some(optimizer),
+            optimizer,
             poff,
             tracer,
             cfg,

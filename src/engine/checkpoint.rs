@@ -64,7 +64,10 @@ use super::devbuf::DevBuf;
 use super::optimizer::{commit_moments, Moments, OptimizerShard};
 use super::param_offload::ParamOffload;
 use super::reducer::GradState;
-use super::{Engine, EngineBackend, EngineBuilder, EngineComm, Init, StepOutcome, Unit};
+use super::state::bytes_as_f32;
+use super::step::StepOutcome;
+use super::unit::Unit;
+use super::{Engine, EngineBackend, EngineBuilder, EngineComm, Init};
 use crate::agree::agree_on_setup;
 use crate::format::checkpoint::{
     check_files, check_units, prepare, publish, rank_file, read_manifest, step_dir_name, tmp_dir,
@@ -279,8 +282,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let layouts = frozen_layouts(&self.plan)?;
         let dtype = ExportDtype::of(self.pdt);
         let done =
-            self.write_safetensors(path, &layouts, dtype, "save_checkpoint", |e, i, out| {
-                e.extend_frozen(i, out)
+            self.write_safetensors(path, &layouts, dtype, "save_checkpoint", |io, i, out| {
+                io.extend_frozen(i, out)
             })?;
         Ok(done.map(|(bytes, crc)| ModelFileEntry::frozen(dtype, bytes, crc)))
     }
@@ -291,8 +294,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let plan = self.plan.clone();
         // An engine error inside the walk, kept as it is.
         let mut failed = None;
+        let mut io = self.state_io();
         let read = read_frozen_file(dir, entry, &plan, |i, v| {
-            self.set_frozen(i, v).map_err(|e| {
+            io.set_frozen(i, v).map_err(|e| {
                 let what = e.to_string();
                 failed = Some(e);
                 what
@@ -447,14 +451,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 self.scaler = Some(s.clone());
             }
         }
-        self.last = StepOutcome {
-            boundary: false,
-            skipped: false,
-            grad_norm: None,
-            lr: self.lr(),
-            loss_scale: self.loss_scale(),
-            steps: self.steps,
-        };
+        self.last = StepOutcome::between(self.lr(), self.loss_scale(), self.steps);
     }
 }
 
@@ -828,11 +825,12 @@ pub(crate) fn read_frozen_file(
             bytes.resize(e - b, 0);
             file.read_exact_at(&mut bytes, data_start + b as u64)
                 .map_err(|err| bad(format!("tensor `{name}`: cannot read: {err}")))?;
-            match info.dtype {
-                safetensors::Dtype::F32 => values.extend(super::bytes_to_f32::<f32>(&bytes)),
-                safetensors::Dtype::BF16 => values.extend(super::bytes_to_f32::<bf16>(&bytes)),
-                _ => values.extend(super::bytes_to_f32::<f16>(&bytes)),
-            }
+            let dtype = match info.dtype {
+                safetensors::Dtype::F32 => DType::F32,
+                safetensors::Dtype::BF16 => DType::BF16,
+                _ => DType::F16,
+            };
+            values.extend(bytes_as_f32(dtype, &bytes));
         }
         each(u, &values)?;
     }

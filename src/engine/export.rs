@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 
 use zero_comm::agree::first_failure;
 use zero_core::partition::{PartitionPlan, UnitLayout};
-use zero_core::HostBuffer;
 
+use super::state::StateIo;
 use super::{Engine, EngineBackend, EngineComm};
 use crate::format::checkpoint::{open_saved, Reader, StateArray};
 use crate::format::safetensors::{ExportDtype, SafetensorsWriter};
@@ -162,11 +162,11 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     ) -> Result<Option<(u64, u32)>> {
         self.check_swap("export_safetensors")?;
         let layouts = self.plan.units().to_vec();
-        self.write_safetensors(path, &layouts, dtype, "export_safetensors", |e, i, out| {
-            let master = e.master_of(i)?;
-            out.extend_from_slice(&master[..e.units[i].layout.numel]);
+        self.write_safetensors(path, &layouts, dtype, "export_safetensors", |io, i, out| {
+            let master = io.master(i)?;
+            out.extend_from_slice(&master[..io.units[i].layout.numel]);
             // Frozen tensors have no master: their parameters.
-            e.extend_frozen(i, out)
+            io.extend_frozen(i, out)
         })
     }
 
@@ -182,7 +182,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         layouts: &[UnitLayout],
         dtype: ExportDtype,
         call: &str,
-        mut values: impl FnMut(&mut Self, usize, &mut Vec<f32>) -> Result<()>,
+        mut values: impl FnMut(&mut StateIo<'_, C, B>, usize, &mut Vec<f32>) -> Result<()>,
     ) -> Result<Option<(u64, u32)>> {
         // Round 1: rank 0 creates the file.
         let created = if self.rank == 0 {
@@ -202,7 +202,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let mut unit = Vec::new();
         for i in 0..self.units.len() {
             unit.clear();
-            values(self, i, &mut unit)?;
+            values(&mut self.state_io(), i, &mut unit)?;
             if let (Some(w), None, false) = (writer.as_mut(), &failed, unit.is_empty()) {
                 failed = w.write(&unit).err();
             }
@@ -221,38 +221,5 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             )));
         }
         Ok(done)
-    }
-
-    /// Unit `i`'s full fp32 master (at least its real elements): a
-    /// collective in stages 1–3.
-    fn master_of(&mut self, i: usize) -> Result<HostBuffer<f32>> {
-        let (local, nvme) = match self.opt.offload() {
-            None => (
-                self.opt
-                    .moments(i)
-                    .host(&self.backend)
-                    .and_then(|(master, _, _)| Ok(HostBuffer::from_slice(&master)?)),
-                false,
-            ),
-            Some(off) => (
-                off.read_master(i)
-                    .and_then(|master| Ok(HostBuffer::from_slice(&master)?)),
-                off.is_nvme(),
-            ),
-        };
-        if nvme {
-            self.swap_verdict(local.as_ref().err(), "optimizer")?;
-        }
-        let local = local?;
-        if self.stage == 0 {
-            return Ok(local);
-        }
-        let shard = self.units[i].layout.shard_len;
-        let recv = HostBuffer::<f32>::zeros(shard * self.world)?;
-        let (_, recv) = self
-            .comm
-            .all_gather(local, recv, &vec![shard; self.world])
-            .wait()?;
-        Ok(recv)
     }
 }

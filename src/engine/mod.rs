@@ -132,22 +132,22 @@ mod optimizer;
 mod param_offload;
 mod reducer;
 mod staging;
+mod state;
 mod stats;
 mod step;
+mod unit;
 
-use std::collections::VecDeque;
-use std::sync::Arc;
 use std::time::Instant;
 
 use grad_swap::GradSwap;
-use zero_comm::agree::{exchange_u64, first_failure};
+use zero_comm::agree::exchange_u64;
 use zero_comm::Communicator;
-use zero_core::backend::{CpuBackend, HostAccess, Stream};
+use zero_core::backend::{CpuBackend, Stream};
 use zero_core::config::{FrozenParams, ResolvedConfig};
-use zero_core::memory::{Allocation, MemoryReport, MemoryTracker};
+use zero_core::memory::{MemoryReport, MemoryTracker};
 use zero_core::optim::{clip_coefficient, LossScaler};
 use zero_core::partition::{PartitionPlan, UnitLayout};
-use zero_core::{bf16, f16, DType, Element, HostBuffer};
+use zero_core::{bf16, f16, DType, Element};
 
 pub use crate::format::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
 pub use crate::format::safetensors::{ExportDtype, SafetensorsWriter};
@@ -155,15 +155,13 @@ use crate::trace::Tracer;
 use crate::{Error, Result};
 pub use backend::{EngineBackend, EngineComm};
 pub use builder::EngineBuilder;
-use devbuf::{DevBuf, DynWork};
-use dynbuf::ring_bytes;
 use dynbuf::DynBuf;
 pub use export::export_checkpoint;
-use gatherer::{FrozenHome, GatherIo, HomeShards, ParamGatherer, Shards};
+use gatherer::{GatherIo, ParamGatherer};
 pub use groups::{is_bias_norm_or_embedding, GroupPredicate, ParamGroup};
 use health::Health;
 pub use init::{Init, TensorSource};
-use lease::{exclusive, Releases, Returns};
+use lease::{Releases, Returns};
 pub use lease::{GradBuffer, UnitGuard};
 use offload::Offload;
 use optimizer::OptimizerShard;
@@ -172,155 +170,13 @@ use param_offload::ParamOffload;
 #[doc(hidden)]
 pub use reducer::SkipWait;
 use reducer::{GradReducer, GradState};
+use state::{StateIo, StateRead};
+pub use state::UnitState;
 pub use stats::{EngineStats, SwapTraffic};
-use step::OptimizerStep;
-
-/// A registered unit of one engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct UnitId {
-    engine: u64,
-    index: usize,
-}
-
-impl UnitId {
-    /// The unit's position in registration order.
-    pub fn index(self) -> usize {
-        self.index
-    }
-}
-
-/// What [`Engine::step`] did.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepOutcome {
-    /// Whether this call ended a gradient-accumulation window (the
-    /// optimizer ran or was skipped); `false` for the other micro-batches.
-    pub boundary: bool,
-    /// Whether the update was skipped (fp16 overflow, or a non-finite
-    /// gradient norm in any precision): parameters are unchanged.
-    pub skipped: bool,
-    /// The global gradient norm (after unscaling, before clipping), at a
-    /// boundary.
-    pub grad_norm: Option<f64>,
-    /// The learning rate the update used (or would have used).
-    pub lr: f64,
-    /// The loss scale for the next micro-batch.
-    pub loss_scale: f32,
-    /// Optimizer steps applied so far.
-    pub steps: u64,
-}
-
-/// The full (unsharded) state of one unit, read out for evaluation and
-/// tests; real elements only (no padding).
-#[derive(Debug, Clone, PartialEq)]
-pub struct UnitState {
-    /// The parameters in their training dtype, as f32: the trainable
-    /// segment's real elements (`layout.numel`), then the frozen
-    /// segment's (`layout.frozen_numel`).
-    pub params: Vec<f32>,
-    /// fp32 master weights (trainable tensors only, as the moments).
-    pub master: Vec<f32>,
-    /// AdamW first moment.
-    pub m: Vec<f32>,
-    /// AdamW second moment.
-    pub v: Vec<f32>,
-}
-
-/// What [`Engine::unit_state_inner`] reads besides the parameters.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum StateRead {
-    /// The parameters alone ([`Engine::unit_params`]).
-    Params,
-    /// The parameters and the fp32 master ([`Engine::unit_master`]).
-    Master,
-    /// Everything ([`Engine::unit_state`]).
-    All,
-}
-
-/// Where a unit's own parameters are (stages 0–2: the full padded unit;
-/// stage 3: this rank's shard), one state per unit:
-///
-/// ```text
-///  Home ──step (stages 1–2)──▶ Queued ──launch──▶ Gathering ──complete──▶ Home
-///  Offloaded (stage 3 with offload_param: the shard lives in ParamOffload)
-/// ```
-enum Params<B: HostAccess> {
-    /// Current and readable; shared with the trainer's [`UnitGuard`]s at
-    /// stages 0–2.
-    Home(Arc<DevBuf<B>>),
-    /// Stages 1–2: updated by the step (this rank's range); the all-gather
-    /// of the other ranks' ranges is queued.
-    Queued(Arc<DevBuf<B>>),
-    /// Stages 1–2: lent to that all-gather (its handle is in
-    /// `Engine::param_gathers`).
-    Gathering,
-    /// Stage 3 with `offload_param`: the shard's home is the parameter
-    /// offload.
-    Offloaded,
-}
-
-/// The per-unit state.
-struct Unit<B: HostAccess> {
-    layout: Arc<UnitLayout>,
-    params: Params<B>,
-    /// How many `gather`s are not yet `release`d (live [`UnitGuard`]s).
-    gathers: usize,
-    _allocs: Vec<Allocation>,
-}
-
-impl<B: HostAccess> Unit<B> {
-    /// The unit's parameters where they are current.
-    fn home(&self) -> Option<&Arc<DevBuf<B>>> {
-        match &self.params {
-            Params::Home(p) => Some(p),
-            _ => None,
-        }
-    }
-
-    /// Whether the updated parameters' all-gather is queued or in flight
-    /// (stages 1–2).
-    fn is_stale(&self) -> bool {
-        matches!(self.params, Params::Queued(_) | Params::Gathering)
-    }
-
-    /// The unit's own parameters, to update or fill: home (or queued for
-    /// their all-gather), and no [`UnitGuard`] holds them (the step refuses
-    /// to run while a unit is gathered, and a checkpoint load fills a new
-    /// engine).
-    fn params_mut(&mut self) -> &mut DevBuf<B> {
-        let p = match &mut self.params {
-            Params::Home(p) | Params::Queued(p) => p,
-            Params::Gathering | Params::Offloaded => {
-                unreachable!("the step and a load update parameters that are home")
-            }
-        };
-        Arc::get_mut(p).expect("no UnitGuard holds the parameters while they are updated")
-    }
-
-    /// Stages 1–2, after the step: queues the all-gather of the updated
-    /// parameters (no-op if it is queued or in flight already).
-    fn queue_gather(&mut self) -> bool {
-        if !self.layout.is_trainable() {
-            // Only frozen tensors: the step never changes them.
-            return false;
-        }
-        match std::mem::replace(&mut self.params, Params::Gathering) {
-            Params::Home(p) => {
-                self.params = Params::Queued(p);
-                true
-            }
-            other => {
-                self.params = other;
-                false
-            }
-        }
-    }
-}
-
-impl<B: HostAccess> HomeShards<B> for Vec<Unit<B>> {
-    fn shard(&self, unit: usize) -> &DevBuf<B> {
-        self[unit].home().expect("shards are home")
-    }
-}
+pub use step::StepOutcome;
+use step::{OptimizerStep, StepIo};
+use unit::{shards, AllGatherIo, Units};
+pub use unit::UnitId;
 
 /// The sharded data-parallel engine of one rank.
 pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
@@ -333,7 +189,8 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     world: usize,
     stage: u8,
     pdt: DType,
-    units: Vec<Unit<B>>,
+    /// Every unit, its parameters, and the all-gathers of stages 1–2.
+    units: Units<B>,
     /// The device every buffer of the engine lives on: parameters,
     /// gradients, optimizer state (unless offloaded), buckets.
     backend: B,
@@ -348,14 +205,6 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     releases: Releases,
     /// Training (the default) or evaluation mode.
     training: bool,
-    /// Stages 1–2: the all-gathers of updated parameters in flight (unit,
-    /// handle), in launch order, and their padded elements …
-    param_gathers: VecDeque<(usize, DynWork<B>)>,
-    param_gather_elems: usize,
-    /// … and the units whose all-gather is not launched yet (over
-    /// `allgather_bucket_size`). With `overlap_comm` both drain during the
-    /// next forward pass, as `gather` asks for each unit.
-    param_gather_queue: VecDeque<usize>,
     // Steps.
     micro: usize,
     steps: u64,
@@ -384,8 +233,8 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     /// finished (parameter all-gather included).
     rescued_error: Option<Error>,
     /// The optimizer step of this engine's tier, with its buffers (see
-    /// [`step`]); `None` only while it runs.
-    optimizer: Option<OptimizerStep<B>>,
+    /// [`step`]).
+    optimizer: OptimizerStep<B>,
     /// Stage 3 parameter offload (`offload_param.device` cpu or nvme): the
     /// home of every unit's shard.
     poff: Option<ParamOffload>,
@@ -408,24 +257,6 @@ impl<C: Communicator> Engine<C, CpuBackend> {
     /// gives it another.
     pub fn builder(cfg: ResolvedConfig, comm: C) -> EngineBuilder<C> {
         EngineBuilder::new(cfg, comm)
-    }
-}
-
-/// Bytes of `T` values (any alignment) as f32.
-fn bytes_to_f32<T: Element>(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(std::mem::size_of::<T>())
-        .map(|c| bytemuck::pod_read_unaligned::<T>(c).to_f32())
-        .collect()
-}
-
-/// `values` converted to `dtype`, as bytes into `out` (of exactly their
-/// size, aligned for `dtype`).
-fn store_as(dtype: DType, values: &[f32], out: &mut [u8]) {
-    match dtype {
-        DType::F32 => out.copy_from_slice(bytemuck::cast_slice(values)),
-        DType::BF16 => zero_core::convert(values, bytemuck::cast_slice_mut::<u8, bf16>(out), false),
-        DType::F16 => zero_core::convert(values, bytemuck::cast_slice_mut::<u8, f16>(out), false),
     }
 }
 
@@ -625,10 +456,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     /// The stage-3 gatherer, and what it needs from the engine for a call.
     fn s3_parts(&mut self) -> (&mut ParamGatherer<B>, GatherIo<'_, C, B>) {
-        let shards = match self.poff.as_mut() {
-            Some(po) => Shards::Offloaded(po),
-            None => Shards::Home(&self.units),
-        };
         let io = GatherIo {
             backend: &self.backend,
             after: self.gather_after,
@@ -636,10 +463,41 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             tracker: &self.tracker,
             tracer: &self.tracer,
             pdt: self.pdt,
-            shards,
+            shards: shards(self.poff.as_mut(), &self.units),
             stats: &mut self.stats,
         };
         (&mut self.s3, io)
+    }
+
+    /// The units, and what their stage 1–2 all-gathers need.
+    fn gather_parts(&mut self) -> (&mut Units<B>, AllGatherIo<'_, C, B>) {
+        let io = AllGatherIo {
+            backend: &self.backend,
+            comm: &self.comm,
+            after: self.gather_after,
+            tracer: &self.tracer,
+            stats: &mut self.stats,
+            limit: self.cfg.zero.allgather_bucket_size,
+        };
+        (&mut self.units, io)
+    }
+
+    /// What reading the units' state needs (every stage 1–2 all-gather
+    /// complete: [`Engine::finish_param_gathers`]).
+    fn state_io(&mut self) -> StateIo<'_, C, B> {
+        StateIo {
+            comm: &self.comm,
+            backend: &self.backend,
+            plan: &self.plan,
+            units: &mut self.units,
+            s3: &mut self.s3,
+            opt: &self.opt,
+            poff: self.poff.as_mut(),
+            health: &mut self.health,
+            tracer: &self.tracer,
+            stage: self.stage,
+            pdt: self.pdt,
+        }
     }
 
     fn warn(&mut self, msg: String) {
@@ -764,10 +622,12 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             // launching the next ones).
             let _span = self.tracer.span(self.rank, "gather", "comm");
             let t = Instant::now();
-            self.advance_param_gathers(Some(i))?;
+            let (units, mut io) = self.gather_parts();
+            units.advance(Some(i), &mut io)?;
             self.stats.gather_time += t.elapsed();
-        } else if !self.param_gather_queue.is_empty() {
-            self.advance_param_gathers(None)?;
+        } else if self.units.has_queued() {
+            let (units, mut io) = self.gather_parts();
+            units.advance(None, &mut io)?;
         }
         let params = if self.stage == 3 {
             self.s3.params(i)
@@ -901,185 +761,10 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// [`Engine::unit_state`], reading what `what` says (the fields not
     /// read are empty).
     fn unit_state_inner(&mut self, unit: UnitId, what: StateRead) -> Result<UnitState> {
-        let call = match what {
-            StateRead::All => "unit_state",
-            StateRead::Master => "unit_master",
-            StateRead::Params => "unit_params",
-        };
-        let moments = what == StateRead::All;
-        let i = self.check(unit, call)?;
-        self.check_swap(call)?;
+        let i = self.check(unit, what.call())?;
+        self.check_swap(what.call())?;
         self.finish_param_gathers()?;
-        let numel = self.units[i].layout.numel;
-        let shard = self.units[i].layout.shard_len;
-        let gather_f32 = |this: &Self, local: &[f32]| -> Result<Vec<f32>> {
-            if this.stage == 0 || shard == 0 {
-                return Ok(local[..numel].to_vec());
-            }
-            let send = HostBuffer::from_slice(local)?;
-            let recv = HostBuffer::<f32>::zeros(shard * this.world)?;
-            let (_, recv) = this
-                .comm
-                .all_gather(send, recv, &vec![shard; this.world])
-                .wait()?;
-            Ok(recv[..numel].to_vec())
-        };
-        // The moments are gathered only when asked for (an empty local
-        // part is never gathered).
-        let moment = |this: &Self, local: &[f32]| {
-            if moments {
-                gather_f32(this, local)
-            } else {
-                Ok(Vec::new())
-            }
-        };
-        let (master, m, v) = match self.opt.offload() {
-            _ if what == StateRead::Params => (Vec::new(), Vec::new(), Vec::new()),
-            None => {
-                let (master, m, v) = self.opt.moments(i).host(&self.backend)?;
-                (
-                    gather_f32(self, &master)?,
-                    moment(self, &m)?,
-                    moment(self, &v)?,
-                )
-            }
-            Some(off) => {
-                let local = off.read_unit(i);
-                if off.is_nvme() {
-                    self.swap_verdict(local.as_ref().err(), "optimizer")?;
-                }
-                let (master, m, v) = local?;
-                (
-                    gather_f32(self, &master)?,
-                    moment(self, &m)?,
-                    moment(self, &v)?,
-                )
-            }
-        };
-        if let Some(po) = &self.poff {
-            let local = po.shard_f32(i, self.pdt);
-            if po.is_nvme() {
-                self.swap_verdict(local.as_ref().err(), "parameter")?;
-            }
-            let mut params = gather_f32(self, &local?)?;
-            self.extend_frozen(i, &mut params)?;
-            return Ok(UnitState {
-                params,
-                master,
-                m,
-                v,
-            });
-        }
-        let u = &self.units[i];
-        let mut params = Vec::with_capacity(numel);
-        let p = u.home().expect("params are home outside collectives");
-        if self.stage == 3 {
-            let mut local = Vec::with_capacity(shard);
-            p.extend_f32(&self.backend, 0..shard, &mut local)?;
-            params = gather_f32(self, &local)?;
-            // gather_f32 returns real elements of the full unit.
-        } else {
-            p.extend_f32(&self.backend, 0..numel, &mut params)?;
-        }
-        self.extend_frozen(i, &mut params)?;
-        Ok(UnitState {
-            params,
-            master,
-            m,
-            v,
-        })
-    }
-
-    /// Sets unit `i`'s frozen real elements (`values`, as
-    /// [`Engine::extend_frozen`] gives them) where this rank keeps them.
-    pub(crate) fn set_frozen(&mut self, i: usize, values: &[f32]) -> Result<()> {
-        let l = self.units[i].layout.clone();
-        let (rank, pdt) = (self.rank, self.pdt);
-        if let Some(b) = self.s3.resident_mut(i, rank)? {
-            return b.store_slice(&self.backend, l.frozen_offset(), values);
-        }
-        match self.s3.frozen_mut(i) {
-            Some(FrozenHome::Resident(_)) => Err(self.usage(format!(
-                "internal: the resident parameters of unit `{}` are in flight while its frozen \
-                 tensors are set",
-                l.name
-            ))),
-            Some(FrozenHome::Shard(f)) => {
-                let fs = l.frozen_shard_len();
-                let lo = (rank * fs).min(values.len());
-                let hi = ((rank + 1) * fs).min(values.len());
-                f.store_slice(&self.backend, 0, &values[lo..hi])
-            }
-            Some(FrozenHome::Host(bytes)) => {
-                let fs = l.frozen_shard_len();
-                let lo = (rank * fs).min(values.len());
-                let hi = ((rank + 1) * fs).min(values.len());
-                let n = (hi - lo) * pdt.size_in_bytes();
-                store_as(pdt, &values[lo..hi], &mut bytes[..n]);
-                Ok(())
-            }
-            None => {
-                let at = l.frozen_offset();
-                self.units[i]
-                    .params_mut()
-                    .store_slice(&self.backend, at, values)
-            }
-        }
-    }
-
-    /// Appends unit `i`'s frozen real elements (as f32) to `out`.
-    pub(crate) fn extend_frozen(&mut self, i: usize, out: &mut Vec<f32>) -> Result<()> {
-        if self.stage == 3 {
-            // A resident unit's gather into its own buffer completes first.
-            let (world, rank) = (self.world, self.rank);
-            self.s3
-                .settle(i, &self.backend, world, &self.tracer, rank)?;
-        }
-        let l = &self.units[i].layout;
-        if l.frozen_numel == 0 {
-            return Ok(());
-        }
-        let start = l.frozen_offset();
-        let shard = |local: Vec<f32>| -> Result<Vec<f32>> {
-            let fs = local.len();
-            let send = HostBuffer::from_slice(&local)?;
-            let recv = HostBuffer::<f32>::zeros(fs * self.world)?;
-            let (_, recv) = self
-                .comm
-                .all_gather(send, recv, &vec![fs; self.world])
-                .wait()?;
-            Ok(recv[..l.frozen_numel].to_vec())
-        };
-        if let Some(b) = self.s3.resident(i) {
-            return b.extend_f32(&self.backend, start..start + l.frozen_numel, out);
-        }
-        match self.s3.frozen(i) {
-            Some(FrozenHome::Resident(_)) => Err(self.usage(format!(
-                "internal: the resident parameters of unit `{}` are neither kept nor gathered",
-                l.name
-            ))),
-            Some(FrozenHome::Shard(f)) => {
-                let mut local = Vec::with_capacity(f.len());
-                f.extend_f32(&self.backend, 0..f.len(), &mut local)?;
-                out.extend(shard(local)?);
-                Ok(())
-            }
-            Some(FrozenHome::Host(bytes)) => {
-                let local = match self.pdt {
-                    DType::F32 => bytes_to_f32::<f32>(bytes),
-                    DType::BF16 => bytes_to_f32::<bf16>(bytes),
-                    DType::F16 => bytes_to_f32::<f16>(bytes),
-                };
-                out.extend(shard(local)?);
-                Ok(())
-            }
-            None => {
-                let p = self.units[i]
-                    .home()
-                    .expect("params are home outside collectives");
-                p.extend_f32(&self.backend, start..start + l.frozen_numel, out)
-            }
-        }
+        self.state_io().read(i, what)
     }
 
     // ------------------------------------------------------------------
@@ -1232,7 +917,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     fn step_counted(&mut self) -> Result<StepOutcome> {
         self.check_training("step")?;
         self.check_swap("step")?;
-        for u in &self.units {
+        for u in self.units.iter() {
             if u.gathers > 0 {
                 return Err(self.usage(format!(
                     "step() while unit `{}` is still gathered; drop its UnitGuard first",
@@ -1285,14 +970,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 let (s3, io) = self.s3_parts();
                 s3.prefetch_next(io)?;
             }
-            self.last = StepOutcome {
-                boundary: false,
-                skipped: false,
-                grad_norm: None,
-                lr: self.lr(),
-                loss_scale: self.loss_scale(),
-                steps: self.steps,
-            };
+            self.last = StepOutcome::between(self.lr(), self.loss_scale(), self.steps);
             return Ok(self.last);
         }
         self.micro = 0;
@@ -1306,7 +984,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             let _span = self.tracer.span(self.rank, "gather", "comm");
             let t = Instant::now();
             // The all-gathers of stages 1–2 start after AdamW on the
-            // communication stream (see `advance_param_gathers`) …
+            // communication stream (see `Units::advance`) …
             self.gather_updated_params()?;
             // … and what reads the updated parameters or state from the
             // host (the trainer through its guards, offload, saving) is
@@ -1328,31 +1006,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         Ok(outcome)
     }
 
-    /// nvme parameter offload, after the write-back of a step: every rank
-    /// learns whether every rank's writes worked. On an error anywhere the
-    /// engine is failed and the parameters are lost (some units were
-    /// written, others not).
-    fn param_write_verdict(&mut self, r: Result<()>) -> Result<()> {
-        if !self.poff.as_ref().is_some_and(ParamOffload::is_nvme) {
-            return r;
-        }
-        let failed = first_failure(&self.comm, r.as_ref().err())?;
-        if let Err(e) = r {
-            self.health.params_lost_now(e.to_string());
-            return Err(e);
-        }
-        if let Some((bad, why)) = failed {
-            let msg = format!(
-                "the parameter swap file of rank {bad} failed in step {} ({why}); the \
-                 parameters are lost",
-                self.steps + 1
-            );
-            self.health.params_lost_now(msg.clone());
-            return Err(self.usage(msg));
-        }
-        Ok(())
-    }
-
     /// nvme parameter offload, at the end of every micro-batch: every rank
     /// learns whether every rank could read its parameter shards in it
     /// (a failed read fed zeros to the gather so that no rank left the
@@ -1363,22 +1016,13 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let Some(po) = self.poff.as_mut().filter(|p| p.is_nvme()) else {
             return Ok(());
         };
-        let r = po.check();
-        let failed = first_failure(&self.comm, r.as_ref().err())?;
-        if let Err(e) = r {
-            self.health.params_lost_now(e.to_string());
-            return Err(e);
-        }
-        if let Some((bad, why)) = failed {
-            let msg = format!(
-                "the parameter swap file of rank {bad} could not be read in step {} ({why}); \
-                 nothing was updated and the parameters are lost",
-                self.steps + 1
-            );
-            self.health.params_lost_now(msg.clone());
-            return Err(self.usage(msg));
-        }
-        Ok(())
+        let step = self.steps + 1;
+        self.health.params_verdict(&self.comm, po.check(), |bad, why| {
+            format!(
+                "the parameter swap file of rank {bad} could not be read in step {step} ({why}); \
+                 nothing was updated and the parameters are lost"
+            )
+        })
     }
 
     /// `swap_gradients`, before the step: every rank learns whether every
@@ -1390,30 +1034,13 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             return Ok(());
         };
         let r = gs.check();
-        let failed = first_failure(&self.comm, r.as_ref().err())?;
+        let failed = zero_comm::agree::first_failure(&self.comm, r.as_ref().err())?;
         r?;
         if let Some((bad, why)) = failed {
             return Err(self.usage(format!(
                 "the gradient swap file of rank {bad} failed in this micro-batch ({why}); \
                  nothing was updated: call zero_grad() and run the micro-batch again"
             )));
-        }
-        Ok(())
-    }
-
-    /// Outside the step (`unit_state`): every rank learns whether every
-    /// rank could read its swap file; on an error the engine is failed
-    /// (also after a rescued write failure: the state is lost now).
-    fn swap_verdict(&mut self, local: Option<&Error>, what: &str) -> Result<()> {
-        let failed = first_failure(&self.comm, local)?;
-        if let Some(e) = local {
-            self.health.state_lost(e.to_string());
-            return Ok(());
-        }
-        if let Some((bad, why)) = failed {
-            let msg = format!("the {what} swap file of rank {bad} could not be read: {why}");
-            self.health.state_lost(msg.clone());
-            return Err(self.usage(msg));
         }
         Ok(())
     }
@@ -1461,10 +1088,27 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             let ks = self
                 .opt
                 .steps(&self.cfg.optimizer, lr, self.steps + 1, grad_scale);
-            let mut tier = self.optimizer.take().expect("the optimizer step is home");
-            let r = tier.run(self, &ks);
-            self.optimizer = Some(tier);
-            r?;
+            let mut io = StepIo {
+                comm: &self.comm,
+                backend: &self.backend,
+                units: &mut self.units,
+                opt: &mut self.opt,
+                reducer: &mut self.reducer,
+                poff: self.poff.as_mut(),
+                health: &mut self.health,
+                rescued: &mut self.rescued_error,
+                number: self.steps + 1,
+                stage: self.stage,
+                pdt: self.pdt,
+                overlap_comm: self.cfg.zero.overlap_comm,
+                gather_limit: self.cfg.zero.allgather_bucket_size,
+                gather_after: self.gather_after,
+                s3: &mut self.s3,
+                tracker: &self.tracker,
+                tracer: &self.tracer,
+                stats: &mut self.stats,
+            };
+            self.optimizer.run(&mut io, &ks)?;
             self.steps += 1;
         }
         Ok(StepOutcome {
@@ -1528,81 +1172,25 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             _ => {
                 // (With overlap_comm and the optimizer state on the device
                 // tier, AdamW queued each unit as it finished it.)
-                for i in 0..self.units.len() {
-                    if self.units[i].queue_gather() {
-                        self.param_gather_queue.push_back(i);
-                    }
+                let overlap = self.cfg.zero.overlap_comm;
+                let (units, mut io) = self.gather_parts();
+                for i in 0..units.len() {
+                    units.queue_gather(i);
                 }
-                if self.cfg.zero.overlap_comm {
-                    self.advance_param_gathers(None)
+                if overlap {
+                    units.advance(None, &mut io)
                 } else {
-                    self.finish_param_gathers()
+                    units.finish(&mut io)
                 }
             }
         }
-    }
-
-    /// Launches queued parameter all-gathers while they fit in
-    /// `allgather_bucket_size` (at least one in flight), completing the
-    /// oldest to make room, until unit `until` is home; with `None`, only
-    /// launches what fits now.
-    fn advance_param_gathers(&mut self, until: Option<usize>) -> Result<()> {
-        let limit = self.cfg.zero.allgather_bucket_size;
-        loop {
-            while let Some(&j) = self.param_gather_queue.front() {
-                let l = &self.units[j].layout;
-                let (n, s) = (l.padded_numel, l.shard_len);
-                if !self.param_gathers.is_empty() && self.param_gather_elems + n > limit {
-                    break;
-                }
-                self.param_gather_queue.pop_front();
-                let p = match std::mem::replace(&mut self.units[j].params, Params::Gathering) {
-                    Params::Queued(p) => exclusive(p, j, self.rank)?,
-                    _ => unreachable!("a queued unit's parameters are queued"),
-                };
-                self.stats.gather_bytes += ring_bytes(n, self.world, self.pdt);
-                // After AdamW wrote the unit (or a checkpoint load filled it).
-                let updated = self.backend.record(self.gather_after)?;
-                let work = p.all_gather(&self.backend, &self.comm, &vec![s; self.world], &updated);
-                self.param_gathers.push_back((j, work));
-                self.param_gather_elems += n;
-            }
-            match until {
-                Some(i) if self.units[i].is_stale() => {}
-                _ => return Ok(()),
-            }
-            let (j, w) = self
-                .param_gathers
-                .pop_front()
-                .expect("a stale unit has its all-gather queued or in flight");
-            self.complete_param_gather(j, w)?;
-        }
-    }
-
-    /// Unit `j`'s parameter all-gather `w` is done: the host may read the
-    /// parameters again.
-    fn complete_param_gather(&mut self, j: usize, w: DynWork<B>) -> Result<()> {
-        self.param_gather_elems -= self.units[j].layout.padded_numel;
-        let (p, done) = w.wait(&self.tracer, self.rank)?;
-        self.backend.sync(&done)?;
-        self.units[j].params = Params::Home(Arc::new(p));
-        Ok(())
     }
 
     /// Completes every parameter all-gather still queued or in flight
     /// (before anything reads or writes the parameters as a whole).
     pub(crate) fn finish_param_gathers(&mut self) -> Result<()> {
-        while !self.param_gathers.is_empty() || !self.param_gather_queue.is_empty() {
-            let last = self.param_gather_queue.back().copied();
-            match last {
-                Some(j) => self.advance_param_gathers(Some(j))?,
-                None => {
-                    let (j, w) = self.param_gathers.pop_front().expect("not empty");
-                    self.complete_param_gather(j, w)?;
-                }
-            }
-        }
-        Ok(())
+        let (units, mut io) = self.gather_parts();
+        units.finish(&mut io)
     }
 
     /// Drops the gradients accumulated since the last optimizer step,

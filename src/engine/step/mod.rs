@@ -20,7 +20,8 @@ mod param;
 mod streamed;
 mod tiles;
 
-use zero_core::backend::HostAccess;
+use zero_core::backend::{HostAccess, Stream};
+use zero_core::memory::MemoryTracker;
 use zero_core::optim::AdamWStep;
 use zero_core::{bf16, f16, DType, Element};
 
@@ -29,18 +30,144 @@ pub(super) use param::{ParamDeviceStep, ParamHostStep};
 pub(super) use streamed::StreamedStep;
 pub(super) use tiles::TilesStep;
 
+use super::backend::{EngineBackend, EngineComm};
+use super::gatherer::{GatherIo, ParamGatherer};
+use super::health::Health;
+use super::optimizer::OptimizerShard;
+use super::param_offload::ParamOffload;
+use super::reducer::GradReducer;
 use super::staging::{OffloadStage, ParamStepStage};
-use super::{Engine, EngineBackend, EngineComm};
-use crate::Result;
+use super::stats::EngineStats;
+use super::unit::{shards, AllGatherIo, Units};
+use crate::trace::Tracer;
+use crate::{Error, Result};
+
+/// What [`Engine::step`](super::Engine::step) did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    /// Whether this call ended a gradient-accumulation window (the
+    /// optimizer ran or was skipped); `false` for the other micro-batches.
+    pub boundary: bool,
+    /// Whether the update was skipped (fp16 overflow, or a non-finite
+    /// gradient norm in any precision): parameters are unchanged.
+    pub skipped: bool,
+    /// The global gradient norm (after unscaling, before clipping), at a
+    /// boundary.
+    pub grad_norm: Option<f64>,
+    /// The learning rate the update used (or would have used).
+    pub lr: f64,
+    /// The loss scale for the next micro-batch.
+    pub loss_scale: f32,
+    /// Optimizer steps applied so far.
+    pub steps: u64,
+}
+
+impl StepOutcome {
+    /// A call that ended no accumulation window, with the learning rate
+    /// and loss scale for the next step and `steps` applied.
+    pub(super) fn between(lr: f64, loss_scale: f32, steps: u64) -> Self {
+        Self {
+            boundary: false,
+            skipped: false,
+            grad_norm: None,
+            lr,
+            loss_scale,
+            steps,
+        }
+    }
+}
+
+/// What an optimizer step needs from the engine, borrowed for one step:
+/// the rank's state and the units' parameters it updates, the parameter
+/// offload it writes home, the health its verdicts change, and what the
+/// all-gathers it starts need.
+pub(super) struct StepIo<'a, C, B: EngineBackend> {
+    pub(super) comm: &'a C,
+    pub(super) backend: &'a B,
+    pub(super) units: &'a mut Units<B>,
+    pub(super) opt: &'a mut OptimizerShard<B>,
+    pub(super) reducer: &'a mut GradReducer<B>,
+    /// Stage 3 with `offload_param`: the shards' home.
+    pub(super) poff: Option<&'a mut ParamOffload>,
+    pub(super) health: &'a mut Health,
+    /// The error of a failed swap write every rank rescued: the step
+    /// completes and `step()` returns it afterwards.
+    pub(super) rescued: &'a mut Option<Error>,
+    /// The number of this step (1 for the first), for errors.
+    pub(super) number: u64,
+    pub(super) stage: u8,
+    pub(super) pdt: DType,
+    /// `overlap_comm`: start the all-gathers while AdamW runs.
+    pub(super) overlap_comm: bool,
+    /// `allgather_bucket_size`.
+    pub(super) gather_limit: usize,
+    /// The stream the all-gathers start after.
+    pub(super) gather_after: Stream,
+    /// Stage 3: the gatherer whose prefetch starts during the step.
+    pub(super) s3: &'a mut ParamGatherer<B>,
+    pub(super) tracker: &'a MemoryTracker,
+    pub(super) tracer: &'a Tracer,
+    pub(super) stats: &'a mut EngineStats,
+}
+
+impl<C: EngineComm<B>, B: EngineBackend> StepIo<'_, C, B> {
+    /// Stages 1–2: queues the all-gather of unit `i`'s updated parameters
+    /// and launches what fits in `allgather_bucket_size`.
+    fn gather_updated(&mut self, i: usize) -> Result<()> {
+        self.units.queue_gather(i);
+        let mut io = AllGatherIo {
+            backend: self.backend,
+            comm: self.comm,
+            after: self.gather_after,
+            tracer: self.tracer,
+            stats: self.stats,
+            limit: self.gather_limit,
+        };
+        self.units.advance(None, &mut io)
+    }
+
+    /// Stage 3: prefetches the head of the recorded gather order.
+    fn prefetch_next(&mut self) -> Result<()> {
+        let io = GatherIo {
+            backend: self.backend,
+            after: self.gather_after,
+            comm: self.comm,
+            tracker: self.tracker,
+            tracer: self.tracer,
+            pdt: self.pdt,
+            shards: shards(self.poff.as_deref_mut(), self.units),
+            stats: self.stats,
+        };
+        self.s3.prefetch_next(io)
+    }
+
+    /// With nvme parameter offload, after the write-back of a step (`r`):
+    /// every rank learns whether every rank's writes worked. On an error
+    /// anywhere the engine is failed and the parameters are lost (some
+    /// units were written, others not).
+    fn param_write_verdict(&mut self, r: Result<()>) -> Result<()> {
+        if !self.poff.as_deref().is_some_and(ParamOffload::is_nvme) {
+            return r;
+        }
+        let number = self.number;
+        self.health.params_verdict(self.comm, r, |bad, why| {
+            format!(
+                "the parameter swap file of rank {bad} failed in step {number} ({why}); the \
+                 parameters are lost"
+            )
+        })
+    }
+
+}
 
 /// One tier's optimizer step: AdamW with the constants `k` (one per
 /// parameter group) on this rank's part of every unit, gradients in `G`,
 /// parameters written in `P`.
 pub(super) trait TierStep<B: EngineBackend> {
-    /// Runs the step on the engine `e`'s parts.
+    /// Runs the step on the engine's parts `io`.
     fn run<C: EngineComm<B>, G: Element, P: Element>(
         &mut self,
-        e: &mut Engine<C, B>,
+        io: &mut StepIo<'_, C, B>,
         k: &[AdamWStep],
     ) -> Result<()>;
 }
@@ -92,7 +219,7 @@ impl<B: EngineBackend> OptimizerStep<B> {
     /// tensors).
     pub(super) fn run<C: EngineComm<B>>(
         &mut self,
-        e: &mut Engine<C, B>,
+        e: &mut StepIo<'_, C, B>,
         k: &[AdamWStep],
     ) -> Result<()> {
         let Some(gdt) = e.reducer.home_dtype() else {
@@ -111,7 +238,7 @@ impl<B: EngineBackend> OptimizerStep<B> {
 /// `t`'s step for gradient dtype `gdt` and the engine's parameter dtype.
 fn for_dtypes<B: EngineBackend, C: EngineComm<B>, T: TierStep<B>>(
     t: &mut T,
-    e: &mut Engine<C, B>,
+    e: &mut StepIo<'_, C, B>,
     gdt: DType,
     k: &[AdamWStep],
 ) -> Result<()> {
@@ -124,7 +251,7 @@ fn for_dtypes<B: EngineBackend, C: EngineComm<B>, T: TierStep<B>>(
 
 fn for_params<B: EngineBackend, C: EngineComm<B>, T: TierStep<B>, G: Element>(
     t: &mut T,
-    e: &mut Engine<C, B>,
+    e: &mut StepIo<'_, C, B>,
     k: &[AdamWStep],
 ) -> Result<()> {
     match e.pdt {
