@@ -154,6 +154,7 @@ pub use crate::format::safetensors::{ExportDtype, SafetensorsWriter};
 use crate::trace::Tracer;
 use crate::{Error, Result};
 pub use backend::{EngineBackend, EngineComm};
+use builder::Built;
 pub use builder::EngineBuilder;
 use dynbuf::DynBuf;
 pub use export::export_checkpoint;
@@ -161,8 +162,8 @@ use gatherer::{GatherIo, ParamGatherer};
 pub use groups::{is_bias_norm_or_embedding, GroupPredicate, ParamGroup};
 use health::Health;
 pub use init::{Init, TensorSource};
-use lease::{Releases, Returns};
 pub use lease::{GradBuffer, UnitGuard};
+use lease::{Releases, Returns};
 use offload::Offload;
 use optimizer::OptimizerShard;
 use param_offload::ParamOffload;
@@ -170,13 +171,13 @@ use param_offload::ParamOffload;
 #[doc(hidden)]
 pub use reducer::SkipWait;
 use reducer::{GradReducer, GradState};
-use state::{StateIo, StateRead};
 pub use state::UnitState;
+use state::{StateIo, StateRead};
 pub use stats::{EngineStats, SwapTraffic};
 pub use step::StepOutcome;
 use step::{OptimizerStep, StepIo};
-use unit::{shards, AllGatherIo, Units};
 pub use unit::UnitId;
+use unit::{shards, AllGatherIo, Units};
 
 /// The sharded data-parallel engine of one rank.
 pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
@@ -251,6 +252,15 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     frozen_policy: FrozenParams,
 }
 
+impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
+    /// Checks that every rank registered the same units with the same
+    /// config (a collective), allocates every buffer of the memory plan and
+    /// initialises this rank's parameters.
+    pub fn build(self) -> Result<Engine<C, B>> {
+        Engine::assemble(self.into_parts()?)
+    }
+}
+
 impl<C: Communicator> Engine<C, CpuBackend> {
     /// Starts building an engine for `cfg` (resolved for this world size)
     /// over `comm`, on the CPU backend unless [`EngineBuilder::backend`]
@@ -269,6 +279,93 @@ const RECOVER: &str = "if a micro-batch failed part way, call zero_grad() on eve
                        run the next micro-batch";
 
 impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
+    /// The coordinator over the components `b` built: its counters start
+    /// at zero, and stage 3 gathers its persistent units.
+    fn assemble(b: Built<C, B>) -> Result<Self> {
+        let scaler = b.scaler;
+        let last = StepOutcome::between(
+            b.cfg.scheduler.lr_at(0),
+            scaler.as_ref().map_or(1.0, |s| s.scale()),
+            0,
+        );
+        let mut engine = Engine {
+            id: b.id,
+            rank: b.comm.rank(),
+            world: b.comm.world_size(),
+            comm: b.comm,
+            cfg: b.cfg,
+            plan: b.plan,
+            tracker: b.tracker,
+            stage: b.stage,
+            pdt: b.pdt,
+            units: b.units,
+            backend: b.backend,
+            gather_after: b.gather_after,
+            reducer: b.reducer,
+            returns: Returns::default(),
+            releases: Releases::default(),
+            training: true,
+            micro: 0,
+            steps: 0,
+            global_steps: 0,
+            micro_batches: 0,
+            scaler,
+            last,
+            s3: b.s3,
+            stats: EngineStats::default(),
+            swap_base: Default::default(),
+            warned: Vec::new(),
+            health: Health::Ok,
+            opt: b.opt,
+            rescued_error: None,
+            optimizer: b.optimizer,
+            poff: b.poff,
+            tracer: b.tracer,
+            seed: b.seed,
+            keep_last: b.keep_last,
+            save_frozen: b.save_frozen,
+            frozen_policy: b.frozen_policy,
+        };
+        // The config's own warnings (from its JSON) and the components':
+        // each once, here.
+        let mut warnings: Vec<String> = engine
+            .cfg
+            .warnings
+            .0
+            .iter()
+            .map(|w| format!("config: {w}"))
+            .collect();
+        warnings.extend(
+            engine
+                .opt
+                .offload()
+                .map(Offload::warnings)
+                .unwrap_or_default(),
+        );
+        warnings.extend(
+            engine
+                .poff
+                .as_ref()
+                .map(ParamOffload::warnings)
+                .unwrap_or_default(),
+        );
+        warnings.extend(
+            engine
+                .reducer
+                .grad_swap()
+                .map(GradSwap::warnings)
+                .unwrap_or_default(),
+        );
+        for w in warnings {
+            engine.warn(w);
+        }
+        if engine.stage == 3 {
+            let (s3, io) = engine.s3_parts();
+            s3.gather_persistent(io)?;
+        }
+        Ok(engine)
+    }
+
     // ------------------------------------------------------------------
     // Introspection
 
@@ -1017,12 +1114,13 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             return Ok(());
         };
         let step = self.steps + 1;
-        self.health.params_verdict(&self.comm, po.check(), |bad, why| {
-            format!(
+        self.health
+            .params_verdict(&self.comm, po.check(), |bad, why| {
+                format!(
                 "the parameter swap file of rank {bad} could not be read in step {step} ({why}); \
                  nothing was updated and the parameters are lost"
             )
-        })
+            })
     }
 
     /// `swap_gradients`, before the step: every rank learns whether every

@@ -112,7 +112,11 @@ impl<C: EngineComm<B>, B: EngineBackend> StateIo<'_, C, B> {
                 true => this.gather_f32(x, shard, numel),
                 false => Ok(Vec::new()),
             };
-            Ok::<_, Error>((this.gather_f32(master, shard, numel)?, moment(m)?, moment(v)?))
+            Ok::<_, Error>((
+                this.gather_f32(master, shard, numel)?,
+                moment(m)?,
+                moment(v)?,
+            ))
         };
         let (master, m, v) = match self.opt.offload() {
             _ if what == StateRead::Params => (Vec::new(), Vec::new(), Vec::new()),
@@ -242,10 +246,7 @@ impl<C: EngineComm<B>, B: EngineBackend> StateIo<'_, C, B> {
             let fs = local.len();
             let send = HostBuffer::from_slice(&local)?;
             let recv = HostBuffer::<f32>::zeros(fs * world)?;
-            let (_, recv) = self
-                .comm
-                .all_gather(send, recv, &vec![fs; world])
-                .wait()?;
+            let (_, recv) = self.comm.all_gather(send, recv, &vec![fs; world]).wait()?;
             Ok(recv[..l.frozen_numel].to_vec())
         };
         if let Some(b) = self.s3.resident(i) {

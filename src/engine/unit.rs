@@ -248,7 +248,10 @@ impl<B: EngineBackend> Units<B> {
 
     /// Completes every parameter all-gather still queued or in flight
     /// (before anything reads or writes the parameters as a whole).
-    pub(super) fn finish<C: EngineComm<B>>(&mut self, io: &mut AllGatherIo<'_, C, B>) -> Result<()> {
+    pub(super) fn finish<C: EngineComm<B>>(
+        &mut self,
+        io: &mut AllGatherIo<'_, C, B>,
+    ) -> Result<()> {
         while !self.in_flight.is_empty() || !self.queue.is_empty() {
             match self.queue.back().copied() {
                 Some(j) => self.advance(Some(j), io)?,

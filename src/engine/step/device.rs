@@ -35,9 +35,7 @@ impl<B: EngineBackend> TierStep<B> for DeviceStep {
                 .iter_mut()
                 .enumerate()
                 .map(|(i, u)| (i, u.params_mut()));
-            return io
-                .opt
-                .step_units::<G, P>(io.backend, k, io.reducer, params);
+            return io.opt.step_units::<G, P>(io.backend, k, io.reducer, params);
         }
         // overlap_comm: unit by unit, so that the all-gathers of updated
         // parameters start while AdamW runs on the next units — every

@@ -157,7 +157,6 @@ impl<C: EngineComm<B>, B: EngineBackend> StepIo<'_, C, B> {
             )
         })
     }
-
 }
 
 /// One tier's optimizer step: AdamW with the constants `k` (one per
