@@ -137,7 +137,10 @@ mod stats;
 mod step;
 mod unit;
 
+use std::path::{Path, PathBuf};
 use std::time::Instant;
+
+use serde_json::Value;
 
 use grad_swap::GradSwap;
 use zero_comm::agree::exchange_u64;
@@ -149,6 +152,7 @@ use zero_core::optim::{clip_coefficient, LossScaler};
 use zero_core::partition::{PartitionPlan, UnitLayout};
 use zero_core::{bf16, f16, DType, Element};
 
+use crate::format::checkpoint::SavedRun;
 pub use crate::format::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
 pub use crate::format::safetensors::{ExportDtype, SafetensorsWriter};
 use crate::trace::Tracer;
@@ -156,6 +160,7 @@ use crate::{Error, Result};
 pub use backend::{EngineBackend, EngineComm};
 use builder::Built;
 pub use builder::EngineBuilder;
+use checkpoint::SaveHow;
 use dynbuf::DynBuf;
 pub use export::export_checkpoint;
 use gatherer::{GatherIo, ParamGatherer};
@@ -588,7 +593,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             plan: &self.plan,
             units: &mut self.units,
             s3: &mut self.s3,
-            opt: &self.opt,
+            opt: &mut self.opt,
             poff: self.poff.as_mut(),
             health: &mut self.health,
             tracer: &self.tracer,
@@ -862,6 +867,117 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         self.check_swap(what.call())?;
         self.finish_param_gathers()?;
         self.state_io().read(i, what)
+    }
+
+    /// Saves a checkpoint to `root/step{N:08}`, `N` the
+    /// [`Engine::global_steps`], and returns its path; a
+    /// collective, at an optimizer-step boundary only (no micro-batch in
+    /// progress, no gradient buffer out). Each rank writes its part of the
+    /// fp32 master, m and v (read through the offload store piece by piece
+    /// when offloaded); rank 0 writes `manifest.json` (with `client_state`,
+    /// the trainer's own JSON: data position, RNG, …), renames the
+    /// directory into place, points `root/latest` at it and deletes the
+    /// oldest checkpoints beyond [`EngineBuilder::keep_last_checkpoints`].
+    /// Every rank returns `Ok` only if every rank's part succeeded. The
+    /// format and the crash safety are described in
+    /// `src/format/checkpoint/mod.rs`, the rounds of the save in
+    /// `src/engine/checkpoint.rs`. With a tracer, each rank records the
+    /// span `checkpoint write` (its rank file, through the fsync).
+    pub fn save_checkpoint(&mut self, root: &Path, client_state: Value) -> Result<PathBuf> {
+        self.guard(|e| {
+            e.check_swap("save_checkpoint")?;
+            let ga = e.cfg.gradient_accumulation_steps;
+            checkpoint::at_boundary(e.micro, ga, &e.reducer, &e.units).map_err(|w| e.usage(w))?;
+            let run = SavedRun {
+                world_size: e.world,
+                stage: e.stage,
+                param_dtype: e.pdt,
+                steps: e.steps,
+                global_steps: e.global_steps,
+                loss_scaler: e.scaler.clone(),
+                seed: e.seed,
+                config: serde_json::to_value(&e.cfg).unwrap_or(Value::Null),
+                client_state,
+            };
+            let how = SaveHow {
+                model: e.cfg.zero.gather_16bit_weights_on_model_save,
+                frozen: e.save_frozen,
+                keep_last: e.keep_last,
+            };
+            let (dest, warnings) = checkpoint::save(&mut e.state_io(), root, run, how)?;
+            for w in warnings {
+                e.warn(w);
+            }
+            Ok(dest)
+        })
+    }
+
+    /// Builds the engine from `builder` (the trainer registered the same
+    /// units as when saving) and loads the checkpoint at `path` into it: a
+    /// collective. `path` is a checkpoint directory (with `manifest.json`)
+    /// or a root whose `latest` file names one. The checkpoint may come
+    /// from any world size, stage and offload mode: each rank reads only
+    /// the byte ranges it needs, verifying their blocks' CRCs. Restores the
+    /// parameters (cast from the fp32 master), master, m, v, the step count
+    /// (and with it the learning-rate schedule) and the loss scaler, and
+    /// returns the trainer's `client_state`. On any error (a missing,
+    /// truncated, corrupted or foreign file, an unknown manifest version,
+    /// units that differ from the registered ones) no engine is returned;
+    /// the error names the file and what is wrong. The registered initial
+    /// values are not computed (the load overwrites them). With a tracer
+    /// ([`EngineBuilder::tracer`]) each rank records the spans
+    /// `checkpoint build` (building the engine) and `checkpoint load`
+    /// (reading the state into it).
+    pub fn load_checkpoint(
+        mut builder: EngineBuilder<C, B>,
+        path: &Path,
+    ) -> Result<(Engine<C, B>, Value)> {
+        let opened = checkpoint::open(&mut builder, path)?;
+        let (tracer, rank) = (builder.s.tracer.clone(), builder.comm().rank());
+        let t0 = Instant::now();
+        let built = builder.build();
+        tracer.record(rank, "checkpoint build", "checkpoint", t0, Instant::now());
+        let mut engine = built?;
+        engine.stats.checkpoint_read_bytes = checkpoint::load(&mut engine.state_io(), &opened)?;
+        // The step counts and the loss scaler; every rank resumes at the
+        // same point.
+        let m = &opened.manifest;
+        engine.steps = m.steps;
+        engine.global_steps = m.global_steps;
+        engine.micro_batches = 0;
+        if let (Some(_), Some(s)) = (&engine.scaler, &m.loss_scaler) {
+            engine.scaler = Some(s.clone());
+        }
+        engine.last = StepOutcome::between(engine.lr(), engine.loss_scale(), engine.steps);
+        // Collectives only once every rank has its part: stages 1–2
+        // all-gather the parameters each rank cast from its master range,
+        // stage 3 gathers its persistent units.
+        {
+            let _span = tracer.span(rank, "checkpoint gather", "checkpoint");
+            engine.gather_updated_params()?;
+            engine.finish_param_gathers()?;
+        }
+        Ok((engine, opened.manifest.client_state))
+    }
+
+    /// Writes the current weights of every unit to the safetensors file
+    /// `path` as `dtype`: a collective (every rank calls it; rank 0
+    /// writes). The values are the fp32 master (`F32` exactly; `Bf16` and
+    /// `F16` rounded to nearest even, i.e. the parameters of a run in that
+    /// dtype), named as described in `src/format/safetensors.rs`: the
+    /// registered tensor names when they are unique across units (the
+    /// Llama example's HF names), `<unit>.<tensor>` otherwise.
+    ///
+    /// One unit is gathered at a time (host memory: the largest unit), and
+    /// the file is written to `path.tmp`, fsynced and renamed, so a failed
+    /// export leaves nothing behind. Every rank returns `Ok` only if rank 0
+    /// wrote the file. [`export_checkpoint`] writes the same bytes offline
+    /// from a saved checkpoint.
+    pub fn export_safetensors(&mut self, path: &Path, dtype: ExportDtype) -> Result<()> {
+        self.guard(|e| {
+            e.check_swap("export_safetensors")?;
+            export::export_live(&mut e.state_io(), path, dtype).map(|_| ())
+        })
     }
 
     // ------------------------------------------------------------------

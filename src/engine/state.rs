@@ -11,7 +11,7 @@
 //! ```
 
 use zero_core::partition::PartitionPlan;
-use zero_core::{bf16, f16, DType, Element, HostBuffer};
+use zero_core::{bf16, f16, DType, HostBuffer};
 
 use super::backend::{EngineBackend, EngineComm};
 use super::gatherer::{FrozenHome, ParamGatherer};
@@ -19,6 +19,7 @@ use super::health::Health;
 use super::optimizer::OptimizerShard;
 use super::param_offload::ParamOffload;
 use super::unit::Units;
+use crate::format::bytes_as_f32;
 use crate::trace::Tracer;
 use crate::{Error, Result};
 
@@ -68,7 +69,7 @@ pub(super) struct StateIo<'a, C, B: EngineBackend> {
     pub(super) units: &'a mut Units<B>,
     /// Stage 3: where the frozen segments and the resident units are.
     pub(super) s3: &'a mut ParamGatherer<B>,
-    pub(super) opt: &'a OptimizerShard<B>,
+    pub(super) opt: &'a mut OptimizerShard<B>,
     pub(super) poff: Option<&'a mut ParamOffload>,
     pub(super) health: &'a mut Health,
     pub(super) tracer: &'a Tracer,
@@ -274,23 +275,6 @@ impl<C: EngineComm<B>, B: EngineBackend> StateIo<'_, C, B> {
                 p.extend_f32(self.backend, frozen, out)
             }
         }
-    }
-}
-
-/// Bytes of `T` values (any alignment) as f32.
-fn bytes_to_f32<T: Element>(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(std::mem::size_of::<T>())
-        .map(|c| bytemuck::pod_read_unaligned::<T>(c).to_f32())
-        .collect()
-}
-
-/// Bytes of `dtype` values (any alignment) as f32.
-pub(super) fn bytes_as_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
-    match dtype {
-        DType::F32 => bytes_to_f32::<f32>(bytes),
-        DType::BF16 => bytes_to_f32::<bf16>(bytes),
-        DType::F16 => bytes_to_f32::<f16>(bytes),
     }
 }
 
