@@ -105,14 +105,19 @@
 //! succeeded: the parameters of the last completed step stay readable.
 //!
 //! # Where things are
-//! This file is the coordinator: the unit lifecycle, the micro-batch and
-//! step bookkeeping, and the calls into the components. `builder.rs`
-//! builds the engine ([`EngineBuilder`]); `step/` holds the optimizer step,
-//! one type per tier (device, parameter offload on the host or a device,
-//! host or nvme tiles, `swap_gradients`), which the coordinator calls once
-//! per step; `reducer.rs`, `gatherer.rs`, `optimizer.rs`, `offload.rs`,
-//! `param_offload.rs`, `grad_swap.rs` and `staging.rs` are the components
-//! they drive; `checkpoint.rs` and `export.rs` save and export.
+//! This file is the coordinator, and the only file that names `Engine`'s
+//! fields: the micro-batch and step bookkeeping, the live guards, and the
+//! calls into the components, each handed the parts it needs borrowed
+//! (`GatherIo`, `AllGatherIo`, `StepIo`, `StateIo`). `builder.rs` builds
+//! the components ([`EngineBuilder`]), which the coordinator takes over;
+//! `unit.rs` holds the units and the stage 1–2 all-gathers of updated
+//! parameters; `step/` the optimizer step, one type per tier (device,
+//! parameter offload on the host or a device, host or nvme tiles,
+//! `swap_gradients`), called once per step; `state.rs` reads a unit's
+//! state out of the shards, for [`Engine::unit_state`], `checkpoint.rs`
+//! (save, load) and `export.rs`; `reducer.rs`, `gatherer.rs`,
+//! `optimizer.rs`, `offload.rs`, `param_offload.rs`, `grad_swap.rs`,
+//! `staging.rs` and `health.rs` are the components they drive.
 
 mod backend;
 mod builder;
@@ -150,7 +155,7 @@ use zero_core::config::{FrozenParams, ResolvedConfig};
 use zero_core::memory::{MemoryReport, MemoryTracker};
 use zero_core::optim::{clip_coefficient, LossScaler};
 use zero_core::partition::{PartitionPlan, UnitLayout};
-use zero_core::{bf16, f16, DType, Element};
+use zero_core::{DType, Element};
 
 use crate::format::checkpoint::SavedRun;
 pub use crate::format::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
@@ -219,7 +224,7 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     /// Micro-batches ended by `step` or dropped by `zero_grad`: the same
     /// on every rank unless one went on alone after a failed micro-batch.
     /// It travels with the step's norm exchange (see
-    /// [`Engine::check_in_step`]).
+    /// `step::check_in_step`).
     micro_batches: u64,
     scaler: Option<LossScaler>,
     last: StepOutcome,
@@ -274,14 +279,6 @@ impl<C: Communicator> Engine<C, CpuBackend> {
         EngineBuilder::new(cfg, comm)
     }
 }
-
-/// How a trainer gets out of a micro-batch that failed part way (some
-/// units handed their gradients back, the others never will): the engine
-/// cannot tell a failed micro-batch from a unit's gradient given twice, so
-/// the trainer says so with `zero_grad`.
-const RECOVER: &str = "if a micro-batch failed part way, call zero_grad() on every rank to drop \
-                       it (and the gradients accumulated since the last optimizer step), then \
-                       run the next micro-batch";
 
 impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// The coordinator over the components `b` built: its counters start
@@ -667,15 +664,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         Ok(unit.index)
     }
 
-    /// The error of a gradient call on a unit with only frozen tensors.
-    fn frozen_unit(&self, i: usize, call: &str) -> Error {
-        self.usage(format!(
-            "{call}(`{}`): the unit has only frozen tensors (TensorSpec::frozen), so it has no \
-             gradient; leave it out of the backward pass",
-            self.name(i)
-        ))
-    }
-
     fn name(&self, i: usize) -> &str {
         &self.units[i].layout.name
     }
@@ -1007,24 +995,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             }
             .into());
         }
-        match self.reducer.state(i) {
-            GradState::Ready => {
-                return Err(self.usage(format!(
-                    "grad_buffer(`{}`): grad_ready was already called for this unit in this \
-                     micro-batch; {}",
-                    self.name(i),
-                    RECOVER
-                )))
-            }
-            GradState::Lent => {
-                return Err(self.usage(format!(
-                    "grad_buffer(`{}`): the buffer is already lent; hand it back with grad_ready",
-                    self.name(i)
-                )))
-            }
-            GradState::Frozen => return Err(self.frozen_unit(i, "grad_buffer")),
-            GradState::Empty => {}
-        }
+        let name = self.name(i);
+        let lend = self.reducer.state(i).check_lend(name);
+        lend.map_err(|w| self.usage(w))?;
         let buf = self
             .reducer
             .lend(&self.comm, &self.tracker, &self.tracer, i, self.micro > 0)?;
@@ -1062,23 +1035,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             )));
         }
         self.check_swap("grad_ready")?;
+        let back = self.reducer.state(i).check_hand_back(self.name(i));
+        back.map_err(|w| self.usage(w))?;
         let u = &self.units[i];
-        match self.reducer.state(i) {
-            GradState::Ready => {
-                return Err(self.usage(format!(
-                    "grad_ready(`{}`) called twice in one micro-batch; {}",
-                    u.layout.name, RECOVER
-                )))
-            }
-            GradState::Empty => {
-                return Err(self.usage(format!(
-                    "grad_ready(`{}`): take the buffer with grad_buffer first",
-                    u.layout.name
-                )))
-            }
-            GradState::Frozen => return Err(self.frozen_unit(i, "grad_ready")),
-            GradState::Lent => {}
-        }
         if grad.len() != u.layout.padded_numel || T::DTYPE != self.pdt {
             return Err(self.usage(format!(
                 "grad_ready(`{}`): expected the {}-element {} buffer from grad_buffer, got {} elements of {}",
@@ -1138,27 +1097,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 )));
             }
         }
-        if let Some(i) = self.reducer.find(GradState::Lent) {
-            return Err(self.usage(format!(
-                "step() while the gradient buffer of unit `{}` is still out; hand it back with grad_ready",
-                self.name(i)
-            )));
-        }
-        if let Some(i) = self.reducer.find(GradState::Empty) {
-            let missing: Vec<&str> = (0..self.units.len())
-                .filter(|&j| self.reducer.state(j) == GradState::Empty)
-                .map(|j| self.name(j))
-                .collect();
-            return Err(self.usage(format!(
-                "step(): no gradient for unit `{}` in this micro-batch ({} of {} units have none: \
-                 {}); every unit needs grad_buffer + grad_ready in every micro-batch (a buffer \
-                 dropped on an error path gives none); call zero_grad() to drop this micro-batch",
-                self.name(i),
-                missing.len(),
-                self.units.len(),
-                missing.join(", ")
-            )));
-        }
+        let complete = self.reducer.check_complete(|j| self.name(j));
+        complete.map_err(|w| self.usage(w))?;
         self.finish_param_gathers()?;
         let span = self.tracer.span(self.rank, "reduce", "comm");
         let t = Instant::now();
@@ -1260,25 +1200,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     }
 
     fn optimizer_step(&mut self) -> Result<StepOutcome> {
-        // This rank's part of the squared norm: its shard of every unit, in
-        // unit order (stage 0 too, so that every stage adds the same terms).
-        let local = match self.reducer.home_dtype() {
-            None => 0.0,
-            Some(_) if self.reducer.grad_swap().is_some() => {
-                self.reducer.grad_swap().map_or(0.0, GradSwap::sum_squares)
-            }
-            Some(DType::F32) => self
-                .opt
-                .local_sum_squares::<f32>(&self.backend, &self.reducer)?,
-            Some(DType::BF16) => self
-                .opt
-                .local_sum_squares::<bf16>(&self.backend, &self.reducer)?,
-            Some(DType::F16) => self
-                .opt
-                .local_sum_squares::<f16>(&self.backend, &self.reducer)?,
-        };
+        let local = step::local_sum_squares(&self.opt, &self.backend, &self.reducer)?;
         let parts = exchange_u64(&self.comm, &[local.to_bits(), self.micro_batches])?;
-        self.check_in_step(&parts)?;
+        step::check_in_step(&parts, self.rank, self.global_steps + 1)?;
         let sumsq = parts.iter().fold(0f64, |a, w| a + f64::from_bits(w[0]));
         let loss_scale = self.loss_scale();
         let ga = self.cfg.gradient_accumulation_steps;
@@ -1332,40 +1256,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             lr,
             loss_scale: self.loss_scale(),
             steps: self.steps,
-        })
-    }
-
-    /// Every rank is at the same micro-batch (word 1 of each rank's part of
-    /// the norm exchange, `parts`): a rank that failed a micro-batch,
-    /// dropped it with `zero_grad` and went on alone has paired its
-    /// reductions with the other ranks' previous micro-batch. Then every
-    /// rank refuses the update with the same error, naming the first rank
-    /// off the majority (ties: rank 0's count) and both counts; the counts
-    /// stay apart, so every later step is refused too.
-    fn check_in_step(&self, parts: &[Vec<u64>]) -> Result<()> {
-        let count = |v: u64| parts.iter().filter(|w| w[1] == v).count();
-        let mut common = parts[0][1];
-        for w in parts {
-            if count(w[1]) > count(common) {
-                common = w[1];
-            }
-        }
-        let Some(off) = parts.iter().position(|w| w[1] != common) else {
-            return Ok(());
-        };
-        let at = parts.iter().position(|w| w[1] == common).unwrap_or(0);
-        Err(Error::Disagreement {
-            rank: self.rank,
-            what: format!(
-                "step {}: rank {off} is at micro-batch {} and rank {at} at micro-batch {common} \
-                 (micro-batches ended by step() or dropped by zero_grad()): rank {off} went on \
-                 alone after a failed micro-batch, so this step's reductions paired gradients \
-                 of different micro-batches and its update was not applied; every rank must \
-                 drop a failed micro-batch together (zero_grad() on every rank), so restart \
-                 from the last checkpoint",
-                self.global_steps + 1,
-                parts[off][1]
-            ),
         })
     }
 

@@ -32,6 +32,7 @@ pub(super) use tiles::TilesStep;
 
 use super::backend::{EngineBackend, EngineComm};
 use super::gatherer::{GatherIo, ParamGatherer};
+use super::grad_swap::GradSwap;
 use super::health::Health;
 use super::optimizer::OptimizerShard;
 use super::param_offload::ParamOffload;
@@ -157,6 +158,58 @@ impl<C: EngineComm<B>, B: EngineBackend> StepIo<'_, C, B> {
             )
         })
     }
+}
+
+/// This rank's part of the squared gradient norm: its shard of every
+/// unit, in unit order (stage 0 too, so that every stage adds the same
+/// terms); 0 without trainable tensors.
+pub(super) fn local_sum_squares<B: EngineBackend>(
+    opt: &OptimizerShard<B>,
+    backend: &B,
+    reducer: &GradReducer<B>,
+) -> Result<f64> {
+    match reducer.home_dtype() {
+        None => Ok(0.0),
+        Some(_) if reducer.grad_swap().is_some() => {
+            Ok(reducer.grad_swap().map_or(0.0, GradSwap::sum_squares))
+        }
+        Some(DType::F32) => opt.local_sum_squares::<f32>(backend, reducer),
+        Some(DType::BF16) => opt.local_sum_squares::<bf16>(backend, reducer),
+        Some(DType::F16) => opt.local_sum_squares::<f16>(backend, reducer),
+    }
+}
+
+/// Every rank is at the same micro-batch (word 1 of each rank's part of
+/// the norm exchange, `parts`): a rank that failed a micro-batch,
+/// dropped it with `zero_grad` and went on alone has paired its
+/// reductions with the other ranks' previous micro-batch. Then every
+/// rank refuses the update with the same error, naming the first rank
+/// off the majority (ties: rank 0's count) and both counts; the counts
+/// stay apart, so every later step is refused too.
+pub(super) fn check_in_step(parts: &[Vec<u64>], rank: usize, step: u64) -> Result<()> {
+    let count = |v: u64| parts.iter().filter(|w| w[1] == v).count();
+    let mut common = parts[0][1];
+    for w in parts {
+        if count(w[1]) > count(common) {
+            common = w[1];
+        }
+    }
+    let Some(off) = parts.iter().position(|w| w[1] != common) else {
+        return Ok(());
+    };
+    let at = parts.iter().position(|w| w[1] == common).unwrap_or(0);
+    Err(Error::Disagreement {
+        rank,
+        what: format!(
+            "step {}: rank {off} is at micro-batch {} and rank {at} at micro-batch {common} \
+             (micro-batches ended by step() or dropped by zero_grad()): rank {off} went on \
+             alone after a failed micro-batch, so this step's reductions paired gradients \
+             of different micro-batches and its update was not applied; every rank must \
+             drop a failed micro-batch together (zero_grad() on every rank), so restart \
+             from the last checkpoint",
+            step, parts[off][1]
+        ),
+    })
 }
 
 /// One tier's optimizer step: AdamW with the constants `k` (one per
