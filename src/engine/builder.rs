@@ -62,6 +62,9 @@ pub(super) struct Built<C, B: EngineBackend> {
     pub(super) keep_last: usize,
     pub(super) frozen_policy: FrozenParams,
     pub(super) save_frozen: bool,
+    /// The config's own warnings (from its JSON, `config: ` first) and the
+    /// components', in that order; the engine gives each once.
+    pub(super) warnings: Vec<String>,
 }
 
 /// Builds an [`Engine`](super::Engine): register every unit, then [`EngineBuilder::build`].
@@ -853,7 +856,26 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             offload_stage,
             param_stage,
         );
+        let mut warnings: Vec<String> = cfg
+            .warnings
+            .0
+            .iter()
+            .map(|w| format!("config: {w}"))
+            .collect();
+        warnings.extend(opt.offload().map(Offload::warnings).unwrap_or_default());
+        warnings.extend(
+            poff.as_ref()
+                .map(ParamOffload::warnings)
+                .unwrap_or_default(),
+        );
+        warnings.extend(
+            reducer
+                .grad_swap()
+                .map(GradSwap::warnings)
+                .unwrap_or_default(),
+        );
         Ok(Built {
+            warnings,
             id,
             comm,
             cfg,

@@ -284,7 +284,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// The coordinator over the components `b` built: its counters start
     /// at zero, and stage 3 gathers its persistent units.
     fn assemble(b: Built<C, B>) -> Result<Self> {
-        let scaler = b.scaler;
+        let (scaler, warnings) = (b.scaler, b.warnings);
         let last = StepOutcome::between(
             b.cfg.scheduler.lr_at(0),
             scaler.as_ref().map_or(1.0, |s| s.scale()),
@@ -328,36 +328,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             save_frozen: b.save_frozen,
             frozen_policy: b.frozen_policy,
         };
-        // The config's own warnings (from its JSON) and the components':
-        // each once, here.
-        let mut warnings: Vec<String> = engine
-            .cfg
-            .warnings
-            .0
-            .iter()
-            .map(|w| format!("config: {w}"))
-            .collect();
-        warnings.extend(
-            engine
-                .opt
-                .offload()
-                .map(Offload::warnings)
-                .unwrap_or_default(),
-        );
-        warnings.extend(
-            engine
-                .poff
-                .as_ref()
-                .map(ParamOffload::warnings)
-                .unwrap_or_default(),
-        );
-        warnings.extend(
-            engine
-                .reducer
-                .grad_swap()
-                .map(GradSwap::warnings)
-                .unwrap_or_default(),
-        );
         for w in warnings {
             engine.warn(w);
         }
