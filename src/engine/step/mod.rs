@@ -13,7 +13,11 @@
 //! Each type owns its buffers (the pinned staging of a device backend)
 //! and its overlap schedule; its doc draws what overlaps what. The tier
 //! is chosen once, at build, from the config; every tier gives the same
-//! bits (AdamW is elementwise).
+//! bits (AdamW is elementwise). A step borrows the engine's parts it needs
+//! through [`StepIo`] (never the engine itself); before it, the
+//! coordinator takes the global norm ([`local_sum_squares`], summed over
+//! ranks in rank order) and checks that every rank is at the same
+//! micro-batch ([`check_in_step`]).
 
 mod device;
 mod param;
