@@ -1,10 +1,9 @@
-//! Building an [`Engine`]: the [`EngineBuilder`] collects the config, the
+//! Building an [`Engine`](super::Engine): the [`EngineBuilder`] collects the config, the
 //! communicator, the backend and the registered units; [`EngineBuilder::build`]
 //! checks that every rank agrees, allocates every buffer of the memory plan
 //! and initialises this rank's parameters.
 
 use std::cell::RefCell;
-use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -18,29 +17,57 @@ use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
 use zero_core::{DType, Device, HostBuffer};
 use zero_offload::{check_free_space, DiskNeed};
 
+use super::backend::{EngineBackend, EngineComm};
 use super::devbuf::DevBuf;
 use super::faults::FaultPlan;
 use super::gatherer::{FrozenHome, ParamGatherer};
 use super::grad_swap::{self, GradSwap};
 use super::groups::{group_of, relative, GroupMap};
-use super::health::Health;
+use super::groups::{is_bias_norm_or_embedding, GroupPredicate, ParamGroup};
+use super::init::Init;
 use super::init::{fnv1a, mix};
-use super::lease::{Releases, Returns};
 use super::offload::{self, Offload, UnitRanges};
 use super::optimizer::{Moments, OptimizerShard};
 use super::param_offload::{self, ParamOffload};
 use super::reducer::{GradReducer, SkipWait};
 use super::staging::{OffloadStage, ParamStepStage};
+use super::state::store_as;
 use super::step::OptimizerStep;
-use super::{
-    is_bias_norm_or_embedding, store_as, Engine, EngineBackend, EngineComm, EngineStats,
-    GroupPredicate, Init, ParamGroup, Params, StepOutcome, Unit, UnitId,
-};
+use super::unit::{Params, Unit, UnitId, Units};
 use crate::agree::agree_on_setup;
 use crate::trace::Tracer;
 use crate::{Error, Result};
 
-/// Builds an [`Engine`]: register every unit, then [`EngineBuilder::build`].
+/// What [`EngineBuilder::build`] makes: the engine's components, built and
+/// initialised, that the coordinator takes over (`Engine::assemble`).
+pub(super) struct Built<C, B: EngineBackend> {
+    pub(super) id: u64,
+    pub(super) comm: C,
+    pub(super) cfg: ResolvedConfig,
+    pub(super) plan: PartitionPlan,
+    pub(super) tracker: MemoryTracker,
+    pub(super) stage: u8,
+    pub(super) pdt: DType,
+    pub(super) units: Units<B>,
+    pub(super) backend: B,
+    pub(super) gather_after: Stream,
+    pub(super) reducer: GradReducer<B>,
+    pub(super) scaler: Option<LossScaler>,
+    pub(super) s3: ParamGatherer<B>,
+    pub(super) opt: OptimizerShard<B>,
+    pub(super) optimizer: OptimizerStep<B>,
+    pub(super) poff: Option<ParamOffload>,
+    pub(super) tracer: Tracer,
+    pub(super) seed: u64,
+    pub(super) keep_last: usize,
+    pub(super) frozen_policy: FrozenParams,
+    pub(super) save_frozen: bool,
+    /// The config's own warnings (from its JSON, `config: ` first) and the
+    /// components', in that order; the engine gives each once.
+    pub(super) warnings: Vec<String>,
+}
+
+/// Builds an [`Engine`](super::Engine): register every unit, then [`EngineBuilder::build`].
 pub struct EngineBuilder<C: Communicator, B: EngineBackend = CpuBackend> {
     pub(super) comm: C,
     /// The device backend every buffer lives on (`None`: the one
@@ -76,7 +103,7 @@ pub(super) struct Settings {
     device_workspace: u64,
     /// Checkpoints hold the frozen tensors too.
     save_frozen: bool,
-    /// Set by [`Engine::load_checkpoint`]: the load fills the master, m, v
+    /// Set by [`Engine::load_checkpoint`](super::Engine::load_checkpoint): the load fills the master, m, v
     /// and parameters completely, so the build leaves their pages to be
     /// faulted in by the load instead of pre-faulting them.
     pub(super) for_load: bool,
@@ -89,7 +116,7 @@ pub(super) struct Settings {
 static NEXT_ENGINE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl<C: Communicator> EngineBuilder<C> {
-    /// A builder with the defaults ([`Engine::builder`]).
+    /// A builder with the defaults ([`Engine::builder`](super::Engine::builder)).
     pub(super) fn new(cfg: ResolvedConfig, comm: C) -> Self {
         EngineBuilder {
             comm,
@@ -185,7 +212,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         self
     }
 
-    /// How many checkpoints [`Engine::save_checkpoint`] keeps under its
+    /// How many checkpoints [`Engine::save_checkpoint`](super::Engine::save_checkpoint) keeps under its
     /// root: after a save, the oldest `step*` directories beyond the
     /// newest `n` are deleted. Default 0: keep all.
     pub fn keep_last_checkpoints(mut self, n: usize) -> Self {
@@ -280,7 +307,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         self
     }
 
-    /// Whether [`Engine::save_checkpoint`] also writes the frozen tensors
+    /// Whether [`Engine::save_checkpoint`](super::Engine::save_checkpoint) also writes the frozen tensors
     /// (`frozen.safetensors` in the parameter dtype, in the checkpoint
     /// directory, recorded in its manifest with its CRC32; every rank
     /// reads it on load, and its values replace the registered ones).
@@ -365,10 +392,10 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         })
     }
 
-    /// Checks that every rank registered the same units with the same
-    /// config (a collective), allocates every buffer of the memory plan and
-    /// initialises this rank's parameters.
-    pub fn build(self) -> Result<Engine<C, B>> {
+    /// [`EngineBuilder::build`]: checks that every rank registered the
+    /// same units with the same config (a collective), allocates every
+    /// buffer of the memory plan and initialises this rank's parameters.
+    pub(super) fn into_parts(self) -> Result<Built<C, B>> {
         let EngineBuilder {
             comm,
             backend,
@@ -682,8 +709,6 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             None
         };
         let scaler = cfg.loss_scale.map(LossScaler::new);
-        let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
-        let lr = cfg.scheduler.lr_at(0);
         // Stage 3: where the frozen segments live, once everything else is
         // allocated (the `auto` policy weighs them against what is left).
         let frozen_policy = choose_frozen_policy(&cfg, &plan, &comm, &tracker, pdt, device_budget)?;
@@ -832,79 +857,48 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             offload_stage,
             param_stage,
         );
-        let mut engine = Engine {
+        let mut warnings: Vec<String> = cfg
+            .warnings
+            .0
+            .iter()
+            .map(|w| format!("config: {w}"))
+            .collect();
+        warnings.extend(opt.offload().map(Offload::warnings).unwrap_or_default());
+        warnings.extend(
+            poff.as_ref()
+                .map(ParamOffload::warnings)
+                .unwrap_or_default(),
+        );
+        warnings.extend(
+            reducer
+                .grad_swap()
+                .map(GradSwap::warnings)
+                .unwrap_or_default(),
+        );
+        Ok(Built {
+            warnings,
             id,
             comm,
+            cfg,
             plan,
             tracker,
-            rank,
-            world,
             stage,
             pdt,
-            units,
+            units: Units::new(units),
             backend,
             gather_after,
             reducer,
-            returns: Returns::default(),
-            releases: Releases::default(),
-            training: true,
-            param_gathers: VecDeque::new(),
-            param_gather_elems: 0,
-            param_gather_queue: VecDeque::new(),
-            micro: 0,
-            steps: 0,
-            global_steps: 0,
-            micro_batches: 0,
             scaler,
-            last: StepOutcome {
-                boundary: false,
-                skipped: false,
-                grad_norm: None,
-                lr,
-                loss_scale,
-                steps: 0,
-            },
             s3,
-            stats: EngineStats::default(),
-            swap_base: Default::default(),
-            warned: Vec::new(),
-            health: Health::Ok,
             opt,
-            rescued_error: None,
-            optimizer: Some(optimizer),
+            optimizer,
             poff,
             tracer,
-            cfg,
             seed,
             keep_last,
             frozen_policy,
             save_frozen,
-        };
-        // The config's own warnings (from its JSON): each once, here.
-        let config_warnings = engine.cfg.warnings.0.clone();
-        for w in config_warnings {
-            engine.warn(format!("config: {w}"));
-        }
-        if let Some(off) = engine.opt.offload() {
-            for w in off.warnings() {
-                engine.warn(w);
-            }
-        }
-        if let Some(po) = &engine.poff {
-            for w in po.warnings() {
-                engine.warn(w);
-            }
-        }
-        if let Some(gs) = engine.reducer.grad_swap() {
-            for w in gs.warnings() {
-                engine.warn(w);
-            }
-        }
-        if engine.stage == 3 {
-            let (s3, io) = engine.s3_parts();
-            s3.gather_persistent(io)?;
-        }
-        Ok(engine)
+        })
     }
 }
 

@@ -5,7 +5,7 @@
 //!
 //! # Save
 //!
-//! [`Engine::save_checkpoint`] writes `root/step{global_steps:08}/`, a
+//! [`Engine::save_checkpoint`](super::Engine::save_checkpoint) writes `root/step{global_steps:08}/`, a
 //! collective in three rounds:
 //!
 //! ```text
@@ -52,410 +52,351 @@
 use std::fs;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
-use serde_json::Value;
 use zero_comm::agree::{exchange_u64, first_failure};
 use zero_core::backend::HostAccess;
 use zero_core::partition::{PartitionPlan, UnitLayout, UnitSpec};
 use zero_core::{bf16, convert, f16, DType, Element};
 
+use super::backend::{EngineBackend, EngineComm};
+use super::builder::EngineBuilder;
 use super::devbuf::DevBuf;
+use super::export::{export_live, write_safetensors};
+use super::init::Init;
 use super::optimizer::{commit_moments, Moments, OptimizerShard};
 use super::param_offload::ParamOffload;
+use super::reducer::GradReducer;
 use super::reducer::GradState;
-use super::{Engine, EngineBackend, EngineBuilder, EngineComm, Init, StepOutcome, Unit};
+use super::state::StateIo;
+use super::unit::Unit;
 use crate::agree::agree_on_setup;
 use crate::format::checkpoint::{
-    check_files, check_units, prepare, publish, rank_file, read_manifest, step_dir_name, tmp_dir,
-    FileEntry, Manifest, ModelFileEntry, RankFileWriter, Reader, SavedRun, StateArray, FROZEN_FILE,
-    MANIFEST_FILE, MODEL_FILE,
+    check_files, check_units, frozen_layouts, prepare, publish, rank_file, read_frozen_file,
+    read_manifest, step_dir_name, tmp_dir, FileEntry, Manifest, ModelFileEntry, RankFileWriter,
+    Reader, SavedRun, StateArray, FROZEN_FILE, MANIFEST_FILE, MODEL_FILE,
 };
-use crate::format::safetensors::{tensor_names, ExportDtype};
+use crate::format::safetensors::ExportDtype;
 use crate::{Error, Result};
 
 /// Elements of the master outside the state range converted at once on
 /// load before the cast to the parameter dtype.
 const CAST_CHUNK: usize = 1 << 16;
 
-impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
-    /// Saves a checkpoint to `root/step{N:08}`, `N` the
-    /// [`Engine::global_steps`], and returns its path; a
-    /// collective, at an optimizer-step boundary only (no micro-batch in
-    /// progress, no gradient buffer out). Each rank writes its part of the
-    /// fp32 master, m and v (read through the offload store piece by piece
-    /// when offloaded); rank 0 writes `manifest.json` (with `client_state`,
-    /// the trainer's own JSON: data position, RNG, …), renames the
-    /// directory into place, points `root/latest` at it and deletes the
-    /// oldest checkpoints beyond [`EngineBuilder::keep_last_checkpoints`].
-    /// Every rank returns `Ok` only if every rank's part succeeded. The
-    /// format and the crash safety are described in
-    /// `src/format/checkpoint/mod.rs`, the rounds of the save in
-    /// `src/engine/checkpoint.rs`. With a tracer, each rank records the
-    /// span `checkpoint write` (its rank file, through the fsync).
-    pub fn save_checkpoint(&mut self, root: &Path, client_state: Value) -> Result<PathBuf> {
-        self.guard(|e| e.save_inner(root, client_state))
-    }
+/// How [`save`] saves, besides the state.
+pub(super) struct SaveHow {
+    /// `stage3_gather_16bit_weights_on_model_save`: the consolidated
+    /// weights too.
+    pub(super) model: bool,
+    /// `EngineBuilder::checkpoint_frozen`: the frozen tensors too.
+    pub(super) frozen: bool,
+    /// Checkpoints kept (0: all).
+    pub(super) keep_last: usize,
+}
 
-    fn save_inner(&mut self, root: &Path, client_state: Value) -> Result<PathBuf> {
-        self.check_swap("save_checkpoint")?;
-        let ga = self.cfg.gradient_accumulation_steps;
-        if self.micro != 0 {
-            return Err(self.usage(format!(
-                "save_checkpoint: in the middle of gradient accumulation ({} of {ga} micro-batches \
-                 done); save after the step() that ends the accumulation window",
-                self.micro
-            )));
-        }
-        if let Some(i) = self.reducer.find(GradState::Lent) {
-            return Err(self.usage(format!(
-                "save_checkpoint: the gradient buffer of unit `{}` is out; hand it back and call \
-                 step() first",
-                self.units[i].layout.name
-            )));
-        }
-        if let Some(i) = self.reducer.find(GradState::Ready) {
-            return Err(self.usage(format!(
-                "save_checkpoint: a micro-batch is in progress (unit `{}` is grad_ready); call \
-                 step() first",
-                self.units[i].layout.name
-            )));
-        }
-        if !self.reducer.is_idle() {
-            return Err(self.usage(
-                "save_checkpoint: gradient reductions are in flight; call step() first".into(),
-            ));
-        }
-        let rank = self.rank;
-        let name = step_dir_name(self.global_steps);
-        let dest = root.join(&name);
-        // Round 1: rank 0 makes the temporary directory.
-        let prep = if rank == 0 {
-            prepare(root, &dest, &name)
-        } else {
-            Ok(0)
-        };
-        let id = *prep.as_ref().unwrap_or(&0);
-        let words = exchange_u64(&self.comm, &[u64::from(prep.is_err()), id])?;
-        if words[0][0] != 0 {
-            let why = first_failure(&self.comm, prep.as_ref().err())?;
-            prep?;
-            return Err(self.usage(format!(
-                "save_checkpoint: rank 0 could not create the checkpoint directory under {}: {}",
-                root.display(),
-                why.map_or_else(String::new, |(_, w)| w)
-            )));
-        }
-        let tmp = tmp_dir(root, &name, words[0][1]);
-        // Round 2: every rank writes its file; rank 0 learns the CRCs.
-        let written = {
-            let _span = self.tracer.span(rank, "checkpoint write", "checkpoint");
-            let path = tmp.join(rank_file(rank));
-            let bases = self.state_bases();
-            write_rank_file(
-                &path,
-                self.plan.units(),
-                rank,
-                &bases,
-                &self.opt,
-                &self.backend,
-            )
-        };
-        let (bytes, crcs) = match &written {
-            Ok((b, c)) => (*b, c.clone()),
-            Err(_) => (0, Vec::new()),
-        };
-        let head = exchange_u64(
-            &self.comm,
-            &[u64::from(written.is_err()), bytes, crcs.len() as u64],
-        )?;
-        let max = head.iter().map(|w| w[2] as usize).max().unwrap_or(0).max(1);
-        let mut mine: Vec<u64> = crcs.iter().map(|&c| u64::from(c)).collect();
-        mine.resize(max, 0);
-        let all = exchange_u64(&self.comm, &mine)?;
-        if head.iter().any(|w| w[0] != 0) {
-            // Every rank knows: share the first failure's text.
-            let failed = first_failure(&self.comm, written.as_ref().err())?;
-            if rank == 0 {
-                let _ = fs::remove_dir_all(&tmp);
-            }
-            written?;
-            let (bad, why) = failed.expect("a rank failed");
-            return Err(self.usage(format!(
-                "save_checkpoint: rank {bad} could not write its rank file: {why}; no checkpoint \
-                 was written"
-            )));
-        }
-        // `stage3_gather_16bit_weights_on_model_save`: the consolidated
-        // weights in the parameter dtype, inside the temporary directory so
-        // that the rename publishes them with the rest (a collective).
-        let model = if self.cfg.zero.gather_16bit_weights_on_model_save {
-            let dtype = ExportDtype::of(self.pdt);
-            match self.export_inner(&tmp.join(MODEL_FILE), dtype) {
-                Ok(written) => {
-                    written.map(|(bytes, crc32)| ModelFileEntry::new(dtype, bytes, crc32))
-                }
-                Err(e) => {
-                    if rank == 0 {
-                        let _ = fs::remove_dir_all(&tmp);
-                    }
-                    return Err(e);
-                }
-            }
-        } else {
-            None
-        };
-        // `EngineBuilder::checkpoint_frozen`: the frozen tensors too (a
-        // collective: sharded frozen segments are gathered unit by unit).
-        let frozen = if self.save_frozen && self.plan.frozen_numel() > 0 {
-            match self.write_frozen(&tmp.join(FROZEN_FILE)) {
-                Ok(written) => written,
-                Err(e) => {
-                    if rank == 0 {
-                        let _ = fs::remove_dir_all(&tmp);
-                    }
-                    return Err(e);
-                }
-            }
-        } else {
-            None
-        };
-        // Round 3: rank 0 writes the manifest and publishes the checkpoint.
-        let done = if rank == 0 {
-            let files = (0..self.world)
-                .map(|r| {
-                    let crcs = all[r][..head[r][2] as usize].iter().map(|&c| c as u32);
-                    FileEntry::rank(r, head[r][1], crcs.collect())
-                })
-                .collect();
-            let mut manifest = self.manifest(files, client_state, model);
-            manifest.frozen = frozen;
-            let r = publish(root, &tmp, &dest, &name, &manifest, self.keep_last);
-            if r.is_err() {
-                let _ = fs::remove_dir_all(&tmp);
-            }
-            r
-        } else {
-            Ok(Vec::new())
-        };
-        let failed = first_failure(&self.comm, done.as_ref().err())?;
-        for w in done? {
-            self.warn(w);
-        }
-        if let Some((_, why)) = failed {
-            return Err(self.usage(format!(
-                "save_checkpoint: rank 0 could not publish {}: {why}",
-                dest.display()
-            )));
-        }
-        Ok(dest)
+/// Whether a checkpoint may be saved now: at an optimizer-step boundary
+/// (`micro` micro-batches of `ga` done), no gradient buffer out, no
+/// reduction in flight (`Err`: why not).
+pub(super) fn at_boundary<B: HostAccess>(
+    micro: usize,
+    ga: usize,
+    reducer: &GradReducer<B>,
+    units: &[Unit<B>],
+) -> std::result::Result<(), String> {
+    if micro != 0 {
+        return Err(format!(
+            "save_checkpoint: in the middle of gradient accumulation ({micro} of {ga} \
+             micro-batches done); save after the step() that ends the accumulation window"
+        ));
     }
-
-    /// The manifest of this engine's checkpoint with the rank files
-    /// `files` and the consolidated weights `model`.
-    fn manifest(
-        &self,
-        files: Vec<FileEntry>,
-        client_state: Value,
-        model: Option<ModelFileEntry>,
-    ) -> Manifest {
-        let run = SavedRun {
-            world_size: self.world,
-            stage: self.stage,
-            param_dtype: self.pdt,
-            steps: self.steps,
-            global_steps: self.global_steps,
-            loss_scaler: self.scaler.clone(),
-            seed: self.seed,
-            config: serde_json::to_value(&self.cfg).unwrap_or(Value::Null),
-            client_state,
-        };
-        Manifest::new(run, self.plan.units(), files, model)
+    if let Some(i) = reducer.find(GradState::Lent) {
+        return Err(format!(
+            "save_checkpoint: the gradient buffer of unit `{}` is out; hand it back and call \
+             step() first",
+            units[i].layout.name
+        ));
     }
-
-    /// Writes every frozen tensor to `path` (rank 0) in the parameter
-    /// dtype, unit by unit: a collective. Rank 0 gets the file's entry.
-    fn write_frozen(&mut self, path: &Path) -> Result<Option<ModelFileEntry>> {
-        let layouts = frozen_layouts(&self.plan)?;
-        let dtype = ExportDtype::of(self.pdt);
-        let done =
-            self.write_safetensors(path, &layouts, dtype, "save_checkpoint", |e, i, out| {
-                e.extend_frozen(i, out)
-            })?;
-        Ok(done.map(|(bytes, crc)| ModelFileEntry::frozen(dtype, bytes, crc)))
+    if let Some(i) = reducer.find(GradState::Ready) {
+        return Err(format!(
+            "save_checkpoint: a micro-batch is in progress (unit `{}` is grad_ready); call \
+             step() first",
+            units[i].layout.name
+        ));
     }
+    if !reducer.is_idle() {
+        return Err("save_checkpoint: gradient reductions are in flight; call step() first".into());
+    }
+    Ok(())
+}
 
-    /// Reads the frozen tensors of a checkpoint (`entry`, in `dir`) into
-    /// this engine's frozen segments (this rank's part of each).
-    fn read_frozen(&mut self, dir: &Path, entry: &ModelFileEntry) -> Result<()> {
-        let plan = self.plan.clone();
-        // An engine error inside the walk, kept as it is.
-        let mut failed = None;
-        let read = read_frozen_file(dir, entry, &plan, |i, v| {
-            self.set_frozen(i, v).map_err(|e| {
-                let what = e.to_string();
-                failed = Some(e);
-                what
+/// Saves the checkpoint of the run `run` (its counters, config and the
+/// trainer's `client_state`) to `root/step{N:08}`, `N` its global steps,
+/// in the three rounds drawn in the module doc (a collective); returns
+/// the path and rank 0's warnings (old checkpoints it could not prune).
+pub(super) fn save<C: EngineComm<B>, B: EngineBackend>(
+    io: &mut StateIo<'_, C, B>,
+    root: &Path,
+    run: SavedRun,
+    how: SaveHow,
+) -> Result<(PathBuf, Vec<String>)> {
+    let (rank, world) = (io.comm.rank(), io.comm.world_size());
+    let usage = |what: String| Error::Usage { rank, what };
+    let name = step_dir_name(run.global_steps);
+    let dest = root.join(&name);
+    // Round 1: rank 0 makes the temporary directory.
+    let prep = if rank == 0 {
+        prepare(root, &dest, &name)
+    } else {
+        Ok(0)
+    };
+    let id = *prep.as_ref().unwrap_or(&0);
+    let words = exchange_u64(io.comm, &[u64::from(prep.is_err()), id])?;
+    if words[0][0] != 0 {
+        let why = first_failure(io.comm, prep.as_ref().err())?;
+        prep?;
+        return Err(usage(format!(
+            "save_checkpoint: rank 0 could not create the checkpoint directory under {}: {}",
+            root.display(),
+            why.map_or_else(String::new, |(_, w)| w)
+        )));
+    }
+    let tmp = tmp_dir(root, &name, words[0][1]);
+    // Round 2: every rank writes its file; rank 0 learns the CRCs.
+    let written = {
+        let _span = io.tracer.span(rank, "checkpoint write", "checkpoint");
+        let path = tmp.join(rank_file(rank));
+        let bases = state_bases(io.units, io.stage, rank);
+        write_rank_file(&path, io.plan.units(), rank, &bases, io.opt, io.backend)
+    };
+    let (bytes, crcs) = match &written {
+        Ok((b, c)) => (*b, c.clone()),
+        Err(_) => (0, Vec::new()),
+    };
+    let head = exchange_u64(
+        io.comm,
+        &[u64::from(written.is_err()), bytes, crcs.len() as u64],
+    )?;
+    let max = head.iter().map(|w| w[2] as usize).max().unwrap_or(0).max(1);
+    let mut mine: Vec<u64> = crcs.iter().map(|&c| u64::from(c)).collect();
+    mine.resize(max, 0);
+    let all = exchange_u64(io.comm, &mine)?;
+    if head.iter().any(|w| w[0] != 0) {
+        // Every rank knows: share the first failure's text.
+        let failed = first_failure(io.comm, written.as_ref().err())?;
+        if rank == 0 {
+            let _ = fs::remove_dir_all(&tmp);
+        }
+        written?;
+        let (bad, why) = failed.expect("a rank failed");
+        return Err(usage(format!(
+            "save_checkpoint: rank {bad} could not write its rank file: {why}; no checkpoint \
+             was written"
+        )));
+    }
+    // On an error of a collective below, rank 0 removes the temporary
+    // directory.
+    let or_clean = |r: Result<Option<ModelFileEntry>>| {
+        if r.is_err() && rank == 0 {
+            let _ = fs::remove_dir_all(&tmp);
+        }
+        r
+    };
+    // `stage3_gather_16bit_weights_on_model_save`: the consolidated
+    // weights in the parameter dtype, inside the temporary directory so
+    // that the rename publishes them with the rest (a collective).
+    let model = if how.model {
+        let dtype = ExportDtype::of(io.pdt);
+        let written = export_live(io, &tmp.join(MODEL_FILE), dtype);
+        or_clean(written.map(|w| w.map(|(bytes, crc32)| ModelFileEntry::new(dtype, bytes, crc32))))?
+    } else {
+        None
+    };
+    // `EngineBuilder::checkpoint_frozen`: the frozen tensors too (a
+    // collective: sharded frozen segments are gathered unit by unit).
+    let frozen = if how.frozen && io.plan.frozen_numel() > 0 {
+        or_clean(write_frozen(io, &tmp.join(FROZEN_FILE)))?
+    } else {
+        None
+    };
+    // Round 3: rank 0 writes the manifest and publishes the checkpoint.
+    let done = if rank == 0 {
+        let files = (0..world)
+            .map(|r| {
+                let crcs = all[r][..head[r][2] as usize].iter().map(|&c| c as u32);
+                FileEntry::rank(r, head[r][1], crcs.collect())
             })
-        });
-        if let Some(e) = failed {
-            return Err(e);
+            .collect();
+        let mut manifest = Manifest::new(run, io.plan.units(), files, model);
+        manifest.frozen = frozen;
+        let r = publish(root, &tmp, &dest, &name, &manifest, how.keep_last);
+        if r.is_err() {
+            let _ = fs::remove_dir_all(&tmp);
         }
-        read.map_err(|what| Error::Usage {
-            rank: self.rank,
-            what: format!("load_checkpoint: {what}"),
-        })
+        r
+    } else {
+        Ok(Vec::new())
+    };
+    let failed = first_failure(io.comm, done.as_ref().err())?;
+    let warnings = done?;
+    if let Some((_, why)) = failed {
+        return Err(usage(format!(
+            "save_checkpoint: rank 0 could not publish {}: {why}",
+            dest.display()
+        )));
     }
+    Ok((dest, warnings))
+}
 
-    /// Start of each unit's state range, in unit coordinates: 0 in stage
-    /// 0 (the whole unit), the rank's shard from stage 1 on.
-    fn state_bases(&self) -> Vec<usize> {
-        let rank = if self.stage == 0 { 0 } else { self.rank };
-        self.units
-            .iter()
-            .map(|u| rank * u.layout.shard_len)
-            .collect()
-    }
+/// Writes every frozen tensor to `path` (rank 0) in the parameter
+/// dtype, unit by unit: a collective. Rank 0 gets the file's entry.
+fn write_frozen<C: EngineComm<B>, B: EngineBackend>(
+    io: &mut StateIo<'_, C, B>,
+    path: &Path,
+) -> Result<Option<ModelFileEntry>> {
+    let layouts = frozen_layouts(io.plan)?;
+    let dtype = ExportDtype::of(io.pdt);
+    let done = write_safetensors(
+        io,
+        path,
+        &layouts,
+        dtype,
+        "save_checkpoint",
+        |io, i, out| io.extend_frozen(i, out),
+    )?;
+    Ok(done.map(|(bytes, crc)| ModelFileEntry::frozen(dtype, bytes, crc)))
+}
 
-    /// Builds the engine from `builder` (the trainer registered the same
-    /// units as when saving) and loads the checkpoint at `path` into it: a
-    /// collective. `path` is a checkpoint directory (with `manifest.json`)
-    /// or a root whose `latest` file names one. The checkpoint may come
-    /// from any world size, stage and offload mode: each rank reads only
-    /// the byte ranges it needs, verifying their blocks' CRCs. Restores the
-    /// parameters (cast from the fp32 master), master, m, v, the step count
-    /// (and with it the learning-rate schedule) and the loss scaler, and
-    /// returns the trainer's `client_state`. On any error (a missing,
-    /// truncated, corrupted or foreign file, an unknown manifest version,
-    /// units that differ from the registered ones) no engine is returned;
-    /// the error names the file and what is wrong. The registered initial
-    /// values are not computed (the load overwrites them). With a tracer
-    /// ([`EngineBuilder::tracer`]) each rank records the spans
-    /// `checkpoint build` (building the engine) and `checkpoint load`
-    /// (reading the state into it).
-    pub fn load_checkpoint(
-        builder: EngineBuilder<C, B>,
-        path: &Path,
-    ) -> Result<(Engine<C, B>, Value)> {
-        let read = read_manifest(path).and_then(|(dir, m)| {
-            let registered: Vec<&UnitSpec> = builder.s.specs.iter().map(|(s, _)| s).collect();
-            let plan = check_units(&dir.join(MANIFEST_FILE), &m, &registered)?;
-            check_files(&dir, &m, &plan)?;
-            Ok((dir, m, plan))
-        });
-        let (dir, manifest, saved) = agree_on_setup(
-            &builder.comm,
-            read,
-            "checkpoint (its manifest.json and rank files",
-        )?;
-        // The load overwrites every real element of the master and the
-        // trainable parameters (padding is zero either way) and m, v start
-        // at zero: the build need not compute their registered initial
-        // values. Frozen tensors are not in the checkpoint: they keep the
-        // values the trainer registered.
-        let mut builder = builder;
-        for (spec, inits) in &mut builder.s.specs {
-            for (t, init) in spec.tensors.iter().zip(inits.iter_mut()) {
-                if t.trainable {
-                    *init = Init::Zeros;
-                }
+/// Start of each unit's state range, in unit coordinates: 0 in stage
+/// 0 (the whole unit), the rank's shard from stage 1 on.
+fn state_bases<B: HostAccess>(units: &[Unit<B>], stage: u8, rank: usize) -> Vec<usize> {
+    let rank = if stage == 0 { 0 } else { rank };
+    units.iter().map(|u| rank * u.layout.shard_len).collect()
+}
+
+/// A checkpoint found and checked against the registered units, that
+/// every rank agreed on.
+pub(super) struct Opened {
+    pub(super) dir: PathBuf,
+    pub(super) manifest: Manifest,
+    /// The saving plan.
+    pub(super) saved: PartitionPlan,
+}
+
+/// Finds the checkpoint at `path` (a checkpoint directory or a root whose
+/// `latest` names one) and checks it against the units registered with
+/// `builder` (a collective: every rank learns every rank's verdict), and
+/// sets the builder up for a load: the trainable tensors' registered
+/// initial values are not computed (the load overwrites them).
+pub(super) fn open<C: EngineComm<B>, B: EngineBackend>(
+    builder: &mut EngineBuilder<C, B>,
+    path: &Path,
+) -> Result<Opened> {
+    let read = read_manifest(path).and_then(|(dir, m)| {
+        let registered: Vec<&UnitSpec> = builder.s.specs.iter().map(|(s, _)| s).collect();
+        let plan = check_units(&dir.join(MANIFEST_FILE), &m, &registered)?;
+        check_files(&dir, &m, &plan)?;
+        Ok((dir, m, plan))
+    });
+    let (dir, manifest, saved) = agree_on_setup(
+        builder.comm(),
+        read,
+        "checkpoint (its manifest.json and rank files",
+    )?;
+    // The load overwrites every real element of the master and the
+    // trainable parameters (padding is zero either way) and m, v start
+    // at zero: the build need not compute their registered initial
+    // values. Frozen tensors are not in the checkpoint: they keep the
+    // values the trainer registered.
+    for (spec, inits) in &mut builder.s.specs {
+        for (t, init) in spec.tensors.iter().zip(inits.iter_mut()) {
+            if t.trainable {
+                *init = Init::Zeros;
             }
         }
-        builder.s.for_load = true;
-        let (tracer, rank) = (builder.s.tracer.clone(), builder.comm.rank());
-        let t0 = Instant::now();
-        let built = builder.build();
-        tracer.record(rank, "checkpoint build", "checkpoint", t0, Instant::now());
-        let mut engine = built?;
-        let loaded = {
-            let _span = tracer.span(rank, "checkpoint load", "checkpoint");
-            engine.load_state(&dir, &manifest, &saved)
-        };
-        let failed = first_failure(&engine.comm, loaded.as_ref().err())?;
-        loaded?;
+    }
+    builder.s.for_load = true;
+    Ok(Opened {
+        dir,
+        manifest,
+        saved,
+    })
+}
+
+/// Reads this rank's part of the checkpoint `o` into its state and
+/// parameters, then the frozen tensors if the checkpoint holds them
+/// (else the registration's stay): a collective, every rank learns
+/// whether every rank loaded its part. Returns the bytes read from the
+/// rank files.
+pub(super) fn load<C: EngineComm<B>, B: EngineBackend>(
+    io: &mut StateIo<'_, C, B>,
+    o: &Opened,
+) -> Result<u64> {
+    let rank = io.comm.rank();
+    let loaded = {
+        let _span = io.tracer.span(rank, "checkpoint load", "checkpoint");
+        let mut reader = Reader::new(&o.dir, &o.manifest, &o.saved);
+        let bases = state_bases(io.units, io.stage, rank);
+        read_state(
+            &mut reader,
+            &o.saved,
+            (&mut io.units[..], &mut *io.opt, io.poff.as_deref_mut()),
+            io.backend,
+            (io.stage, rank, io.pdt),
+            &bases,
+        )
+        .map(|()| reader.bytes_read())
+    };
+    let failed = first_failure(io.comm, loaded.as_ref().err())?;
+    let bytes = loaded?;
+    if let Some((bad, why)) = failed {
+        return Err(Error::Usage {
+            rank,
+            what: format!(
+                "load_checkpoint({}): rank {bad} could not load its part: {why}",
+                o.dir.display()
+            ),
+        });
+    }
+    if let Some(entry) = &o.manifest.frozen {
+        let read = read_frozen(io, &o.dir, entry);
+        let failed = first_failure(io.comm, read.as_ref().err())?;
+        read?;
         if let Some((bad, why)) = failed {
             return Err(Error::Usage {
-                rank: engine.rank,
+                rank,
                 what: format!(
-                    "load_checkpoint({}): rank {bad} could not load its part: {why}",
-                    dir.display()
+                    "load_checkpoint({}): rank {bad} could not read the frozen tensors: {why}",
+                    o.dir.display()
                 ),
             });
         }
-        // The frozen tensors, if the checkpoint holds them (else the
-        // registration's stay).
-        if let Some(entry) = &manifest.frozen {
-            let read = engine.read_frozen(&dir, entry);
-            let failed = first_failure(&engine.comm, read.as_ref().err())?;
-            read?;
-            if let Some((bad, why)) = failed {
-                return Err(Error::Usage {
-                    rank: engine.rank,
-                    what: format!(
-                        "load_checkpoint({}): rank {bad} could not read the frozen tensors: {why}",
-                        dir.display()
-                    ),
-                });
-            }
-        }
-        // Collectives only once every rank has its part: stages 1–2
-        // all-gather the parameters each rank cast from its master range,
-        // stage 3 gathers its persistent units.
-        {
-            let _span = tracer.span(rank, "checkpoint gather", "checkpoint");
-            engine.gather_updated_params()?;
-            engine.finish_param_gathers()?;
-        }
-        Ok((engine, manifest.client_state))
     }
+    Ok(bytes)
+}
 
-    /// Reads this rank's part of the checkpoint in `dir` (manifest `m`,
-    /// saved with the plan `saved`) into its state and parameters, and
-    /// resumes its step count and loss scaler.
-    fn load_state(&mut self, dir: &Path, m: &Manifest, saved: &PartitionPlan) -> Result<()> {
-        let mut reader = Reader::new(dir, m, saved);
-        let bases = self.state_bases();
-        let how = (self.stage, self.rank, self.pdt);
-        let Engine {
-            units,
-            opt,
-            poff,
-            backend,
-            ..
-        } = self;
-        read_state(
-            &mut reader,
-            saved,
-            (units, opt, poff.as_mut()),
-            backend,
-            how,
-            &bases,
-        )?;
-        self.resume_counters(m);
-        self.stats.checkpoint_read_bytes = reader.bytes_read();
-        Ok(())
+/// Reads the frozen tensors of a checkpoint (`entry`, in `dir`) into
+/// this engine's frozen segments (this rank's part of each).
+fn read_frozen<C: EngineComm<B>, B: EngineBackend>(
+    io: &mut StateIo<'_, C, B>,
+    dir: &Path,
+    entry: &ModelFileEntry,
+) -> Result<()> {
+    let plan = io.plan.clone();
+    // An engine error inside the walk, kept as it is.
+    let mut failed = None;
+    let read = read_frozen_file(dir, entry, &plan, |i, v| {
+        io.set_frozen(i, v).map_err(|e| {
+            let what = e.to_string();
+            failed = Some(e);
+            what
+        })
+    });
+    if let Some(e) = failed {
+        return Err(e);
     }
-
-    /// The step counts and the loss scaler of the checkpoint `m`.
-    fn resume_counters(&mut self, m: &Manifest) {
-        self.steps = m.steps;
-        self.global_steps = m.global_steps;
-        // Every rank resumes at the same point.
-        self.micro_batches = 0;
-        if self.scaler.is_some() {
-            if let Some(s) = &m.loss_scaler {
-                self.scaler = Some(s.clone());
-            }
-        }
-        self.last = StepOutcome {
-            boundary: false,
-            skipped: false,
-            grad_norm: None,
-            lr: self.lr(),
-            loss_scale: self.loss_scale(),
-            steps: self.steps,
-        };
-    }
+    read.map_err(|what| Error::Usage {
+        rank: io.comm.rank(),
+        what: format!("load_checkpoint: {what}"),
+    })
 }
 
 /// Writes and fsyncs rank `rank`'s file at `path` (the plan's units
@@ -709,132 +650,4 @@ impl MasterLoad<'_, '_, '_> {
         backend.commit(view)?;
         Ok(())
     }
-}
-
-/// The layouts of every unit's frozen tensors alone (units without any
-/// left out), in order: the contents of [`FROZEN_FILE`].
-fn frozen_layouts(plan: &PartitionPlan) -> Result<Vec<UnitLayout>> {
-    let specs: Vec<UnitSpec> = plan
-        .units()
-        .iter()
-        .filter(|l| l.frozen_numel > 0)
-        .map(|l| {
-            let mut spec = l.spec();
-            spec.tensors.retain(|t| !t.trainable);
-            spec
-        })
-        .collect();
-    Ok(PartitionPlan::new(&specs, 1)?.units().to_vec())
-}
-
-/// The frozen tensors of a checkpoint (`entry` in `dir`, saved with
-/// `plan`), unit by unit: `each(unit, values)` gets each unit's frozen
-/// real elements in layout order, for the units that have frozen tensors.
-/// The file is never in memory as a whole: its length and CRC32 are
-/// checked reading it in chunks, then each tensor's bytes are read on
-/// their own (host memory: the largest unit's frozen values). The error
-/// names the file and the tensor.
-pub(crate) fn read_frozen_file(
-    dir: &Path,
-    entry: &ModelFileEntry,
-    plan: &PartitionPlan,
-    mut each: impl FnMut(usize, &[f32]) -> std::result::Result<(), String>,
-) -> std::result::Result<(), String> {
-    use std::os::unix::fs::FileExt;
-    let path = dir.join(&entry.name);
-    let bad = |what: String| format!("{}: {what}", path.display());
-    let file = fs::File::open(&path).map_err(|e| bad(format!("cannot read: {e}")))?;
-    let len = file
-        .metadata()
-        .map_err(|e| bad(format!("cannot read: {e}")))?
-        .len();
-    // The whole file's CRC32, a chunk at a time.
-    let mut crc = crc32fast::Hasher::new();
-    let mut chunk = vec![0u8; (len.min(4 << 20)) as usize];
-    let mut at = 0u64;
-    while at < len {
-        let k = (len - at).min(chunk.len() as u64) as usize;
-        file.read_exact_at(&mut chunk[..k], at)
-            .map_err(|e| bad(format!("cannot read at byte {at}: {e}")))?;
-        crc.update(&chunk[..k]);
-        at += k as u64;
-    }
-    drop(chunk);
-    let crc = crc.finalize();
-    if len != entry.bytes || crc != entry.crc32 {
-        return Err(bad(format!(
-            "{len} bytes with CRC32 {crc:08x}, but the manifest says {} bytes with CRC32 {:08x} \
-             (a truncated or damaged file)",
-            entry.bytes, entry.crc32
-        )));
-    }
-    let not_st = |what: String| bad(format!("not a safetensors file: {what}"));
-    let mut n = [0u8; 8];
-    file.read_exact_at(&mut n, 0)
-        .map_err(|e| not_st(format!("no header length ({e})")))?;
-    let n = u64::from_le_bytes(n);
-    if n > len.saturating_sub(8) {
-        return Err(not_st(format!(
-            "a header of {n} bytes in a file of {len} bytes"
-        )));
-    }
-    let mut header = vec![0u8; n as usize];
-    file.read_exact_at(&mut header, 8)
-        .map_err(|e| not_st(format!("the header: {e}")))?;
-    let meta: safetensors::tensor::Metadata =
-        serde_json::from_slice(&header).map_err(|e| not_st(format!("the header: {e}")))?;
-    drop(header);
-    let data_start = 8 + n;
-    let layouts = frozen_layouts(plan).map_err(|e| bad(e.to_string()))?;
-    let mut names = tensor_names(&layouts).map_err(bad)?.into_iter();
-    let mut values = Vec::new();
-    let mut bytes = Vec::new();
-    for (u, l) in plan.units().iter().enumerate() {
-        if l.frozen_numel == 0 {
-            continue;
-        }
-        values.clear();
-        for t in l.tensors.iter().filter(|t| !t.trainable) {
-            let name = names.next().unwrap_or_default();
-            let info = meta.info(&name).ok_or_else(|| {
-                bad(format!(
-                    "no tensor `{name}` (unit `{}`, tensor `{}`)",
-                    l.name, t.name
-                ))
-            })?;
-            if info.shape != t.shape {
-                return Err(bad(format!(
-                    "tensor `{name}` has shape {:?}, the model's `{}` of unit `{}` {:?}",
-                    info.shape, t.name, l.name, t.shape
-                )));
-            }
-            let size = match info.dtype {
-                safetensors::Dtype::F32 => 4,
-                safetensors::Dtype::BF16 | safetensors::Dtype::F16 => 2,
-                other => {
-                    return Err(bad(format!(
-                        "tensor `{name}` is {other:?}; F32, BF16 or F16 expected"
-                    )))
-                }
-            };
-            let (b, e) = info.data_offsets;
-            if e.checked_sub(b) != Some(t.numel * size) || data_start + e as u64 > len {
-                return Err(bad(format!(
-                    "tensor `{name}` has data offsets {b}..{e}: {} elements of {size} bytes \
-                     in a file of {len} bytes expected",
-                    t.numel
-                )));
-            }
-            bytes.resize(e - b, 0);
-            file.read_exact_at(&mut bytes, data_start + b as u64)
-                .map_err(|err| bad(format!("tensor `{name}`: cannot read: {err}")))?;
-            match info.dtype {
-                safetensors::Dtype::F32 => values.extend(super::bytes_to_f32::<f32>(&bytes)),
-                safetensors::Dtype::BF16 => values.extend(super::bytes_to_f32::<bf16>(&bytes)),
-                _ => values.extend(super::bytes_to_f32::<f16>(&bytes)),
-            }
-        }
-        each(u, &values)?;
-    }
-    Ok(())
 }

@@ -1,4 +1,4 @@
-//! Consolidated safetensors export: live ([`Engine::export_safetensors`]),
+//! Consolidated safetensors export: live ([`Engine::export_safetensors`](super::Engine::export_safetensors)),
 //! at save time (`stage3_gather_16bit_weights_on_model_save`) and offline
 //! from a checkpoint ([`export_checkpoint`], the `zero_to_safetensors`
 //! tool, like DeepSpeed's `zero_to_fp32.py`). The file, its tensor names
@@ -14,9 +14,9 @@ use std::path::{Path, PathBuf};
 
 use zero_comm::agree::first_failure;
 use zero_core::partition::{PartitionPlan, UnitLayout};
-use zero_core::HostBuffer;
 
-use super::{Engine, EngineBackend, EngineComm};
+use super::backend::{EngineBackend, EngineComm};
+use super::state::StateIo;
 use crate::format::checkpoint::{open_saved, Reader, StateArray};
 use crate::format::safetensors::{ExportDtype, SafetensorsWriter};
 use crate::{Error, Result};
@@ -41,7 +41,7 @@ fn err(path: &Path, what: impl Into<String>) -> Error {
 /// chunk of 2²⁰ elements at a time, byte ranges only, verifying the CRC32
 /// of every block read, and streamed to `out` (written to `out.tmp`,
 /// fsynced, renamed). The file equals, byte for byte, what
-/// [`Engine::export_safetensors`] writes for the saved state. Errors name
+/// [`Engine::export_safetensors`](super::Engine::export_safetensors) writes for the saved state. Errors name
 /// the file: a missing directory or manifest, a malformed or foreign
 /// manifest, a missing, truncated or corrupted rank file, an output that
 /// cannot be written. Frozen tensors come from the checkpoint's
@@ -87,7 +87,7 @@ pub fn export_checkpoint(checkpoint: &Path, out: &Path, dtype: ExportDtype) -> R
     let mut next = 0;
     if let Some(entry) = frozen {
         let mut failed = None;
-        let walk = super::checkpoint::read_frozen_file(&dir, entry, &plan, |u, values| {
+        let walk = crate::format::checkpoint::read_frozen_file(&dir, entry, &plan, |u, values| {
             let r = write_masters(&mut reader, &mut writer, &plan, next..u + 1, &mut chunk)
                 .and_then(|()| writer.write(values));
             next = u + 1;
@@ -135,124 +135,82 @@ fn write_masters(
     Ok(())
 }
 
-impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
-    /// Writes the current weights of every unit to the safetensors file
-    /// `path` as `dtype`: a collective (every rank calls it; rank 0
-    /// writes). The values are the fp32 master (`F32` exactly; `Bf16` and
-    /// `F16` rounded to nearest even, i.e. the parameters of a run in that
-    /// dtype), named as described in `src/format/safetensors.rs`: the
-    /// registered tensor names when they are unique across units (the
-    /// Llama example's HF names), `<unit>.<tensor>` otherwise.
-    ///
-    /// One unit is gathered at a time (host memory: the largest unit), and
-    /// the file is written to `path.tmp`, fsynced and renamed, so a failed
-    /// export leaves nothing behind. Every rank returns `Ok` only if rank 0
-    /// wrote the file. [`export_checkpoint`] writes the same bytes offline
-    /// from a saved checkpoint.
-    pub fn export_safetensors(&mut self, path: &Path, dtype: ExportDtype) -> Result<()> {
-        self.guard(|e| e.export_inner(path, dtype).map(|_| ()))
-    }
-
-    /// [`Engine::export_safetensors`]; rank 0 gets the file's length and
-    /// CRC32.
-    pub(super) fn export_inner(
-        &mut self,
-        path: &Path,
-        dtype: ExportDtype,
-    ) -> Result<Option<(u64, u32)>> {
-        self.check_swap("export_safetensors")?;
-        let layouts = self.plan.units().to_vec();
-        self.write_safetensors(path, &layouts, dtype, "export_safetensors", |e, i, out| {
-            let master = e.master_of(i)?;
-            out.extend_from_slice(&master[..e.units[i].layout.numel]);
+/// The live export ([`Engine::export_safetensors`](super::Engine::export_safetensors)):
+/// rank 0 writes every unit's fp32 master (and frozen tensors'
+/// parameters) to `path` as `dtype`, a collective; rank 0 gets the file's
+/// length and CRC32.
+pub(super) fn export_live<C: EngineComm<B>, B: EngineBackend>(
+    io: &mut StateIo<'_, C, B>,
+    path: &Path,
+    dtype: ExportDtype,
+) -> Result<Option<(u64, u32)>> {
+    let layouts = io.plan.units().to_vec();
+    write_safetensors(
+        io,
+        path,
+        &layouts,
+        dtype,
+        "export_safetensors",
+        |io, i, out| {
+            let master = io.master(i)?;
+            out.extend_from_slice(&master[..io.units[i].layout.numel]);
             // Frozen tensors have no master: their parameters.
-            e.extend_frozen(i, out)
-        })
-    }
+            io.extend_frozen(i, out)
+        },
+    )
+}
 
-    /// Rank 0 writes the safetensors file `path` of `layouts` (in `dtype`)
-    /// with the values `values(engine, unit, out)` appends for each of the
-    /// engine's units in turn (a collective: every rank computes every
-    /// unit's values, so that the collectives in them stay matched, even
-    /// after a failed write on rank 0). Rank 0 gets the file's length and
-    /// CRC32; `call` names the caller in errors.
-    pub(super) fn write_safetensors(
-        &mut self,
-        path: &Path,
-        layouts: &[UnitLayout],
-        dtype: ExportDtype,
-        call: &str,
-        mut values: impl FnMut(&mut Self, usize, &mut Vec<f32>) -> Result<()>,
-    ) -> Result<Option<(u64, u32)>> {
-        // Round 1: rank 0 creates the file.
-        let created = if self.rank == 0 {
-            SafetensorsWriter::create(path, layouts, dtype).map(Some)
-        } else {
-            Ok(None)
-        };
-        let failed = first_failure(&self.comm, created.as_ref().err())?;
-        let mut writer = created?;
-        if let Some((_, why)) = failed {
-            return Err(self.usage(format!(
-                "{call}: rank 0 could not create {}: {why}",
-                path.display()
-            )));
-        }
-        let mut failed = None;
-        let mut unit = Vec::new();
-        for i in 0..self.units.len() {
-            unit.clear();
-            values(self, i, &mut unit)?;
-            if let (Some(w), None, false) = (writer.as_mut(), &failed, unit.is_empty()) {
-                failed = w.write(&unit).err();
-            }
-        }
-        let done = match (writer, failed) {
-            (Some(_), Some(e)) => Err(e),
-            (Some(w), None) => w.finish().map(Some),
-            (None, _) => Ok(None),
-        };
-        let failed = first_failure(&self.comm, done.as_ref().err())?;
-        let done = done?;
-        if let Some((_, why)) = failed {
-            return Err(self.usage(format!(
-                "{call}: rank 0 could not write {}: {why}",
-                path.display()
-            )));
-        }
-        Ok(done)
+/// Rank 0 writes the safetensors file `path` of `layouts` (in `dtype`)
+/// with the values `values(io, unit, out)` appends for each of the
+/// engine's units in turn (a collective: every rank computes every
+/// unit's values, so that the collectives in them stay matched, even
+/// after a failed write on rank 0). Rank 0 gets the file's length and
+/// CRC32; `call` names the caller in errors.
+pub(super) fn write_safetensors<C: EngineComm<B>, B: EngineBackend>(
+    io: &mut StateIo<'_, C, B>,
+    path: &Path,
+    layouts: &[UnitLayout],
+    dtype: ExportDtype,
+    call: &str,
+    mut values: impl FnMut(&mut StateIo<'_, C, B>, usize, &mut Vec<f32>) -> Result<()>,
+) -> Result<Option<(u64, u32)>> {
+    let rank = io.comm.rank();
+    let usage = |what: String| Error::Usage { rank, what };
+    // Round 1: rank 0 creates the file.
+    let created = if rank == 0 {
+        SafetensorsWriter::create(path, layouts, dtype).map(Some)
+    } else {
+        Ok(None)
+    };
+    let failed = first_failure(io.comm, created.as_ref().err())?;
+    let mut writer = created?;
+    if let Some((_, why)) = failed {
+        return Err(usage(format!(
+            "{call}: rank 0 could not create {}: {why}",
+            path.display()
+        )));
     }
-
-    /// Unit `i`'s full fp32 master (at least its real elements): a
-    /// collective in stages 1–3.
-    fn master_of(&mut self, i: usize) -> Result<HostBuffer<f32>> {
-        let (local, nvme) = match self.opt.offload() {
-            None => (
-                self.opt
-                    .moments(i)
-                    .host(&self.backend)
-                    .and_then(|(master, _, _)| Ok(HostBuffer::from_slice(&master)?)),
-                false,
-            ),
-            Some(off) => (
-                off.read_master(i)
-                    .and_then(|master| Ok(HostBuffer::from_slice(&master)?)),
-                off.is_nvme(),
-            ),
-        };
-        if nvme {
-            self.swap_verdict(local.as_ref().err(), "optimizer")?;
+    let mut failed = None;
+    let mut unit = Vec::new();
+    for i in 0..io.units.len() {
+        unit.clear();
+        values(io, i, &mut unit)?;
+        if let (Some(w), None, false) = (writer.as_mut(), &failed, unit.is_empty()) {
+            failed = w.write(&unit).err();
         }
-        let local = local?;
-        if self.stage == 0 {
-            return Ok(local);
-        }
-        let shard = self.units[i].layout.shard_len;
-        let recv = HostBuffer::<f32>::zeros(shard * self.world)?;
-        let (_, recv) = self
-            .comm
-            .all_gather(local, recv, &vec![shard; self.world])
-            .wait()?;
-        Ok(recv)
     }
+    let done = match (writer, failed) {
+        (Some(_), Some(e)) => Err(e),
+        (Some(w), None) => w.finish().map(Some),
+        (None, _) => Ok(None),
+    };
+    let failed = first_failure(io.comm, done.as_ref().err())?;
+    let done = done?;
+    if let Some((_, why)) = failed {
+        return Err(usage(format!(
+            "{call}: rank 0 could not write {}: {why}",
+            path.display()
+        )));
+    }
+    Ok(done)
 }

@@ -20,6 +20,11 @@
 //! A failed collective may still hold the engine's buffers, so after it
 //! every call fails, whatever else happened before.
 
+use zero_comm::agree::first_failure;
+use zero_comm::Communicator;
+
+use crate::{Error, Result};
+
 /// The calls that only read the state: allowed after a rescued swap write
 /// failure.
 const READS_AFTER_RESCUE: &[&str] = &["unit_state", "save_checkpoint", "export_safetensors"];
@@ -60,7 +65,7 @@ pub(crate) enum Health {
 impl Health {
     /// Whether the engine may start a call at all (`Err`: the text of the
     /// refusal).
-    pub(crate) fn check_comm(&self) -> Result<(), String> {
+    pub(crate) fn check_comm(&self) -> std::result::Result<(), String> {
         match self {
             Health::CommFailed { why } => Err(format!(
                 "the engine cannot continue after a communication error: {why}"
@@ -71,7 +76,7 @@ impl Health {
 
     /// Whether `call` may run after a swap-file error (`Err`: the text of
     /// the refusal). `steps` is the number of the last completed step.
-    pub(crate) fn check_swap(&self, call: &str, steps: u64) -> Result<(), String> {
+    pub(crate) fn check_swap(&self, call: &str, steps: u64) -> std::result::Result<(), String> {
         match self {
             Health::Ok | Health::CommFailed { .. } => Ok(()),
             Health::Rescued { .. } if READS_AFTER_RESCUE.contains(&call) => Ok(()),
@@ -123,6 +128,62 @@ impl Health {
         if !matches!(self, Health::CommFailed { .. }) {
             *self = Health::ParamsLost { why };
         }
+    }
+}
+
+/// The verdicts on swap files: every rank learns whether every rank's
+/// file worked (a collective), and the health follows.
+impl Health {
+    /// Every rank learns whether every rank's `r` (a step's or a
+    /// micro-batch's use of the parameter swap file) worked. On an error
+    /// anywhere the parameters are lost: this rank's own error, or one
+    /// saying `lost(bad, why)` of the first rank that failed.
+    pub(crate) fn params_verdict<C: Communicator>(
+        &mut self,
+        comm: &C,
+        r: Result<()>,
+        lost: impl FnOnce(usize, String) -> String,
+    ) -> Result<()> {
+        let failed = first_failure(comm, r.as_ref().err())?;
+        if let Err(e) = r {
+            self.params_lost_now(e.to_string());
+            return Err(e);
+        }
+        if let Some((bad, why)) = failed {
+            let what = lost(bad, why);
+            self.params_lost_now(what.clone());
+            return Err(Error::Usage {
+                rank: comm.rank(),
+                what,
+            });
+        }
+        Ok(())
+    }
+
+    /// Outside the step (reading the state): every rank learns whether
+    /// every rank could read its `what` swap file (`local`: this rank's
+    /// error); on an error the optimizer state is lost (also after a
+    /// rescued write failure). This rank's own error is left to its caller.
+    pub(crate) fn read_verdict<C: Communicator>(
+        &mut self,
+        comm: &C,
+        local: Option<&Error>,
+        what: &str,
+    ) -> Result<()> {
+        let failed = first_failure(comm, local)?;
+        if let Some(e) = local {
+            self.state_lost(e.to_string());
+            return Ok(());
+        }
+        if let Some((bad, why)) = failed {
+            let what = format!("the {what} swap file of rank {bad} could not be read: {why}");
+            self.state_lost(what.clone());
+            return Err(Error::Usage {
+                rank: comm.rank(),
+                what,
+            });
+        }
+        Ok(())
     }
 }
 

@@ -105,14 +105,19 @@
 //! succeeded: the parameters of the last completed step stay readable.
 //!
 //! # Where things are
-//! This file is the coordinator: the unit lifecycle, the micro-batch and
-//! step bookkeeping, and the calls into the components. `builder.rs`
-//! builds the engine ([`EngineBuilder`]); `step/` holds the optimizer step,
-//! one type per tier (device, parameter offload on the host or a device,
-//! host or nvme tiles, `swap_gradients`), which the coordinator calls once
-//! per step; `reducer.rs`, `gatherer.rs`, `optimizer.rs`, `offload.rs`,
-//! `param_offload.rs`, `grad_swap.rs` and `staging.rs` are the components
-//! they drive; `checkpoint.rs` and `export.rs` save and export.
+//! This file is the coordinator, and the only file that names `Engine`'s
+//! fields: the micro-batch and step bookkeeping, the live guards, and the
+//! calls into the components, each handed the parts it needs borrowed
+//! (`GatherIo`, `AllGatherIo`, `StepIo`, `StateIo`). `builder.rs` builds
+//! the components ([`EngineBuilder`]), which the coordinator takes over;
+//! `unit.rs` holds the units and the stage 1–2 all-gathers of updated
+//! parameters; `step/` the optimizer step, one type per tier (device,
+//! parameter offload on the host or a device, host or nvme tiles,
+//! `swap_gradients`), called once per step; `state.rs` reads a unit's
+//! state out of the shards, for [`Engine::unit_state`], `checkpoint.rs`
+//! (save, load) and `export.rs`; `reducer.rs`, `gatherer.rs`,
+//! `optimizer.rs`, `offload.rs`, `param_offload.rs`, `grad_swap.rs`,
+//! `staging.rs` and `health.rs` are the components they drive.
 
 mod backend;
 mod builder;
@@ -132,39 +137,43 @@ mod optimizer;
 mod param_offload;
 mod reducer;
 mod staging;
+mod state;
 mod stats;
 mod step;
+mod unit;
 
-use std::collections::VecDeque;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use serde_json::Value;
+
 use grad_swap::GradSwap;
-use zero_comm::agree::{exchange_u64, first_failure};
+use zero_comm::agree::exchange_u64;
 use zero_comm::Communicator;
-use zero_core::backend::{CpuBackend, HostAccess, Stream};
+use zero_core::backend::{CpuBackend, Stream};
 use zero_core::config::{FrozenParams, ResolvedConfig};
-use zero_core::memory::{Allocation, MemoryReport, MemoryTracker};
+use zero_core::memory::{MemoryReport, MemoryTracker};
 use zero_core::optim::{clip_coefficient, LossScaler};
 use zero_core::partition::{PartitionPlan, UnitLayout};
-use zero_core::{bf16, f16, DType, Element, HostBuffer};
+use zero_core::{DType, Element};
 
+use crate::format::checkpoint::SavedRun;
 pub use crate::format::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
 pub use crate::format::safetensors::{ExportDtype, SafetensorsWriter};
 use crate::trace::Tracer;
 use crate::{Error, Result};
 pub use backend::{EngineBackend, EngineComm};
+use builder::Built;
 pub use builder::EngineBuilder;
-use devbuf::{DevBuf, DynWork};
-use dynbuf::ring_bytes;
+use checkpoint::SaveHow;
 use dynbuf::DynBuf;
 pub use export::export_checkpoint;
-use gatherer::{FrozenHome, GatherIo, HomeShards, ParamGatherer, Shards};
+use gatherer::{GatherIo, ParamGatherer};
 pub use groups::{is_bias_norm_or_embedding, GroupPredicate, ParamGroup};
 use health::Health;
 pub use init::{Init, TensorSource};
-use lease::{exclusive, Releases, Returns};
 pub use lease::{GradBuffer, UnitGuard};
+use lease::{Releases, Returns};
 use offload::Offload;
 use optimizer::OptimizerShard;
 use param_offload::ParamOffload;
@@ -172,155 +181,13 @@ use param_offload::ParamOffload;
 #[doc(hidden)]
 pub use reducer::SkipWait;
 use reducer::{GradReducer, GradState};
+pub use state::UnitState;
+use state::{StateIo, StateRead};
 pub use stats::{EngineStats, SwapTraffic};
-use step::OptimizerStep;
-
-/// A registered unit of one engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct UnitId {
-    engine: u64,
-    index: usize,
-}
-
-impl UnitId {
-    /// The unit's position in registration order.
-    pub fn index(self) -> usize {
-        self.index
-    }
-}
-
-/// What [`Engine::step`] did.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepOutcome {
-    /// Whether this call ended a gradient-accumulation window (the
-    /// optimizer ran or was skipped); `false` for the other micro-batches.
-    pub boundary: bool,
-    /// Whether the update was skipped (fp16 overflow, or a non-finite
-    /// gradient norm in any precision): parameters are unchanged.
-    pub skipped: bool,
-    /// The global gradient norm (after unscaling, before clipping), at a
-    /// boundary.
-    pub grad_norm: Option<f64>,
-    /// The learning rate the update used (or would have used).
-    pub lr: f64,
-    /// The loss scale for the next micro-batch.
-    pub loss_scale: f32,
-    /// Optimizer steps applied so far.
-    pub steps: u64,
-}
-
-/// The full (unsharded) state of one unit, read out for evaluation and
-/// tests; real elements only (no padding).
-#[derive(Debug, Clone, PartialEq)]
-pub struct UnitState {
-    /// The parameters in their training dtype, as f32: the trainable
-    /// segment's real elements (`layout.numel`), then the frozen
-    /// segment's (`layout.frozen_numel`).
-    pub params: Vec<f32>,
-    /// fp32 master weights (trainable tensors only, as the moments).
-    pub master: Vec<f32>,
-    /// AdamW first moment.
-    pub m: Vec<f32>,
-    /// AdamW second moment.
-    pub v: Vec<f32>,
-}
-
-/// What [`Engine::unit_state_inner`] reads besides the parameters.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum StateRead {
-    /// The parameters alone ([`Engine::unit_params`]).
-    Params,
-    /// The parameters and the fp32 master ([`Engine::unit_master`]).
-    Master,
-    /// Everything ([`Engine::unit_state`]).
-    All,
-}
-
-/// Where a unit's own parameters are (stages 0–2: the full padded unit;
-/// stage 3: this rank's shard), one state per unit:
-///
-/// ```text
-///  Home ──step (stages 1–2)──▶ Queued ──launch──▶ Gathering ──complete──▶ Home
-///  Offloaded (stage 3 with offload_param: the shard lives in ParamOffload)
-/// ```
-enum Params<B: HostAccess> {
-    /// Current and readable; shared with the trainer's [`UnitGuard`]s at
-    /// stages 0–2.
-    Home(Arc<DevBuf<B>>),
-    /// Stages 1–2: updated by the step (this rank's range); the all-gather
-    /// of the other ranks' ranges is queued.
-    Queued(Arc<DevBuf<B>>),
-    /// Stages 1–2: lent to that all-gather (its handle is in
-    /// `Engine::param_gathers`).
-    Gathering,
-    /// Stage 3 with `offload_param`: the shard's home is the parameter
-    /// offload.
-    Offloaded,
-}
-
-/// The per-unit state.
-struct Unit<B: HostAccess> {
-    layout: Arc<UnitLayout>,
-    params: Params<B>,
-    /// How many `gather`s are not yet `release`d (live [`UnitGuard`]s).
-    gathers: usize,
-    _allocs: Vec<Allocation>,
-}
-
-impl<B: HostAccess> Unit<B> {
-    /// The unit's parameters where they are current.
-    fn home(&self) -> Option<&Arc<DevBuf<B>>> {
-        match &self.params {
-            Params::Home(p) => Some(p),
-            _ => None,
-        }
-    }
-
-    /// Whether the updated parameters' all-gather is queued or in flight
-    /// (stages 1–2).
-    fn is_stale(&self) -> bool {
-        matches!(self.params, Params::Queued(_) | Params::Gathering)
-    }
-
-    /// The unit's own parameters, to update or fill: home (or queued for
-    /// their all-gather), and no [`UnitGuard`] holds them (the step refuses
-    /// to run while a unit is gathered, and a checkpoint load fills a new
-    /// engine).
-    fn params_mut(&mut self) -> &mut DevBuf<B> {
-        let p = match &mut self.params {
-            Params::Home(p) | Params::Queued(p) => p,
-            Params::Gathering | Params::Offloaded => {
-                unreachable!("the step and a load update parameters that are home")
-            }
-        };
-        Arc::get_mut(p).expect("no UnitGuard holds the parameters while they are updated")
-    }
-
-    /// Stages 1–2, after the step: queues the all-gather of the updated
-    /// parameters (no-op if it is queued or in flight already).
-    fn queue_gather(&mut self) -> bool {
-        if !self.layout.is_trainable() {
-            // Only frozen tensors: the step never changes them.
-            return false;
-        }
-        match std::mem::replace(&mut self.params, Params::Gathering) {
-            Params::Home(p) => {
-                self.params = Params::Queued(p);
-                true
-            }
-            other => {
-                self.params = other;
-                false
-            }
-        }
-    }
-}
-
-impl<B: HostAccess> HomeShards<B> for Vec<Unit<B>> {
-    fn shard(&self, unit: usize) -> &DevBuf<B> {
-        self[unit].home().expect("shards are home")
-    }
-}
+pub use step::StepOutcome;
+use step::{OptimizerStep, StepIo};
+pub use unit::UnitId;
+use unit::{shards, AllGatherIo, Units};
 
 /// The sharded data-parallel engine of one rank.
 pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
@@ -333,7 +200,8 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     world: usize,
     stage: u8,
     pdt: DType,
-    units: Vec<Unit<B>>,
+    /// Every unit, its parameters, and the all-gathers of stages 1–2.
+    units: Units<B>,
     /// The device every buffer of the engine lives on: parameters,
     /// gradients, optimizer state (unless offloaded), buckets.
     backend: B,
@@ -348,14 +216,6 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     releases: Releases,
     /// Training (the default) or evaluation mode.
     training: bool,
-    /// Stages 1–2: the all-gathers of updated parameters in flight (unit,
-    /// handle), in launch order, and their padded elements …
-    param_gathers: VecDeque<(usize, DynWork<B>)>,
-    param_gather_elems: usize,
-    /// … and the units whose all-gather is not launched yet (over
-    /// `allgather_bucket_size`). With `overlap_comm` both drain during the
-    /// next forward pass, as `gather` asks for each unit.
-    param_gather_queue: VecDeque<usize>,
     // Steps.
     micro: usize,
     steps: u64,
@@ -364,7 +224,7 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     /// Micro-batches ended by `step` or dropped by `zero_grad`: the same
     /// on every rank unless one went on alone after a failed micro-batch.
     /// It travels with the step's norm exchange (see
-    /// [`Engine::check_in_step`]).
+    /// `step::check_in_step`).
     micro_batches: u64,
     scaler: Option<LossScaler>,
     last: StepOutcome,
@@ -384,8 +244,8 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     /// finished (parameter all-gather included).
     rescued_error: Option<Error>,
     /// The optimizer step of this engine's tier, with its buffers (see
-    /// [`step`]); `None` only while it runs.
-    optimizer: Option<OptimizerStep<B>>,
+    /// [`step`]).
+    optimizer: OptimizerStep<B>,
     /// Stage 3 parameter offload (`offload_param.device` cpu or nvme): the
     /// home of every unit's shard.
     poff: Option<ParamOffload>,
@@ -402,6 +262,15 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     frozen_policy: FrozenParams,
 }
 
+impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
+    /// Checks that every rank registered the same units with the same
+    /// config (a collective), allocates every buffer of the memory plan and
+    /// initialises this rank's parameters.
+    pub fn build(self) -> Result<Engine<C, B>> {
+        Engine::assemble(self.into_parts()?)
+    }
+}
+
 impl<C: Communicator> Engine<C, CpuBackend> {
     /// Starts building an engine for `cfg` (resolved for this world size)
     /// over `comm`, on the CPU backend unless [`EngineBuilder::backend`]
@@ -411,33 +280,64 @@ impl<C: Communicator> Engine<C, CpuBackend> {
     }
 }
 
-/// Bytes of `T` values (any alignment) as f32.
-fn bytes_to_f32<T: Element>(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(std::mem::size_of::<T>())
-        .map(|c| bytemuck::pod_read_unaligned::<T>(c).to_f32())
-        .collect()
-}
-
-/// `values` converted to `dtype`, as bytes into `out` (of exactly their
-/// size, aligned for `dtype`).
-fn store_as(dtype: DType, values: &[f32], out: &mut [u8]) {
-    match dtype {
-        DType::F32 => out.copy_from_slice(bytemuck::cast_slice(values)),
-        DType::BF16 => zero_core::convert(values, bytemuck::cast_slice_mut::<u8, bf16>(out), false),
-        DType::F16 => zero_core::convert(values, bytemuck::cast_slice_mut::<u8, f16>(out), false),
-    }
-}
-
-/// How a trainer gets out of a micro-batch that failed part way (some
-/// units handed their gradients back, the others never will): the engine
-/// cannot tell a failed micro-batch from a unit's gradient given twice, so
-/// the trainer says so with `zero_grad`.
-const RECOVER: &str = "if a micro-batch failed part way, call zero_grad() on every rank to drop \
-                       it (and the gradients accumulated since the last optimizer step), then \
-                       run the next micro-batch";
-
 impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
+    /// The coordinator over the components `b` built: its counters start
+    /// at zero, and stage 3 gathers its persistent units.
+    fn assemble(b: Built<C, B>) -> Result<Self> {
+        let (scaler, warnings) = (b.scaler, b.warnings);
+        let last = StepOutcome::between(
+            b.cfg.scheduler.lr_at(0),
+            scaler.as_ref().map_or(1.0, |s| s.scale()),
+            0,
+        );
+        let mut engine = Engine {
+            id: b.id,
+            rank: b.comm.rank(),
+            world: b.comm.world_size(),
+            comm: b.comm,
+            cfg: b.cfg,
+            plan: b.plan,
+            tracker: b.tracker,
+            stage: b.stage,
+            pdt: b.pdt,
+            units: b.units,
+            backend: b.backend,
+            gather_after: b.gather_after,
+            reducer: b.reducer,
+            returns: Returns::default(),
+            releases: Releases::default(),
+            training: true,
+            micro: 0,
+            steps: 0,
+            global_steps: 0,
+            micro_batches: 0,
+            scaler,
+            last,
+            s3: b.s3,
+            stats: EngineStats::default(),
+            swap_base: Default::default(),
+            warned: Vec::new(),
+            health: Health::Ok,
+            opt: b.opt,
+            rescued_error: None,
+            optimizer: b.optimizer,
+            poff: b.poff,
+            tracer: b.tracer,
+            seed: b.seed,
+            keep_last: b.keep_last,
+            save_frozen: b.save_frozen,
+            frozen_policy: b.frozen_policy,
+        };
+        for w in warnings {
+            engine.warn(w);
+        }
+        if engine.stage == 3 {
+            let (s3, io) = engine.s3_parts();
+            s3.gather_persistent(io)?;
+        }
+        Ok(engine)
+    }
+
     // ------------------------------------------------------------------
     // Introspection
 
@@ -625,10 +525,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     /// The stage-3 gatherer, and what it needs from the engine for a call.
     fn s3_parts(&mut self) -> (&mut ParamGatherer<B>, GatherIo<'_, C, B>) {
-        let shards = match self.poff.as_mut() {
-            Some(po) => Shards::Offloaded(po),
-            None => Shards::Home(&self.units),
-        };
         let io = GatherIo {
             backend: &self.backend,
             after: self.gather_after,
@@ -636,10 +532,41 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             tracker: &self.tracker,
             tracer: &self.tracer,
             pdt: self.pdt,
-            shards,
+            shards: shards(self.poff.as_mut(), &self.units),
             stats: &mut self.stats,
         };
         (&mut self.s3, io)
+    }
+
+    /// The units, and what their stage 1–2 all-gathers need.
+    fn gather_parts(&mut self) -> (&mut Units<B>, AllGatherIo<'_, C, B>) {
+        let io = AllGatherIo {
+            backend: &self.backend,
+            comm: &self.comm,
+            after: self.gather_after,
+            tracer: &self.tracer,
+            stats: &mut self.stats,
+            limit: self.cfg.zero.allgather_bucket_size,
+        };
+        (&mut self.units, io)
+    }
+
+    /// What reading the units' state needs (every stage 1–2 all-gather
+    /// complete: [`Engine::finish_param_gathers`]).
+    fn state_io(&mut self) -> StateIo<'_, C, B> {
+        StateIo {
+            comm: &self.comm,
+            backend: &self.backend,
+            plan: &self.plan,
+            units: &mut self.units,
+            s3: &mut self.s3,
+            opt: &mut self.opt,
+            poff: self.poff.as_mut(),
+            health: &mut self.health,
+            tracer: &self.tracer,
+            stage: self.stage,
+            pdt: self.pdt,
+        }
     }
 
     fn warn(&mut self, msg: String) {
@@ -707,15 +634,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         Ok(unit.index)
     }
 
-    /// The error of a gradient call on a unit with only frozen tensors.
-    fn frozen_unit(&self, i: usize, call: &str) -> Error {
-        self.usage(format!(
-            "{call}(`{}`): the unit has only frozen tensors (TensorSpec::frozen), so it has no \
-             gradient; leave it out of the backward pass",
-            self.name(i)
-        ))
-    }
-
     fn name(&self, i: usize) -> &str {
         &self.units[i].layout.name
     }
@@ -764,10 +682,12 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             // launching the next ones).
             let _span = self.tracer.span(self.rank, "gather", "comm");
             let t = Instant::now();
-            self.advance_param_gathers(Some(i))?;
+            let (units, mut io) = self.gather_parts();
+            units.advance(Some(i), &mut io)?;
             self.stats.gather_time += t.elapsed();
-        } else if !self.param_gather_queue.is_empty() {
-            self.advance_param_gathers(None)?;
+        } else if self.units.has_queued() {
+            let (units, mut io) = self.gather_parts();
+            units.advance(None, &mut io)?;
         }
         let params = if self.stage == 3 {
             self.s3.params(i)
@@ -907,184 +827,121 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// [`Engine::unit_state`], reading what `what` says (the fields not
     /// read are empty).
     fn unit_state_inner(&mut self, unit: UnitId, what: StateRead) -> Result<UnitState> {
-        let call = match what {
-            StateRead::All => "unit_state",
-            StateRead::Master => "unit_master",
-            StateRead::Params => "unit_params",
-        };
-        let moments = what == StateRead::All;
-        let i = self.check(unit, call)?;
-        self.check_swap(call)?;
+        let i = self.check(unit, what.call())?;
+        self.check_swap(what.call())?;
         self.finish_param_gathers()?;
-        let numel = self.units[i].layout.numel;
-        let shard = self.units[i].layout.shard_len;
-        let gather_f32 = |this: &Self, local: &[f32]| -> Result<Vec<f32>> {
-            if this.stage == 0 || shard == 0 {
-                return Ok(local[..numel].to_vec());
+        self.state_io().read(i, what)
+    }
+
+    /// Saves a checkpoint to `root/step{N:08}`, `N` the
+    /// [`Engine::global_steps`], and returns its path; a
+    /// collective, at an optimizer-step boundary only (no micro-batch in
+    /// progress, no gradient buffer out). Each rank writes its part of the
+    /// fp32 master, m and v (read through the offload store piece by piece
+    /// when offloaded); rank 0 writes `manifest.json` (with `client_state`,
+    /// the trainer's own JSON: data position, RNG, …), renames the
+    /// directory into place, points `root/latest` at it and deletes the
+    /// oldest checkpoints beyond [`EngineBuilder::keep_last_checkpoints`].
+    /// Every rank returns `Ok` only if every rank's part succeeded. The
+    /// format and the crash safety are described in
+    /// `src/format/checkpoint/mod.rs`, the rounds of the save in
+    /// `src/engine/checkpoint.rs`. With a tracer, each rank records the
+    /// span `checkpoint write` (its rank file, through the fsync).
+    pub fn save_checkpoint(&mut self, root: &Path, client_state: Value) -> Result<PathBuf> {
+        self.guard(|e| {
+            e.check_swap("save_checkpoint")?;
+            let ga = e.cfg.gradient_accumulation_steps;
+            checkpoint::at_boundary(e.micro, ga, &e.reducer, &e.units).map_err(|w| e.usage(w))?;
+            let run = SavedRun {
+                world_size: e.world,
+                stage: e.stage,
+                param_dtype: e.pdt,
+                steps: e.steps,
+                global_steps: e.global_steps,
+                loss_scaler: e.scaler.clone(),
+                seed: e.seed,
+                config: serde_json::to_value(&e.cfg).unwrap_or(Value::Null),
+                client_state,
+            };
+            let how = SaveHow {
+                model: e.cfg.zero.gather_16bit_weights_on_model_save,
+                frozen: e.save_frozen,
+                keep_last: e.keep_last,
+            };
+            let (dest, warnings) = checkpoint::save(&mut e.state_io(), root, run, how)?;
+            for w in warnings {
+                e.warn(w);
             }
-            let send = HostBuffer::from_slice(local)?;
-            let recv = HostBuffer::<f32>::zeros(shard * this.world)?;
-            let (_, recv) = this
-                .comm
-                .all_gather(send, recv, &vec![shard; this.world])
-                .wait()?;
-            Ok(recv[..numel].to_vec())
-        };
-        // The moments are gathered only when asked for (an empty local
-        // part is never gathered).
-        let moment = |this: &Self, local: &[f32]| {
-            if moments {
-                gather_f32(this, local)
-            } else {
-                Ok(Vec::new())
-            }
-        };
-        let (master, m, v) = match self.opt.offload() {
-            _ if what == StateRead::Params => (Vec::new(), Vec::new(), Vec::new()),
-            None => {
-                let (master, m, v) = self.opt.moments(i).host(&self.backend)?;
-                (
-                    gather_f32(self, &master)?,
-                    moment(self, &m)?,
-                    moment(self, &v)?,
-                )
-            }
-            Some(off) => {
-                let local = off.read_unit(i);
-                if off.is_nvme() {
-                    self.swap_verdict(local.as_ref().err(), "optimizer")?;
-                }
-                let (master, m, v) = local?;
-                (
-                    gather_f32(self, &master)?,
-                    moment(self, &m)?,
-                    moment(self, &v)?,
-                )
-            }
-        };
-        if let Some(po) = &self.poff {
-            let local = po.shard_f32(i, self.pdt);
-            if po.is_nvme() {
-                self.swap_verdict(local.as_ref().err(), "parameter")?;
-            }
-            let mut params = gather_f32(self, &local?)?;
-            self.extend_frozen(i, &mut params)?;
-            return Ok(UnitState {
-                params,
-                master,
-                m,
-                v,
-            });
-        }
-        let u = &self.units[i];
-        let mut params = Vec::with_capacity(numel);
-        let p = u.home().expect("params are home outside collectives");
-        if self.stage == 3 {
-            let mut local = Vec::with_capacity(shard);
-            p.extend_f32(&self.backend, 0..shard, &mut local)?;
-            params = gather_f32(self, &local)?;
-            // gather_f32 returns real elements of the full unit.
-        } else {
-            p.extend_f32(&self.backend, 0..numel, &mut params)?;
-        }
-        self.extend_frozen(i, &mut params)?;
-        Ok(UnitState {
-            params,
-            master,
-            m,
-            v,
+            Ok(dest)
         })
     }
 
-    /// Sets unit `i`'s frozen real elements (`values`, as
-    /// [`Engine::extend_frozen`] gives them) where this rank keeps them.
-    pub(crate) fn set_frozen(&mut self, i: usize, values: &[f32]) -> Result<()> {
-        let l = self.units[i].layout.clone();
-        let (rank, pdt) = (self.rank, self.pdt);
-        if let Some(b) = self.s3.resident_mut(i, rank)? {
-            return b.store_slice(&self.backend, l.frozen_offset(), values);
+    /// Builds the engine from `builder` (the trainer registered the same
+    /// units as when saving) and loads the checkpoint at `path` into it: a
+    /// collective. `path` is a checkpoint directory (with `manifest.json`)
+    /// or a root whose `latest` file names one. The checkpoint may come
+    /// from any world size, stage and offload mode: each rank reads only
+    /// the byte ranges it needs, verifying their blocks' CRCs. Restores the
+    /// parameters (cast from the fp32 master), master, m, v, the step count
+    /// (and with it the learning-rate schedule) and the loss scaler, and
+    /// returns the trainer's `client_state`. On any error (a missing,
+    /// truncated, corrupted or foreign file, an unknown manifest version,
+    /// units that differ from the registered ones) no engine is returned;
+    /// the error names the file and what is wrong. The registered initial
+    /// values are not computed (the load overwrites them). With a tracer
+    /// ([`EngineBuilder::tracer`]) each rank records the spans
+    /// `checkpoint build` (building the engine) and `checkpoint load`
+    /// (reading the state into it).
+    pub fn load_checkpoint(
+        mut builder: EngineBuilder<C, B>,
+        path: &Path,
+    ) -> Result<(Engine<C, B>, Value)> {
+        let opened = checkpoint::open(&mut builder, path)?;
+        let (tracer, rank) = (builder.s.tracer.clone(), builder.comm().rank());
+        let t0 = Instant::now();
+        let built = builder.build();
+        tracer.record(rank, "checkpoint build", "checkpoint", t0, Instant::now());
+        let mut engine = built?;
+        engine.stats.checkpoint_read_bytes = checkpoint::load(&mut engine.state_io(), &opened)?;
+        // The step counts and the loss scaler; every rank resumes at the
+        // same point.
+        let m = &opened.manifest;
+        engine.steps = m.steps;
+        engine.global_steps = m.global_steps;
+        engine.micro_batches = 0;
+        if let (Some(_), Some(s)) = (&engine.scaler, &m.loss_scaler) {
+            engine.scaler = Some(s.clone());
         }
-        match self.s3.frozen_mut(i) {
-            Some(FrozenHome::Resident(_)) => Err(self.usage(format!(
-                "internal: the resident parameters of unit `{}` are in flight while its frozen \
-                 tensors are set",
-                l.name
-            ))),
-            Some(FrozenHome::Shard(f)) => {
-                let fs = l.frozen_shard_len();
-                let lo = (rank * fs).min(values.len());
-                let hi = ((rank + 1) * fs).min(values.len());
-                f.store_slice(&self.backend, 0, &values[lo..hi])
-            }
-            Some(FrozenHome::Host(bytes)) => {
-                let fs = l.frozen_shard_len();
-                let lo = (rank * fs).min(values.len());
-                let hi = ((rank + 1) * fs).min(values.len());
-                let n = (hi - lo) * pdt.size_in_bytes();
-                store_as(pdt, &values[lo..hi], &mut bytes[..n]);
-                Ok(())
-            }
-            None => {
-                let at = l.frozen_offset();
-                self.units[i]
-                    .params_mut()
-                    .store_slice(&self.backend, at, values)
-            }
+        engine.last = StepOutcome::between(engine.lr(), engine.loss_scale(), engine.steps);
+        // Collectives only once every rank has its part: stages 1–2
+        // all-gather the parameters each rank cast from its master range,
+        // stage 3 gathers its persistent units.
+        {
+            let _span = tracer.span(rank, "checkpoint gather", "checkpoint");
+            engine.gather_updated_params()?;
+            engine.finish_param_gathers()?;
         }
+        Ok((engine, opened.manifest.client_state))
     }
 
-    /// Appends unit `i`'s frozen real elements (as f32) to `out`.
-    pub(crate) fn extend_frozen(&mut self, i: usize, out: &mut Vec<f32>) -> Result<()> {
-        if self.stage == 3 {
-            // A resident unit's gather into its own buffer completes first.
-            let rank = self.rank;
-            self.s3.settle(i, &self.backend, &self.tracer, rank)?;
-        }
-        let l = &self.units[i].layout;
-        if l.frozen_numel == 0 {
-            return Ok(());
-        }
-        let start = l.frozen_offset();
-        let shard = |local: Vec<f32>| -> Result<Vec<f32>> {
-            let fs = local.len();
-            let send = HostBuffer::from_slice(&local)?;
-            let recv = HostBuffer::<f32>::zeros(fs * self.world)?;
-            let (_, recv) = self
-                .comm
-                .all_gather(send, recv, &vec![fs; self.world])
-                .wait()?;
-            Ok(recv[..l.frozen_numel].to_vec())
-        };
-        if let Some(b) = self.s3.resident(i) {
-            return b.extend_f32(&self.backend, start..start + l.frozen_numel, out);
-        }
-        match self.s3.frozen(i) {
-            Some(FrozenHome::Resident(_)) => Err(self.usage(format!(
-                "internal: the resident parameters of unit `{}` are neither kept nor gathered",
-                l.name
-            ))),
-            Some(FrozenHome::Shard(f)) => {
-                let mut local = Vec::with_capacity(f.len());
-                f.extend_f32(&self.backend, 0..f.len(), &mut local)?;
-                out.extend(shard(local)?);
-                Ok(())
-            }
-            Some(FrozenHome::Host(bytes)) => {
-                let local = match self.pdt {
-                    DType::F32 => bytes_to_f32::<f32>(bytes),
-                    DType::BF16 => bytes_to_f32::<bf16>(bytes),
-                    DType::F16 => bytes_to_f32::<f16>(bytes),
-                };
-                out.extend(shard(local)?);
-                Ok(())
-            }
-            None => {
-                let p = self.units[i]
-                    .home()
-                    .expect("params are home outside collectives");
-                p.extend_f32(&self.backend, start..start + l.frozen_numel, out)
-            }
-        }
+    /// Writes the current weights of every unit to the safetensors file
+    /// `path` as `dtype`: a collective (every rank calls it; rank 0
+    /// writes). The values are the fp32 master (`F32` exactly; `Bf16` and
+    /// `F16` rounded to nearest even, i.e. the parameters of a run in that
+    /// dtype), named as described in `src/format/safetensors.rs`: the
+    /// registered tensor names when they are unique across units (the
+    /// Llama example's HF names), `<unit>.<tensor>` otherwise.
+    ///
+    /// One unit is gathered at a time (host memory: the largest unit), and
+    /// the file is written to `path.tmp`, fsynced and renamed, so a failed
+    /// export leaves nothing behind. Every rank returns `Ok` only if rank 0
+    /// wrote the file. [`export_checkpoint`] writes the same bytes offline
+    /// from a saved checkpoint.
+    pub fn export_safetensors(&mut self, path: &Path, dtype: ExportDtype) -> Result<()> {
+        self.guard(|e| {
+            e.check_swap("export_safetensors")?;
+            export::export_live(&mut e.state_io(), path, dtype).map(|_| ())
+        })
     }
 
     // ------------------------------------------------------------------
@@ -1114,24 +971,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             }
             .into());
         }
-        match self.reducer.state(i) {
-            GradState::Ready => {
-                return Err(self.usage(format!(
-                    "grad_buffer(`{}`): grad_ready was already called for this unit in this \
-                     micro-batch; {}",
-                    self.name(i),
-                    RECOVER
-                )))
-            }
-            GradState::Lent => {
-                return Err(self.usage(format!(
-                    "grad_buffer(`{}`): the buffer is already lent; hand it back with grad_ready",
-                    self.name(i)
-                )))
-            }
-            GradState::Frozen => return Err(self.frozen_unit(i, "grad_buffer")),
-            GradState::Empty => {}
-        }
+        let name = self.name(i);
+        let lend = self.reducer.state(i).check_lend(name);
+        lend.map_err(|w| self.usage(w))?;
         let buf = self
             .reducer
             .lend(&self.comm, &self.tracker, &self.tracer, i, self.micro > 0)?;
@@ -1169,23 +1011,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             )));
         }
         self.check_swap("grad_ready")?;
+        let back = self.reducer.state(i).check_hand_back(self.name(i));
+        back.map_err(|w| self.usage(w))?;
         let u = &self.units[i];
-        match self.reducer.state(i) {
-            GradState::Ready => {
-                return Err(self.usage(format!(
-                    "grad_ready(`{}`) called twice in one micro-batch; {}",
-                    u.layout.name, RECOVER
-                )))
-            }
-            GradState::Empty => {
-                return Err(self.usage(format!(
-                    "grad_ready(`{}`): take the buffer with grad_buffer first",
-                    u.layout.name
-                )))
-            }
-            GradState::Frozen => return Err(self.frozen_unit(i, "grad_ready")),
-            GradState::Lent => {}
-        }
         if grad.len() != u.layout.padded_numel || T::DTYPE != self.pdt {
             return Err(self.usage(format!(
                 "grad_ready(`{}`): expected the {}-element {} buffer from grad_buffer, got {} elements of {}",
@@ -1237,7 +1065,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     fn step_counted(&mut self) -> Result<StepOutcome> {
         self.check_training("step")?;
         self.check_swap("step")?;
-        for u in &self.units {
+        for u in self.units.iter() {
             if u.gathers > 0 {
                 return Err(self.usage(format!(
                     "step() while unit `{}` is still gathered; drop its UnitGuard first",
@@ -1245,27 +1073,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 )));
             }
         }
-        if let Some(i) = self.reducer.find(GradState::Lent) {
-            return Err(self.usage(format!(
-                "step() while the gradient buffer of unit `{}` is still out; hand it back with grad_ready",
-                self.name(i)
-            )));
-        }
-        if let Some(i) = self.reducer.find(GradState::Empty) {
-            let missing: Vec<&str> = (0..self.units.len())
-                .filter(|&j| self.reducer.state(j) == GradState::Empty)
-                .map(|j| self.name(j))
-                .collect();
-            return Err(self.usage(format!(
-                "step(): no gradient for unit `{}` in this micro-batch ({} of {} units have none: \
-                 {}); every unit needs grad_buffer + grad_ready in every micro-batch (a buffer \
-                 dropped on an error path gives none); call zero_grad() to drop this micro-batch",
-                self.name(i),
-                missing.len(),
-                self.units.len(),
-                missing.join(", ")
-            )));
-        }
+        let complete = self.reducer.check_complete(|j| self.name(j));
+        complete.map_err(|w| self.usage(w))?;
         self.finish_param_gathers()?;
         let span = self.tracer.span(self.rank, "reduce", "comm");
         let t = Instant::now();
@@ -1290,14 +1099,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 let (s3, io) = self.s3_parts();
                 s3.prefetch_next(io)?;
             }
-            self.last = StepOutcome {
-                boundary: false,
-                skipped: false,
-                grad_norm: None,
-                lr: self.lr(),
-                loss_scale: self.loss_scale(),
-                steps: self.steps,
-            };
+            self.last = StepOutcome::between(self.lr(), self.loss_scale(), self.steps);
             return Ok(self.last);
         }
         self.micro = 0;
@@ -1311,7 +1113,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             let _span = self.tracer.span(self.rank, "gather", "comm");
             let t = Instant::now();
             // The all-gathers of stages 1–2 start after AdamW on the
-            // communication stream (see `advance_param_gathers`) …
+            // communication stream (see `Units::advance`) …
             self.gather_updated_params()?;
             // … and what reads the updated parameters or state from the
             // host (the trainer through its guards, offload, saving) is
@@ -1333,31 +1135,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         Ok(outcome)
     }
 
-    /// nvme parameter offload, after the write-back of a step: every rank
-    /// learns whether every rank's writes worked. On an error anywhere the
-    /// engine is failed and the parameters are lost (some units were
-    /// written, others not).
-    fn param_write_verdict(&mut self, r: Result<()>) -> Result<()> {
-        if !self.poff.as_ref().is_some_and(ParamOffload::is_nvme) {
-            return r;
-        }
-        let failed = first_failure(&self.comm, r.as_ref().err())?;
-        if let Err(e) = r {
-            self.health.params_lost_now(e.to_string());
-            return Err(e);
-        }
-        if let Some((bad, why)) = failed {
-            let msg = format!(
-                "the parameter swap file of rank {bad} failed in step {} ({why}); the \
-                 parameters are lost",
-                self.steps + 1
-            );
-            self.health.params_lost_now(msg.clone());
-            return Err(self.usage(msg));
-        }
-        Ok(())
-    }
-
     /// nvme parameter offload, at the end of every micro-batch: every rank
     /// learns whether every rank could read its parameter shards in it
     /// (a failed read fed zeros to the gather so that no rank left the
@@ -1368,22 +1145,14 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let Some(po) = self.poff.as_mut().filter(|p| p.is_nvme()) else {
             return Ok(());
         };
-        let r = po.check();
-        let failed = first_failure(&self.comm, r.as_ref().err())?;
-        if let Err(e) = r {
-            self.health.params_lost_now(e.to_string());
-            return Err(e);
-        }
-        if let Some((bad, why)) = failed {
-            let msg = format!(
-                "the parameter swap file of rank {bad} could not be read in step {} ({why}); \
-                 nothing was updated and the parameters are lost",
-                self.steps + 1
-            );
-            self.health.params_lost_now(msg.clone());
-            return Err(self.usage(msg));
-        }
-        Ok(())
+        let step = self.steps + 1;
+        self.health
+            .params_verdict(&self.comm, po.check(), |bad, why| {
+                format!(
+                "the parameter swap file of rank {bad} could not be read in step {step} ({why}); \
+                 nothing was updated and the parameters are lost"
+            )
+            })
     }
 
     /// `swap_gradients`, before the step: every rank learns whether every
@@ -1395,7 +1164,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             return Ok(());
         };
         let r = gs.check();
-        let failed = first_failure(&self.comm, r.as_ref().err())?;
+        let failed = zero_comm::agree::first_failure(&self.comm, r.as_ref().err())?;
         r?;
         if let Some((bad, why)) = failed {
             return Err(self.usage(format!(
@@ -1406,43 +1175,10 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         Ok(())
     }
 
-    /// Outside the step (`unit_state`): every rank learns whether every
-    /// rank could read its swap file; on an error the engine is failed
-    /// (also after a rescued write failure: the state is lost now).
-    fn swap_verdict(&mut self, local: Option<&Error>, what: &str) -> Result<()> {
-        let failed = first_failure(&self.comm, local)?;
-        if let Some(e) = local {
-            self.health.state_lost(e.to_string());
-            return Ok(());
-        }
-        if let Some((bad, why)) = failed {
-            let msg = format!("the {what} swap file of rank {bad} could not be read: {why}");
-            self.health.state_lost(msg.clone());
-            return Err(self.usage(msg));
-        }
-        Ok(())
-    }
-
     fn optimizer_step(&mut self) -> Result<StepOutcome> {
-        // This rank's part of the squared norm: its shard of every unit, in
-        // unit order (stage 0 too, so that every stage adds the same terms).
-        let local = match self.reducer.home_dtype() {
-            None => 0.0,
-            Some(_) if self.reducer.grad_swap().is_some() => {
-                self.reducer.grad_swap().map_or(0.0, GradSwap::sum_squares)
-            }
-            Some(DType::F32) => self
-                .opt
-                .local_sum_squares::<f32>(&self.backend, &self.reducer)?,
-            Some(DType::BF16) => self
-                .opt
-                .local_sum_squares::<bf16>(&self.backend, &self.reducer)?,
-            Some(DType::F16) => self
-                .opt
-                .local_sum_squares::<f16>(&self.backend, &self.reducer)?,
-        };
+        let local = step::local_sum_squares(&self.opt, &self.backend, &self.reducer)?;
         let parts = exchange_u64(&self.comm, &[local.to_bits(), self.micro_batches])?;
-        self.check_in_step(&parts)?;
+        step::check_in_step(&parts, self.rank, self.global_steps + 1)?;
         let sumsq = parts.iter().fold(0f64, |a, w| a + f64::from_bits(w[0]));
         let loss_scale = self.loss_scale();
         let ga = self.cfg.gradient_accumulation_steps;
@@ -1466,10 +1202,27 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             let ks = self
                 .opt
                 .steps(&self.cfg.optimizer, lr, self.steps + 1, grad_scale);
-            let mut tier = self.optimizer.take().expect("the optimizer step is home");
-            let r = tier.run(self, &ks);
-            self.optimizer = Some(tier);
-            r?;
+            let mut io = StepIo {
+                comm: &self.comm,
+                backend: &self.backend,
+                units: &mut self.units,
+                opt: &mut self.opt,
+                reducer: &mut self.reducer,
+                poff: self.poff.as_mut(),
+                health: &mut self.health,
+                rescued: &mut self.rescued_error,
+                number: self.steps + 1,
+                stage: self.stage,
+                pdt: self.pdt,
+                overlap_comm: self.cfg.zero.overlap_comm,
+                gather_limit: self.cfg.zero.allgather_bucket_size,
+                gather_after: self.gather_after,
+                s3: &mut self.s3,
+                tracker: &self.tracker,
+                tracer: &self.tracer,
+                stats: &mut self.stats,
+            };
+            self.optimizer.run(&mut io, &ks)?;
             self.steps += 1;
         }
         Ok(StepOutcome {
@@ -1479,40 +1232,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             lr,
             loss_scale: self.loss_scale(),
             steps: self.steps,
-        })
-    }
-
-    /// Every rank is at the same micro-batch (word 1 of each rank's part of
-    /// the norm exchange, `parts`): a rank that failed a micro-batch,
-    /// dropped it with `zero_grad` and went on alone has paired its
-    /// reductions with the other ranks' previous micro-batch. Then every
-    /// rank refuses the update with the same error, naming the first rank
-    /// off the majority (ties: rank 0's count) and both counts; the counts
-    /// stay apart, so every later step is refused too.
-    fn check_in_step(&self, parts: &[Vec<u64>]) -> Result<()> {
-        let count = |v: u64| parts.iter().filter(|w| w[1] == v).count();
-        let mut common = parts[0][1];
-        for w in parts {
-            if count(w[1]) > count(common) {
-                common = w[1];
-            }
-        }
-        let Some(off) = parts.iter().position(|w| w[1] != common) else {
-            return Ok(());
-        };
-        let at = parts.iter().position(|w| w[1] == common).unwrap_or(0);
-        Err(Error::Disagreement {
-            rank: self.rank,
-            what: format!(
-                "step {}: rank {off} is at micro-batch {} and rank {at} at micro-batch {common} \
-                 (micro-batches ended by step() or dropped by zero_grad()): rank {off} went on \
-                 alone after a failed micro-batch, so this step's reductions paired gradients \
-                 of different micro-batches and its update was not applied; every rank must \
-                 drop a failed micro-batch together (zero_grad() on every rank), so restart \
-                 from the last checkpoint",
-                self.global_steps + 1,
-                parts[off][1]
-            ),
         })
     }
 
@@ -1533,81 +1252,25 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             _ => {
                 // (With overlap_comm and the optimizer state on the device
                 // tier, AdamW queued each unit as it finished it.)
-                for i in 0..self.units.len() {
-                    if self.units[i].queue_gather() {
-                        self.param_gather_queue.push_back(i);
-                    }
+                let overlap = self.cfg.zero.overlap_comm;
+                let (units, mut io) = self.gather_parts();
+                for i in 0..units.len() {
+                    units.queue_gather(i);
                 }
-                if self.cfg.zero.overlap_comm {
-                    self.advance_param_gathers(None)
+                if overlap {
+                    units.advance(None, &mut io)
                 } else {
-                    self.finish_param_gathers()
+                    units.finish(&mut io)
                 }
             }
         }
-    }
-
-    /// Launches queued parameter all-gathers while they fit in
-    /// `allgather_bucket_size` (at least one in flight), completing the
-    /// oldest to make room, until unit `until` is home; with `None`, only
-    /// launches what fits now.
-    fn advance_param_gathers(&mut self, until: Option<usize>) -> Result<()> {
-        let limit = self.cfg.zero.allgather_bucket_size;
-        loop {
-            while let Some(&j) = self.param_gather_queue.front() {
-                let l = &self.units[j].layout;
-                let (n, s) = (l.padded_numel, l.shard_len);
-                if !self.param_gathers.is_empty() && self.param_gather_elems + n > limit {
-                    break;
-                }
-                self.param_gather_queue.pop_front();
-                let p = match std::mem::replace(&mut self.units[j].params, Params::Gathering) {
-                    Params::Queued(p) => exclusive(p, j, self.rank)?,
-                    _ => unreachable!("a queued unit's parameters are queued"),
-                };
-                self.stats.gather_bytes += ring_bytes(n, self.world, self.pdt);
-                // After AdamW wrote the unit (or a checkpoint load filled it).
-                let updated = self.backend.record(self.gather_after)?;
-                let work = p.all_gather(&self.backend, &self.comm, &vec![s; self.world], &updated);
-                self.param_gathers.push_back((j, work));
-                self.param_gather_elems += n;
-            }
-            match until {
-                Some(i) if self.units[i].is_stale() => {}
-                _ => return Ok(()),
-            }
-            let (j, w) = self
-                .param_gathers
-                .pop_front()
-                .expect("a stale unit has its all-gather queued or in flight");
-            self.complete_param_gather(j, w)?;
-        }
-    }
-
-    /// Unit `j`'s parameter all-gather `w` is done: the host may read the
-    /// parameters again.
-    fn complete_param_gather(&mut self, j: usize, w: DynWork<B>) -> Result<()> {
-        self.param_gather_elems -= self.units[j].layout.padded_numel;
-        let (p, done) = w.wait(&self.tracer, self.rank)?;
-        self.backend.sync(&done)?;
-        self.units[j].params = Params::Home(Arc::new(p));
-        Ok(())
     }
 
     /// Completes every parameter all-gather still queued or in flight
     /// (before anything reads or writes the parameters as a whole).
     pub(crate) fn finish_param_gathers(&mut self) -> Result<()> {
-        while !self.param_gathers.is_empty() || !self.param_gather_queue.is_empty() {
-            let last = self.param_gather_queue.back().copied();
-            match last {
-                Some(j) => self.advance_param_gathers(Some(j))?,
-                None => {
-                    let (j, w) = self.param_gathers.pop_front().expect("not empty");
-                    self.complete_param_gather(j, w)?;
-                }
-            }
-        }
-        Ok(())
+        let (units, mut io) = self.gather_parts();
+        units.finish(&mut io)
     }
 
     /// Drops the gradients accumulated since the last optimizer step,

@@ -112,6 +112,54 @@ pub(crate) enum GradState {
     Frozen,
 }
 
+/// How a trainer gets out of a micro-batch that failed part way (some
+/// units handed their gradients back, the others never will): the engine
+/// cannot tell a failed micro-batch from a unit's gradient given twice, so
+/// the trainer says so with `zero_grad`.
+const RECOVER: &str = "if a micro-batch failed part way, call zero_grad() on every rank to drop \
+                       it (and the gradients accumulated since the last optimizer step), then \
+                       run the next micro-batch";
+
+impl GradState {
+    /// Whether `grad_buffer` may lend unit `name`'s buffer (`Err`: why not).
+    pub(crate) fn check_lend(self, name: &str) -> std::result::Result<(), String> {
+        match self {
+            GradState::Empty => Ok(()),
+            GradState::Ready => Err(format!(
+                "grad_buffer(`{name}`): grad_ready was already called for this unit in this \
+                 micro-batch; {RECOVER}"
+            )),
+            GradState::Lent => Err(format!(
+                "grad_buffer(`{name}`): the buffer is already lent; hand it back with grad_ready"
+            )),
+            GradState::Frozen => Err(frozen_unit(name, "grad_buffer")),
+        }
+    }
+
+    /// Whether `grad_ready` may take unit `name`'s buffer back (`Err`: why
+    /// not).
+    pub(crate) fn check_hand_back(self, name: &str) -> std::result::Result<(), String> {
+        match self {
+            GradState::Lent => Ok(()),
+            GradState::Ready => Err(format!(
+                "grad_ready(`{name}`) called twice in one micro-batch; {RECOVER}"
+            )),
+            GradState::Empty => Err(format!(
+                "grad_ready(`{name}`): take the buffer with grad_buffer first"
+            )),
+            GradState::Frozen => Err(frozen_unit(name, "grad_ready")),
+        }
+    }
+}
+
+/// The refusal of a gradient call on a unit with only frozen tensors.
+fn frozen_unit(name: &str, call: &str) -> String {
+    format!(
+        "{call}(`{name}`): the unit has only frozen tensors (TensorSpec::frozen), so it has no \
+         gradient; leave it out of the backward pass"
+    )
+}
+
 /// `len` elements of `src[src_at..]` into `dst[dst_at..]`, converting, on
 /// the compute stream.
 fn pack<B: HostAccess>(
@@ -444,6 +492,37 @@ impl<B: HostAccess> GradReducer<B> {
     /// The first unit whose gradient is in `state`.
     pub(crate) fn find(&self, state: GradState) -> Option<usize> {
         self.state.iter().position(|&s| s == state)
+    }
+
+    /// Whether the micro-batch has every unit's gradient back for
+    /// `step()` (`Err`: why not; `name(i)` names unit `i`).
+    pub(crate) fn check_complete<'a>(
+        &self,
+        name: impl Fn(usize) -> &'a str,
+    ) -> std::result::Result<(), String> {
+        if let Some(i) = self.find(GradState::Lent) {
+            return Err(format!(
+                "step() while the gradient buffer of unit `{}` is still out; hand it back with \
+                 grad_ready",
+                name(i)
+            ));
+        }
+        let missing: Vec<&str> = (0..self.state.len())
+            .filter(|&j| self.state(j) == GradState::Empty)
+            .map(&name)
+            .collect();
+        if let Some(first) = missing.first() {
+            return Err(format!(
+                "step(): no gradient for unit `{first}` in this micro-batch ({} of {} units have \
+                 none: {}); every unit needs grad_buffer + grad_ready in every micro-batch (a \
+                 buffer dropped on an error path gives none); call zero_grad() to drop this \
+                 micro-batch",
+                missing.len(),
+                self.state.len(),
+                missing.join(", ")
+            ));
+        }
+        Ok(())
     }
 
     /// Whether no reduction is open or in flight.

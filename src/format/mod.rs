@@ -11,6 +11,8 @@
 
 use std::path::Path;
 
+use zero_core::{bf16, f16, DType, Element};
+
 use crate::Error;
 
 pub(crate) mod checkpoint;
@@ -58,5 +60,22 @@ impl TestDir {
 impl Drop for TestDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Bytes of `T` values (any alignment) as f32.
+fn bytes_to_f32<T: Element>(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(std::mem::size_of::<T>())
+        .map(|c| bytemuck::pod_read_unaligned::<T>(c).to_f32())
+        .collect()
+}
+
+/// Bytes of `dtype` values (any alignment) as f32.
+pub(crate) fn bytes_as_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
+    match dtype {
+        DType::F32 => bytes_to_f32::<f32>(bytes),
+        DType::BF16 => bytes_to_f32::<bf16>(bytes),
+        DType::F16 => bytes_to_f32::<f16>(bytes),
     }
 }

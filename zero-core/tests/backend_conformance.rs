@@ -13,10 +13,11 @@
 //! and `CpuAdamW` bit for bit for the norm and AdamW), on every dtype
 //! combination, by range (offsets into both buffers), with more ranges than
 //! one conversion launch takes; arguments out of range are errors that
-//! change nothing; events order work across all four streams. Two more
-//! tests (`cuda_only`) need a GPU: a buffer dropped while in use is freed
-//! only after its work, and another backend's buffers and events are
-//! refused.
+//! change nothing; events order work across all four streams, also when
+//! they come from the backend's pool (reused while other handles are
+//! kept). Three more tests (`cuda_only`) need a GPU: a buffer dropped while
+//! in use is freed only after its work, events are reused once done, and
+//! another backend's buffers and events are refused.
 
 use zero_core::backend::{
     AccessKind, AdamWPart, Backend, BufferHandle, CpuBackend, CpuMode, HostAccess, PackPiece,
@@ -67,6 +68,7 @@ conformance!(
     pack_unpack_more_ranges_than_one_launch,
     bad_ranges_are_errors_and_change_nothing,
     events_order_work_across_streams,
+    pooled_events_keep_their_points,
     host_views_read_and_write_back,
     large_host_views_read_and_write_back,
     adopt_keeps_the_contents,
@@ -742,6 +744,82 @@ fn events_order_work_across_streams<B: Backend>(dev: &B) -> Result<()> {
     Ok(())
 }
 
+/// Events come from a pool (`record` reuses an event whose work is done
+/// and that no handle refers to any more). With many records, waits and
+/// syncs on every stream, handles dropped at once (their events go back
+/// and are reused) and clones of others kept for later, each kept event
+/// still means the point it was recorded at. A pool that reused a kept
+/// event early (say, when one of its clones dropped) would make a later
+/// wait wait for another stream's point: an unordered access on the
+/// checked CPU backend, wrong data in Chaos mode and on a device.
+fn pooled_events_keep_their_points<B: Backend>(dev: &B) -> Result<()> {
+    let (chunks, len) = (48, 4096);
+    let n = chunks * len;
+    let data: Vec<f32> = Rng(57).vec(n);
+    let mut host = dev.alloc_host::<f32>(n, "upload")?;
+    dev.write_host(&mut host, 0..n)?.copy_from_slice(&data);
+    let mut a = dev.alloc::<f32>(n, "a")?;
+    let mut b = dev.alloc::<bf16>(n, "b")?;
+    // One scratch buffer per churning stream: each stream's churn is
+    // ordered on its own.
+    let mut scratch = [
+        dev.alloc::<f32>(len, "comm")?,
+        dev.alloc::<f32>(len, "d2h")?,
+    ];
+    let mut kept = Vec::new();
+    for k in 0..chunks {
+        dev.copy_h2d(H2d, &host, k * len, &mut a, k * len, len)?;
+        let uploaded = dev.record(H2d)?;
+        kept.push(uploaded.clone());
+        drop(uploaded);
+        for (j, s) in [Comm, D2h].into_iter().enumerate() {
+            dev.fill(s, &mut scratch[j], 0..len, k as f32)?;
+            let e = dev.record(s)?;
+            if k % 5 == j {
+                dev.sync(&e)?;
+            }
+            if k % 3 == 0 {
+                dev.wait(Compute, &e)?;
+            }
+        }
+    }
+    // Latest first: each chunk is read on compute after its own upload.
+    while let Some(uploaded) = kept.pop() {
+        let k = kept.len();
+        dev.wait(Compute, &uploaded)?;
+        dev.cast(Compute, &a, k * len, &mut b, k * len, len, false)?;
+    }
+    let mut want = vec![bf16::ZERO; n];
+    convert(&data, &mut want, false);
+    assert_eq!(raw_bits(&download(dev, &b)?), raw_bits(&want));
+    // The upload buffer is rewritten only after every stream's work.
+    dev.sync_all()?;
+    dev.write_host(&mut host, 0..n)?.fill(0.0);
+    Ok(())
+}
+
+/// The checked CPU backend's events come from its pool: records whose
+/// handles are gone reuse events instead of making new ones.
+#[test]
+fn cpu_events_are_reused() {
+    for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 3 }] {
+        let dev = CpuBackend::new(mode).unwrap();
+        for _ in 0..1000 {
+            let e = dev.record(Compute).unwrap();
+            dev.sync(&e).unwrap();
+        }
+        assert!(
+            dev.events_created() <= 2,
+            "{mode:?}: {} events for 1000 records",
+            dev.events_created()
+        );
+        // Handles kept alive each hold their own event.
+        let kept: Vec<_> = (0..10).map(|_| dev.record(Comm).unwrap()).collect();
+        assert!(dev.events_created() >= 10, "{mode:?}");
+        drop(kept);
+    }
+}
+
 /// [`HostAccess`] views: a read view holds the range's elements; a
 /// mutable view changes exactly its range once committed, and the
 /// device's work afterwards sees the change; a range outside the buffer is
@@ -863,8 +941,9 @@ fn buffers_of_one_stream_are_zero_and_reused_in_its_order<B: HostAccess>(dev: &B
 }
 
 /// What only the CUDA backend must show on a GPU: memory of a dropped
-/// buffer is reused only after the work that used it, and buffers and
-/// events of another backend are refused.
+/// buffer is reused only after the work that used it, events are reused
+/// once their work is done, and buffers and events of another backend are
+/// refused.
 #[cfg(feature = "cuda")]
 mod cuda_only {
     use super::*;
@@ -893,6 +972,19 @@ mod cuda_only {
                 Ok(())
             },
         );
+    }
+
+    #[test]
+    fn events_are_reused_once_done() {
+        on_cuda("events_are_reused_once_done", |dev| {
+            for _ in 0..1000 {
+                let e = dev.record(Compute)?;
+                dev.sync(&e)?;
+            }
+            let created = dev.events_created();
+            assert!(created <= 2, "{created} events for 1000 records");
+            Ok(())
+        });
     }
 
     #[test]

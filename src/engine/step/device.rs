@@ -4,8 +4,8 @@
 use zero_core::optim::AdamWStep;
 use zero_core::Element;
 
-use super::TierStep;
-use crate::engine::{Engine, EngineBackend, EngineComm};
+use super::{StepIo, TierStep};
+use crate::engine::backend::{EngineBackend, EngineComm};
 use crate::Result;
 
 /// AdamW on the device, in one parallel region over every unit; with
@@ -26,37 +26,31 @@ pub(in crate::engine) struct DeviceStep;
 impl<B: EngineBackend> TierStep<B> for DeviceStep {
     fn run<C: EngineComm<B>, G: Element, P: Element>(
         &mut self,
-        eng: &mut Engine<C, B>,
+        io: &mut StepIo<'_, C, B>,
         k: &[AdamWStep],
     ) -> Result<()> {
-        if !eng.cfg.zero.overlap_comm || eng.stage == 0 {
-            let params = eng
+        if !io.overlap_comm || io.stage == 0 {
+            let params = io
                 .units
                 .iter_mut()
                 .enumerate()
                 .map(|(i, u)| (i, u.params_mut()));
-            return eng
-                .opt
-                .step_units::<G, P>(&eng.backend, k, &eng.reducer, params);
+            return io.opt.step_units::<G, P>(io.backend, k, io.reducer, params);
         }
         // overlap_comm: unit by unit, so that the all-gathers of updated
         // parameters start while AdamW runs on the next units — every
         // unit's at stages 1–2, the head of the recorded order (what the
         // next forward gathers first) at stage 3. AdamW is elementwise: the
         // same bits as one call over all units.
-        let head = eng.s3.head();
-        for i in 0..eng.units.len() {
-            let low = eng.units[i].params_mut();
-            eng.opt
-                .step_units::<G, P>(&eng.backend, k, &eng.reducer, std::iter::once((i, low)))?;
-            if eng.stage < 3 {
-                if eng.units[i].queue_gather() {
-                    eng.param_gather_queue.push_back(i);
-                }
-                eng.advance_param_gathers(None)?;
+        let head = io.s3.head();
+        for i in 0..io.units.len() {
+            let low = io.units[i].params_mut();
+            io.opt
+                .step_units::<G, P>(io.backend, k, io.reducer, std::iter::once((i, low)))?;
+            if io.stage < 3 {
+                io.gather_updated(i)?;
             } else if head == Some(i + 1) {
-                let (s3, io) = eng.s3_parts();
-                s3.prefetch_next(io)?;
+                io.prefetch_next()?;
             }
         }
         Ok(())

@@ -13,14 +13,19 @@
 //! Each type owns its buffers (the pinned staging of a device backend)
 //! and its overlap schedule; its doc draws what overlaps what. The tier
 //! is chosen once, at build, from the config; every tier gives the same
-//! bits (AdamW is elementwise).
+//! bits (AdamW is elementwise). A step borrows the engine's parts it needs
+//! through [`StepIo`] (never the engine itself); before it, the
+//! coordinator takes the global norm ([`local_sum_squares`], summed over
+//! ranks in rank order) and checks that every rank is at the same
+//! micro-batch ([`check_in_step`]).
 
 mod device;
 mod param;
 mod streamed;
 mod tiles;
 
-use zero_core::backend::HostAccess;
+use zero_core::backend::{HostAccess, Stream};
+use zero_core::memory::MemoryTracker;
 use zero_core::optim::AdamWStep;
 use zero_core::{bf16, f16, DType, Element};
 
@@ -29,18 +34,196 @@ pub(super) use param::{ParamDeviceStep, ParamHostStep};
 pub(super) use streamed::StreamedStep;
 pub(super) use tiles::TilesStep;
 
+use super::backend::{EngineBackend, EngineComm};
+use super::gatherer::{GatherIo, ParamGatherer};
+use super::grad_swap::GradSwap;
+use super::health::Health;
+use super::optimizer::OptimizerShard;
+use super::param_offload::ParamOffload;
+use super::reducer::GradReducer;
 use super::staging::{OffloadStage, ParamStepStage};
-use super::{Engine, EngineBackend, EngineComm};
-use crate::Result;
+use super::stats::EngineStats;
+use super::unit::{shards, AllGatherIo, Units};
+use crate::trace::Tracer;
+use crate::{Error, Result};
+
+/// What [`Engine::step`](super::Engine::step) did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    /// Whether this call ended a gradient-accumulation window (the
+    /// optimizer ran or was skipped); `false` for the other micro-batches.
+    pub boundary: bool,
+    /// Whether the update was skipped (fp16 overflow, or a non-finite
+    /// gradient norm in any precision): parameters are unchanged.
+    pub skipped: bool,
+    /// The global gradient norm (after unscaling, before clipping), at a
+    /// boundary.
+    pub grad_norm: Option<f64>,
+    /// The learning rate the update used (or would have used).
+    pub lr: f64,
+    /// The loss scale for the next micro-batch.
+    pub loss_scale: f32,
+    /// Optimizer steps applied so far.
+    pub steps: u64,
+}
+
+impl StepOutcome {
+    /// A call that ended no accumulation window, with the learning rate
+    /// and loss scale for the next step and `steps` applied.
+    pub(super) fn between(lr: f64, loss_scale: f32, steps: u64) -> Self {
+        Self {
+            boundary: false,
+            skipped: false,
+            grad_norm: None,
+            lr,
+            loss_scale,
+            steps,
+        }
+    }
+}
+
+/// What an optimizer step needs from the engine, borrowed for one step:
+/// the rank's state and the units' parameters it updates, the parameter
+/// offload it writes home, the health its verdicts change, and what the
+/// all-gathers it starts need.
+pub(super) struct StepIo<'a, C, B: EngineBackend> {
+    pub(super) comm: &'a C,
+    pub(super) backend: &'a B,
+    pub(super) units: &'a mut Units<B>,
+    pub(super) opt: &'a mut OptimizerShard<B>,
+    pub(super) reducer: &'a mut GradReducer<B>,
+    /// Stage 3 with `offload_param`: the shards' home.
+    pub(super) poff: Option<&'a mut ParamOffload>,
+    pub(super) health: &'a mut Health,
+    /// The error of a failed swap write every rank rescued: the step
+    /// completes and `step()` returns it afterwards.
+    pub(super) rescued: &'a mut Option<Error>,
+    /// The number of this step (1 for the first), for errors.
+    pub(super) number: u64,
+    pub(super) stage: u8,
+    pub(super) pdt: DType,
+    /// `overlap_comm`: start the all-gathers while AdamW runs.
+    pub(super) overlap_comm: bool,
+    /// `allgather_bucket_size`.
+    pub(super) gather_limit: usize,
+    /// The stream the all-gathers start after.
+    pub(super) gather_after: Stream,
+    /// Stage 3: the gatherer whose prefetch starts during the step.
+    pub(super) s3: &'a mut ParamGatherer<B>,
+    pub(super) tracker: &'a MemoryTracker,
+    pub(super) tracer: &'a Tracer,
+    pub(super) stats: &'a mut EngineStats,
+}
+
+impl<C: EngineComm<B>, B: EngineBackend> StepIo<'_, C, B> {
+    /// Stages 1–2: queues the all-gather of unit `i`'s updated parameters
+    /// and launches what fits in `allgather_bucket_size`.
+    fn gather_updated(&mut self, i: usize) -> Result<()> {
+        self.units.queue_gather(i);
+        let mut io = AllGatherIo {
+            backend: self.backend,
+            comm: self.comm,
+            after: self.gather_after,
+            tracer: self.tracer,
+            stats: self.stats,
+            limit: self.gather_limit,
+        };
+        self.units.advance(None, &mut io)
+    }
+
+    /// Stage 3: prefetches the head of the recorded gather order.
+    fn prefetch_next(&mut self) -> Result<()> {
+        let io = GatherIo {
+            backend: self.backend,
+            after: self.gather_after,
+            comm: self.comm,
+            tracker: self.tracker,
+            tracer: self.tracer,
+            pdt: self.pdt,
+            shards: shards(self.poff.as_deref_mut(), self.units),
+            stats: self.stats,
+        };
+        self.s3.prefetch_next(io)
+    }
+
+    /// With nvme parameter offload, after the write-back of a step (`r`):
+    /// every rank learns whether every rank's writes worked. On an error
+    /// anywhere the engine is failed and the parameters are lost (some
+    /// units were written, others not).
+    fn param_write_verdict(&mut self, r: Result<()>) -> Result<()> {
+        if !self.poff.as_deref().is_some_and(ParamOffload::is_nvme) {
+            return r;
+        }
+        let number = self.number;
+        self.health.params_verdict(self.comm, r, |bad, why| {
+            format!(
+                "the parameter swap file of rank {bad} failed in step {number} ({why}); the \
+                 parameters are lost"
+            )
+        })
+    }
+}
+
+/// This rank's part of the squared gradient norm: its shard of every
+/// unit, in unit order (stage 0 too, so that every stage adds the same
+/// terms); 0 without trainable tensors.
+pub(super) fn local_sum_squares<B: EngineBackend>(
+    opt: &OptimizerShard<B>,
+    backend: &B,
+    reducer: &GradReducer<B>,
+) -> Result<f64> {
+    match reducer.home_dtype() {
+        None => Ok(0.0),
+        Some(_) if reducer.grad_swap().is_some() => {
+            Ok(reducer.grad_swap().map_or(0.0, GradSwap::sum_squares))
+        }
+        Some(DType::F32) => opt.local_sum_squares::<f32>(backend, reducer),
+        Some(DType::BF16) => opt.local_sum_squares::<bf16>(backend, reducer),
+        Some(DType::F16) => opt.local_sum_squares::<f16>(backend, reducer),
+    }
+}
+
+/// Every rank is at the same micro-batch (word 1 of each rank's part of
+/// the norm exchange, `parts`): a rank that failed a micro-batch,
+/// dropped it with `zero_grad` and went on alone has paired its
+/// reductions with the other ranks' previous micro-batch. Then every
+/// rank refuses the update with the same error, naming the first rank
+/// off the majority (ties: rank 0's count) and both counts; the counts
+/// stay apart, so every later step is refused too.
+pub(super) fn check_in_step(parts: &[Vec<u64>], rank: usize, step: u64) -> Result<()> {
+    let count = |v: u64| parts.iter().filter(|w| w[1] == v).count();
+    let mut common = parts[0][1];
+    for w in parts {
+        if count(w[1]) > count(common) {
+            common = w[1];
+        }
+    }
+    let Some(off) = parts.iter().position(|w| w[1] != common) else {
+        return Ok(());
+    };
+    let at = parts.iter().position(|w| w[1] == common).unwrap_or(0);
+    Err(Error::Disagreement {
+        rank,
+        what: format!(
+            "step {}: rank {off} is at micro-batch {} and rank {at} at micro-batch {common} \
+             (micro-batches ended by step() or dropped by zero_grad()): rank {off} went on \
+             alone after a failed micro-batch, so this step's reductions paired gradients \
+             of different micro-batches and its update was not applied; every rank must \
+             drop a failed micro-batch together (zero_grad() on every rank), so restart \
+             from the last checkpoint",
+            step, parts[off][1]
+        ),
+    })
+}
 
 /// One tier's optimizer step: AdamW with the constants `k` (one per
 /// parameter group) on this rank's part of every unit, gradients in `G`,
 /// parameters written in `P`.
 pub(super) trait TierStep<B: EngineBackend> {
-    /// Runs the step on the engine `e`'s parts.
+    /// Runs the step on the engine's parts `io`.
     fn run<C: EngineComm<B>, G: Element, P: Element>(
         &mut self,
-        e: &mut Engine<C, B>,
+        io: &mut StepIo<'_, C, B>,
         k: &[AdamWStep],
     ) -> Result<()>;
 }
@@ -92,7 +275,7 @@ impl<B: EngineBackend> OptimizerStep<B> {
     /// tensors).
     pub(super) fn run<C: EngineComm<B>>(
         &mut self,
-        e: &mut Engine<C, B>,
+        e: &mut StepIo<'_, C, B>,
         k: &[AdamWStep],
     ) -> Result<()> {
         let Some(gdt) = e.reducer.home_dtype() else {
@@ -111,7 +294,7 @@ impl<B: EngineBackend> OptimizerStep<B> {
 /// `t`'s step for gradient dtype `gdt` and the engine's parameter dtype.
 fn for_dtypes<B: EngineBackend, C: EngineComm<B>, T: TierStep<B>>(
     t: &mut T,
-    e: &mut Engine<C, B>,
+    e: &mut StepIo<'_, C, B>,
     gdt: DType,
     k: &[AdamWStep],
 ) -> Result<()> {
@@ -124,7 +307,7 @@ fn for_dtypes<B: EngineBackend, C: EngineComm<B>, T: TierStep<B>>(
 
 fn for_params<B: EngineBackend, C: EngineComm<B>, T: TierStep<B>, G: Element>(
     t: &mut T,
-    e: &mut Engine<C, B>,
+    e: &mut StepIo<'_, C, B>,
     k: &[AdamWStep],
 ) -> Result<()> {
     match e.pdt {

@@ -5,9 +5,9 @@
 use zero_core::optim::AdamWStep;
 use zero_core::Element;
 
-use super::TierStep;
+use super::{StepIo, TierStep};
+use crate::engine::backend::{EngineBackend, EngineComm};
 use crate::engine::staging::ParamStepStage;
-use crate::engine::{Engine, EngineBackend, EngineComm};
 use crate::Result;
 
 /// AdamW on the host (the CPU backend), the shards' home written
@@ -26,24 +26,24 @@ pub(in crate::engine) struct ParamHostStep;
 impl<B: EngineBackend> TierStep<B> for ParamHostStep {
     fn run<C: EngineComm<B>, G: Element, P: Element>(
         &mut self,
-        eng: &mut Engine<C, B>,
+        io: &mut StepIo<'_, C, B>,
         k: &[AdamWStep],
     ) -> Result<()> {
-        let Engine {
+        let StepIo {
             poff,
             opt,
             reducer,
             backend,
             ..
-        } = eng;
-        let Some(po) = poff.as_mut() else {
+        } = io;
+        let Some(po) = poff.as_deref_mut() else {
             return Ok(());
         };
         if let Some(homes) = po.host_shards::<P>()? {
             return opt.step_units_host::<G, P>(backend, k, reducer, homes.into_iter().enumerate());
         }
         let mut r = Ok(());
-        for i in 0..eng.units.len() {
+        for i in 0..io.units.len() {
             r = po.write_with::<P>(i, |home| {
                 opt.step_units_host::<G, P>(backend, k, reducer, std::iter::once((i, home)))
             });
@@ -52,7 +52,7 @@ impl<B: EngineBackend> TierStep<B> for ParamHostStep {
             }
         }
         let flushed = po.flush();
-        eng.param_write_verdict(r.and(flushed))
+        io.param_write_verdict(r.and(flushed))
     }
 }
 
@@ -75,21 +75,21 @@ pub(in crate::engine) struct ParamDeviceStep<B: zero_core::backend::HostAccess> 
 impl<B: EngineBackend> TierStep<B> for ParamDeviceStep<B> {
     fn run<C: EngineComm<B>, G: Element, P: Element>(
         &mut self,
-        eng: &mut Engine<C, B>,
+        io: &mut StepIo<'_, C, B>,
         k: &[AdamWStep],
     ) -> Result<()> {
-        let Engine {
+        let StepIo {
             poff,
             opt,
             reducer,
             backend,
             ..
-        } = eng;
+        } = io;
         let st = &mut self.stage;
-        let Some(po) = poff.as_mut() else {
+        let Some(po) = poff.as_deref_mut() else {
             return Ok(());
         };
-        let n = eng.units.len();
+        let n = io.units.len();
         let ranges: Vec<_> = (0..n).map(|i| opt.params_range(i)).collect();
         // Unit `j`'s updated elements, from slot `b` into its home.
         let mut home = |st: &mut ParamStepStage<B>, b: usize, j: usize| -> Result<()> {
@@ -129,6 +129,6 @@ impl<B: EngineBackend> TierStep<B> for ParamDeviceStep<B> {
             }
         }
         let flushed = po.flush();
-        eng.param_write_verdict(r.and(flushed))
+        io.param_write_verdict(r.and(flushed))
     }
 }

@@ -2,12 +2,11 @@
 //! tiles and the accumulated gradients in their own swap file, unit by
 //! unit.
 
-use zero_comm::agree::first_failure;
 use zero_core::optim::AdamWStep;
 use zero_core::Element;
 
-use super::{commit_all, TierStep};
-use crate::engine::{Engine, EngineBackend, EngineComm};
+use super::{commit_all, StepIo, TierStep};
+use crate::engine::backend::{EngineBackend, EngineComm};
 use crate::Result;
 
 /// `swap_gradients`: AdamW unit by unit over the swapped gradients (see
@@ -27,10 +26,10 @@ pub(in crate::engine) struct StreamedStep;
 impl<B: EngineBackend> TierStep<B> for StreamedStep {
     fn run<C: EngineComm<B>, G: Element, P: Element>(
         &mut self,
-        eng: &mut Engine<C, B>,
+        eng: &mut StepIo<'_, C, B>,
         k: &[AdamWStep],
     ) -> Result<()> {
-        let Engine {
+        let StepIo {
             units,
             backend,
             opt,
@@ -61,27 +60,19 @@ impl<B: EngineBackend> TierStep<B> for StreamedStep {
         };
         let r = opt.step_streamed::<G, P>(k, gs, &mut params, &mut emit);
         drop(params);
-        let r = r.and(commit_all(backend, views));
+        let r = r.and(commit_all(*backend, views));
         let flushed = match poff.as_mut() {
             Some(po) => po.flush(),
             None => Ok(()),
         };
         let r = r.and(flushed);
-        let failed = first_failure(&eng.comm, r.as_ref().err())?;
-        if let Err(e) = r {
-            eng.health.params_lost_now(e.to_string());
-            return Err(e);
-        }
-        if let Some((bad, why)) = failed {
-            let msg = format!(
-                "the offloaded optimizer step of rank {bad} failed in step {} ({why}); with \
+        let number = eng.number;
+        eng.health.params_verdict(eng.comm, r, |bad, why| {
+            format!(
+                "the offloaded optimizer step of rank {bad} failed in step {number} ({why}); with \
                  swap_gradients the units are updated one after another, so the optimizer state \
-                 and the parameters are lost: resume from the last checkpoint",
-                eng.steps + 1
-            );
-            eng.health.params_lost_now(msg.clone());
-            return Err(eng.usage(msg));
-        }
-        Ok(())
+                 and the parameters are lost: resume from the last checkpoint"
+            )
+        })
     }
 }

@@ -7,9 +7,9 @@ use zero_core::backend::HostAccess;
 use zero_core::optim::AdamWStep;
 use zero_core::Element;
 
-use super::{commit_all, TierStep};
+use super::{commit_all, StepIo, TierStep};
+use crate::engine::backend::{EngineBackend, EngineComm};
 use crate::engine::staging::OffloadStage;
-use crate::engine::{Engine, EngineBackend, EngineComm};
 use crate::{Error, Result};
 
 /// AdamW on the offloaded optimizer state, tile by tile (see
@@ -40,7 +40,7 @@ pub(in crate::engine) struct TilesStep<B: HostAccess> {
 impl<B: EngineBackend> TierStep<B> for TilesStep<B> {
     fn run<C: EngineComm<B>, G: Element, P: Element>(
         &mut self,
-        eng: &mut Engine<C, B>,
+        eng: &mut StepIo<'_, C, B>,
         k: &[AdamWStep],
     ) -> Result<()> {
         // With parameter offload the shards are not here: the updated
@@ -56,7 +56,7 @@ impl<B: EngineBackend> TierStep<B> for TilesStep<B> {
         let (homes, mut params): (Vec<&[G]>, Vec<&mut [P]>) = match self.stage.as_mut() {
             Some(stage) => (
                 eng.reducer.staged_homes::<G>()?,
-                stage.params_mut::<P>(&eng.backend)?,
+                stage.params_mut::<P>(eng.backend)?,
             ),
             None => {
                 for i in 0..eng.units.len() {
@@ -66,7 +66,7 @@ impl<B: EngineBackend> TierStep<B> for TilesStep<B> {
                     for u in eng.units.iter_mut() {
                         views.push(
                             u.params_mut()
-                                .host_typed_mut::<P>(&eng.backend)?
+                                .host_typed_mut::<P>(eng.backend)?
                                 .expect("the parameter dtype"),
                         );
                     }
@@ -84,7 +84,7 @@ impl<B: EngineBackend> TierStep<B> for TilesStep<B> {
         if !off.is_nvme() {
             drop((homes, params));
             drop(grad_views);
-            commit_all(&eng.backend, views)?;
+            commit_all(eng.backend, views)?;
             self.params_up::<C, P>(eng)?;
             r?;
             return param_write_back::<B, C, P>(eng);
@@ -96,16 +96,16 @@ impl<B: EngineBackend> TierStep<B> for TilesStep<B> {
             Err(_) if off.rescued() => 1,
             Err(_) => 2,
         };
-        let verdict = exchange_u64(&eng.comm, &[word])?;
-        let rank = eng.rank;
+        let verdict = exchange_u64(eng.comm, &[word])?;
+        let rank = eng.comm.rank();
         let usage = |what: String| Error::Usage { rank, what };
         if verdict.iter().any(|w| w[0] == 2) {
-            let lost = first_failure(&eng.comm, r.as_ref().err().filter(|_| word == 2))?;
+            let lost = first_failure(eng.comm, r.as_ref().err().filter(|_| word == 2))?;
             let (lost, why) = lost.expect("a rank lost its state");
             let msg = format!(
                 "the optimizer swap file of rank {lost} failed in step {} ({why}); no rank's \
                  parameters changed",
-                eng.steps + 1
+                eng.number
             );
             let e = match r {
                 Err(e) if word == 2 => e,
@@ -116,7 +116,7 @@ impl<B: EngineBackend> TierStep<B> for TilesStep<B> {
             return Err(e);
         }
         if verdict.iter().any(|w| w[0] == 1) {
-            let failed = first_failure(&eng.comm, r.as_ref().err())?;
+            let failed = first_failure(eng.comm, r.as_ref().err())?;
             let (bad, why) = failed.expect("a rank's write failed");
             let e = match r {
                 Err(e) => e,
@@ -124,16 +124,16 @@ impl<B: EngineBackend> TierStep<B> for TilesStep<B> {
                     "a write to the optimizer swap file of rank {bad} failed in step {} ({why}); \
                      the step completed and rank {bad} keeps the state it could not write in \
                      host memory",
-                    eng.steps + 1
+                    eng.number
                 )),
             };
             eng.health.rescued(e.to_string());
-            eng.rescued_error = Some(e);
+            *eng.rescued = Some(e);
         }
         let committed = off.commit(&mut params);
         drop((homes, params));
         drop(grad_views);
-        commit_all(&eng.backend, views)?;
+        commit_all(eng.backend, views)?;
         self.params_up::<C, P>(eng)?;
         committed?;
         param_write_back::<B, C, P>(eng)
@@ -143,8 +143,8 @@ impl<B: EngineBackend> TierStep<B> for TilesStep<B> {
 impl<B: EngineBackend> TilesStep<B> {
     /// With the offloaded optimizer staged: the updated range of every
     /// unit's parameters up to the device (see `src/engine/staging.rs`).
-    fn params_up<C: EngineComm<B>, P: Element>(&self, eng: &mut Engine<C, B>) -> Result<()> {
-        let Engine {
+    fn params_up<C: EngineComm<B>, P: Element>(&self, eng: &mut StepIo<'_, C, B>) -> Result<()> {
+        let StepIo {
             units,
             backend,
             opt,
@@ -164,9 +164,9 @@ impl<B: EngineBackend> TilesStep<B> {
 /// Writes the updated shards from the optimizer offload's staging
 /// buffer to their home (parameter offload with optimizer offload).
 fn param_write_back<B: EngineBackend, C: EngineComm<B>, P: Element>(
-    eng: &mut Engine<C, B>,
+    eng: &mut StepIo<'_, C, B>,
 ) -> Result<()> {
-    let (Some(off), Some(po)) = (eng.opt.offload(), eng.poff.as_mut()) else {
+    let (Some(off), Some(po)) = (eng.opt.offload(), eng.poff.as_deref_mut()) else {
         return Ok(());
     };
     let mut r = Ok(());

@@ -73,6 +73,7 @@ use zero_core::partition::PartitionPlan;
 
 use crate::Result;
 
+mod frozen;
 mod manifest;
 mod names;
 mod rank_file;
@@ -80,6 +81,7 @@ mod reader;
 mod root;
 mod writer;
 
+pub(crate) use frozen::{frozen_layouts, read_frozen_file};
 pub(crate) use manifest::{
     check_units, read_manifest, saved_plan, FileEntry, Manifest, ModelFileEntry, SavedRun,
 };

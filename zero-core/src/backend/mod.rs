@@ -70,6 +70,7 @@ mod checks;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod events;
 mod hazard;
 mod host;
 

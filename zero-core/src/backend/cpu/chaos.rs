@@ -251,6 +251,11 @@ impl Workers {
         );
     }
 
+    /// Items `stream`'s worker completed so far.
+    pub(crate) fn completed(&self, stream: Stream) -> u64 {
+        lock(&self.progress.done)[stream.index()]
+    }
+
     /// Blocks the calling thread until `stream` completed `seq` items.
     pub(crate) fn wait_until(&self, stream: Stream, seq: u64) {
         self.progress.wait_until(stream.index(), seq);

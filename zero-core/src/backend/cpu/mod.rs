@@ -36,6 +36,7 @@
 //! One host thread drives a backend at a time (clones share it): the
 //! checker has one host agent.
 
+use std::fmt;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 use std::ops::Range;
@@ -43,6 +44,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::checks::{self, disjoint, item_error, range_len};
+use super::events::{EventPool, Pooled};
 use super::hazard::{Checker, Clock, Decl};
 use super::{
     AccessKind, AdamWPart, Backend, BufferHandle, BufferId, PackPiece, Stream, UnpackPiece,
@@ -98,6 +100,8 @@ struct Inner {
     /// drop, an operation on a worker); the next fallible call returns it.
     stored: Arc<Mutex<Option<Error>>>,
     workers: Option<Workers>,
+    /// The free events of the checked modes.
+    events: Arc<EventPool<Slot>>,
 }
 
 impl Inner {
@@ -272,13 +276,29 @@ fn bounds<T: Element>(op: &'static str, b: &CpuBuffer<T>, at: usize, len: usize)
 }
 
 /// A point in one stream's work (see [`Backend::record`]). In `Inline`
-/// mode it carries nothing that is ever waited for.
-#[derive(Debug, Clone)]
+/// mode it carries nothing that is ever waited for; in `Checked` and
+/// `Chaos` modes its point lives in an event of the backend's pool, as a
+/// device backend's does (`src/backend/events.rs`): a reuse of a pooled
+/// event that one of its handles still needed would show as an unordered
+/// access (`Checked`) or wrong data (`Chaos`).
+#[derive(Clone)]
 pub struct CpuEvent {
     backend: u64,
     stream: Stream,
+    /// The pooled event that holds its point; `None` in `Inline` mode.
+    point: Option<Arc<Pooled<Slot>>>,
+}
+
+/// A checked-mode event, as a device's: recording it again (from the
+/// pool) changes what every handle to it refers to.
+type Slot = Arc<Mutex<Point>>;
+
+/// What a checked event records: the stream, the checker's clock and, in
+/// Chaos mode, the items queued on the stream then.
+#[derive(Debug, Clone, Copy)]
+struct Point {
+    stream: Stream,
     clock: Clock,
-    /// Chaos: items queued on `stream` when recorded.
     seq: u64,
 }
 
@@ -286,6 +306,20 @@ impl CpuEvent {
     /// The stream it was recorded on.
     pub fn stream(&self) -> Stream {
         self.stream
+    }
+
+    /// The recorded point (checked modes).
+    fn point(&self) -> Option<Point> {
+        self.point.as_deref().map(|p| *lock(p.get()))
+    }
+}
+
+impl fmt::Debug for CpuEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CpuEvent")
+            .field("stream", &self.stream)
+            .field("point", &self.point())
+            .finish()
     }
 }
 
@@ -398,6 +432,7 @@ impl CpuBackend {
                 checker: Mutex::new(Checker::new()),
                 stored,
                 workers,
+                events: Arc::default(),
             }),
         })
     }
@@ -675,18 +710,42 @@ impl CpuBackend {
         CpuEvent {
             backend: self.inner.instance,
             stream,
-            clock: Clock::default(),
-            seq: 0,
+            point: None,
         }
     }
 
+    /// A checked event on `stream`: a pooled one whose work is done (Chaos:
+    /// its stream's worker got past it), recorded again, or a new one.
     fn event_locked(&self, checker: &Checker, stream: Stream) -> CpuEvent {
+        let workers = self.inner.workers.as_ref();
+        let point = Point {
+            stream,
+            clock: checker.record(stream),
+            seq: workers.map_or(0, |w| w.pushed(stream)),
+        };
+        let done = |p: &Point| workers.is_none_or(|w| w.completed(p.stream) >= p.seq);
+        let slot = match self.inner.events.take(|e| done(&lock(e))) {
+            Some(e) => {
+                *lock(&e) = point;
+                e
+            }
+            None => {
+                self.inner.events.created_one();
+                Arc::new(Mutex::new(point))
+            }
+        };
         CpuEvent {
             backend: self.inner.instance,
             stream,
-            clock: checker.record(stream),
-            seq: self.inner.workers.as_ref().map_or(0, |w| w.pushed(stream)),
+            point: Some(Arc::new(Pooled::new(slot, self.inner.events.clone()))),
         }
+    }
+
+    /// Events created so far in `Checked` and `Chaos` modes (every other
+    /// record reused a pooled one).
+    #[doc(hidden)]
+    pub fn events_created(&self) -> u64 {
+        self.inner.events.created()
     }
 
     /// Runs `job` as operation `op` on `stream`: at once in `Inline`; after
@@ -831,11 +890,14 @@ impl Backend for CpuBackend {
         }
         self.own_event(event, "wait")?;
         self.inner.take_stored()?;
+        let Some(p) = event.point() else {
+            return Ok(());
+        };
         let mut checker = lock(&self.inner.checker);
-        checker.wait(stream, &event.clock);
+        checker.wait(stream, &p.clock);
         if let Some(w) = &self.inner.workers {
-            if event.stream != stream {
-                w.wait(stream, event.stream, event.seq);
+            if p.stream != stream {
+                w.wait(stream, p.stream, p.seq);
             }
         }
         Ok(())
@@ -846,11 +908,14 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         self.own_event(event, "sync")?;
+        let Some(p) = event.point() else {
+            return Ok(());
+        };
         if let Some(w) = &self.inner.workers {
-            w.wait_until(event.stream, event.seq);
+            w.wait_until(p.stream, p.seq);
         }
         self.inner.take_stored()?;
-        lock(&self.inner.checker).sync(&event.clock);
+        lock(&self.inner.checker).sync(&p.clock);
         Ok(())
     }
 

@@ -67,6 +67,7 @@ mod host;
 pub use host::{CudaHostMut, CudaLoan};
 
 use super::checks::{bounds, disjoint, item_error, range_len};
+use super::events::{EventPool, Pooled};
 use super::{AdamWPart, Backend, BufferHandle, BufferId, PackPiece, Stream, UnpackPiece};
 use crate::cuda::kernels::{
     convert_entry_point, load_module, norm_scratch_len, source, target_arch, GpuAdamW,
@@ -93,6 +94,9 @@ struct Inner {
     /// waits for the work enqueued so far (a wait captures the event as it
     /// is then: re-recording is safe, also from several threads).
     free_after: [CudaEvent; 4],
+    /// The events `record` hands out, reused once their work is done and
+    /// no handle refers to them.
+    events: Arc<EventPool<CudaEvent>>,
     adam: GpuAdamW,
     convert: Convert,
     /// The pinned buffers host views are copied through, made at the
@@ -194,17 +198,43 @@ struct KernelPieces {
 unsafe impl DeviceRepr for KernelPieces {}
 
 /// A range of device memory as cudarc's kernel-argument traits want it,
-/// without any event: the caller's stream order is the only order. Made by
-/// [`CudaBackend::raw_view`] for libraries that take cudarc's traits
+/// without any event: the caller's stream order is the only order. `A`
+/// says what the range may be used for: [`ReadWrite`] ([`View`], made by
+/// [`CudaBackend::raw_view`]) or [`ReadOnly`] ([`ReadView`], made by
+/// [`CudaBackend::read_view`]), for libraries that take cudarc's traits
 /// (NCCL in `zero-comm`).
-pub struct View<'a, T> {
+pub struct DeviceView<'a, T, A> {
     ptr: sys::CUdeviceptr,
     len: usize,
     stream: &'a Arc<CudaStream>,
-    _marker: PhantomData<T>,
+    _marker: PhantomData<(T, A)>,
 }
 
-impl<T> DeviceSlice<T> for View<'_, T> {
+/// A [`DeviceView`] that kernels may write (cudarc's `DevicePtrMut`).
+pub struct ReadWrite;
+
+/// A [`DeviceView`] that kernels only read.
+pub struct ReadOnly;
+
+/// A range of device memory to read and write ([`DeviceView`]).
+pub type View<'a, T> = DeviceView<'a, T, ReadWrite>;
+
+/// A range of device memory to read, the read-only counterpart of
+/// [`View`] ([`DeviceView`]).
+pub type ReadView<'a, T> = DeviceView<'a, T, ReadOnly>;
+
+impl<'a, T, A> DeviceView<'a, T, A> {
+    fn new(ptr: sys::CUdeviceptr, len: usize, stream: &'a Arc<CudaStream>) -> Self {
+        Self {
+            ptr,
+            len,
+            stream,
+            _marker: PhantomData,
+        }
+    }
+}
+
+impl<T, A> DeviceSlice<T> for DeviceView<'_, T, A> {
     fn len(&self) -> usize {
         self.len
     }
@@ -213,7 +243,7 @@ impl<T> DeviceSlice<T> for View<'_, T> {
     }
 }
 
-impl<T> DevicePtr<T> for View<'_, T> {
+impl<T, A> DevicePtr<T> for DeviceView<'_, T, A> {
     fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
         (self.ptr, SyncOnDrop::Record(None))
     }
@@ -224,31 +254,6 @@ impl<T> DevicePtrMut<T> for View<'_, T> {
         &'a mut self,
         _stream: &'a CudaStream,
     ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        (self.ptr, SyncOnDrop::Record(None))
-    }
-}
-
-/// A range of device memory to read, as cudarc's kernel-argument traits
-/// want it, without any event: the read-only counterpart of [`View`], made
-/// by [`CudaBackend::read_view`].
-pub struct ReadView<'a, T> {
-    ptr: sys::CUdeviceptr,
-    len: usize,
-    stream: &'a Arc<CudaStream>,
-    _marker: PhantomData<T>,
-}
-
-impl<T> DeviceSlice<T> for ReadView<'_, T> {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        self.stream
-    }
-}
-
-impl<T> DevicePtr<T> for ReadView<'_, T> {
-    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
         (self.ptr, SyncOnDrop::Record(None))
     }
 }
@@ -311,12 +316,7 @@ impl<T: Element> CudaBuffer<T> {
     }
 
     fn view<'a>(&self, at: usize, len: usize, stream: &'a Arc<CudaStream>) -> View<'a, T> {
-        View {
-            ptr: self.addr(at),
-            len,
-            stream,
-            _marker: PhantomData,
-        }
+        View::new(self.addr(at), len, stream)
     }
 }
 
@@ -375,10 +375,12 @@ impl<T: Element> Drop for CudaHostBuffer<T> {
     }
 }
 
-/// A point in one stream's work ([`Backend::record`]).
+/// A point in one stream's work ([`Backend::record`]): a driver event from
+/// the backend's pool (`src/backend/events.rs`), back there when the last
+/// clone drops.
 #[derive(Clone)]
 pub struct CudaBackendEvent {
-    event: Arc<CudaEvent>,
+    event: Arc<Pooled<CudaEvent>>,
     stream: Stream,
     owner: Arc<Inner>,
 }
@@ -392,7 +394,7 @@ impl CudaBackendEvent {
     /// The driver event, for waits that poll it (e.g. NCCL's bounded wait,
     /// which aborts the communicator instead of blocking forever).
     pub fn cuda_event(&self) -> &CudaEvent {
-        &self.event
+        self.event.get()
     }
 }
 
@@ -489,11 +491,19 @@ impl CudaBackend {
                 streams,
                 service,
                 free_after,
+                events: Arc::default(),
                 adam,
                 convert,
                 staging: std::sync::Mutex::new(None),
             }),
         })
+    }
+
+    /// Driver events created by `record` so far (every other record reused
+    /// a pooled one whose work was done).
+    #[doc(hidden)]
+    pub fn events_created(&self) -> u64 {
+        self.inner.events.created()
     }
 
     /// The device's streams (for code that launches its own kernels on
@@ -542,12 +552,11 @@ impl CudaBackend {
         self.own(buf, OP)?;
         let len = range_len(OP, &range)?;
         bounds(OP, &buf.label, buf.id, buf.len, range.start, len)?;
-        Ok(ReadView {
-            ptr: buf.addr(range.start),
+        Ok(ReadView::new(
+            buf.addr(range.start),
             len,
-            stream: self.inner.stream(stream),
-            _marker: PhantomData,
-        })
+            self.inner.stream(stream),
+        ))
     }
 
     /// The CUDA stream behind `stream`.
@@ -1022,13 +1031,22 @@ impl Backend for CudaBackend {
 
     fn record(&self, stream: Stream) -> Result<CudaBackendEvent> {
         self.inner.begin()?;
-        let event = self
-            .inner
-            .stream(stream)
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .map_err(cuda_error("cuEventRecord"))?;
+        let on = self.inner.stream(stream);
+        // A pooled event whose work is done (no handle refers to it any
+        // more), recorded again; else a new one.
+        let event = match self.inner.events.take(CudaEvent::is_complete) {
+            Some(e) => {
+                e.record(on).map_err(cuda_error("cuEventRecord"))?;
+                e
+            }
+            None => {
+                self.inner.events.created_one();
+                on.record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                    .map_err(cuda_error("cuEventRecord"))?
+            }
+        };
         Ok(CudaBackendEvent {
-            event: Arc::new(event),
+            event: Arc::new(Pooled::new(event, self.inner.events.clone())),
             stream,
             owner: self.inner.clone(),
         })
@@ -1042,7 +1060,7 @@ impl Backend for CudaBackend {
         }
         self.inner
             .stream(stream)
-            .wait(&event.event)
+            .wait(event.event.get())
             .map_err(cuda_error("cuStreamWaitEvent"))
     }
 
@@ -1051,6 +1069,7 @@ impl Backend for CudaBackend {
         self.inner.begin()?;
         event
             .event
+            .get()
             .synchronize()
             .map_err(cuda_error("cuEventSynchronize"))
     }

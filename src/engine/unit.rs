@@ -1,0 +1,278 @@
+//! The registered units and their own parameters: where each unit's
+//! parameters are ([`Params`]), and at stages 1–2 the all-gathers of the
+//! parameters the optimizer step updated ([`Units::advance`]).
+//!
+//! ```text
+//!  step (stages 1–2): queue(u0) queue(u1) …
+//!  comm:              gather(u0) gather(u1) …   at most allgather_bucket_size
+//!                                               elements in flight
+//!  next forward:      gather(u) waits for unit u's all-gather (overlap_comm)
+//! ```
+
+use std::collections::VecDeque;
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
+use zero_core::backend::{HostAccess, Stream};
+use zero_core::memory::Allocation;
+use zero_core::partition::UnitLayout;
+
+use super::backend::{EngineBackend, EngineComm};
+use super::devbuf::{DevBuf, DynWork};
+use super::dynbuf::ring_bytes;
+use super::gatherer::{HomeShards, Shards};
+use super::lease::exclusive;
+use super::param_offload::ParamOffload;
+use super::stats::EngineStats;
+use crate::trace::Tracer;
+use crate::Result;
+
+/// A registered unit of one engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct UnitId {
+    pub(super) engine: u64,
+    pub(super) index: usize,
+}
+
+impl UnitId {
+    /// The unit's position in registration order.
+    pub fn index(self) -> usize {
+        self.index
+    }
+}
+
+/// Where a unit's own parameters are (stages 0–2: the full padded unit;
+/// stage 3: this rank's shard), one state per unit:
+///
+/// ```text
+///  Home ──step (stages 1–2)──▶ Queued ──launch──▶ Gathering ──complete──▶ Home
+///  Offloaded (stage 3 with offload_param: the shard lives in ParamOffload)
+/// ```
+pub(super) enum Params<B: HostAccess> {
+    /// Current and readable; shared with the trainer's `UnitGuard`s at
+    /// stages 0–2.
+    Home(Arc<DevBuf<B>>),
+    /// Stages 1–2: updated by the step (this rank's range); the all-gather
+    /// of the other ranks' ranges is queued.
+    Queued(Arc<DevBuf<B>>),
+    /// Stages 1–2: lent to that all-gather (its handle is in
+    /// [`Units`]).
+    Gathering,
+    /// Stage 3 with `offload_param`: the shard's home is the parameter
+    /// offload.
+    Offloaded,
+}
+
+/// The per-unit state.
+pub(super) struct Unit<B: HostAccess> {
+    pub(super) layout: Arc<UnitLayout>,
+    pub(super) params: Params<B>,
+    /// How many `gather`s are not yet `release`d (live `UnitGuard`s).
+    pub(super) gathers: usize,
+    pub(super) _allocs: Vec<Allocation>,
+}
+
+impl<B: HostAccess> Unit<B> {
+    /// The unit's parameters where they are current.
+    pub(super) fn home(&self) -> Option<&Arc<DevBuf<B>>> {
+        match &self.params {
+            Params::Home(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// Whether the updated parameters' all-gather is queued or in flight
+    /// (stages 1–2).
+    pub(super) fn is_stale(&self) -> bool {
+        matches!(self.params, Params::Queued(_) | Params::Gathering)
+    }
+
+    /// The unit's own parameters, to update or fill: home (or queued for
+    /// their all-gather), and no `UnitGuard` holds them (the step refuses
+    /// to run while a unit is gathered, and a checkpoint load fills a new
+    /// engine).
+    pub(super) fn params_mut(&mut self) -> &mut DevBuf<B> {
+        let p = match &mut self.params {
+            Params::Home(p) | Params::Queued(p) => p,
+            Params::Gathering | Params::Offloaded => {
+                unreachable!("the step and a load update parameters that are home")
+            }
+        };
+        Arc::get_mut(p).expect("no UnitGuard holds the parameters while they are updated")
+    }
+
+    /// Stages 1–2, after the step: marks the updated parameters for their
+    /// all-gather (false if it is queued or in flight already).
+    fn mark_queued(&mut self) -> bool {
+        if !self.layout.is_trainable() {
+            // Only frozen tensors: the step never changes them.
+            return false;
+        }
+        match std::mem::replace(&mut self.params, Params::Gathering) {
+            Params::Home(p) => {
+                self.params = Params::Queued(p);
+                true
+            }
+            other => {
+                self.params = other;
+                false
+            }
+        }
+    }
+}
+
+/// What an all-gather of updated parameters needs from the engine.
+pub(super) struct AllGatherIo<'a, C, B: HostAccess> {
+    pub(super) backend: &'a B,
+    pub(super) comm: &'a C,
+    /// The stream whose work the all-gathers start after.
+    pub(super) after: Stream,
+    pub(super) tracer: &'a Tracer,
+    pub(super) stats: &'a mut EngineStats,
+    /// `allgather_bucket_size`: elements in flight at most (at least one
+    /// unit).
+    pub(super) limit: usize,
+}
+
+/// Every unit of an engine (a slice of [`Unit`]s, in registration order)
+/// and, at stages 1–2, the all-gathers of updated parameters: in flight
+/// (unit, handle) in launch order with their padded elements, and queued
+/// (not launched yet, over `allgather_bucket_size`). With `overlap_comm`
+/// both drain during the next forward pass, as `gather` asks for each
+/// unit.
+pub(super) struct Units<B: EngineBackend> {
+    units: Vec<Unit<B>>,
+    in_flight: VecDeque<(usize, DynWork<B>)>,
+    in_flight_elems: usize,
+    queue: VecDeque<usize>,
+}
+
+impl<B: EngineBackend> Deref for Units<B> {
+    type Target = [Unit<B>];
+    fn deref(&self) -> &[Unit<B>] {
+        &self.units
+    }
+}
+
+impl<B: EngineBackend> DerefMut for Units<B> {
+    fn deref_mut(&mut self) -> &mut [Unit<B>] {
+        &mut self.units
+    }
+}
+
+impl<B: EngineBackend> HomeShards<B> for Units<B> {
+    fn shard(&self, unit: usize) -> &DevBuf<B> {
+        self.units[unit].home().expect("shards are home")
+    }
+}
+
+impl<B: EngineBackend> Units<B> {
+    /// The built units, every parameter home.
+    pub(super) fn new(units: Vec<Unit<B>>) -> Self {
+        Self {
+            units,
+            in_flight: VecDeque::new(),
+            in_flight_elems: 0,
+            queue: VecDeque::new(),
+        }
+    }
+
+    /// Whether an all-gather is queued and not launched yet.
+    pub(super) fn has_queued(&self) -> bool {
+        !self.queue.is_empty()
+    }
+
+    /// Stages 1–2, after the step updated unit `i`: queues the all-gather
+    /// of its parameters (no-op if it is queued or in flight already).
+    pub(super) fn queue_gather(&mut self, i: usize) {
+        if self.units[i].mark_queued() {
+            self.queue.push_back(i);
+        }
+    }
+
+    /// Launches queued parameter all-gathers while they fit in
+    /// `allgather_bucket_size` (at least one in flight), completing the
+    /// oldest to make room, until unit `until` is home; with `None`, only
+    /// launches what fits now.
+    pub(super) fn advance<C: EngineComm<B>>(
+        &mut self,
+        until: Option<usize>,
+        io: &mut AllGatherIo<'_, C, B>,
+    ) -> Result<()> {
+        let (rank, world) = (io.comm.rank(), io.comm.world_size());
+        loop {
+            while let Some(&j) = self.queue.front() {
+                let l = &self.units[j].layout;
+                let (n, s) = (l.padded_numel, l.shard_len);
+                if !self.in_flight.is_empty() && self.in_flight_elems + n > io.limit {
+                    break;
+                }
+                self.queue.pop_front();
+                let p = match std::mem::replace(&mut self.units[j].params, Params::Gathering) {
+                    Params::Queued(p) => exclusive(p, j, rank)?,
+                    _ => unreachable!("a queued unit's parameters are queued"),
+                };
+                io.stats.gather_bytes += ring_bytes(n, world, p.dtype());
+                // After AdamW wrote the unit (or a checkpoint load filled it).
+                let updated = io.backend.record(io.after)?;
+                let work = p.all_gather(io.backend, io.comm, &vec![s; world], &updated);
+                self.in_flight.push_back((j, work));
+                self.in_flight_elems += n;
+            }
+            match until {
+                Some(i) if self.units[i].is_stale() => {}
+                _ => return Ok(()),
+            }
+            let (j, w) = self
+                .in_flight
+                .pop_front()
+                .expect("a stale unit has its all-gather queued or in flight");
+            self.complete(j, w, io)?;
+        }
+    }
+
+    /// Unit `j`'s parameter all-gather `w` is done: the host may read the
+    /// parameters again.
+    fn complete<C: EngineComm<B>>(
+        &mut self,
+        j: usize,
+        w: DynWork<B>,
+        io: &AllGatherIo<'_, C, B>,
+    ) -> Result<()> {
+        self.in_flight_elems -= self.units[j].layout.padded_numel;
+        let (p, done) = w.wait(io.tracer, io.comm.rank())?;
+        io.backend.sync(&done)?;
+        self.units[j].params = Params::Home(Arc::new(p));
+        Ok(())
+    }
+
+    /// Completes every parameter all-gather still queued or in flight
+    /// (before anything reads or writes the parameters as a whole).
+    pub(super) fn finish<C: EngineComm<B>>(
+        &mut self,
+        io: &mut AllGatherIo<'_, C, B>,
+    ) -> Result<()> {
+        while !self.in_flight.is_empty() || !self.queue.is_empty() {
+            match self.queue.back().copied() {
+                Some(j) => self.advance(Some(j), io)?,
+                None => {
+                    let (j, w) = self.in_flight.pop_front().expect("not empty");
+                    self.complete(j, w, io)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where stage 3 gathers the rank's shards from: the parameter offload
+/// (`poff`) or the units' own parameters.
+pub(super) fn shards<'a, B: EngineBackend>(
+    poff: Option<&'a mut ParamOffload>,
+    units: &'a Units<B>,
+) -> Shards<'a, B> {
+    match poff {
+        Some(po) => Shards::Offloaded(po),
+        None => Shards::Home(units),
+    }
+}
