@@ -88,7 +88,17 @@ impl TensorSource for RandomUniform {
     }
 
     fn read(&self, range: Range<usize>, out: &mut [f32]) -> zero::Result<()> {
-        assert!(range.end <= self.numel && out.len() == range.len());
+        if range.end > self.numel || out.len() != range.len() {
+            return Err(zero::core::Error::InvalidSize {
+                op: "RandomUniform::read",
+                msg: format!(
+                    "elements {range:?} into {} values of a tensor of {}",
+                    out.len(),
+                    self.numel
+                ),
+            }
+            .into());
+        }
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         if out.len() < PARALLEL_MIN || threads == 1 {
             self.fill(range.start, out);
@@ -171,6 +181,14 @@ mod tests {
         let reseeded = random_init(&c, 8);
         source(&reseeded[0]).read(0..64, &mut other).unwrap();
         assert_ne!(other[..], whole[..64]);
+        // A range past the tensor or an output of another length is an
+        // error naming both, not a panic.
+        let e = t
+            .read(n - 2..n + 1, &mut [0f32; 3])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("of {n}")), "{e}");
+        assert!(t.read(0..4, &mut [0f32; 3]).is_err());
     }
 
     #[test]
