@@ -47,10 +47,12 @@
 #      and without CPU offload, fused AdamW; $OUT/torch_baseline.json), and
 #      benches/cuda.rs ($OUT/cuda.json).
 #
-# Prebuilt, they run in the order 3, 6, 7, 5, 4 (--run 1), then 8, 9 (but
+# Prebuilt, they run in the order 3, 6, 7, 5, 4 (--run 1), then 9 (but
 # benches/cuda.rs), benches/cuda.rs, the examples at every stage (--run
-# 2); a step that would start after BUDGET seconds (default 540) is not
-# run.
+# 2), then 8 (--run 3: the LoRA experiment alone, since its four 14.7B
+# models take up to LORA_TIMEOUT seconds, more than runs 1 and 2 leave of
+# one command's time); a step that would start after BUDGET seconds
+# (default 540) is not run.
 #
 # Usage:
 #   scripts/gpu-session.sh                  on the GPU machine; builds with
@@ -101,7 +103,7 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 
 usage() {
-  echo "usage: $0 [--prebuilt DIR [--run 1|2] | --build [DIR] [--with-nvrtc]]" >&2
+  echo "usage: $0 [--prebuilt DIR [--run 1|2|3] | --build [DIR] [--with-nvrtc]]" >&2
   exit 2
 }
 mode=auto
@@ -126,7 +128,7 @@ while [ $# -gt 0 ]; do
     --with-nvrtc) with_nvrtc=1 ;;
     --run)
       run="${2:-}"
-      case "$run" in 1 | 2) ;; *) usage ;; esac
+      case "$run" in 1 | 2 | 3) ;; *) usage ;; esac
       shift
       ;;
     *) usage ;;
@@ -573,7 +575,7 @@ else
   # Run 1, correctness: what the libraries open, the backend, the model's
   # GPU ops, the example trained with the optimizer offloaded, the engine
   # against the CPU backend, the collectives.
-  if [ "$run" != 2 ]; then
+  if [ "$run" = all ] || [ "$run" = 1 ]; then
     for name in zero zero-core-lib cuda_adamw cuda_arena cuda_streams nvrtc backend_conformance cuda_pool \
       llama_cuda llama_cuda_nvrtc llama_device_cuda llama_device_lora_cuda; do
       run_exe "$name"
@@ -586,19 +588,21 @@ else
       run_exe "$name"
     done
   fi
-  # Run 2, speed: the LoRA experiment at its full size, the ~1B Llama and
-  # PyTorch's FSDP2 on the same machine, the backend's benchmark, then the
-  # example at every stage.
-  if [ "$run" != 1 ]; then
+  # Run 2, speed: the ~1B Llama and PyTorch's FSDP2 on the same machine,
+  # the backend's benchmark, then the example at every stage.
+  if [ "$run" = all ] || [ "$run" = 2 ]; then
+    run_exe llama_cuda-bench
+    torch_baseline
+    run_exe cuda-bench
+    [ -n "${exes[llama_sft]:-}" ] && llama_sft_stages "${exes[llama_sft]}"
+  fi
+  # Run 3: the LoRA experiment at its full size, and PyTorch + PEFT.
+  if [ "$run" = all ] || [ "$run" = 3 ]; then
     if [ -n "${exes[llama_sft]:-}" ] && [ -n "${exes[zero]:-}" ]; then
       lora_experiment "${exes[llama_sft]}" "${exes[zero]}"
     else
       summary+=("lora-experiment: NOT RUN (llama_sft or zero missing from $dir)")
     fi
-    run_exe llama_cuda-bench
-    torch_baseline
-    run_exe cuda-bench
-    [ -n "${exes[llama_sft]:-}" ] && llama_sft_stages "${exes[llama_sft]}"
   fi
 fi
 
