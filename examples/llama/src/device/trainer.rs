@@ -51,6 +51,11 @@ fn frozen(m: &SftModel) -> bool {
 struct BlockAt {
     w: [usize; 9],
     bias: Option<[usize; 3]>,
+    /// Whether the base tensors train (a full fine-tune: their gradients
+    /// go into the unit's gradient buffer at the offsets of `w` and
+    /// `bias`) or are frozen (LoRA: read from the frozen segment, no
+    /// gradient).
+    train_base: bool,
     /// With LoRA, the adapters' offsets ([`LayerLora`]).
     lora: Option<LayerLora>,
 }
@@ -72,6 +77,22 @@ impl BlockAt {
         for (o, t) in w.iter_mut().zip(&names) {
             *o = base(&t.name)?;
         }
+        // One buffer holds a block's base tensors (`Params::base`): all
+        // trainable or all frozen.
+        let trains = |name: &str| lay.tensor(name).is_some_and(|t| t.trainable);
+        let train_base = trains(&names[0].name);
+        if let Some(t) = names.iter().find(|t| trains(&t.name) != train_base) {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "unit {}: tensor {} is {} but {} is not: the device trainer trains a \
+                     block's base tensors all or none",
+                    lay.name,
+                    t.name,
+                    if train_base { "frozen" } else { "trainable" },
+                    names[0].name
+                ),
+            });
+        }
         let bias = match &names[9..] {
             [q, k, v] => Some([base(&q.name)?, base(&k.name)?, base(&v.name)?]),
             _ => None,
@@ -80,7 +101,12 @@ impl BlockAt {
             Some((lc, _)) => Some(LayerLora::of(cfg, lc, l, lay)?),
             None => None,
         };
-        Ok(BlockAt { w, bias, lora })
+        Ok(BlockAt {
+            w,
+            bias,
+            train_base,
+            lora,
+        })
     }
 }
 
@@ -310,6 +336,18 @@ impl Shape {
     /// Elements of one head's `[t, t]` matrices of every sequence.
     fn mats(&self) -> usize {
         self.batch * self.heads * self.seq * self.seq
+    }
+
+    /// `(d_in, d_out)` of projection `i` of a block (q, k, v, o, gate,
+    /// up, down).
+    fn proj(&self, i: usize) -> (usize, usize) {
+        match i {
+            0 => (self.dim, self.qd),
+            1 | 2 => (self.dim, self.kd),
+            3 => (self.qd, self.dim),
+            4 | 5 => (self.dim, self.hidden),
+            _ => (self.hidden, self.dim),
+        }
     }
 
     /// The kv head of query head `h`.
@@ -616,11 +654,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
             grow(acts.bytes() as i64);
             let len = g.layout().numel;
             let mut gb = tmp::<B, T>(dev, len, "block grad")?;
-            let next = if frozen {
-                self.block_backward_lora(dev, p, &at, &acts, dx, &mut gb, s)?
-            } else {
-                self.block_backward(dev, p.unit, &at, &acts, dx, &mut gb, s)?
-            };
+            let next = self.block_backward(dev, p, &at, &acts, dx, &mut gb, s)?;
             drop(g);
             grow(-(acts.bytes() as i64));
             drop(acts);
@@ -853,13 +887,48 @@ impl<B: LlamaDevice> DeviceModel<B> {
         dev.gemm(ops, dx.dst(), dy.src(), src_at(p, w), back, Batch::ONE)
     }
 
-    /// A block's backward for output gradient `dy`: writes the weight
-    /// gradients into `gb` (the unit's gradient layout) and returns `dx`.
+    /// Backward of projection `i` of a block (q, k, v, o, gate, up, down:
+    /// [`crate::lora::TARGETS`]' order) for its output gradient `dy` and
+    /// input `x`, into `dx`: with a trained base the full backward
+    /// ([`linear_backward`](Self::linear_backward): `dW` into `gb`, `dx`
+    /// written, or with `acc` added to), with a frozen one the input
+    /// gradient alone and the adapter's
+    /// ([`frozen_backward`](Self::frozen_backward): `dx` added to, `dA`
+    /// and `dB` into `gb`).
+    #[allow(clippy::too_many_arguments)]
+    fn proj_backward<T: Element>(
+        &self,
+        dev: &B,
+        p: Params<'_, B, T>,
+        at: &BlockAt,
+        lora: Option<(&LayerLora, &LoraActs<B, T>)>,
+        i: usize,
+        (dy, x): (&Tmp<B, T>, &Tmp<B, T>),
+        dx: &mut Tmp<B, T>,
+        gb: &mut B::Buffer<T>,
+        s: Shape,
+        acc: bool,
+    ) -> Result<()> {
+        let w = at.w[i];
+        if at.train_base {
+            let (d_in, d_out) = s.proj(i);
+            self.linear_backward(dev, p.base, w, gb, dy, x, dx, (s.rows, d_in, d_out), acc)
+        } else {
+            self.frozen_backward(dev, p, w, lora, i, (dy, x), dx, gb, s)
+        }
+    }
+
+    /// A block's backward for output gradient `dy` ([`crate::Block`]'s,
+    /// with LoRA [`crate::BlockLora`]'s): each projection's backward by
+    /// [`proj_backward`](Self::proj_backward); the norms' weight gradients
+    /// and the biases' written into `gb` (the unit's gradient layout) when
+    /// the base trains, else dropped (the norms') or not computed (the
+    /// biases'). Returns `dx`.
     #[allow(clippy::too_many_arguments)]
     fn block_backward<T: Element>(
         &self,
         dev: &B,
-        p: &B::Buffer<T>,
+        p: Params<'_, B, T>,
         at: &BlockAt,
         c: &Acts<B, T>,
         dy: Tmp<B, T>,
@@ -867,21 +936,26 @@ impl<B: LlamaDevice> DeviceModel<B> {
         s: Shape,
     ) -> Result<Tmp<B, T>> {
         let ops = &self.ops;
-        let [wq, wk, wv, wo, gate, up, down, n1, n2] = at.w;
+        let [_, _, _, _, _, _, _, n1, n2] = at.w;
+        let lora = match (&at.lora, &c.lora) {
+            (Some(ll), Some(la)) => Some((ll, la)),
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(Error::Unsupported {
+                    what: "internal: a LoRA backward without the block's saved adapters".into(),
+                })
+            }
+        };
+        let proj =
+            |i: usize,
+             io: (&Tmp<B, T>, &Tmp<B, T>),
+             dx: &mut Tmp<B, T>,
+             gb: &mut B::Buffer<T>,
+             acc: bool| { self.proj_backward(dev, p, at, lora, i, io, dx, gb, s, acc) };
         let (rows, dim, hid) = (s.rows, s.dim, s.hidden);
         // MLP branch.
         let mut da = tmp::<B, T>(dev, rows * hid, "da")?;
-        self.linear_backward(
-            dev,
-            p,
-            down,
-            gb,
-            &dy,
-            &c.a,
-            &mut da,
-            (rows, hid, dim),
-            false,
-        )?;
+        proj(6, (&dy, &c.a), &mut da, gb, false)?;
         let mut dh1 = tmp::<B, T>(dev, rows * hid, "dh1")?;
         let mut dh3 = tmp::<B, T>(dev, rows * hid, "dh3")?;
         dev.swiglu_backward(
@@ -895,38 +969,20 @@ impl<B: LlamaDevice> DeviceModel<B> {
         )?;
         drop(da);
         let mut dxn2 = tmp::<B, T>(dev, rows * dim, "dxn2")?;
-        self.linear_backward(
-            dev,
-            p,
-            gate,
-            gb,
-            &dh1,
-            &c.xn2,
-            &mut dxn2,
-            (rows, dim, hid),
-            false,
-        )?;
-        self.linear_backward(
-            dev,
-            p,
-            up,
-            gb,
-            &dh3,
-            &c.xn2,
-            &mut dxn2,
-            (rows, dim, hid),
-            true,
-        )?;
+        proj(4, (&dh1, &c.xn2), &mut dxn2, gb, false)?;
+        proj(5, (&dh3, &c.xn2), &mut dxn2, gb, true)?;
         drop((dh1, dh3));
         let mut dh = tmp::<B, T>(dev, rows * dim, "dh")?;
         dev.copy_d2d(Stream::Compute, &dy, 0, &mut dh, 0, rows * dim)?;
         drop(dy);
+        // A frozen base's norms share this one for their dropped weight
+        // gradients.
         let mut dn2 = tmp::<B, f32>(dev, dim, "mlp norm grad")?;
         dev.rmsnorm_backward(
             ops,
             dxn2.src(),
             c.h.src(),
-            src_at(p, n2),
+            src_at(p.base, n2),
             c.inv2.src(),
             dh.dst(),
             dn2.dst(),
@@ -937,77 +993,42 @@ impl<B: LlamaDevice> DeviceModel<B> {
         drop(dxn2);
         // Attention branch.
         let mut dattn = tmp::<B, T>(dev, rows * s.qd, "dattn")?;
-        self.linear_backward(
-            dev,
-            p,
-            wo,
-            gb,
-            &dh,
-            &c.attn,
-            &mut dattn,
-            (rows, s.qd, dim),
-            false,
-        )?;
+        proj(3, (&dh, &c.attn), &mut dattn, gb, false)?;
         let (dq, dk, dv) = self.attention_backward(dev, c, dattn, s)?;
         // The biases' gradients: column sums of the projections' output
         // gradients (before RoPE, where the bias is added).
-        if let Some([bq, bk, bv]) = at.bias {
+        if let (true, Some([bq, bk, bv])) = (at.train_base, at.bias) {
             dev.bias_grad(ops, dq.src(), dst_at(gb, bq), rows, s.qd)?;
             dev.bias_grad(ops, dk.src(), dst_at(gb, bk), rows, s.kd)?;
             dev.bias_grad(ops, dv.src(), dst_at(gb, bv), rows, s.kd)?;
         }
         let mut dxn1 = tmp::<B, T>(dev, rows * dim, "dxn1")?;
-        self.linear_backward(
-            dev,
-            p,
-            wq,
-            gb,
-            &dq,
-            &c.xn1,
-            &mut dxn1,
-            (rows, dim, s.qd),
-            false,
-        )?;
-        self.linear_backward(
-            dev,
-            p,
-            wk,
-            gb,
-            &dk,
-            &c.xn1,
-            &mut dxn1,
-            (rows, dim, s.kd),
-            true,
-        )?;
-        self.linear_backward(
-            dev,
-            p,
-            wv,
-            gb,
-            &dv,
-            &c.xn1,
-            &mut dxn1,
-            (rows, dim, s.kd),
-            true,
-        )?;
+        proj(0, (&dq, &c.xn1), &mut dxn1, gb, false)?;
+        proj(1, (&dk, &c.xn1), &mut dxn1, gb, true)?;
+        proj(2, (&dv, &c.xn1), &mut dxn1, gb, true)?;
         drop((dq, dk, dv));
         let mut dx = tmp::<B, T>(dev, rows * dim, "dx")?;
         dev.copy_d2d(Stream::Compute, &dh, 0, &mut dx, 0, rows * dim)?;
-        let mut dn1 = tmp::<B, f32>(dev, dim, "attn norm grad")?;
+        let mut dn1 = match at.train_base {
+            true => Some(tmp::<B, f32>(dev, dim, "attn norm grad")?),
+            false => None,
+        };
         dev.rmsnorm_backward(
             ops,
             dxn1.src(),
             c.x.src(),
-            src_at(p, n1),
+            src_at(p.base, n1),
             c.inv1.src(),
             dx.dst(),
-            dn1.dst(),
+            dn1.as_mut().unwrap_or(&mut dn2).dst(),
             rows,
             dim,
             true,
         )?;
-        dev.cast(Stream::Compute, &dn1, 0, gb, n1, dim, false)?;
-        dev.cast(Stream::Compute, &dn2, 0, gb, n2, dim, false)?;
+        if let Some(dn1) = &dn1 {
+            dev.cast(Stream::Compute, dn1, 0, gb, n1, dim, false)?;
+            dev.cast(Stream::Compute, &dn2, 0, gb, n2, dim, false)?;
+        }
         Ok(dx)
     }
 

@@ -19,12 +19,12 @@
 //! element, one upload per block; backward (and a checkpointed block's
 //! recomputation) uses the same bits.
 
-use zero::core::backend::{BufferHandle, Stream};
+use zero::core::backend::BufferHandle;
 use zero::core::partition::UnitLayout;
 use zero::core::Element;
 use zero::{Error, Result};
 
-use super::{offset, tmp, Acts, BlockAt, DeviceModel, Params, Shape, Tmp};
+use super::{offset, tmp, DeviceModel, Params, Shape, Tmp};
 use crate::device::{dst_at, src_at, Batch, LlamaDevice};
 use crate::lora::{self, LoraConfig, TARGETS};
 use crate::ops::Mm;
@@ -217,16 +217,17 @@ impl<B: LlamaDevice> DeviceModel<B> {
     }
 
     /// Backward of frozen projection `i` of [`TARGETS`] (its weight at
-    /// element `w` of `p.base`, its adapter in `p.unit`) with its adapter: `dx += dy W` (no gradient for
-    /// `W`), then [`lora::backward`]'s products: `dA`, `dB` into the
-    /// unit's gradient buffer `gb` and the adapter's share of `dx`.
+    /// element `w` of `p.base`) with its adapter, if `lora` gives it one
+    /// (in `p.unit`): `dx += dy W` (no gradient for `W`), then
+    /// [`lora::backward`]'s products: `dA`, `dB` into the unit's gradient
+    /// buffer `gb` and the adapter's share of `dx`.
     #[allow(clippy::too_many_arguments)]
-    fn frozen_backward<T: Element>(
+    pub(super) fn frozen_backward<T: Element>(
         &self,
         dev: &B,
         p: Params<'_, B, T>,
         w: usize,
-        (ll, la): (&LayerLora, &LoraActs<B, T>),
+        lora: Option<(&LayerLora, &LoraActs<B, T>)>,
         i: usize,
         (dy, x): (&Tmp<B, T>, &Tmp<B, T>),
         dx: &mut Tmp<B, T>,
@@ -234,15 +235,19 @@ impl<B: LlamaDevice> DeviceModel<B> {
         s: Shape,
     ) -> Result<()> {
         let ops = &self.ops;
-        let (d_in, d_out) = dims(&self.model.cfg, i);
-        let (rows, r, scale) = (s.rows, ll.r, ll.scale);
+        let (d_in, d_out) = s.proj(i);
+        let rows = s.rows;
         let back = Mm::new(rows, d_in, d_out).acc();
         dev.gemm(ops, dx.dst(), dy.src(), src_at(p.base, w), back, Batch::ONE)?;
         // The adapter's tensors, in the unit's buffer.
         let pu = p.unit;
+        let Some((ll, la)) = lora else {
+            return Ok(());
+        };
         let Some(ad) = ll.ad[i] else {
             return Ok(());
         };
+        let (r, scale) = (ll.r, ll.scale);
         let xa = la.xa[i].as_ref().ok_or_else(|| Error::Unsupported {
             what: format!(
                 "internal: no saved adapter product for module {}",
@@ -286,94 +291,5 @@ impl<B: LlamaDevice> DeviceModel<B> {
                 )
             }
         }
-    }
-
-    /// A block's backward with LoRA ([`crate::Block::backward`] with
-    /// adapters): the base frozen, so only the input gradient flows
-    /// through it; the adapters' gradients go into `gb`. Returns `dx`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn block_backward_lora<T: Element>(
-        &self,
-        dev: &B,
-        p: Params<'_, B, T>,
-        at: &BlockAt,
-        c: &Acts<B, T>,
-        dy: Tmp<B, T>,
-        gb: &mut B::Buffer<T>,
-        s: Shape,
-    ) -> Result<Tmp<B, T>> {
-        let ops = &self.ops;
-        let [wq, wk, wv, wo, gate, up, down, n1, n2] = at.w;
-        let (ll, la) = match (&at.lora, &c.lora) {
-            (Some(ll), Some(la)) => (ll, la),
-            _ => {
-                return Err(Error::Unsupported {
-                    what: "internal: a LoRA backward without the block's adapters".into(),
-                })
-            }
-        };
-        let l = (ll, la);
-        let (rows, dim, hid) = (s.rows, s.dim, s.hidden);
-        // MLP branch (no weight gradients).
-        let mut da = tmp::<B, T>(dev, rows * hid, "da")?;
-        self.frozen_backward(dev, p, down, l, 6, (&dy, &c.a), &mut da, gb, s)?;
-        let mut dh1 = tmp::<B, T>(dev, rows * hid, "dh1")?;
-        let mut dh3 = tmp::<B, T>(dev, rows * hid, "dh3")?;
-        dev.swiglu_backward(
-            ops,
-            da.src(),
-            c.h1.src(),
-            c.h3.src(),
-            dh1.dst(),
-            dh3.dst(),
-            rows * hid,
-        )?;
-        drop(da);
-        let mut dxn2 = tmp::<B, T>(dev, rows * dim, "dxn2")?;
-        self.frozen_backward(dev, p, gate, l, 4, (&dh1, &c.xn2), &mut dxn2, gb, s)?;
-        self.frozen_backward(dev, p, up, l, 5, (&dh3, &c.xn2), &mut dxn2, gb, s)?;
-        drop((dh1, dh3));
-        let mut dh = tmp::<B, T>(dev, rows * dim, "dh")?;
-        dev.copy_d2d(Stream::Compute, &dy, 0, &mut dh, 0, rows * dim)?;
-        drop(dy);
-        // The norms are frozen: their weight gradients are dropped.
-        let mut scratch = tmp::<B, f32>(dev, dim, "frozen norm grad")?;
-        dev.rmsnorm_backward(
-            ops,
-            dxn2.src(),
-            c.h.src(),
-            src_at(p.base, n2),
-            c.inv2.src(),
-            dh.dst(),
-            scratch.dst(),
-            rows,
-            dim,
-            true,
-        )?;
-        drop(dxn2);
-        // Attention branch.
-        let mut dattn = tmp::<B, T>(dev, rows * s.qd, "dattn")?;
-        self.frozen_backward(dev, p, wo, l, 3, (&dh, &c.attn), &mut dattn, gb, s)?;
-        let (dq, dk, dv) = self.attention_backward(dev, c, dattn, s)?;
-        let mut dxn1 = tmp::<B, T>(dev, rows * dim, "dxn1")?;
-        self.frozen_backward(dev, p, wq, l, 0, (&dq, &c.xn1), &mut dxn1, gb, s)?;
-        self.frozen_backward(dev, p, wk, l, 1, (&dk, &c.xn1), &mut dxn1, gb, s)?;
-        self.frozen_backward(dev, p, wv, l, 2, (&dv, &c.xn1), &mut dxn1, gb, s)?;
-        drop((dq, dk, dv));
-        let mut dx = tmp::<B, T>(dev, rows * dim, "dx")?;
-        dev.copy_d2d(Stream::Compute, &dh, 0, &mut dx, 0, rows * dim)?;
-        dev.rmsnorm_backward(
-            ops,
-            dxn1.src(),
-            c.x.src(),
-            src_at(p.base, n1),
-            c.inv1.src(),
-            dx.dst(),
-            scratch.dst(),
-            rows,
-            dim,
-            true,
-        )?;
-        Ok(dx)
     }
 }
