@@ -165,9 +165,20 @@ impl<B: Backend + Clone> MaskStage<B> {
     /// Counts the slots in `tracker` (the engine's), from now on.
     pub(super) fn track(&mut self, tracker: &MemoryTracker) {
         if self.tracker.is_none() {
-            let bytes = self.bytes();
-            self.tracked = Some(tracker.allocate(Tier::Host, Category::CommBuffers, bytes));
             self.tracker = Some(tracker.clone());
+            self.count();
+        }
+    }
+
+    /// The slots' bytes into the tracker, once there are any.
+    fn count(&mut self) {
+        let bytes = self.bytes();
+        match (&mut self.tracked, &self.tracker) {
+            (Some(t), _) => t.resize(bytes),
+            (None, Some(t)) if bytes > 0 => {
+                self.tracked = Some(t.allocate(Tier::Host, Category::CommBuffers, bytes))
+            }
+            (None, _) => {}
         }
     }
 
@@ -212,10 +223,7 @@ impl<B: Backend + Clone> MaskStage<B> {
             self.slots.push(Slot { host, copied: None });
         }
         self.next = 0;
-        let bytes = self.bytes();
-        if let Some(t) = &mut self.tracked {
-            t.resize(bytes);
-        }
+        self.count();
         Ok(())
     }
 }
