@@ -458,9 +458,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         let ops = &self.ops;
         m.next_micro(e.global_steps());
         let frozen = frozen(m);
-        if let Ok(mut masks) = self.masks.lock() {
-            masks.track(e.tracker());
-        }
+        self.mask_stage()?.track(e.tracker());
         let live_before = LIVE.with(|c| {
             let (live, _) = c.get();
             c.set((live, live));

@@ -20,6 +20,8 @@
 //! ([`MaskStage`]); backward (and a checkpointed block's recomputation)
 //! uses the same bits.
 
+use std::sync::MutexGuard;
+
 use zero::core::backend::{Backend, BufferHandle, Stream};
 use zero::core::memory::{Allocation, Category, MemoryTracker, Tier};
 use zero::core::partition::UnitLayout;
@@ -234,6 +236,14 @@ fn dims(cfg: &Config, i: usize) -> (usize, usize) {
 }
 
 impl<B: LlamaDevice> DeviceModel<B> {
+    /// The dropout masks' pinned slots, for this micro-batch.
+    pub(super) fn mask_stage(&self) -> Result<MutexGuard<'_, MaskStage<B>>> {
+        self.masks.lock().map_err(|_| Error::Unsupported {
+            what: "the dropout masks' staging was poisoned by a panic in an earlier micro-batch"
+                .into(),
+        })
+    }
+
     /// A block's adapter state before its forward: with a dropout `key`
     /// (training, dropout > 0) the masks of every target, drawn as the
     /// CPU trainer draws them ([`lora::dropout_bits`] of `rows · d_in`
@@ -259,13 +269,8 @@ impl<B: LlamaDevice> DeviceModel<B> {
                     let seed = lora::mix(&[k, i as u64]);
                     bits.extend(lora::dropout_bits(n, ll.dropout, seed).unwrap_or_default());
                 }
-                let mut stage = self.masks.lock().map_err(|_| Error::Unsupported {
-                    what: "the dropout masks' staging was poisoned by a panic in an earlier \
-                           micro-batch"
-                        .into(),
-                })?;
                 Some(Masks {
-                    bits: stage.upload(dev, &bits)?,
+                    bits: self.mask_stage()?.upload(dev, &bits)?,
                     word,
                 })
             }
