@@ -262,7 +262,7 @@ fn measure<C: EngineComm<B>, B: LlamaDevice>(
         profile: a.profile.then(Profile::default),
         workspace: [
             0,
-            workspace_bytes(&a.model, a.batch, a.seq, false, 2).buffers,
+            workspace_bytes(&a.model, None, a.batch, a.seq, false, 2).buffers,
         ],
     };
     let mut first_step = None;
@@ -338,7 +338,7 @@ fn run_row(a: &Args, row: Row, on: &OnBackendFn) -> Result<Measured, String> {
         let model = SftModel::register(&mut b, a.model, None, 1, false)?;
         // The trainer's activations and workspaces (bf16) reserved with
         // the engine's plan: the pool should not grow after the build.
-        let ws = workspace_bytes(&a.model, a.batch, a.seq, false, 2);
+        let ws = workspace_bytes(&a.model, None, a.batch, a.seq, false, 2);
         on(b.device_workspace(ws.total()), model, a)
     })
     .map_err(|e| e.to_string())?;

@@ -1039,6 +1039,7 @@ fn run<T: Element, C: Communicator>(
         Compute::CpuChecked | Compute::Cuda => b.device_workspace(
             workspace_bytes(
                 &s.model,
+                s.lora.as_ref().map(|l| &l.cfg),
                 micro,
                 s.seq,
                 a.activation_checkpointing,

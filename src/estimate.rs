@@ -487,6 +487,28 @@ impl Model {
             .sum()
     }
 
+    /// The pinned host slots a device trainer's LoRA dropout masks go up
+    /// through (`zero_llama::device::MASK_SLOTS`, two), each one block's
+    /// masks for `micro` sequences of `seq` tokens: per adapter 1 bit per
+    /// input element, in whole 32-bit words. 0 without LoRA dropout.
+    fn lora_mask_slots_bytes(&self, micro: usize, seq: usize) -> u64 {
+        const MASK_SLOTS: u64 = 2;
+        let (Some((lora, true)), Script::Llama(d)) = (&self.lora, &self.script) else {
+            return 0;
+        };
+        let words: usize = lora
+            .targets
+            .iter()
+            .map(|t| {
+                let (d_in, _) = d
+                    .projection_dims(t)
+                    .expect("the targets are validated against LORA_TARGETS");
+                (micro * seq * d_in).div_ceil(32)
+            })
+            .sum();
+        MASK_SLOTS * 4 * words as u64
+    }
+
     /// The number of trainable parameters.
     pub fn trainable_numel(&self) -> usize {
         self.units
@@ -684,7 +706,8 @@ pub fn estimate(model: &Model, cfg: &ResolvedConfig, work: &Workload) -> Result<
 /// frozen one with `frozen_params` `offload`; a resident frozen base does
 /// not size it),
 /// and with `swap_gradients` the window's host copy; LoRA's dropout masks
-/// count one bit per element (the device trainer's).
+/// count one bit per element (the device trainer's), and the device
+/// trainer's two pinned slots they go up through each hold a block's.
 ///
 /// # Errors
 /// As [`estimate`].
@@ -703,6 +726,15 @@ fn estimate_on(
     let mut sim = Sim::build(cfg, plan, device);
     let built_states = Tier::ALL.map(|t| sim.tracker.model_states(t));
     let built_device = sim.tracker.tier_current(Tier::Device);
+    // The device trainer's pinned slots for LoRA's dropout masks, from its
+    // first micro-batch on.
+    let masks = model.lora_mask_slots_bytes(cfg.micro_batch_size, work.seq_len);
+    if device && masks > 0 {
+        let slots = sim
+            .tracker
+            .allocate(Tier::Host, Category::CommBuffers, masks);
+        sim.allocs.push(slots);
+    }
     let events = script(model, &sim.plan, cfg.micro_batch_size, work, device);
     let ga = cfg.gradient_accumulation_steps.max(1);
     for k in 0..2 * ga {

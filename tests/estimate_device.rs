@@ -2,7 +2,8 @@
 //! tracker of the device trainer (`zero_llama::device::DeviceModel`) on the
 //! checked CPU backend staging its transfers as a GPU does
 //! (`EngineBuilder::stage_offload_for_tests`: the pinned host slots a
-//! device backend adds), for the experiment's shape at a reduced width:
+//! device backend adds; the device trainer's own for LoRA's dropout masks
+//! at every stage), for the experiment's shape at a reduced width:
 //! Qwen2.5-14B's structure (48 layers, 40 heads, 8 kv heads, its ratios
 //! of widths) with every width divided by 64, LoRA r=8 on the seven
 //! projections with dropout, 16 sequences of 51 tokens per rank, 2 ranks,

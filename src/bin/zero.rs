@@ -58,7 +58,8 @@ Training:
                         keep block inputs only, recompute in backward
   --device              the engine on a device backend (a GPU): adds the pinned
                         host buffers its transfers go through (offload staging,
-                        parameter-step slots, the stage-3 shard uploads)
+                        parameter-step slots, the stage-3 shard uploads, the
+                        device trainer's two slots for LoRA's dropout masks)
   --reduce-bucket-size N  zero_optimization.reduce_bucket_size (default 5e8)
   --config FILE         a DeepSpeed JSON config; the flags above override it
   -h, --help            this text";

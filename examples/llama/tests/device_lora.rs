@@ -13,7 +13,8 @@
 //! - the adapters it trains go out in PEFT's layout and merge as the CPU
 //!   trainer's do;
 //! - leaving out any of the engine's waits it relies on
-//!   ([`SkipWait`]) is a hazard the checker reports, at every stage.
+//!   ([`SkipWait`]), or the wait before a dropout mask's pinned slot is
+//!   rewritten, is a hazard the checker reports, at every stage.
 
 use zero::comm::{ThreadComm, ThreadGroup};
 use zero::core::backend::{CpuBackend, CpuMode};
@@ -165,6 +166,7 @@ fn train_rank<T: Element>(
     t: Trainer,
     cfg: &ResolvedConfig,
     skip: Option<SkipWait>,
+    skip_mask_wait: bool,
 ) -> zero::Result<RankRun> {
     let mut b = Engine::builder(cfg.clone(), comm).seed(SEED);
     if let Some(s) = skip {
@@ -190,7 +192,10 @@ fn train_rank<T: Element>(
                 b = b.stage_offload_for_tests();
             }
             let mut e = b.backend(CpuBackend::new(mode)?).build()?;
-            let dm = DeviceModel::new(model, e.device_backend(), 1)?;
+            let mut dm = DeviceModel::new(model, e.device_backend(), 1)?;
+            if skip_mask_wait {
+                dm.skip_mask_wait_for_tests();
+            }
             let losses = train::<T, _, _, _>(&mut e, &dm, micros)?;
             finish(&mut e, &dm.model, losses)
         }
@@ -198,10 +203,22 @@ fn train_rank<T: Element>(
 }
 
 fn run_with(r: Run, t: Trainer, skip: Option<SkipWait>) -> Vec<zero::Result<RankRun>> {
+    run_skipping(r, t, skip, false)
+}
+
+/// [`run_with`], and with `skip_mask_wait` the dropout masks' pinned
+/// slots rewritten without waiting for their copies
+/// ([`DeviceModel::skip_mask_wait_for_tests`]).
+fn run_skipping(
+    r: Run,
+    t: Trainer,
+    skip: Option<SkipWait>,
+    skip_mask_wait: bool,
+) -> Vec<zero::Result<RankRun>> {
     let dir = TempDir::new("device-lora");
     let cfg = config(&r, &dir);
     ThreadGroup::run(r.world, |comm: ThreadComm| {
-        train_rank::<f32>(comm, r, t, &cfg, skip)
+        train_rank::<f32>(comm, r, t, &cfg, skip, skip_mask_wait)
     })
     .expect("ranks ran")
 }
@@ -350,6 +367,39 @@ fn a_removed_wait_is_a_hazard_under_device_lora() {
                     &format!("stage {stage} {skip:?} {mode:?}"),
                 );
             }
+        }
+    }
+}
+
+/// The dropout masks go up through pinned host slots, each rewritten
+/// only after the copy out of it finished: leaving out that wait
+/// ([`DeviceModel::skip_mask_wait_for_tests`]) is a hazard the checker
+/// names (the slot), in Checked mode and under Chaos, at stages 0 and 3.
+/// With activation checkpointing: the tiny model's two blocks take one
+/// slot each in forward, and their recomputations in backward take them
+/// again while the forward's copies may be queued (the same runs with
+/// the wait are the CPU trainer's bit for bit, above).
+#[test]
+fn rewriting_a_mask_slot_before_its_copy_is_a_hazard() {
+    for (stage, checkpointing) in [(0, true), (3, true)] {
+        for mode in [CpuMode::Checked, CpuMode::Chaos { seed: 5 }] {
+            let r = Run {
+                stage,
+                checkpointing,
+                ..BASE
+            };
+            let what = format!("stage {stage} checkpointing {checkpointing} {mode:?}");
+            let got = run_skipping(r, Trainer::Device(mode, true), None, true);
+            for (rank, got) in got.iter().enumerate() {
+                if let Err(e) = got {
+                    let msg = e.to_string();
+                    assert!(
+                        msg.contains("lora dropout masks (pinned)"),
+                        "{what} rank {rank}: not the slot's hazard: {msg}"
+                    );
+                }
+            }
+            assert_hazards(got, &what);
         }
     }
 }

@@ -28,7 +28,7 @@ use zero_llama as llama;
 use zero_testkit::backend::{download, upload};
 use zero_testkit::runs::cuda_backend;
 
-use llama::device::{dst, src, DeviceModel, LlamaDevice};
+use llama::device::{dst, src, src_at, DeviceModel, LlamaDevice};
 use llama::lora::{self, LoraConfig};
 use llama::train::{LoraSetup, SftModel};
 
@@ -42,7 +42,9 @@ fn dropout_on<B: LlamaDevice, T: Element>(dev: &B, x: &[f32], y: &[f32]) -> Vec<
     let n = x.len();
     let ops = dev.llama_ops(&model_config(false), 1).unwrap();
     let bits = lora::dropout_bits(n + 32, 0.3, 9).unwrap();
-    let mask = dev.upload_mask(&ops, &bits).unwrap();
+    // The words as f32 bit patterns, as the trainer keeps them.
+    let words: Vec<f32> = bits.iter().map(|&w| f32::from_bits(w)).collect();
+    let mask = upload(dev, &words, "mask").unwrap();
     let xs: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
     let ys: Vec<T> = y.iter().map(|&v| T::from_f32(v)).collect();
     let (xb, yb) = (
@@ -51,10 +53,26 @@ fn dropout_on<B: LlamaDevice, T: Element>(dev: &B, x: &[f32], y: &[f32]) -> Vec<
     );
     let mut out = dev.alloc::<T>(n, "out").unwrap();
     let keep = lora::dropout_keep(0.3);
-    dev.dropout(&ops, src(&xb), &mask, 1, keep, dst(&mut out), n, false)
-        .unwrap();
-    dev.dropout(&ops, src(&yb), &mask, 1, keep, dst(&mut out), n, true)
-        .unwrap();
+    dev.dropout(
+        &ops,
+        src(&xb),
+        src_at(&mask, 1),
+        keep,
+        dst(&mut out),
+        n,
+        false,
+    )
+    .unwrap();
+    dev.dropout(
+        &ops,
+        src(&yb),
+        src_at(&mask, 1),
+        keep,
+        dst(&mut out),
+        n,
+        true,
+    )
+    .unwrap();
     download(dev, &out)
         .unwrap()
         .iter()

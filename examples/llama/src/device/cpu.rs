@@ -114,7 +114,6 @@ impl LlamaDevice for CpuBackend {
     type Ids = Arc<[u32]>;
     type Targets = Arc<[i32]>;
     type EmbedPlan = CpuEmbedPlan;
-    type Mask = Arc<[u32]>;
 
     fn llama_ops(&self, cfg: &Config, threads: usize) -> Result<CpuOps> {
         Ok(CpuOps {
@@ -148,46 +147,41 @@ impl LlamaDevice for CpuBackend {
         Ok(Arc::from(targets))
     }
 
-    fn upload_mask(&self, _: &CpuOps, bits: &[u32]) -> Result<Arc<[u32]>> {
-        Ok(Arc::from(bits))
-    }
-
     /// [`crate::lora`]'s `x · k` (and `out + x · k`) per element.
     fn dropout<T: Element>(
         &self,
         _: &CpuOps,
         x: Src<'_, Self, T>,
-        mask: &Arc<[u32]>,
-        word: usize,
+        mask: Src<'_, Self, f32>,
         keep: f32,
         out: Dst<'_, Self, T>,
         n: usize,
         accumulate: bool,
     ) -> Result<()> {
-        const OP: &str = "llama_dropout";
-        let words = mask.len();
-        if word + n.div_ceil(32) > words {
-            return Err(invalid(
-                OP,
-                format!("{n} elements from word {word} of a mask of {words} words"),
-            ));
-        }
-        let args = (input(self, x, n)?, output(self, out, n)?);
-        let bits = mask.clone();
-        self.launch(Stream::Compute, OP, args, move |run, (x, mut out)| {
-            let (x, out) = (x.get(run), out.get(run));
-            let bits = &bits[word..];
-            for (i, (o, v)) in out.iter_mut().zip(x).enumerate() {
-                let k = if crate::lora::kept(bits, i) {
-                    keep
-                } else {
-                    0.0
-                };
-                let v = v.to_f32() * k;
-                *o = T::from_f32(if accumulate { o.to_f32() + v } else { v });
-            }
-            Ok(())
-        })?;
+        let args = (
+            input(self, x, n)?,
+            input(self, mask, n.div_ceil(32))?,
+            output(self, out, n)?,
+        );
+        self.launch(
+            Stream::Compute,
+            "llama_dropout",
+            args,
+            move |run, (x, bits, mut out)| {
+                let (x, out) = (x.get(run), out.get(run));
+                let bits: &[u32] = bytemuck::cast_slice(bits.get(run));
+                for (i, (o, v)) in out.iter_mut().zip(x).enumerate() {
+                    let k = if crate::lora::kept(bits, i) {
+                        keep
+                    } else {
+                        0.0
+                    };
+                    let v = v.to_f32() * k;
+                    *o = T::from_f32(if accumulate { o.to_f32() + v } else { v });
+                }
+                Ok(())
+            },
+        )?;
         Ok(())
     }
 

@@ -16,14 +16,16 @@
 //! from pageable host memory (`cuMemcpyHtoDAsync`) may wait for the
 //! compute stream while it stages them (once per micro-batch, before its
 //! forward); and dropping the ops waits for the compute stream, before
-//! the kernels' modules are unloaded (once per model).
+//! the kernels' modules are unloaded (once per model). LoRA's dropout
+//! masks go up through the trainer's pinned slots (the backend's host
+//! buffers), not from pageable memory.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::driver::{
-    sys as driver_sys, CudaEvent, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut,
-    DriverError,
+    sys as driver_sys, sys::CUdeviceptr, CudaEvent, CudaSlice, CudaStream, CudaViewMut, DevicePtr,
+    DevicePtrMut, DeviceSlice, DriverError, SyncOnDrop,
 };
 use zero::core::backend::{
     Backend, BufferHandle, CudaBackend, CudaBuffer, CudaReadView, CudaView, Stream,
@@ -77,11 +79,24 @@ pub struct CudaIds {
     dev: Option<CudaSlice<u32>>,
 }
 
-/// LoRA's dropout bit masks on the device ([`LlamaDevice::Mask`]).
-pub struct CudaMask {
-    words: usize,
-    /// `None` for no words (the driver has no empty allocation).
-    dev: Option<CudaSlice<u32>>,
+/// A dropout mask's 32-bit words where a buffer of f32 holds them as bit
+/// patterns ([`LlamaDevice::dropout`]), as the kernel's `const u32*`
+/// (the same size, the same bits).
+struct Words<'a>(CudaReadView<'a, f32>);
+
+impl DeviceSlice<u32> for Words<'_> {
+    fn len(&self) -> usize {
+        DeviceSlice::<f32>::len(&self.0)
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        DeviceSlice::<f32>::stream(&self.0)
+    }
+}
+
+impl DevicePtr<u32> for Words<'_> {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        self.0.device_ptr(stream)
+    }
 }
 
 /// Targets on the device (`< 0`: ignored), and on the host for the range
@@ -224,7 +239,6 @@ impl LlamaDevice for CudaBackend {
     type Ids = CudaIds;
     type Targets = CudaTargets;
     type EmbedPlan = CudaEmbedPlan;
-    type Mask = CudaMask;
 
     /// The kernels (compiled by NVRTC once per process), the RoPE tables
     /// and a cuBLAS handle on the compute stream; `threads` is the CPU's
@@ -291,32 +305,11 @@ impl LlamaDevice for CudaBackend {
         })
     }
 
-    /// A copy from pageable memory, as the ids' (the driver may stage it
-    /// after the compute stream's work so far: once per block's forward
-    /// with dropout).
-    fn upload_mask(&self, ops: &CudaOps, bits: &[u32]) -> Result<CudaMask> {
-        ops.check(self, "llama_upload_mask")?;
-        let dev = if bits.is_empty() {
-            None
-        } else {
-            Some(
-                ops.stream
-                    .clone_htod(bits)
-                    .map_err(driver("cuMemcpyHtoDAsync (dropout masks)"))?,
-            )
-        };
-        Ok(CudaMask {
-            words: bits.len(),
-            dev,
-        })
-    }
-
     fn dropout<T: Element>(
         &self,
         ops: &CudaOps,
         x: Src<'_, Self, T>,
-        mask: &CudaMask,
-        word: usize,
+        mask: Src<'_, Self, f32>,
         keep: f32,
         out: Dst<'_, Self, T>,
         n: usize,
@@ -324,25 +317,12 @@ impl LlamaDevice for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "llama_dropout";
         ops.check(self, OP)?;
-        let words = n.div_ceil(32);
-        if word + words > mask.words {
-            return Err(invalid(
-                OP,
-                format!(
-                    "{n} elements from word {word} of a mask of {} words",
-                    mask.words
-                ),
-            ));
-        }
         let xv = read(self, OP, "x", x, n)?;
+        let bits = Words(read(self, OP, "mask", mask, n.div_ceil(32))?);
         let mut ov = write(self, OP, "out", out, n)?;
-        match &mask.dev {
-            Some(d) if n > 0 => {
-                let bits = d.slice(word..word + words);
-                ops.kernels
-                    .dropout(&ops.stream, &xv, &bits, keep, &mut ov, accumulate)?;
-            }
-            _ => {}
+        if n > 0 {
+            ops.kernels
+                .dropout(&ops.stream, &xv, &bits, keep, &mut ov, accumulate)?;
         }
         Ok(())
     }

@@ -38,7 +38,7 @@ pub mod profile;
 mod trainer;
 
 pub use profile::{OpKind, OpProfile, OpTime, Phase};
-pub use trainer::{workspace_bytes, DeviceModel, Workspace};
+pub use trainer::{mask_words, workspace_bytes, DeviceModel, Workspace, MASK_SLOTS};
 
 /// What trains the registered model on an engine of backend `B`: the CPU
 /// trainer ([`SftModel`], on the CPU backend) or [`DeviceModel`] (on any
@@ -184,10 +184,6 @@ pub trait LlamaDevice: EngineBackend {
     /// The grouping of a batch's rows by token, for the embedding's
     /// backward.
     type EmbedPlan: Send;
-    /// LoRA's dropout masks on the device, 1 bit per element
-    /// ([`crate::lora::dropout_bits`]).
-    type Mask: Send;
-
     /// The ops of model `cfg`; `threads`: the CPU's GEMM threads.
     fn llama_ops(&self, cfg: &Config, threads: usize) -> Result<Self::Ops>;
 
@@ -197,22 +193,20 @@ pub trait LlamaDevice: EngineBackend {
     /// Copies `targets` to the device (on the compute stream).
     fn upload_targets(&self, ops: &Self::Ops, targets: &[i32]) -> Result<Self::Targets>;
 
-    /// Copies the 32-bit words of dropout bit masks `bits` to the device
-    /// (on the compute stream).
-    fn upload_mask(&self, ops: &Self::Ops, bits: &[u32]) -> Result<Self::Mask>;
-
     /// LoRA's inverted dropout of `n` elements: `v = x · (kept ? keep :
-    /// 0)` with element `i` kept when bit `i % 32` of word `word + i / 32`
-    /// of `mask` is set; `out = v`, or with `accumulate` `out += v` (the
+    /// 0)` with element `i` kept when bit `i % 32` of word `i / 32` of
+    /// `mask` is set; `out = v`, or with `accumulate` `out += v` (the
     /// backward's `dx += dx_in ⊙ mask`). f32 arithmetic, as
-    /// [`crate::lora`]'s.
+    /// [`crate::lora`]'s. The mask's 32-bit words
+    /// ([`crate::lora::dropout_bits`]) lie in a buffer of f32 as their bit
+    /// patterns (`f32::from_bits`: the backends' buffers hold floats), `n /
+    /// 32` rounded up of them from `mask.at`.
     #[allow(clippy::too_many_arguments)]
     fn dropout<T: Element>(
         &self,
         ops: &Self::Ops,
         x: Src<'_, Self, T>,
-        mask: &Self::Mask,
-        word: usize,
+        mask: Src<'_, Self, f32>,
         keep: f32,
         out: Dst<'_, Self, T>,
         n: usize,

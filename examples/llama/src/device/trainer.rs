@@ -10,6 +10,7 @@
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use zero::core::backend::{Backend, BufferHandle, Stream};
 use zero::core::memory::{Category, Tier};
@@ -20,12 +21,14 @@ use zero::trace::Tracer;
 use zero::{Engine, Error, Result, UnitGuard};
 
 use super::{dst_at, src_at, Batch, Dst, LlamaDevice, OpProfile, Phase, Src};
+use crate::lora::LoraConfig;
 use crate::ops::Mm;
 use crate::train::{MicroStats, SftModel};
 use crate::{block_tensors, tensors, Config};
 
 mod lora;
-use lora::{LayerLora, LoraActs};
+pub use lora::{mask_words, MASK_SLOTS};
+use lora::{LayerLora, LoraActs, MaskStage};
 
 /// A Llama registered with an engine ([`SftModel::register`]), trained on
 /// the engine's device backend.
@@ -36,6 +39,8 @@ pub struct DeviceModel<B: LlamaDevice> {
     /// The largest bytes of the trainer's own buffers live at once in the
     /// last micro-batch.
     workspace_peak: AtomicU64,
+    /// The pinned host slots LoRA's dropout masks go up through.
+    masks: Mutex<MaskStage<B>>,
 }
 
 /// Whether the model's base is frozen (LoRA): then the embedding and the
@@ -51,6 +56,11 @@ fn frozen(m: &SftModel) -> bool {
 struct BlockAt {
     w: [usize; 9],
     bias: Option<[usize; 3]>,
+    /// Whether the base tensors train (a full fine-tune: their gradients
+    /// go into the unit's gradient buffer at the offsets of `w` and
+    /// `bias`) or are frozen (LoRA: read from the frozen segment, no
+    /// gradient).
+    train_base: bool,
     /// With LoRA, the adapters' offsets ([`LayerLora`]).
     lora: Option<LayerLora>,
 }
@@ -72,6 +82,22 @@ impl BlockAt {
         for (o, t) in w.iter_mut().zip(&names) {
             *o = base(&t.name)?;
         }
+        // One buffer holds a block's base tensors (`Params::base`): all
+        // trainable or all frozen.
+        let trains = |name: &str| lay.tensor(name).is_some_and(|t| t.trainable);
+        let train_base = trains(&names[0].name);
+        if let Some(t) = names.iter().find(|t| trains(&t.name) != train_base) {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "unit {}: tensor {} is {} but {} is not: the device trainer trains a \
+                     block's base tensors all or none",
+                    lay.name,
+                    t.name,
+                    if train_base { "frozen" } else { "trainable" },
+                    names[0].name
+                ),
+            });
+        }
         let bias = match &names[9..] {
             [q, k, v] => Some([base(&q.name)?, base(&k.name)?, base(&v.name)?]),
             _ => None,
@@ -80,7 +106,12 @@ impl BlockAt {
             Some((lc, _)) => Some(LayerLora::of(cfg, lc, l, lay)?),
             None => None,
         };
-        Ok(BlockAt { w, bias, lora })
+        Ok(BlockAt {
+            w,
+            bias,
+            train_base,
+            lora,
+        })
     }
 }
 
@@ -312,6 +343,18 @@ impl Shape {
         self.batch * self.heads * self.seq * self.seq
     }
 
+    /// `(d_in, d_out)` of projection `i` of a block (q, k, v, o, gate,
+    /// up, down).
+    fn proj(&self, i: usize) -> (usize, usize) {
+        match i {
+            0 => (self.dim, self.qd),
+            1 | 2 => (self.dim, self.kd),
+            3 => (self.qd, self.dim),
+            4 | 5 => (self.dim, self.hidden),
+            _ => (self.hidden, self.dim),
+        }
+    }
+
     /// The kv head of query head `h`.
     fn kv_of(&self, h: usize) -> usize {
         h / (self.heads / self.kv)
@@ -349,7 +392,18 @@ impl<B: LlamaDevice> DeviceModel<B> {
             model,
             ops,
             workspace_peak: AtomicU64::new(0),
+            masks: Mutex::new(MaskStage::new()),
         })
+    }
+
+    /// Test-only: LoRA's dropout masks rewrite a pinned slot without
+    /// waiting for the copy out of it, so that a test can prove the
+    /// backend's hazard checker catches it.
+    #[doc(hidden)]
+    pub fn skip_mask_wait_for_tests(&mut self) {
+        if let Ok(m) = self.masks.get_mut() {
+            m.skip_wait = true;
+        }
     }
 
     /// The largest bytes of the trainer's own buffers (activations,
@@ -404,6 +458,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         let ops = &self.ops;
         m.next_micro(e.global_steps());
         let frozen = frozen(m);
+        self.mask_stage()?.track(e.tracker());
         let live_before = LIVE.with(|c| {
             let (live, _) = c.get();
             c.set((live, live));
@@ -616,11 +671,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
             grow(acts.bytes() as i64);
             let len = g.layout().numel;
             let mut gb = tmp::<B, T>(dev, len, "block grad")?;
-            let next = if frozen {
-                self.block_backward_lora(dev, p, &at, &acts, dx, &mut gb, s)?
-            } else {
-                self.block_backward(dev, p.unit, &at, &acts, dx, &mut gb, s)?
-            };
+            let next = self.block_backward(dev, p, &at, &acts, dx, &mut gb, s)?;
             drop(g);
             grow(-(acts.bytes() as i64));
             drop(acts);
@@ -853,13 +904,48 @@ impl<B: LlamaDevice> DeviceModel<B> {
         dev.gemm(ops, dx.dst(), dy.src(), src_at(p, w), back, Batch::ONE)
     }
 
-    /// A block's backward for output gradient `dy`: writes the weight
-    /// gradients into `gb` (the unit's gradient layout) and returns `dx`.
+    /// Backward of projection `i` of a block (q, k, v, o, gate, up, down:
+    /// [`crate::lora::TARGETS`]' order) for its output gradient `dy` and
+    /// input `x`, into `dx`: with a trained base the full backward
+    /// ([`linear_backward`](Self::linear_backward): `dW` into `gb`, `dx`
+    /// written, or with `acc` added to), with a frozen one the input
+    /// gradient alone and the adapter's
+    /// ([`frozen_backward`](Self::frozen_backward): `dx` added to, `dA`
+    /// and `dB` into `gb`).
+    #[allow(clippy::too_many_arguments)]
+    fn proj_backward<T: Element>(
+        &self,
+        dev: &B,
+        p: Params<'_, B, T>,
+        at: &BlockAt,
+        lora: Option<(&LayerLora, &LoraActs<B, T>)>,
+        i: usize,
+        (dy, x): (&Tmp<B, T>, &Tmp<B, T>),
+        dx: &mut Tmp<B, T>,
+        gb: &mut B::Buffer<T>,
+        s: Shape,
+        acc: bool,
+    ) -> Result<()> {
+        let w = at.w[i];
+        if at.train_base {
+            let (d_in, d_out) = s.proj(i);
+            self.linear_backward(dev, p.base, w, gb, dy, x, dx, (s.rows, d_in, d_out), acc)
+        } else {
+            self.frozen_backward(dev, p, w, lora, i, (dy, x), dx, gb, s)
+        }
+    }
+
+    /// A block's backward for output gradient `dy` ([`crate::Block`]'s,
+    /// with LoRA [`crate::BlockLora`]'s): each projection's backward by
+    /// [`proj_backward`](Self::proj_backward); the norms' weight gradients
+    /// and the biases' written into `gb` (the unit's gradient layout) when
+    /// the base trains, else dropped (the norms') or not computed (the
+    /// biases'). Returns `dx`.
     #[allow(clippy::too_many_arguments)]
     fn block_backward<T: Element>(
         &self,
         dev: &B,
-        p: &B::Buffer<T>,
+        p: Params<'_, B, T>,
         at: &BlockAt,
         c: &Acts<B, T>,
         dy: Tmp<B, T>,
@@ -867,21 +953,26 @@ impl<B: LlamaDevice> DeviceModel<B> {
         s: Shape,
     ) -> Result<Tmp<B, T>> {
         let ops = &self.ops;
-        let [wq, wk, wv, wo, gate, up, down, n1, n2] = at.w;
+        let [_, _, _, _, _, _, _, n1, n2] = at.w;
+        let lora = match (&at.lora, &c.lora) {
+            (Some(ll), Some(la)) => Some((ll, la)),
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(Error::Unsupported {
+                    what: "internal: a LoRA backward without the block's saved adapters".into(),
+                })
+            }
+        };
+        let proj =
+            |i: usize,
+             io: (&Tmp<B, T>, &Tmp<B, T>),
+             dx: &mut Tmp<B, T>,
+             gb: &mut B::Buffer<T>,
+             acc: bool| { self.proj_backward(dev, p, at, lora, i, io, dx, gb, s, acc) };
         let (rows, dim, hid) = (s.rows, s.dim, s.hidden);
         // MLP branch.
         let mut da = tmp::<B, T>(dev, rows * hid, "da")?;
-        self.linear_backward(
-            dev,
-            p,
-            down,
-            gb,
-            &dy,
-            &c.a,
-            &mut da,
-            (rows, hid, dim),
-            false,
-        )?;
+        proj(6, (&dy, &c.a), &mut da, gb, false)?;
         let mut dh1 = tmp::<B, T>(dev, rows * hid, "dh1")?;
         let mut dh3 = tmp::<B, T>(dev, rows * hid, "dh3")?;
         dev.swiglu_backward(
@@ -895,38 +986,20 @@ impl<B: LlamaDevice> DeviceModel<B> {
         )?;
         drop(da);
         let mut dxn2 = tmp::<B, T>(dev, rows * dim, "dxn2")?;
-        self.linear_backward(
-            dev,
-            p,
-            gate,
-            gb,
-            &dh1,
-            &c.xn2,
-            &mut dxn2,
-            (rows, dim, hid),
-            false,
-        )?;
-        self.linear_backward(
-            dev,
-            p,
-            up,
-            gb,
-            &dh3,
-            &c.xn2,
-            &mut dxn2,
-            (rows, dim, hid),
-            true,
-        )?;
+        proj(4, (&dh1, &c.xn2), &mut dxn2, gb, false)?;
+        proj(5, (&dh3, &c.xn2), &mut dxn2, gb, true)?;
         drop((dh1, dh3));
         let mut dh = tmp::<B, T>(dev, rows * dim, "dh")?;
         dev.copy_d2d(Stream::Compute, &dy, 0, &mut dh, 0, rows * dim)?;
         drop(dy);
+        // A frozen base's norms share this one for their dropped weight
+        // gradients.
         let mut dn2 = tmp::<B, f32>(dev, dim, "mlp norm grad")?;
         dev.rmsnorm_backward(
             ops,
             dxn2.src(),
             c.h.src(),
-            src_at(p, n2),
+            src_at(p.base, n2),
             c.inv2.src(),
             dh.dst(),
             dn2.dst(),
@@ -937,77 +1010,42 @@ impl<B: LlamaDevice> DeviceModel<B> {
         drop(dxn2);
         // Attention branch.
         let mut dattn = tmp::<B, T>(dev, rows * s.qd, "dattn")?;
-        self.linear_backward(
-            dev,
-            p,
-            wo,
-            gb,
-            &dh,
-            &c.attn,
-            &mut dattn,
-            (rows, s.qd, dim),
-            false,
-        )?;
+        proj(3, (&dh, &c.attn), &mut dattn, gb, false)?;
         let (dq, dk, dv) = self.attention_backward(dev, c, dattn, s)?;
         // The biases' gradients: column sums of the projections' output
         // gradients (before RoPE, where the bias is added).
-        if let Some([bq, bk, bv]) = at.bias {
+        if let (true, Some([bq, bk, bv])) = (at.train_base, at.bias) {
             dev.bias_grad(ops, dq.src(), dst_at(gb, bq), rows, s.qd)?;
             dev.bias_grad(ops, dk.src(), dst_at(gb, bk), rows, s.kd)?;
             dev.bias_grad(ops, dv.src(), dst_at(gb, bv), rows, s.kd)?;
         }
         let mut dxn1 = tmp::<B, T>(dev, rows * dim, "dxn1")?;
-        self.linear_backward(
-            dev,
-            p,
-            wq,
-            gb,
-            &dq,
-            &c.xn1,
-            &mut dxn1,
-            (rows, dim, s.qd),
-            false,
-        )?;
-        self.linear_backward(
-            dev,
-            p,
-            wk,
-            gb,
-            &dk,
-            &c.xn1,
-            &mut dxn1,
-            (rows, dim, s.kd),
-            true,
-        )?;
-        self.linear_backward(
-            dev,
-            p,
-            wv,
-            gb,
-            &dv,
-            &c.xn1,
-            &mut dxn1,
-            (rows, dim, s.kd),
-            true,
-        )?;
+        proj(0, (&dq, &c.xn1), &mut dxn1, gb, false)?;
+        proj(1, (&dk, &c.xn1), &mut dxn1, gb, true)?;
+        proj(2, (&dv, &c.xn1), &mut dxn1, gb, true)?;
         drop((dq, dk, dv));
         let mut dx = tmp::<B, T>(dev, rows * dim, "dx")?;
         dev.copy_d2d(Stream::Compute, &dh, 0, &mut dx, 0, rows * dim)?;
-        let mut dn1 = tmp::<B, f32>(dev, dim, "attn norm grad")?;
+        let mut dn1 = match at.train_base {
+            true => Some(tmp::<B, f32>(dev, dim, "attn norm grad")?),
+            false => None,
+        };
         dev.rmsnorm_backward(
             ops,
             dxn1.src(),
             c.x.src(),
-            src_at(p, n1),
+            src_at(p.base, n1),
             c.inv1.src(),
             dx.dst(),
-            dn1.dst(),
+            dn1.as_mut().unwrap_or(&mut dn2).dst(),
             rows,
             dim,
             true,
         )?;
-        dev.cast(Stream::Compute, &dn1, 0, gb, n1, dim, false)?;
-        dev.cast(Stream::Compute, &dn2, 0, gb, n2, dim, false)?;
+        if let Some(dn1) = &dn1 {
+            dev.cast(Stream::Compute, dn1, 0, gb, n1, dim, false)?;
+            dev.cast(Stream::Compute, &dn2, 0, gb, n2, dim, false)?;
+        }
         Ok(dx)
     }
 
@@ -1110,32 +1148,44 @@ fn saved_bytes<B: LlamaDevice, T: Element>(s: &Saved<B, T>) -> u64 {
 /// The device memory [`DeviceModel`] allocates at most in a micro-batch of
 /// a shape ([`workspace_bytes`]): what the engine reserves for it
 /// ([`zero::EngineBuilder::device_workspace`]) so that the device pool
-/// grows by nothing after the build.
+/// grows by nothing after the build; and the pinned host memory it
+/// stages uploads through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Workspace {
     /// The largest bytes of the trainer's own buffers live at once
-    /// (activations, workspaces, gradients before their copy into the
-    /// engine's buffers): [`DeviceModel::workspace_peak`] measures it.
+    /// (activations, workspaces, LoRA's adapter products and dropout
+    /// masks, gradients before their copy into the engine's buffers):
+    /// [`DeviceModel::workspace_peak`] measures it.
     pub buffers: u64,
     /// What the CUDA ops allocate besides (token ids, targets, the
     /// embedding's gradient plan, the norms' and the loss's scratch, the
     /// RoPE tables, the ones of a bias), which the CPU backend does not.
     pub ops: u64,
+    /// Pinned host memory, not device memory (not in
+    /// [`total`](Workspace::total)): the [`MASK_SLOTS`] slots LoRA's
+    /// dropout masks go up through, each of a block's masks
+    /// ([`mask_words`]); 0 without dropout. The engine's tracker counts
+    /// them as host communication buffers.
+    pub host_pinned: u64,
 }
 
 impl Workspace {
-    /// Both.
+    /// The device memory: [`buffers`](Workspace::buffers) and
+    /// [`ops`](Workspace::ops).
     pub fn total(&self) -> u64 {
         self.buffers + self.ops
     }
 }
 
-/// [`DeviceModel`]'s device memory in a micro-batch of `batch` sequences
-/// of `seq` tokens of model `cfg` with elements of `elem` bytes (2 for
-/// bf16), with or without activation checkpointing, every token a target
-/// (the most): the trainer's allocations replayed in its order by size.
+/// [`DeviceModel`]'s memory in a micro-batch of `batch` sequences of
+/// `seq` tokens of model `cfg` with elements of `elem` bytes (2 for
+/// bf16), a full fine-tune or with LoRA adapters `lora` (the base frozen;
+/// with dropout, its masks), with or without activation checkpointing,
+/// every token a target (the most): the trainer's allocations replayed in
+/// its order by size.
 pub fn workspace_bytes(
     cfg: &Config,
+    lora: Option<&LoraConfig>,
     batch: usize,
     seq: usize,
     checkpointing: bool,
@@ -1153,27 +1203,75 @@ pub fn workspace_bytes(
     let m = s.mats() as u64;
     let v = cfg.vocab as u64;
     let np = r;
-    let block_len: u64 = block_tensors(cfg, 0).iter().map(|t| t.numel() as u64).sum();
-    let head_len: u64 = tensors(cfg)[cfg.norm_index()..]
-        .iter()
-        .map(|t| t.numel() as u64)
-        .sum();
+    let frozen = lora.is_some();
+    let numel = |t: &[crate::TensorInfo]| t.iter().map(|t| t.numel() as u64).sum::<u64>();
+    // A block's gradient buffer: its trainable tensors (the adapters with
+    // LoRA).
+    let block_len = match lora {
+        None => numel(&block_tensors(cfg, 0)),
+        Some(lc) => numel(&crate::lora::lora_tensors(cfg, lc, 0)),
+    };
+    let head_len = numel(&tensors(cfg)[cfg.norm_index()..]);
+    // Per projection (q, k, v, o, gate, up, down) with an adapter: the
+    // bytes of its `drop(x) Aᵀ` and of its (dropped) input; and a block's
+    // dropout masks (f32 words).
+    let adapters: [Option<(u64, u64)>; 7] = std::array::from_fn(|i| {
+        let lc = lora.filter(|lc| lc.targets(crate::lora::TARGETS[i].0))?;
+        Some((e * r * lc.r as u64, e * r * s.proj(i).0 as u64))
+    });
+    let masks = lora.map_or(0, |lc| 4 * mask_words(cfg, lc, s.rows) as u64);
+    let dropout = masks > 0;
+    // Projection i's adapter in forward (`adapt`): its dropped input while
+    // `drop(x) Aᵀ` is made, which stays.
+    let adapt = |l: &mut Ledger, i: usize| {
+        if let Some((xa, xin)) = adapters[i] {
+            l.alloc(if dropout { xin } else { 0 });
+            l.alloc(xa);
+            l.free(if dropout { xin } else { 0 });
+        }
+    };
+    // Projection i's frozen backward with its adapter (`frozen_backward`):
+    // d(xa), and with dropout the dropped input, then the adapter's input
+    // gradient before the mask.
+    let back = |l: &mut Ledger, i: usize| {
+        if let Some((xa, xin)) = adapters[i] {
+            l.alloc(xa);
+            if dropout {
+                l.alloc(xin);
+                l.free(xin);
+                l.alloc(xin);
+                l.free(xin);
+            }
+            l.free(xa);
+        }
+    };
     let mut l = Ledger::default();
     // Acts of one block: x, xn1, h, xn2; q, attn; k, v; probs; h1, h3, a;
-    // inv1, inv2.
-    let acts = e * (4 * r * d + 2 * r * q + 2 * r * k + m + 3 * r * h) + 8 * r;
+    // inv1, inv2; the adapters' products and the masks.
+    let lora_acts: u64 = adapters.iter().flatten().map(|a| a.0).sum::<u64>() + masks;
+    let acts = e * (4 * r * d + 2 * r * q + 2 * r * k + m + 3 * r * h) + 8 * r + lora_acts;
     // A block's forward from its input (live), as block_forward: leaves
     // acts (without x) and y live.
     let forward = |l: &mut Ledger| {
         l.alloc(e * r * d + 4 * r); // xn1, inv1
         l.alloc(e * (r * q + 2 * r * k)); // q, k, v
+        l.alloc(masks);
+        for i in 0..3 {
+            adapt(l, i);
+        }
         l.alloc(e * m); // scores
         l.alloc(e * m); // probs
         l.free(e * m); // scores
         l.alloc(e * r * q); // attn
-        l.alloc(2 * e * r * d + 4 * r); // h, xn2, inv2
-        l.alloc(3 * e * r * h); // h1, h3, a
+        l.alloc(e * r * d); // h
+        adapt(l, 3);
+        l.alloc(e * r * d + 4 * r); // xn2, inv2
+        l.alloc(2 * e * r * h); // h1, h3
+        adapt(l, 4);
+        adapt(l, 5);
+        l.alloc(e * r * h); // a
         l.alloc(e * r * d); // mlp out
+        adapt(l, 6);
         l.alloc(e * r * d); // y
         l.free(e * r * d); // mlp out
     };
@@ -1185,21 +1283,33 @@ pub fn workspace_bytes(
             l.free(acts - e * r * d);
         }
     }
-    // Head; y of the last block is x.
+    // Head; y of the last block is x. A frozen head (LoRA) has no
+    // gradients, nor has the embedding.
+    let (gh, emb) = match frozen {
+        true => (0, 0),
+        false => (e * head_len, 4 * v * d),
+    };
+    let tied = if cfg.tie_embeddings && !frozen {
+        e * v * d
+    } else {
+        0
+    };
     l.alloc(2 * e * np * d + 4 * np); // hx, xn, inv
     l.alloc(2 * e * np * v + 4); // logits, dlogits, loss
     l.free(e * np * v); // logits
-    l.alloc(e * head_len); // lm_head grad
-    let tied = if cfg.tie_embeddings { e * v * d } else { 0 };
+    l.alloc(gh); // lm_head grad
     l.alloc(tied);
     l.alloc(e * np * d); // dxn
     l.free(e * np * v); // dlogits
     l.alloc(4 * d + e * np * d); // dnorm, dhx
-    l.free(e * head_len); // lm_head grad, handed to the engine
-    l.alloc(4 * v * d); // embedding grad (f32)
+    l.free(gh); // lm_head grad, handed to the engine
+    l.alloc(emb); // embedding grad (f32)
     l.free(tied);
     l.alloc(e * r * d); // dx
     l.free(3 * e * np * d + 4 * np + e * np * d + e * r * d); // hx, xn, inv, dxn, dhx, x
+                                                              // The attention norm's weight gradient (a frozen one shares the MLP
+                                                              // norm's).
+    let dn1 = if frozen { 0 } else { 4 * d };
     for _ in 0..cfg.n_layers {
         if checkpointing {
             // The saved input becomes the recomputed block's x; its y is
@@ -1208,39 +1318,50 @@ pub fn workspace_bytes(
             l.free(e * r * d);
         }
         l.alloc(e * block_len); // block grad
-                                // block_backward(dy = dx).
-        l.alloc(3 * e * r * h); // da, dh1, dh3
+
+        // block_backward(dy = dx).
+        l.alloc(e * r * h); // da
+        back(&mut l, 6);
+        l.alloc(2 * e * r * h); // dh1, dh3
         l.free(e * r * h); // da
         l.alloc(e * r * d); // dxn2
+        back(&mut l, 4);
+        back(&mut l, 5);
         l.free(2 * e * r * h); // dh1, dh3
         l.alloc(e * r * d); // dh
         l.free(e * r * d); // dy
         l.alloc(4 * d); // mlp norm grad
         l.free(e * r * d); // dxn2
         l.alloc(e * r * q); // dattn
+        back(&mut l, 3);
         l.alloc(e * (m + r * q + 2 * r * k)); // dprobs, dq, dk, dv
         l.alloc(e * m); // dscores
         l.free(e * m); // dprobs
         l.free(e * m + e * r * q); // dscores, dattn
         l.alloc(e * r * d); // dxn1
+        for i in 0..3 {
+            back(&mut l, i);
+        }
         l.free(e * (r * q + 2 * r * k)); // dq, dk, dv
-        l.alloc(e * r * d + 4 * d); // dx, attn norm grad
-        l.free(2 * e * r * d + 8 * d); // dh, dxn1, both norm grads
+        l.alloc(e * r * d + dn1); // dx, attn norm grad
+        l.free(2 * e * r * d + 4 * d + dn1); // dh, dxn1, the norm grads
         l.free(acts); // the block's activations
         l.free(e * block_len); // block grad
     }
     l.free(e * r * d); // dx (after the embedding's backward)
-    l.alloc(e * v * d); // embedding grad (T)
-                        // The CUDA ops' own: ids, targets (u32/i32), the embedding plan (three
-                        // u32 arrays of at most rows + 1), the norms' and the loss's f32
-                        // scratch, the RoPE tables (f32 cos and sin, made with the ops), the
-                        // ones of a bias (one at a time).
+    l.alloc(if frozen { 0 } else { e * v * d }); // embedding grad (T)
+
+    // The CUDA ops' own: ids, targets (u32/i32), the embedding plan (three
+    // u32 arrays of at most rows + 1), the norms' and the loss's f32
+    // scratch, the RoPE tables (f32 cos and sin, made with the ops), the
+    // ones of a bias (one at a time).
     let scratch = (crate::cuda::rmsnorm_scratch_len(s.rows, s.dim) as u64).max(np) * 4;
     let rope = 8 * cfg.max_seq as u64 * (s.hd as u64 / 2);
     let ones = if cfg.qkv_bias { e * r } else { 0 };
     Workspace {
         buffers: l.peak,
         ops: 4 * (r + np) + 4 * (3 * r + 1) + scratch + rope + ones,
+        host_pinned: MASK_SLOTS as u64 * masks,
     }
 }
 

@@ -16,15 +16,19 @@
 //! Dropout masks are drawn on the host as the CPU trainer draws them
 //! ([`crate::lora::dropout_bits`]: the same key per layer and module,
 //! the same draws) and kept on the device as bit masks, 1 bit per
-//! element, one upload per block; backward (and a checkpointed block's
-//! recomputation) uses the same bits.
+//! element, one upload per block through pinned host slots
+//! ([`MaskStage`]); backward (and a checkpointed block's recomputation)
+//! uses the same bits.
 
-use zero::core::backend::{BufferHandle, Stream};
+use std::sync::MutexGuard;
+
+use zero::core::backend::{Backend, BufferHandle, Stream};
+use zero::core::memory::{Allocation, Category, MemoryTracker, Tier};
 use zero::core::partition::UnitLayout;
 use zero::core::Element;
 use zero::{Error, Result};
 
-use super::{offset, tmp, Acts, BlockAt, DeviceModel, Params, Shape, Tmp};
+use super::{offset, tmp, tmp_scratch, DeviceModel, Params, Shape, Tmp};
 use crate::device::{dst_at, src_at, Batch, LlamaDevice};
 use crate::lora::{self, LoraConfig, TARGETS};
 use crate::ops::Mm;
@@ -75,12 +79,12 @@ impl LayerLora {
     }
 }
 
-/// A block's dropout masks on the device (one upload) and where each
-/// target's starts (in 32-bit words).
+/// A block's dropout masks on the device (one upload, its words as f32
+/// bit patterns: [`LlamaDevice::dropout`]) and where each target's starts
+/// (in 32-bit words).
 struct Masks<B: LlamaDevice> {
-    bits: B::Mask,
+    bits: Tmp<B, f32>,
     word: [usize; 7],
-    words: usize,
 }
 
 /// What a block's adapters keep from forward for backward: each
@@ -94,8 +98,135 @@ impl<B: LlamaDevice, T: Element> LoraActs<B, T> {
     /// Bytes held: the products and the bit masks.
     pub(super) fn bytes(&self) -> u64 {
         let xa: usize = self.xa.iter().flatten().map(|t| t.len()).sum();
-        let masks = self.masks.as_ref().map_or(0, |m| m.words);
+        let masks = self.masks.as_ref().map_or(0, |m| m.bits.len());
         (xa * size_of::<T>() + 4 * masks) as u64
+    }
+}
+
+/// The pinned host slots a block's dropout masks go up through.
+///
+/// With two, the host draws block `l + 1`'s masks into one slot while
+/// block `l`'s copy out of the other may still be queued on the compute
+/// stream; rewriting a slot waits (on the host) for the copy out of it
+/// enqueued two blocks before, an event per slot.
+pub const MASK_SLOTS: usize = 2;
+
+/// The 32-bit words of a block's dropout masks for `rows` rows of input
+/// to each target of `lc` in a block of `cfg` ([`lora::dropout_bits`] of
+/// each); 0 without dropout. What [`MASK_SLOTS`] pinned slots hold each.
+pub fn mask_words(cfg: &Config, lc: &LoraConfig, rows: usize) -> usize {
+    if lc.dropout == 0.0 {
+        return 0;
+    }
+    TARGETS
+        .iter()
+        .filter(|(m, _)| lc.targets(m))
+        .map(|(m, _)| {
+            let (d_in, _) = lora::module_dims(cfg, m).expect("a TARGETS module");
+            (rows * d_in).div_ceil(32)
+        })
+        .sum()
+}
+
+/// [`MASK_SLOTS`] pinned host buffers (the backend's host buffers: pinned
+/// on CUDA) that the dropout masks are copied to the device from, on the
+/// compute stream, instead of from pageable memory (where the driver's
+/// staging may wait for the stream). Allocated at the first upload, all
+/// of the largest block's size, and counted in the engine's tracker as
+/// host communication buffers.
+pub(super) struct MaskStage<B: Backend> {
+    slots: Vec<Slot<B>>,
+    /// The slot the next upload uses.
+    next: usize,
+    /// The tracker the slots' bytes go into ([`MaskStage::track`]) …
+    tracker: Option<MemoryTracker>,
+    /// … and their bytes there.
+    tracked: Option<Allocation>,
+    /// Test-only: a slot is rewritten without waiting for the copy out of
+    /// it ([`DeviceModel::skip_mask_wait_for_tests`]).
+    pub(super) skip_wait: bool,
+}
+
+struct Slot<B: Backend> {
+    host: B::HostBuffer<f32>,
+    /// After the last copy out of the slot.
+    copied: Option<B::Event>,
+}
+
+impl<B: Backend + Clone> MaskStage<B> {
+    pub(super) fn new() -> Self {
+        MaskStage {
+            slots: Vec::new(),
+            next: 0,
+            tracker: None,
+            tracked: None,
+            skip_wait: false,
+        }
+    }
+
+    /// Counts the slots in `tracker` (the engine's), from now on.
+    pub(super) fn track(&mut self, tracker: &MemoryTracker) {
+        if self.tracker.is_none() {
+            self.tracker = Some(tracker.clone());
+            self.count();
+        }
+    }
+
+    /// The slots' bytes into the tracker, once there are any.
+    fn count(&mut self) {
+        let bytes = self.bytes();
+        match (&mut self.tracked, &self.tracker) {
+            (Some(t), _) => t.resize(bytes),
+            (None, Some(t)) if bytes > 0 => {
+                self.tracked = Some(t.allocate(Tier::Host, Category::CommBuffers, bytes))
+            }
+            (None, _) => {}
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        self.slots.iter().map(|s| 4 * s.host.len() as u64).sum()
+    }
+
+    /// Copies `bits` to a new device buffer (on the compute stream) through
+    /// the next slot.
+    fn upload(&mut self, dev: &B, bits: &[u32]) -> Result<Tmp<B, f32>> {
+        let words = bits.len();
+        if self.slots.first().is_none_or(|s| s.host.len() < words) {
+            self.grow(dev, words)?;
+        }
+        let i = self.next;
+        self.next = (i + 1) % self.slots.len();
+        let slot = &mut self.slots[i];
+        if let Some(copied) = slot.copied.take() {
+            if !self.skip_wait {
+                dev.sync(&copied)?;
+            }
+        }
+        let host = dev.write_host(&mut slot.host, 0..words)?;
+        bytemuck::cast_slice_mut::<f32, u32>(host).copy_from_slice(bits);
+        let mut d = tmp_scratch::<B, f32>(dev, words, "lora dropout masks")?;
+        dev.copy_h2d(Stream::Compute, &slot.host, 0, &mut d, 0, words)?;
+        slot.copied = Some(dev.record(Stream::Compute)?);
+        Ok(d)
+    }
+
+    /// Every slot `words` long: the old ones freed once the copies out of
+    /// them finished.
+    fn grow(&mut self, dev: &B, words: usize) -> Result<()> {
+        for s in &self.slots {
+            if let Some(copied) = &s.copied {
+                dev.sync(copied)?;
+            }
+        }
+        self.slots.clear();
+        for _ in 0..MASK_SLOTS {
+            let host = dev.alloc_host::<f32>(words, "lora dropout masks (pinned)")?;
+            self.slots.push(Slot { host, copied: None });
+        }
+        self.next = 0;
+        self.count();
+        Ok(())
     }
 }
 
@@ -105,10 +236,19 @@ fn dims(cfg: &Config, i: usize) -> (usize, usize) {
 }
 
 impl<B: LlamaDevice> DeviceModel<B> {
+    /// The dropout masks' pinned slots, for this micro-batch.
+    pub(super) fn mask_stage(&self) -> Result<MutexGuard<'_, MaskStage<B>>> {
+        self.masks.lock().map_err(|_| Error::Unsupported {
+            what: "the dropout masks' staging was poisoned by a panic in an earlier micro-batch"
+                .into(),
+        })
+    }
+
     /// A block's adapter state before its forward: with a dropout `key`
     /// (training, dropout > 0) the masks of every target, drawn as the
     /// CPU trainer draws them ([`lora::dropout_bits`] of `rows · d_in`
-    /// elements, seeded by the key and the module) and uploaded at once.
+    /// elements, seeded by the key and the module) and uploaded at once
+    /// through a pinned slot ([`MaskStage`]).
     pub(super) fn lora_acts<T: Element>(
         &self,
         dev: &B,
@@ -130,9 +270,8 @@ impl<B: LlamaDevice> DeviceModel<B> {
                     bits.extend(lora::dropout_bits(n, ll.dropout, seed).unwrap_or_default());
                 }
                 Some(Masks {
-                    bits: dev.upload_mask(&self.ops, &bits)?,
+                    bits: self.mask_stage()?.upload(dev, &bits)?,
                     word,
-                    words: bits.len(),
                 })
             }
             _ => None,
@@ -162,8 +301,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
         dev.dropout(
             &self.ops,
             x.src(),
-            &m.bits,
-            m.word[i],
+            m.bits.src_at(m.word[i]),
             keep,
             out.dst(),
             n,
@@ -217,16 +355,17 @@ impl<B: LlamaDevice> DeviceModel<B> {
     }
 
     /// Backward of frozen projection `i` of [`TARGETS`] (its weight at
-    /// element `w` of `p.base`, its adapter in `p.unit`) with its adapter: `dx += dy W` (no gradient for
-    /// `W`), then [`lora::backward`]'s products: `dA`, `dB` into the
-    /// unit's gradient buffer `gb` and the adapter's share of `dx`.
+    /// element `w` of `p.base`) with its adapter, if `lora` gives it one
+    /// (in `p.unit`): `dx += dy W` (no gradient for `W`), then
+    /// [`lora::backward`]'s products: `dA`, `dB` into the unit's gradient
+    /// buffer `gb` and the adapter's share of `dx`.
     #[allow(clippy::too_many_arguments)]
-    fn frozen_backward<T: Element>(
+    pub(super) fn frozen_backward<T: Element>(
         &self,
         dev: &B,
         p: Params<'_, B, T>,
         w: usize,
-        (ll, la): (&LayerLora, &LoraActs<B, T>),
+        lora: Option<(&LayerLora, &LoraActs<B, T>)>,
         i: usize,
         (dy, x): (&Tmp<B, T>, &Tmp<B, T>),
         dx: &mut Tmp<B, T>,
@@ -234,15 +373,19 @@ impl<B: LlamaDevice> DeviceModel<B> {
         s: Shape,
     ) -> Result<()> {
         let ops = &self.ops;
-        let (d_in, d_out) = dims(&self.model.cfg, i);
-        let (rows, r, scale) = (s.rows, ll.r, ll.scale);
+        let (d_in, d_out) = s.proj(i);
+        let rows = s.rows;
         let back = Mm::new(rows, d_in, d_out).acc();
         dev.gemm(ops, dx.dst(), dy.src(), src_at(p.base, w), back, Batch::ONE)?;
         // The adapter's tensors, in the unit's buffer.
         let pu = p.unit;
+        let Some((ll, la)) = lora else {
+            return Ok(());
+        };
         let Some(ad) = ll.ad[i] else {
             return Ok(());
         };
+        let (r, scale) = (ll.r, ll.scale);
         let xa = la.xa[i].as_ref().ok_or_else(|| Error::Unsupported {
             what: format!(
                 "internal: no saved adapter product for module {}",
@@ -277,8 +420,7 @@ impl<B: LlamaDevice> DeviceModel<B> {
                 dev.dropout(
                     ops,
                     dxin.src(),
-                    &mk.bits,
-                    mk.word[i],
+                    mk.bits.src_at(mk.word[i]),
                     keep,
                     dx.dst(),
                     n,
@@ -286,94 +428,5 @@ impl<B: LlamaDevice> DeviceModel<B> {
                 )
             }
         }
-    }
-
-    /// A block's backward with LoRA ([`crate::Block::backward`] with
-    /// adapters): the base frozen, so only the input gradient flows
-    /// through it; the adapters' gradients go into `gb`. Returns `dx`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn block_backward_lora<T: Element>(
-        &self,
-        dev: &B,
-        p: Params<'_, B, T>,
-        at: &BlockAt,
-        c: &Acts<B, T>,
-        dy: Tmp<B, T>,
-        gb: &mut B::Buffer<T>,
-        s: Shape,
-    ) -> Result<Tmp<B, T>> {
-        let ops = &self.ops;
-        let [wq, wk, wv, wo, gate, up, down, n1, n2] = at.w;
-        let (ll, la) = match (&at.lora, &c.lora) {
-            (Some(ll), Some(la)) => (ll, la),
-            _ => {
-                return Err(Error::Unsupported {
-                    what: "internal: a LoRA backward without the block's adapters".into(),
-                })
-            }
-        };
-        let l = (ll, la);
-        let (rows, dim, hid) = (s.rows, s.dim, s.hidden);
-        // MLP branch (no weight gradients).
-        let mut da = tmp::<B, T>(dev, rows * hid, "da")?;
-        self.frozen_backward(dev, p, down, l, 6, (&dy, &c.a), &mut da, gb, s)?;
-        let mut dh1 = tmp::<B, T>(dev, rows * hid, "dh1")?;
-        let mut dh3 = tmp::<B, T>(dev, rows * hid, "dh3")?;
-        dev.swiglu_backward(
-            ops,
-            da.src(),
-            c.h1.src(),
-            c.h3.src(),
-            dh1.dst(),
-            dh3.dst(),
-            rows * hid,
-        )?;
-        drop(da);
-        let mut dxn2 = tmp::<B, T>(dev, rows * dim, "dxn2")?;
-        self.frozen_backward(dev, p, gate, l, 4, (&dh1, &c.xn2), &mut dxn2, gb, s)?;
-        self.frozen_backward(dev, p, up, l, 5, (&dh3, &c.xn2), &mut dxn2, gb, s)?;
-        drop((dh1, dh3));
-        let mut dh = tmp::<B, T>(dev, rows * dim, "dh")?;
-        dev.copy_d2d(Stream::Compute, &dy, 0, &mut dh, 0, rows * dim)?;
-        drop(dy);
-        // The norms are frozen: their weight gradients are dropped.
-        let mut scratch = tmp::<B, f32>(dev, dim, "frozen norm grad")?;
-        dev.rmsnorm_backward(
-            ops,
-            dxn2.src(),
-            c.h.src(),
-            src_at(p.base, n2),
-            c.inv2.src(),
-            dh.dst(),
-            scratch.dst(),
-            rows,
-            dim,
-            true,
-        )?;
-        drop(dxn2);
-        // Attention branch.
-        let mut dattn = tmp::<B, T>(dev, rows * s.qd, "dattn")?;
-        self.frozen_backward(dev, p, wo, l, 3, (&dh, &c.attn), &mut dattn, gb, s)?;
-        let (dq, dk, dv) = self.attention_backward(dev, c, dattn, s)?;
-        let mut dxn1 = tmp::<B, T>(dev, rows * dim, "dxn1")?;
-        self.frozen_backward(dev, p, wq, l, 0, (&dq, &c.xn1), &mut dxn1, gb, s)?;
-        self.frozen_backward(dev, p, wk, l, 1, (&dk, &c.xn1), &mut dxn1, gb, s)?;
-        self.frozen_backward(dev, p, wv, l, 2, (&dv, &c.xn1), &mut dxn1, gb, s)?;
-        drop((dq, dk, dv));
-        let mut dx = tmp::<B, T>(dev, rows * dim, "dx")?;
-        dev.copy_d2d(Stream::Compute, &dh, 0, &mut dx, 0, rows * dim)?;
-        dev.rmsnorm_backward(
-            ops,
-            dxn1.src(),
-            c.x.src(),
-            src_at(p.base, n1),
-            c.inv1.src(),
-            dx.dst(),
-            scratch.dst(),
-            rows,
-            dim,
-            true,
-        )?;
-        Ok(dx)
     }
 }
