@@ -31,6 +31,16 @@
 //!
 //! Allocator: the system's (glibc malloc); the bench sets nothing, and
 //! prints any `MALLOC_*` / `GLIBC_TUNABLES` variable it was started with.
+//! It matters: with glibc's defaults (dynamic mmap and trim thresholds) the
+//! memory a whole-graph step frees goes back to the kernel and the next
+//! step faults it in again, which the kernel-time and page-fault columns
+//! show (`getrusage`: the kernel time is the process's, sampled by the
+//! kernel's accounting). Fixed thresholds keep it in the process:
+//!
+//! ```text
+//! MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 \
+//!     cargo bench -p zero-candle --bench step
+//! ```
 
 use std::time::Instant;
 
@@ -80,6 +90,20 @@ fn clock(id: libc::clockid_t) -> f64 {
     let rc = unsafe { libc::clock_gettime(id, &mut ts) };
     assert_eq!(rc, 0, "clock_gettime({id}) failed");
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// The process's kernel (system) CPU time in seconds and its minor page
+/// faults so far (`getrusage`).
+fn kernel_and_faults() -> (f64, f64) {
+    // SAFETY: all-zero bytes are a valid `rusage`, which the call fills.
+    let mut r: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `r` is a valid rusage for the call to write.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut r) };
+    assert_eq!(rc, 0, "getrusage failed");
+    (
+        r.ru_stime.tv_sec as f64 + r.ru_stime.tv_usec as f64 * 1e-6,
+        r.ru_minflt as f64,
+    )
 }
 
 /// One reading of the three clocks, in seconds.
@@ -219,6 +243,10 @@ fn main() {
     // clock: opt[setup][step].
     let mut times = vec![vec![Vec::with_capacity(steps); CLOCKS.len()]; SETUPS.len()];
     let mut opt_times = vec![Vec::with_capacity(steps); SETUPS.len()];
+    // The kernel's part of the process CPU time and the minor page faults:
+    // [setup][step].
+    let mut kernel = vec![Vec::with_capacity(steps); SETUPS.len()];
+    let mut faults = vec![Vec::with_capacity(steps); SETUPS.len()];
     let mut losses = [0f32; 3];
     for step in 0..steps + warmup {
         let (x, y) = tiny::batch((step * micro) as u64, micro, seq, shape.vocab).unwrap();
@@ -226,6 +254,7 @@ fn main() {
         // always runs right after another.
         for k in 0..SETUPS.len() {
             let s = (step + k) % SETUPS.len();
+            let (kernel0, faults0) = kernel_and_faults();
             let start = Clocks::read(wall0);
             // The forward and backward passes, then the optimizer step
             // (`Optimizer::backward_step` is these two calls).
@@ -256,7 +285,10 @@ fn main() {
                 }
             };
             let end = Clocks::read(wall0);
+            let (kernel1, faults1) = kernel_and_faults();
             if step >= warmup {
+                kernel[s].push(kernel1 - kernel0);
+                faults[s].push(faults1 - faults0);
                 for (c, t) in end.since(start).0.iter().enumerate() {
                     times[s][c].push(*t);
                 }
@@ -267,20 +299,22 @@ fn main() {
     println!("load average (1, 5, 15 min): {load_before} before, {} after", loadavg());
 
     println!(
-        "| setup | {} median s | of which optimizer step | {} median s | {} median s | CPU / wall \
-         | last loss |",
+        "| setup | {} median s | of which kernel | of which optimizer step | {} median s | {} \
+         median s | CPU / wall | minor page faults per step | last loss |",
         CLOCKS[0], CLOCKS[1], CLOCKS[2]
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for (s, name) in SETUPS.iter().enumerate() {
         let m: Vec<f64> = times[s].iter().map(|v| median(v)).collect();
         println!(
-            "| {name} | {:.4} | {:.4} | {:.4} | {:.4} | {:.2} | {:.4} |",
+            "| {name} | {:.4} | {:.4} | {:.4} | {:.4} | {:.4} | {:.2} | {:.0} | {:.4} |",
             m[0],
+            median(&kernel[s]),
             median(&opt_times[s]),
             m[1],
             m[2],
             m[0] / m[2],
+            median(&faults[s]),
             losses[s]
         );
     }
