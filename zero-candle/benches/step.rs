@@ -296,7 +296,10 @@ fn main() {
             }
         }
     }
-    println!("load average (1, 5, 15 min): {load_before} before, {} after", loadavg());
+    println!(
+        "load average (1, 5, 15 min): {load_before} before, {} after",
+        loadavg()
+    );
 
     println!(
         "| setup | {} median s | of which kernel | of which optimizer step | {} median s | {} \
