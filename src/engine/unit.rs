@@ -12,6 +12,7 @@
 use std::collections::VecDeque;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
+use std::time::Instant;
 
 use zero_core::backend::{HostAccess, Stream};
 use zero_core::memory::Allocation;
@@ -177,6 +178,12 @@ impl<B: EngineBackend> Units<B> {
         }
     }
 
+    /// The name of the first unit whose parameters a guard still holds.
+    pub(super) fn gathered(&self) -> Option<&str> {
+        let u = self.units.iter().find(|u| u.gathers > 0)?;
+        Some(&u.layout.name)
+    }
+
     /// Whether an all-gather is queued and not launched yet.
     pub(super) fn has_queued(&self) -> bool {
         !self.queue.is_empty()
@@ -188,6 +195,49 @@ impl<B: EngineBackend> Units<B> {
         if self.units[i].mark_queued() {
             self.queue.push_back(i);
         }
+    }
+
+    /// Stages 1–2, after a step that every rank applied: all-gathers every
+    /// unit's updated shard in place, with up to `allgather_bucket_size`
+    /// elements in flight. With `overlap_comm` (`overlap`) this only
+    /// starts them: the next forward pass waits for each unit in
+    /// [`Units::wait_for`] (as FSDP's forward all-gather), so the transfer
+    /// hides behind the compute of the units before it.
+    pub(super) fn gather_all<C: EngineComm<B>>(
+        &mut self,
+        overlap: bool,
+        io: &mut AllGatherIo<'_, C, B>,
+    ) -> Result<()> {
+        // (With overlap_comm and the optimizer state on the device tier,
+        // AdamW queued each unit as it finished it.)
+        for i in 0..self.len() {
+            self.queue_gather(i);
+        }
+        if overlap {
+            self.advance(None, io)
+        } else {
+            self.finish(io)
+        }
+    }
+
+    /// Before unit `i`'s parameters are read (a gather): with
+    /// `overlap_comm` the all-gather of its updated parameters started in
+    /// the step, so waits for it (a `gather` span, counted in
+    /// `gather_time`), and keeps launching the queued ones.
+    pub(super) fn wait_for<C: EngineComm<B>>(
+        &mut self,
+        i: usize,
+        io: &mut AllGatherIo<'_, C, B>,
+    ) -> Result<()> {
+        if self.units[i].is_stale() {
+            let _span = io.tracer.span(io.comm.rank(), "gather", "comm");
+            let t = Instant::now();
+            self.advance(Some(i), io)?;
+            io.stats.gather_time += t.elapsed();
+        } else if self.has_queued() {
+            self.advance(None, io)?;
+        }
+        Ok(())
     }
 
     /// Launches queued parameter all-gathers while they fit in

@@ -24,6 +24,7 @@ mod param;
 mod streamed;
 mod tiles;
 
+use zero_comm::agree::exchange_u64;
 use zero_core::backend::{HostAccess, Stream};
 use zero_core::memory::MemoryTracker;
 use zero_core::optim::AdamWStep;
@@ -164,10 +165,28 @@ impl<C: EngineComm<B>, B: EngineBackend> StepIo<'_, C, B> {
     }
 }
 
+/// The squared global gradient norm of step `number` (1 for the first,
+/// skipped steps counted): every rank's [`local_sum_squares`], summed in
+/// rank order, exchanged with each rank's count of micro-batches
+/// (`micro_batches`), which [`check_in_step`] finds equal first.
+pub(super) fn global_sum_squares<B: EngineBackend, C: EngineComm<B>>(
+    comm: &C,
+    backend: &B,
+    opt: &OptimizerShard<B>,
+    reducer: &GradReducer<B>,
+    number: u64,
+    micro_batches: u64,
+) -> Result<f64> {
+    let local = local_sum_squares(opt, backend, reducer)?;
+    let parts = exchange_u64(comm, &[local.to_bits(), micro_batches])?;
+    check_in_step(&parts, comm.rank(), number)?;
+    Ok(parts.iter().fold(0f64, |a, w| a + f64::from_bits(w[0])))
+}
+
 /// This rank's part of the squared gradient norm: its shard of every
 /// unit, in unit order (stage 0 too, so that every stage adds the same
 /// terms); 0 without trainable tensors.
-pub(super) fn local_sum_squares<B: EngineBackend>(
+fn local_sum_squares<B: EngineBackend>(
     opt: &OptimizerShard<B>,
     backend: &B,
     reducer: &GradReducer<B>,
@@ -190,7 +209,7 @@ pub(super) fn local_sum_squares<B: EngineBackend>(
 /// rank refuses the update with the same error, naming the first rank
 /// off the majority (ties: rank 0's count) and both counts; the counts
 /// stay apart, so every later step is refused too.
-pub(super) fn check_in_step(parts: &[Vec<u64>], rank: usize, step: u64) -> Result<()> {
+fn check_in_step(parts: &[Vec<u64>], rank: usize, step: u64) -> Result<()> {
     let count = |v: u64| parts.iter().filter(|w| w[1] == v).count();
     let mut common = parts[0][1];
     for w in parts {
