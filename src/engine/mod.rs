@@ -115,7 +115,7 @@ use zero_comm::Communicator;
 use zero_core::backend::{CpuBackend, Stream};
 use zero_core::config::{FrozenParams, ResolvedConfig};
 use zero_core::memory::{MemoryReport, MemoryTracker};
-use zero_core::optim::{clip_coefficient, LossScaler};
+use zero_core::optim::LossScaler;
 use zero_core::partition::{PartitionPlan, UnitLayout};
 use zero_core::{DType, Element};
 
@@ -149,7 +149,7 @@ pub use stats::{EngineStats, SwapTraffic};
 pub use step::StepOutcome;
 use step::{OptimizerStep, StepIo};
 pub use unit::UnitId;
-use unit::{shards, AllGatherIo, Units};
+use unit::{AllGatherIo, Units};
 
 /// The sharded data-parallel engine of one rank.
 pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
@@ -487,16 +487,12 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     /// The stage-3 gatherer, and what it needs from the engine for a call.
     fn s3_parts(&mut self) -> (&mut ParamGatherer<B>, GatherIo<'_, C, B>) {
-        let io = GatherIo {
-            backend: &self.backend,
-            after: self.gather_after,
-            comm: &self.comm,
-            tracker: &self.tracker,
-            tracer: &self.tracer,
-            pdt: self.pdt,
-            shards: shards(self.poff.as_mut(), &self.units),
-            stats: &mut self.stats,
-        };
+        let io = unit::gather_io(
+            (&self.comm, &self.backend, self.gather_after),
+            (&self.tracker, &self.tracer, self.pdt),
+            (self.poff.as_mut(), &self.units),
+            &mut self.stats,
+        );
         (&mut self.s3, io)
     }
 
@@ -1061,25 +1057,18 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     fn optimizer_step(&mut self) -> Result<StepOutcome> {
         let (opt, reducer, number) = (&self.opt, &self.reducer, self.global_steps + 1);
         let sumsq = step::global_sum_squares(&self.comm, &self.backend, opt, reducer, number, self.micro_batches)?;
-        let loss_scale = self.loss_scale();
-        let ga = self.cfg.gradient_accumulation_steps;
-        let base = 1.0 / (f64::from(loss_scale) * self.world as f64 * ga as f64);
-        let norm = sumsq.sqrt() * base;
-        let overflow = !sumsq.is_finite();
         let lr = self.cfg.scheduler.lr_at(self.steps);
-        let skipped = match self.scaler.as_mut() {
-            Some(s) => s.update(overflow),
-            None => overflow,
-        };
-        if overflow && self.scaler.is_none() {
+        let (ranks, ga) = (self.world, self.cfg.gradient_accumulation_steps);
+        let clip = self.cfg.gradient_clipping;
+        let norm = step::GlobalNorm::unscale(sumsq, (self.scaler.as_mut(), ranks, ga), clip);
+        if norm.overflow && self.scaler.is_none() {
             self.warn(format!(
                 "step {}: the gradient norm is not finite; the update was skipped",
                 self.steps + 1
             ));
         }
-        if !skipped {
-            let clip = clip_coefficient(norm, self.cfg.gradient_clipping);
-            let grad_scale = (base * clip) as f32;
+        let skipped = norm.grad_scale.is_none();
+        if let Some(grad_scale) = norm.grad_scale {
             let ks = self
                 .opt
                 .steps(&self.cfg.optimizer, lr, self.steps + 1, grad_scale);
@@ -1109,7 +1098,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         Ok(StepOutcome {
             boundary: true,
             skipped,
-            grad_norm: Some(norm),
+            grad_norm: Some(norm.norm),
             lr,
             loss_scale: self.loss_scale(),
             steps: self.steps,

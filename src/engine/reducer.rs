@@ -737,9 +737,20 @@ impl<B: HostAccess> GradReducer<B> {
         if self.stage == 1 {
             return self.take_grad(comm, tracer, i, mem, add).map(|_| ());
         }
+        self.timed(tracer, stats, |r| r.take_grad(comm, tracer, i, mem, add))
+    }
+
+    /// Runs `f` (a reduction; it returns the bytes sent) under a `reduce`
+    /// span, its time and bytes counted in `stats`.
+    fn timed(
+        &mut self,
+        tracer: &Tracer,
+        stats: &mut EngineStats,
+        f: impl FnOnce(&mut Self) -> Result<u64>,
+    ) -> Result<()> {
         let _span = tracer.span(self.rank, "reduce", "comm");
         let t = Instant::now();
-        let r = self.take_grad(comm, tracer, i, mem, add);
+        let r = f(self);
         stats.reduce_time += t.elapsed();
         stats.reduce_bytes += r?;
         Ok(())
@@ -1071,13 +1082,8 @@ impl<B: HostAccess> GradReducer<B> {
         (comm, tracer, stats): (&C, &Tracer, &mut EngineStats),
         (add, last): (bool, bool),
     ) -> Result<()> {
-        let _span = tracer.span(self.rank, "reduce", "comm");
-        let t = Instant::now();
         self.set_last_micro(last);
-        let r = self.finish_micro(comm, tracer, add);
-        stats.reduce_time += t.elapsed();
-        stats.reduce_bytes += r?;
-        Ok(())
+        self.timed(tracer, stats, |r| r.finish_micro(comm, tracer, add))
     }
 
     /// [`GradReducer::finish`]'s work; the bytes sent.

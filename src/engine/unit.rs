@@ -15,13 +15,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use zero_core::backend::{HostAccess, Stream};
-use zero_core::memory::Allocation;
+use zero_core::memory::{Allocation, MemoryTracker};
 use zero_core::partition::UnitLayout;
+use zero_core::DType;
 
 use super::backend::{EngineBackend, EngineComm};
 use super::devbuf::{DevBuf, DynWork};
 use super::dynbuf::ring_bytes;
-use super::gatherer::{HomeShards, Shards};
+use super::gatherer::{GatherIo, HomeShards, Shards};
 use super::lease::exclusive;
 use super::param_offload::ParamOffload;
 use super::stats::EngineStats;
@@ -315,14 +316,30 @@ impl<B: EngineBackend> Units<B> {
     }
 }
 
-/// Where stage 3 gathers the rank's shards from: the parameter offload
-/// (`poff`) or the units' own parameters.
-pub(super) fn shards<'a, B: EngineBackend>(
-    poff: Option<&'a mut ParamOffload>,
-    units: &'a Units<B>,
-) -> Shards<'a, B> {
-    match poff {
+/// What stage 3's gatherer needs from the engine for one call, made in
+/// this one place for the coordinator's calls and the optimizer step's
+/// prefetch alike: the communicator, the device and the stream the
+/// all-gathers start after, the tracker, tracer and parameter dtype, the
+/// shards (from the parameter offload `poff`, else the units' own
+/// parameters) and the counters.
+pub(super) fn gather_io<'a, C: EngineComm<B>, B: EngineBackend>(
+    (comm, backend, after): (&'a C, &'a B, Stream),
+    (tracker, tracer, pdt): (&'a MemoryTracker, &'a Tracer, DType),
+    (poff, units): (Option<&'a mut ParamOffload>, &'a Units<B>),
+    stats: &'a mut EngineStats,
+) -> GatherIo<'a, C, B> {
+    let shards = match poff {
         Some(po) => Shards::Offloaded(po),
         None => Shards::Home(units),
+    };
+    GatherIo {
+        backend,
+        after,
+        comm,
+        tracker,
+        tracer,
+        pdt,
+        shards,
+        stats,
     }
 }

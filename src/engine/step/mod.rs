@@ -15,9 +15,11 @@
 //! is chosen once, at build, from the config; every tier gives the same
 //! bits (AdamW is elementwise). A step borrows the engine's parts it needs
 //! through [`StepIo`] (never the engine itself); before it, the
-//! coordinator takes the global norm ([`local_sum_squares`], summed over
-//! ranks in rank order) and checks that every rank is at the same
-//! micro-batch ([`check_in_step`]).
+//! coordinator takes the global norm ([`global_sum_squares`]: each rank's
+//! [`local_sum_squares`], summed over ranks in rank order, once
+//! [`check_in_step`] found every rank at the same micro-batch) and
+//! unscales and clips it ([`GlobalNorm::unscale`]), which also decides
+//! whether the update is skipped.
 
 mod device;
 mod param;
@@ -27,7 +29,7 @@ mod tiles;
 use zero_comm::agree::exchange_u64;
 use zero_core::backend::{HostAccess, Stream};
 use zero_core::memory::MemoryTracker;
-use zero_core::optim::AdamWStep;
+use zero_core::optim::{clip_coefficient, AdamWStep, LossScaler};
 use zero_core::{bf16, f16, DType, Element};
 
 pub(super) use device::DeviceStep;
@@ -36,7 +38,7 @@ pub(super) use streamed::StreamedStep;
 pub(super) use tiles::TilesStep;
 
 use super::backend::{EngineBackend, EngineComm};
-use super::gatherer::{GatherIo, ParamGatherer};
+use super::gatherer::ParamGatherer;
 use super::grad_swap::GradSwap;
 use super::health::Health;
 use super::optimizer::OptimizerShard;
@@ -44,7 +46,7 @@ use super::param_offload::ParamOffload;
 use super::reducer::GradReducer;
 use super::staging::{OffloadStage, ParamStepStage};
 use super::stats::EngineStats;
-use super::unit::{shards, AllGatherIo, Units};
+use super::unit::{gather_io, AllGatherIo, Units};
 use crate::trace::Tracer;
 use crate::{Error, Result};
 
@@ -134,16 +136,12 @@ impl<C: EngineComm<B>, B: EngineBackend> StepIo<'_, C, B> {
 
     /// Stage 3: prefetches the head of the recorded gather order.
     fn prefetch_next(&mut self) -> Result<()> {
-        let io = GatherIo {
-            backend: self.backend,
-            after: self.gather_after,
-            comm: self.comm,
-            tracker: self.tracker,
-            tracer: self.tracer,
-            pdt: self.pdt,
-            shards: shards(self.poff.as_deref_mut(), self.units),
-            stats: self.stats,
-        };
+        let io = gather_io(
+            (self.comm, self.backend, self.gather_after),
+            (self.tracker, self.tracer, self.pdt),
+            (self.poff.as_deref_mut(), self.units),
+            self.stats,
+        );
         self.s3.prefetch_next(io)
     }
 
@@ -162,6 +160,47 @@ impl<C: EngineComm<B>, B: EngineBackend> StepIo<'_, C, B> {
                  parameters are lost"
             )
         })
+    }
+}
+
+/// The global gradient norm of a step, unscaled, and what the step does
+/// with it.
+pub(super) struct GlobalNorm {
+    /// After unscaling, before clipping.
+    pub(super) norm: f64,
+    /// The sum of squares was not finite.
+    pub(super) overflow: bool,
+    /// The factor AdamW multiplies the summed gradient by: `clip /
+    /// (loss_scale · N · GA)`; `None` when the update is skipped (an fp16
+    /// overflow, or a non-finite norm in any precision).
+    pub(super) grad_scale: Option<f32>,
+}
+
+impl GlobalNorm {
+    /// Unscales the summed squares `sumsq` of a step over the gradients
+    /// of `ranks` ranks times `ga` micro-batches, scaled by the loss
+    /// scaler's scale (1 without one), clipped to `clip`
+    /// (`gradient_clipping`); the scaler (fp16) learns whether the step
+    /// overflowed.
+    pub(super) fn unscale(
+        sumsq: f64,
+        (scaler, ranks, ga): (Option<&mut LossScaler>, usize, usize),
+        clip: f64,
+    ) -> Self {
+        let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
+        let base = 1.0 / (f64::from(loss_scale) * ranks as f64 * ga as f64);
+        let norm = sumsq.sqrt() * base;
+        let overflow = !sumsq.is_finite();
+        let skipped = match scaler {
+            Some(s) => s.update(overflow),
+            None => overflow,
+        };
+        let grad_scale = (!skipped).then(|| (base * clip_coefficient(norm, clip)) as f32);
+        Self {
+            norm,
+            overflow,
+            grad_scale,
+        }
     }
 }
 
