@@ -890,7 +890,9 @@ zero_testkit::test_device!(checkpoints_move_between_backends, |device| {
             let mut cfg = config(2, stage, 1, Precision::Bf16);
             cfg.zero.offload_optimizer.device = offload;
             for (from, to) in [(device, inline), (inline, device)] {
-                let root = TempDir::new(&format!("ckpt-across-{device:?}-{stage}-{offload:?}-{from:?}"));
+                let root = TempDir::new(&format!(
+                    "ckpt-across-{device:?}-{stage}-{offload:?}-{from:?}"
+                ));
                 let saved = ThreadGroup::run(2, |comm| {
                     from.with_builder(
                         &cfg,

@@ -877,7 +877,10 @@ fn a_failed_swap_write_keeps_the_state_after_the_step() {
 /// Settings the engine cannot run are errors naming the key.
 #[test]
 fn unsupported_offload_settings_name_the_key() {
-    let dir = TempDir::new("offload-keys");
+    // Swap files would go below the temp dir, which the refused builds
+    // must not create.
+    let tmp = TempDir::new("offload-keys");
+    let dir = tmp.join("swap");
     let build = |c: ResolvedConfig| {
         ThreadGroup::run(1, |comm| {
             let mut b = Engine::builder(c.clone(), comm);
@@ -958,13 +961,12 @@ fn unsupported_offload_settings_name_the_key() {
     })
     .unwrap();
     // A swap file that cannot be created (nvme_path is a file).
-    let file = std::env::temp_dir().join(format!("zero-offload-test-{}-file", std::process::id()));
+    let file = tmp.join("file");
     std::fs::write(&file, b"x").unwrap();
     let mut c = offload_config(1, 2, 1, Precision::Bf16, OffloadDevice::Nvme, 256, 4, &dir);
     c.zero.offload_optimizer.nvme_path = Some(file.clone());
     let m = build(c);
     assert!(m.contains(&file.display().to_string()), "{m}");
-    let _ = std::fs::remove_file(&file);
 }
 
 // ---------------------------------------------------------------------------

@@ -915,7 +915,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         self.check_swap("grad_buffer")?;
         let (unit, add) = ((i, self.units[i].layout.name.as_str()), self.micro > 0);
         let (comm, tracker, tracer) = (&self.comm, &self.tracker, &self.tracer);
-        let typed = self.reducer.lend_as::<T, C>(comm, tracker, tracer, unit, add)?;
+        let typed = self
+            .reducer
+            .lend_as::<T, C>(comm, tracker, tracer, unit, add)?;
         Ok(GradBuffer::new(
             typed,
             (i, self.units[i].layout.clone(), self.rank),
@@ -1056,7 +1058,14 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     fn optimizer_step(&mut self) -> Result<StepOutcome> {
         let (opt, reducer, number) = (&self.opt, &self.reducer, self.global_steps + 1);
-        let sumsq = step::global_sum_squares(&self.comm, &self.backend, opt, reducer, number, self.micro_batches)?;
+        let sumsq = step::global_sum_squares(
+            &self.comm,
+            &self.backend,
+            opt,
+            reducer,
+            number,
+            self.micro_batches,
+        )?;
         let lr = self.cfg.scheduler.lr_at(self.steps);
         let (ranks, ga) = (self.world, self.cfg.gradient_accumulation_steps);
         let clip = self.cfg.gradient_clipping;

@@ -505,7 +505,10 @@ impl Offload {
                 None => Error::Unsupported { what: msg },
             });
         }
-        let Some(NvmeStep { mut pipe, staging, .. }) = self.nvme_step::<P>(true)? else {
+        let Some(NvmeStep {
+            mut pipe, staging, ..
+        }) = self.nvme_step::<P>(true)?
+        else {
             return self.step_host(adam, k, grads, params);
         };
         let done = pipe.run(adam, k, &mut Resident(grads), &mut Flat(staging));

@@ -472,7 +472,6 @@ impl ParamOffload {
         })
     }
 
-
     /// Checks the swap file (deleted, truncated, foreign header) and the
     /// reads since the last check; the first error.
     pub(crate) fn check(&mut self) -> Result<()> {
