@@ -13,14 +13,7 @@ use zero::offload::FaultPlan;
 use zero::{Engine, EngineBackend, EngineBuilder, EngineComm, UnitState};
 use zero_testkit::mlp::{batch, Mlp};
 use zero_testkit::runs::*;
-
-/// A fresh directory.
-fn tmp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("zero-ckpt-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("temp dir");
-    d
-}
+use zero_testkit::temp::TempDir;
 
 /// What one rank of [`run`] saw.
 struct Out {
@@ -218,7 +211,7 @@ fn full_save_resume(
 /// stage 3 with parameter offload cpu and nvme, and gradient accumulation.
 #[test]
 fn resume_is_bit_identical() {
-    let dir = tmp_dir("resume");
+    let dir = TempDir::new("ckpt-resume");
     let (world, k) = (2, 3);
     let none = OffloadDevice::None;
     let mut cases = Vec::new();
@@ -265,7 +258,6 @@ fn resume_is_bit_identical() {
             "{what}"
         );
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A load with nvme parameter offload queues the writes of the parameter
@@ -277,7 +269,7 @@ fn resume_is_bit_identical() {
 /// `resume_is_bit_identical`).
 #[test]
 fn a_load_waits_for_its_parameter_swap_writes() {
-    let dir = tmp_dir("slow-writes");
+    let dir = TempDir::new("ckpt-slow-writes");
     let (world, k) = (2, 2);
     let (none, nvme) = (OffloadDevice::None, OffloadDevice::Nvme);
     let cfg = offload_config(world, 3, 1, none, nvme, &dir);
@@ -285,7 +277,6 @@ fn a_load_waits_for_its_parameter_swap_writes() {
     let [full, _, resumed] = full_save_resume(world, k, &cfg, &dir.join("ckpt"), slow);
     assert_bits_eq(&full.states, &resumed.states, "slow parameter swap writes");
     assert_eq!(full.losses[k..], resumed.losses[..]);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Saved at 3 ranks in stage 3, loaded at 1, 2 and 4 ranks in stages 0–3
@@ -294,7 +285,7 @@ fn a_load_waits_for_its_parameter_swap_writes() {
 /// train on.
 #[test]
 fn reshard_on_load() {
-    let dir = tmp_dir("reshard");
+    let dir = TempDir::new("ckpt-reshard");
     let root = dir.join("ckpt");
     let saved = run(
         3,
@@ -339,7 +330,6 @@ fn reshard_on_load() {
         assert_eq!(more.steps, 4, "{what}");
         assert!(more.losses.iter().all(|l| l.is_finite()), "{what}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Samples per optimizer step in [`reshard_continues_training`], whatever
@@ -386,7 +376,7 @@ fn run_global(world: usize, p: &Plan<'_>) -> (Vec<f32>, Vec<UnitState>) {
 /// the losses).
 #[test]
 fn reshard_continues_training() {
-    let dir = tmp_dir("continue");
+    let dir = TempDir::new("ckpt-continue");
     let root = dir.join("ckpt");
     let k = 3;
     let (first, _) = run_global(
@@ -438,7 +428,6 @@ fn reshard_continues_training() {
             assert!(full.last() < full.first(), "{what}: {full:?}");
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Units larger than the rank files' 1 MiB CRC blocks (a 600 × 2048
@@ -454,7 +443,7 @@ fn reshard_continues_training() {
 #[test]
 fn large_units_reshard_exactly() {
     const BIG: &[usize] = &[6, 2048, 600, 1];
-    let dir = tmp_dir("large");
+    let dir = TempDir::new("ckpt-large");
     for (from, from_stage) in [(1, 0u8), (2, 3)] {
         let root = dir.join(format!("ckpt{from}"));
         let saved = run(
@@ -534,7 +523,6 @@ fn large_units_reshard_exactly() {
         m.contains("rank00000.bin") && m.contains("block 2 ") && m.contains("CRC"),
         "{m}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// For a rank that holds `held[u]` of each unit: the bytes of master, m
@@ -589,7 +577,7 @@ fn bytes_to_read(step_dir: &Path, held: &[std::ops::Range<usize>]) -> (u64, u64)
 /// replaced by a new save of its step.
 #[test]
 fn latest_and_keep_last() {
-    let dir = tmp_dir("latest");
+    let dir = TempDir::new("ckpt-latest");
     let root = dir.join("ckpt");
     let cfg = config(2, 2, 1, Precision::Bf16);
     let mut last = None;
@@ -673,7 +661,6 @@ fn latest_and_keep_last() {
         std::fs::read_to_string(root.join("latest")).unwrap().trim(),
         "step00000003"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Rank 0's error from loading `path` at 2 ranks in stage 2 (every rank
@@ -705,7 +692,7 @@ fn copy_dir(from: &Path, to: &Path) {
 /// Each bad input is an error naming the file (or unit) and what is wrong.
 #[test]
 fn corrupted_checkpoints_are_refused() {
-    let dir = tmp_dir("corrupt");
+    let dir = TempDir::new("ckpt-corrupt");
     let root = dir.join("ckpt");
     let out = run(
         2,
@@ -814,14 +801,13 @@ fn corrupted_checkpoints_are_refused() {
     std::fs::create_dir_all(&empty).expect("dir");
     let m = load_error(&empty, DIMS);
     assert!(m.contains("empty") && m.contains("latest"), "{m}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Saving in the middle of gradient accumulation is a usage error; at the
 /// boundary it works.
 #[test]
 fn save_needs_a_step_boundary() {
-    let dir = tmp_dir("boundary");
+    let dir = TempDir::new("ckpt-boundary");
     let cfg = config(1, 1, 2, Precision::Bf16);
     let out = ThreadGroup::run(1, |comm| -> zero::Result<()> {
         let mut b = Engine::builder(cfg.clone(), comm).seed(5);
@@ -843,7 +829,6 @@ fn save_needs_a_step_boundary() {
     for r in out {
         r.expect("rank");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Trains the MLP `steps` steps on the builder's backend and saves a
@@ -905,7 +890,9 @@ zero_testkit::test_device!(checkpoints_move_between_backends, |device| {
             let mut cfg = config(2, stage, 1, Precision::Bf16);
             cfg.zero.offload_optimizer.device = offload;
             for (from, to) in [(device, inline), (inline, device)] {
-                let root = tmp_dir(&format!("across-{device:?}-{stage}-{offload:?}-{from:?}"));
+                let root = TempDir::new(&format!(
+                    "ckpt-across-{device:?}-{stage}-{offload:?}-{from:?}"
+                ));
                 let saved = ThreadGroup::run(2, |comm| {
                     from.with_builder(
                         &cfg,
@@ -934,7 +921,6 @@ zero_testkit::test_device!(checkpoints_move_between_backends, |device| {
                     );
                     assert_bits_eq(s, &l, &what);
                 }
-                let _ = std::fs::remove_dir_all(&root);
             }
         }
     }

@@ -19,14 +19,7 @@ use zero::{Engine, UnitState};
 use zero_llama as llama;
 use zero_testkit::mlp::{batch, Mlp};
 use zero_testkit::runs::*;
-
-/// A fresh directory.
-fn tmp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("zero-export-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("temp dir");
-    d
-}
+use zero_testkit::temp::TempDir;
 
 /// Trains the MLP ([`DIMS`]) `steps` steps on `world` thread ranks, then
 /// runs `after` on every rank; every rank's result.
@@ -172,7 +165,7 @@ fn assert_no_tmp(dir: &Path) {
 /// MLP names, shapes and dtypes.
 #[test]
 fn live_export_is_the_master_and_the_params() {
-    let dir = tmp_dir("live");
+    let dir = TempDir::new("export-live");
     let run = export_and_save(2, &config(2, 3, 1, Precision::Bf16), &dir);
     let master = mlp_tensors(&run.states, |s| &s.master);
     let params = mlp_tensors(&run.states, |s| &s.params);
@@ -191,7 +184,6 @@ fn live_export_is_the_master_and_the_params() {
         &params,
     );
     assert_no_tmp(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The offline export of a saved checkpoint (from its directory and from
@@ -200,7 +192,7 @@ fn live_export_is_the_master_and_the_params() {
 /// optimizer offload.
 #[test]
 fn offline_export_equals_live_export() {
-    let base = tmp_dir("offline");
+    let base = TempDir::new("export-offline");
     let cases = [
         (2, 3, OffloadDevice::None),
         (3, 3, OffloadDevice::None),
@@ -241,7 +233,6 @@ fn offline_export_equals_live_export() {
         }
         assert_no_tmp(&dir);
     }
-    let _ = std::fs::remove_dir_all(&base);
 }
 
 /// `zero_optimization.stage3_gather_16bit_weights_on_model_save`: the
@@ -250,7 +241,7 @@ fn offline_export_equals_live_export() {
 /// its length and CRC32; the checkpoint still loads, bit for bit.
 #[test]
 fn gather_16bit_weights_on_model_save() {
-    let base = tmp_dir("gather16");
+    let base = TempDir::new("export-gather16");
     let cases = [
         (Precision::Bf16, 3, safetensors::Dtype::BF16, "BF16"),
         (Precision::Fp16, 2, safetensors::Dtype::F16, "F16"),
@@ -301,7 +292,6 @@ fn gather_16bit_weights_on_model_save() {
     assert!(!run.saved.join("model.safetensors").exists());
     let text = std::fs::read_to_string(run.saved.join("manifest.json")).unwrap();
     assert!(!text.contains("\"model\""), "{text}");
-    let _ = std::fs::remove_dir_all(&base);
 }
 
 mod llama_round_trip {
@@ -374,7 +364,7 @@ mod llama_round_trip {
     /// parameters.
     #[test]
     fn export_loads_back_with_init_from() {
-        let dir = tmp_dir("llama");
+        let dir = TempDir::new("export-llama");
         let cfg = model_cfg();
         let ecfg = engine_cfg(2, 3);
         let train = data::addition_task(SEED).train;
@@ -432,14 +422,13 @@ mod llama_round_trip {
         );
         assert_eq!(back.master, run.master);
         assert_eq!(back.snapshot, run.snapshot);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 
 /// Errors name the file and what is wrong; a failed export leaves no file.
 #[test]
 fn errors_name_the_file() {
-    let dir = tmp_dir("errors");
+    let dir = TempDir::new("export-errors");
     let out = dir.join("out.safetensors");
     let msg = |r: zero::Result<PathBuf>| match r {
         Ok(p) => panic!("exported from {}", p.display()),
@@ -534,7 +523,6 @@ fn errors_name_the_file() {
     assert_no_tmp(&dir);
     // The intact checkpoint still exports.
     export_checkpoint(&saved, &out, ExportDtype::F32).expect("intact checkpoint");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Element types line up with the engine's: `ExportDtype::of` each

@@ -31,6 +31,7 @@ use zero::core::Element;
 use zero::engine::SkipWait;
 use zero::{Engine, EngineStats, Error, Init, StepOutcome, UnitId, UnitState};
 use zero_testkit::runs::{assert_bits_eq, bits, config, TestDevice, MB};
+use zero_testkit::temp::TempDir;
 
 const STEPS: usize = 4;
 const K: usize = 8;
@@ -364,7 +365,7 @@ fn cfg_for(world: usize, stage: u8, precision: Precision) -> ResolvedConfig {
 
 #[test]
 fn frozen_tensors_stay_and_every_stage_and_offload_gives_the_same_bits() {
-    let dir = std::env::temp_dir().join(format!("zero-frozen-test-{}", std::process::id()));
+    let dir = TempDir::new("frozen-test");
     for world in [1usize, 2] {
         for precision in [Precision::Fp32, Precision::Bf16] {
             let base = run(world, &cfg_for(world, 0, precision), Shape::Mixed);
@@ -385,7 +386,7 @@ fn frozen_tensors_stay_and_every_stage_and_offload_gives_the_same_bits() {
                     c.zero.offload_optimizer.device = offload;
                     c.zero.sub_group_size = 5;
                     if offload == OffloadDevice::Nvme {
-                        c.zero.offload_optimizer.nvme_path = Some(dir.clone());
+                        c.zero.offload_optimizer.nvme_path = Some(dir.to_path_buf());
                         c.zero.aio.block_size = 4096;
                     }
                     setups.push((format!("stage {stage} offload {offload:?}"), c));
@@ -395,7 +396,7 @@ fn frozen_tensors_stay_and_every_stage_and_offload_gives_the_same_bits() {
                 let mut c = cfg_for(world, 3, precision);
                 c.zero.offload_param.device = param;
                 if param == OffloadDevice::Nvme {
-                    c.zero.offload_param.nvme_path = Some(dir.clone());
+                    c.zero.offload_param.nvme_path = Some(dir.to_path_buf());
                     c.zero.aio.block_size = 4096;
                 }
                 setups.push((format!("stage 3 offload_param {param:?}"), c));
@@ -420,7 +421,6 @@ fn frozen_tensors_stay_and_every_stage_and_offload_gives_the_same_bits() {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -635,7 +635,7 @@ fn ranks_that_freeze_different_tensors_fail_together() {
 #[test]
 fn checkpoints_hold_the_trainable_state_and_resume_bit_identically() {
     let world = 2;
-    let root = std::env::temp_dir().join(format!("zero-frozen-ckpt-{}", std::process::id()));
+    let root = TempDir::new("frozen-ckpt");
     for (stage, offload) in [
         (0u8, OffloadDevice::None),
         (2, OffloadDevice::Cpu),
@@ -699,14 +699,13 @@ fn checkpoints_hold_the_trainable_state_and_resume_bit_identically() {
             .collect();
         assert_eq!(numel, [0, K as u64 + 1, K as u64], "{what}");
     }
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 #[test]
 fn a_checkpoint_with_another_frozen_set_is_refused_naming_the_tensor() {
     let world = 2;
     let c = cfg_for(world, 1, Precision::Fp32);
-    let dir = std::env::temp_dir().join(format!("zero-frozen-ckpt-set-{}", std::process::id()));
+    let dir = TempDir::new("frozen-ckpt-set");
     let saved = ThreadGroup::run(world, |comm| -> zero::Result<std::path::PathBuf> {
         let mut b = Engine::builder(c.clone(), comm).seed(3);
         let ids = register(&mut b, Shape::Mixed, false)?;
@@ -736,7 +735,6 @@ fn a_checkpoint_with_another_frozen_set_is_refused_naming_the_tensor() {
             "{msg}"
         );
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A stage-3 config with `frozen_params` `policy`.
@@ -1075,7 +1073,7 @@ fn the_estimate_counts_the_engines_model_states_for_every_policy() {
 #[test]
 fn checkpoints_can_hold_the_frozen_tensors_too() {
     let world = 2;
-    let root = std::env::temp_dir().join(format!("zero-frozen-ckpt-all-{}", std::process::id()));
+    let root = TempDir::new("frozen-ckpt-all");
     let zeros: fn(Vec<f32>) -> Init = |_| Init::Zeros;
     let mut setups = vec![("stage 0".to_string(), cfg_for(world, 0, Precision::Bf16))];
     for (policy, param) in [
@@ -1139,12 +1137,11 @@ fn checkpoints_can_hold_the_frozen_tensors_too() {
             "{what}: {e}"
         );
     }
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 #[test]
 fn a_checkpoint_with_frozen_tensors_reshards_on_load() {
-    let root = std::env::temp_dir().join(format!("zero-frozen-reshard-{}", std::process::id()));
+    let root = TempDir::new("frozen-reshard");
     let all = |r: &Run| r.states.iter().map(|s| s.1.clone()).collect::<Vec<_>>();
     for include in [false, true] {
         let dir = root.join(format!("include-{include}"));
@@ -1176,14 +1173,13 @@ fn a_checkpoint_with_frozen_tensors_reshards_on_load() {
         assert_frozen_unchanged(&loaded, &what);
         assert_bits_eq(&all(&at_save), &all(&loaded), &what);
     }
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 #[test]
 fn offline_export_needs_the_frozen_tensors_in_the_checkpoint() {
     use zero::engine::{export_checkpoint, ExportDtype};
     let world = 2;
-    let root = std::env::temp_dir().join(format!("zero-frozen-export-{}", std::process::id()));
+    let root = TempDir::new("frozen-export");
     for include in [false, true] {
         let dir = root.join(format!("include-{include}"));
         std::fs::create_dir_all(&dir).unwrap();
@@ -1217,5 +1213,4 @@ fn offline_export_needs_the_frozen_tensors_in_the_checkpoint() {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&root);
 }

@@ -21,13 +21,7 @@ use zero::offload::FaultPlan;
 use zero::{Engine, UnitState};
 use zero_testkit::mlp::{batch, Mlp};
 use zero_testkit::runs::*;
-
-/// A fresh directory for swap files.
-fn tmp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("zero-gswap-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
+use zero_testkit::temp::TempDir;
 
 /// `config` with the optimizer state on nvme under `dir`, gradients
 /// swapped, tiles of `sub_group` elements, `buffers` buffers, small aio
@@ -78,7 +72,7 @@ fn assert_no_files_left(dir: &Path) {
 /// too; and on the hazard-checked backend.
 #[test]
 fn gradient_swap_is_bit_identical() {
-    let dir = tmp_dir("exact");
+    let dir = TempDir::new("gswap-exact");
     let steps = 4;
     // (sub_group_size, buffer_count, (pipeline_read, pipeline_write))
     let variants = [
@@ -162,7 +156,6 @@ fn gradient_swap_is_bit_identical() {
         assert_same_run(&base, &t, &format!("stage {stage} checked: swap vs none"));
     }
     assert_no_files_left(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Host and nvme bytes of gradients and transfer buffers on rank 0 of 2,
@@ -204,7 +197,7 @@ fn host_bytes(dims: &[usize], swap: bool, dir: &Path) -> (u64, u64, u64, u64) {
 /// shard is in the nvme tier.
 #[test]
 fn swapped_gradients_bound_host_memory() {
-    let dir = tmp_dir("bound");
+    let dir = TempDir::new("gswap-bound");
     let shallow: &[usize] = &[6, 48, 48, 1];
     let deep: &[usize] = &[6, 48, 48, 48, 48, 48, 48, 48, 48, 1];
     let (peak_s, grads_s, nvme_s, psi_s) = host_bytes(shallow, true, &dir);
@@ -233,7 +226,6 @@ fn swapped_gradients_bound_host_memory() {
     assert!(peak_nd > peak_ns);
     assert!(peak_d < peak_nd, "swap {peak_d} vs no swap {peak_nd}");
     assert_no_files_left(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// What one rank saw in a run with a failing gradient write.
@@ -306,7 +298,7 @@ fn grad_fault_run(stage: u8, fault: FaultPlan, dir: &Path) -> Vec<GradFault> {
 /// state of the run without offload, bit for bit.
 #[test]
 fn a_failed_gradient_write_fails_the_step_and_loses_nothing() {
-    let dir = tmp_dir("grad-fault");
+    let dir = TempDir::new("gswap-grad-fault");
     for stage in [1u8, 2, 3] {
         let reference = train(2, &config(2, stage, 2, Precision::Bf16), 4, MB).states;
         // 3 units of one block each per micro-batch: write 7 is in the
@@ -344,7 +336,6 @@ fn a_failed_gradient_write_fails_the_step_and_loses_nothing() {
         }
     }
     assert_no_files_left(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// What one rank saw in a run whose optimizer swap write fails.
@@ -414,8 +405,8 @@ fn opt_fault_run(fault: FaultPlan, dir: &Path, ckpt: &Path) -> Vec<OptFault> {
 /// resumes bit-identically to the run without offload.
 #[test]
 fn a_failed_optimizer_write_with_swapped_gradients_keeps_the_checkpoint() {
-    let dir = tmp_dir("opt-fault");
-    let ckpt = tmp_dir("opt-fault-ckpt");
+    let dir = TempDir::new("gswap-opt-fault");
+    let ckpt = TempDir::new("gswap-opt-fault-ckpt");
     let reference = train(2, &config(2, 3, 2, Precision::Bf16), 4, MB).states;
     // The build writes one block per tile of 97 elements (rank 0 holds
     // about 600 elements: 7–8 tiles), each step as many again: write 30
@@ -466,15 +457,13 @@ fn a_failed_optimizer_write_with_swapped_gradients_keeps_the_checkpoint() {
     .unwrap();
     assert_bits_eq(&reference, &resumed[0], "resumed from the checkpoint");
     assert_no_files_left(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_dir_all(&ckpt);
 }
 
 /// `swap_gradients` without nvme optimizer offload, or at stage 0, is an
 /// error naming the key.
 #[test]
 fn swap_gradients_needs_nvme_optimizer_offload() {
-    let dir = tmp_dir("keys");
+    let dir = TempDir::new("gswap-keys");
     let build = |c: ResolvedConfig| {
         ThreadGroup::run(1, |comm: ThreadComm| {
             let mut b = Engine::builder(c.clone(), comm);
@@ -504,7 +493,6 @@ fn swap_gradients_needs_nvme_optimizer_offload() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("offload_optimizer.swap_gradients"), "`{e}`");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `EngineStats` counts each swap file's traffic: with 2 micro-batches
@@ -515,7 +503,7 @@ fn swap_gradients_needs_nvme_optimizer_offload() {
 /// over.
 #[test]
 fn engine_stats_count_the_swap_traffic() {
-    let dir = tmp_dir("stats");
+    let dir = TempDir::new("gswap-stats");
     let (psi, per_step) = ThreadGroup::run(1, |comm| {
         let c = swap_config(1, 2, 2, Precision::Bf16, (1 << 20, 3), &dir);
         let mut b = Engine::builder(c, comm).seed(5);
@@ -547,7 +535,6 @@ fn engine_stats_count_the_swap_traffic() {
         assert_eq!(p, zero::SwapTraffic::default());
     }
     assert_no_files_left(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A corrupted block of the gradient swap file (between the two
@@ -559,7 +546,7 @@ fn engine_stats_count_the_swap_traffic() {
 #[test]
 fn a_corrupted_gradient_block_fails_the_step_and_loses_nothing() {
     use std::os::unix::fs::FileExt;
-    let dir = tmp_dir("grad-corrupt");
+    let dir = TempDir::new("gswap-grad-corrupt");
     let world = 2;
     let reference = train(world, &config(world, 2, 2, Precision::Bf16), 3, MB).states;
     let out = ThreadGroup::run(world, |comm| {
@@ -628,7 +615,6 @@ fn a_corrupted_gradient_block_fails_the_step_and_loses_nothing() {
         assert_bits_eq(&reference, states, &format!("rank {r}"));
     }
     assert_no_files_left(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A checkpoint saved with the gradients swapped loads into an engine
@@ -636,8 +622,8 @@ fn a_corrupted_gradient_block_fails_the_step_and_loses_nothing() {
 /// offload; both continue bit-identically to the run without offload.
 #[test]
 fn checkpoints_round_trip_with_swapped_gradients() {
-    let dir = tmp_dir("ckpt");
-    let ckpt = tmp_dir("ckpt-root");
+    let dir = TempDir::new("gswap-ckpt");
+    let ckpt = TempDir::new("gswap-ckpt-root");
     let world = 2;
     let reference = train(world, &config(world, 3, 2, Precision::Bf16), 4, MB).states;
     let swapped = with_param_offload(
@@ -683,6 +669,4 @@ fn checkpoints_round_trip_with_swapped_gradients() {
         assert_bits_eq(&reference, &got, &format!("resumed into {what}"));
     }
     assert_no_files_left(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_dir_all(&ckpt);
 }

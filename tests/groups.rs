@@ -15,6 +15,7 @@ use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero::core::optim::LrSchedule;
 use zero::{is_bias_norm_or_embedding, EngineBuilder, Error, ParamGroup};
 use zero_testkit::runs::*;
+use zero_testkit::temp::TempDir;
 
 const STEPS: usize = 3;
 
@@ -76,7 +77,7 @@ fn a_group_is_its_own_config() {
 #[test]
 fn groups_split_units_and_are_bit_identical_across_stages_and_offload() {
     let world = 2;
-    let dir = std::env::temp_dir().join(format!("zero-groups-test-{}", std::process::id()));
+    let dir = TempDir::new("groups-test");
     let base = run(world, &config(world, 0, 2, Precision::Bf16), two_groups);
     // The groups changed the result (else this test could not fail).
     let ungrouped = run(world, &config(world, 0, 2, Precision::Bf16), |b| b);
@@ -88,7 +89,7 @@ fn groups_split_units_and_are_bit_identical_across_stages_and_offload() {
             // Tiles cut across units and tensors.
             c.zero.sub_group_size = 97;
             if offload == OffloadDevice::Nvme {
-                c.zero.offload_optimizer.nvme_path = Some(dir.clone());
+                c.zero.offload_optimizer.nvme_path = Some(dir.to_path_buf());
                 c.zero.aio.block_size = 4096;
             }
             let t = run(world, &c, two_groups);
@@ -99,7 +100,6 @@ fn groups_split_units_and_are_bit_identical_across_stages_and_offload() {
     c.zero.offload_param.device = OffloadDevice::Cpu;
     let t = run(world, &c, two_groups);
     assert_same_run(&base, &t, "stage 3 offload_param cpu");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

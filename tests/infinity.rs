@@ -21,6 +21,7 @@ use zero::core::config::{AutoValues, DeepSpeedConfig};
 use zero::core::memory::{Category, Tier};
 use zero::Engine;
 use zero_testkit::mlp::{batch, Mlp};
+use zero_testkit::temp::TempDir;
 
 const MIB: u64 = 1 << 20;
 /// The memory cap: the model states below are over four times this.
@@ -47,8 +48,7 @@ fn status_bytes(field: &str) -> u64 {
 #[test]
 fn model_states_several_times_the_cap_train_under_it() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = std::env::temp_dir().join(format!("zero-infinity-test-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = TempDir::new("infinity-test");
     let unit = WIDTH * WIDTH + WIDTH;
     // Small buckets, tiles and staging buffers (about a unit each), no
     // parameter cache: what stays in memory is a few units' worth.
@@ -210,8 +210,7 @@ fn evaluation_export_and_checkpoints_go_unit_by_unit() {
     use zero_llama::Config;
 
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = std::env::temp_dir().join(format!("zero-infinity-stream-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = TempDir::new("infinity-stream");
     // 24 blocks of 1.6 M parameters: one unit is a 24th of the model.
     let task = data::addition_task(1);
     let seq = data::max_len(&task.train);

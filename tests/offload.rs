@@ -20,13 +20,7 @@ use zero::offload::FaultPlan;
 use zero::{Engine, Init};
 use zero_testkit::mlp::{batch, Mlp};
 use zero_testkit::runs::*;
-
-/// A fresh directory for swap files.
-fn tmp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("zero-offload-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
+use zero_testkit::temp::TempDir;
 
 /// `config` with optimizer offload on `device`, small tiles cutting across
 /// units, small aio blocks and `buffers` nvme staging buffers.
@@ -59,7 +53,7 @@ fn offload_config(
 // of every offload path; on a GPU (feature `cuda`) it is the engine's
 // equivalence on the device.
 zero_testkit::test_device!(offload_is_bit_identical_on_every_device, |device| {
-    let dir = tmp_dir(&format!("device-{device:?}"));
+    let dir = TempDir::new(&format!("offload-device-{device:?}"));
     let steps = 4;
     use OffloadDevice::{Cpu, Nvme};
     for world in 1..=4 {
@@ -85,7 +79,6 @@ zero_testkit::test_device!(offload_is_bit_identical_on_every_device, |device| {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 });
 
 /// The offloaded optimizer as it runs on a GPU (gradient homes copied down
@@ -119,7 +112,7 @@ fn staged_run<T: zero::core::Element>(
 #[test]
 fn the_staged_offload_of_a_device_is_ordered_and_bit_identical() {
     use zero::core::backend::{CpuBackend, CpuMode};
-    let dir = tmp_dir("staged");
+    let dir = TempDir::new("offload-staged");
     let steps = 4;
     for world in 1..=3 {
         for stage in 0..=3u8 {
@@ -243,7 +236,6 @@ fn the_staged_offload_of_a_device_is_ordered_and_bit_identical() {
         "a pinned copy of every gradient home"
     );
     assert!(staged.1 > 0, "pinned parameters");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Every stage (0 included), world sizes 1–3, gradient accumulation 2 or 3
@@ -253,7 +245,7 @@ fn the_staged_offload_of_a_device_is_ordered_and_bit_identical() {
 /// nvme schedule (`pipeline_read`, `pipeline_write`: all four).
 #[test]
 fn optimizer_offload_is_bit_identical() {
-    let dir = tmp_dir("exact");
+    let dir = TempDir::new("offload-exact");
     let steps = 5;
     // (device, sub_group_size, buffer_count, (pipeline_read, pipeline_write))
     let off = (false, false);
@@ -307,7 +299,6 @@ fn optimizer_offload_is_bit_identical() {
         .map(|d| d.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
     assert!(left.is_empty(), "swap files left behind: {left:?}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Bytes per tier and category on rank 0, at build and after two steps.
@@ -373,7 +364,7 @@ fn get(v: &[(Tier, Category, u64)], tier: Tier, cat: Category) -> u64 {
 /// rank's state, and the bf16 gradient shard is in the host tier.
 #[test]
 fn optimizer_state_is_not_on_the_device() {
-    let dir = tmp_dir("tiers");
+    let dir = TempDir::new("offload-tiers");
     for world in [1, 2] {
         for stage in 0..=3u8 {
             for device in [OffloadDevice::Cpu, OffloadDevice::Nvme] {
@@ -411,7 +402,6 @@ fn optimizer_state_is_not_on_the_device() {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 // ---------------------------------------------------------------------------
@@ -560,7 +550,7 @@ fn reference_params(stage: u8, steps: usize) -> Vec<Vec<Vec<u16>>> {
 /// nothing: `a_failed_swap_write_keeps_the_state_after_the_step`.)
 #[test]
 fn swap_faults_are_errors_naming_the_file() {
-    let dir = tmp_dir("faults");
+    let dir = TempDir::new("offload-faults");
     for stage in [1u8, 2, 3] {
         for damage in [
             Damage::Truncate,
@@ -605,7 +595,6 @@ fn swap_faults_are_errors_naming_the_file() {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 // ---------------------------------------------------------------------------
@@ -811,8 +800,8 @@ fn resume(stage: u8, path: &Path) -> (Vec<zero::UnitState>, Vec<zero::UnitState>
 /// bit-identically.
 #[test]
 fn a_failed_swap_write_keeps_the_state_after_the_step() {
-    let dir = tmp_dir("write-fault");
-    let ckpt = tmp_dir("write-fault-ckpt");
+    let dir = TempDir::new("offload-write-fault");
+    let ckpt = TempDir::new("offload-write-fault-ckpt");
     let cases = [
         (WriteFail::First, (true, true)),
         (WriteFail::Middle, (false, false)),
@@ -883,14 +872,15 @@ fn a_failed_swap_write_keeps_the_state_after_the_step() {
         .map(|d| d.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
     assert!(left.is_empty(), "swap files left behind: {left:?}");
-    let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_dir_all(&ckpt);
 }
 
 /// Settings the engine cannot run are errors naming the key.
 #[test]
 fn unsupported_offload_settings_name_the_key() {
-    let dir = tmp_dir("keys");
+    // Swap files would go below the temp dir, which the refused builds
+    // must not create.
+    let tmp = TempDir::new("offload-keys");
+    let dir = tmp.join("swap");
     let build = |c: ResolvedConfig| {
         ThreadGroup::run(1, |comm| {
             let mut b = Engine::builder(c.clone(), comm);
@@ -923,7 +913,7 @@ fn unsupported_offload_settings_name_the_key() {
     ] {
         let mut c = config(1, stage, 1, Precision::Bf16);
         c.zero.offload_param.device = device;
-        c.zero.offload_param.nvme_path = Some(dir.clone());
+        c.zero.offload_param.nvme_path = Some(dir.to_path_buf());
         let m = build(c);
         assert!(m.contains("zero_optimization.offload_param.device"), "{m}");
     }
@@ -971,14 +961,12 @@ fn unsupported_offload_settings_name_the_key() {
     })
     .unwrap();
     // A swap file that cannot be created (nvme_path is a file).
-    let file = std::env::temp_dir().join(format!("zero-offload-test-{}-file", std::process::id()));
+    let file = tmp.join("file");
     std::fs::write(&file, b"x").unwrap();
     let mut c = offload_config(1, 2, 1, Precision::Bf16, OffloadDevice::Nvme, 256, 4, &dir);
     c.zero.offload_optimizer.nvme_path = Some(file.clone());
     let m = build(c);
     assert!(m.contains(&file.display().to_string()), "{m}");
-    let _ = std::fs::remove_file(&file);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 // ---------------------------------------------------------------------------
@@ -1017,7 +1005,7 @@ fn param_config(
 /// with and without persistent units.
 #[test]
 fn param_offload_is_bit_identical() {
-    let dir = tmp_dir("param-exact");
+    let dir = TempDir::new("offload-param-exact");
     let steps = 5;
     for world in 1..=3 {
         for persistence in [0usize, 200] {
@@ -1062,7 +1050,6 @@ fn param_offload_is_bit_identical() {
         .map(|d| d.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
     assert!(left.is_empty(), "param swap files left behind: {left:?}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// With parameter offload the device tier holds no parameter shard (at
@@ -1072,7 +1059,7 @@ fn param_offload_is_bit_identical() {
 /// shards.
 #[test]
 fn param_offload_keeps_no_params_on_the_device() {
-    let dir = tmp_dir("param-tiers");
+    let dir = TempDir::new("offload-param-tiers");
     for world in [1, 2] {
         for param in [OffloadDevice::Cpu, OffloadDevice::Nvme] {
             for opt in [OffloadDevice::None, OffloadDevice::Nvme] {
@@ -1121,7 +1108,6 @@ fn param_offload_keeps_no_params_on_the_device() {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The shard length of every unit on one rank, and the host-tier
@@ -1149,7 +1135,7 @@ fn cache_layout(world: usize, max_in_cpu: usize, dir: &Path) -> (Vec<usize>, u64
 /// (every gather is a cache hit).
 #[test]
 fn param_cache_is_bit_identical_and_saves_swap_reads() {
-    let dir = tmp_dir("param-cache");
+    let dir = TempDir::new("offload-param-cache");
     let steps = 4;
     for world in [1, 2] {
         let (lens, none_host) = cache_layout(world, 0, &dir);
@@ -1194,7 +1180,6 @@ fn param_cache_is_bit_identical_and_saves_swap_reads() {
         .map(|d| d.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
     assert!(left.is_empty(), "param swap files left behind: {left:?}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// How a parameter swap file is damaged before step 3 (or, for a write
@@ -1304,7 +1289,7 @@ fn param_damaged_run(opt: OffloadDevice, damage: ParamDamage, dir: &Path) -> Vec
 /// files).
 #[test]
 fn param_swap_faults_are_errors_naming_the_file() {
-    let dir = tmp_dir("param-faults");
+    let dir = TempDir::new("offload-param-faults");
     for opt in [OffloadDevice::None, OffloadDevice::Cpu, OffloadDevice::Nvme] {
         for damage in [
             ParamDamage::Truncate,
@@ -1351,7 +1336,6 @@ fn param_swap_faults_are_errors_naming_the_file() {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// cpu parameter offload with an nvme optimizer whose swap file breaks:
@@ -1360,7 +1344,7 @@ fn param_swap_faults_are_errors_naming_the_file() {
 /// stay readable with gather/params.
 #[test]
 fn cpu_param_offload_keeps_params_after_an_optimizer_swap_fault() {
-    let dir = tmp_dir("param-opt-fault");
+    let dir = TempDir::new("offload-param-opt-fault");
     let world = 2;
     let ranks = ThreadGroup::run(world, |comm| {
         let rank = comm.rank();
@@ -1404,5 +1388,4 @@ fn cpu_param_offload_keeps_params_after_an_optimizer_swap_fault() {
         }
         assert_eq!(params, reference[r], "rank {r}: parameters");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

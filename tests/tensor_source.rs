@@ -18,6 +18,7 @@ use zero::core::partition::{TensorSpec, UnitSpec};
 use zero::{Engine, Init, TensorSource, UnitState};
 use zero_testkit::mlp::{batch, Mlp};
 use zero_testkit::runs::{assert_bits_eq, config, DIMS};
+use zero_testkit::temp::TempDir;
 
 /// Values in memory, served range by range; counts the reads and the
 /// largest range asked for; with `fail`, every read fails with an error
@@ -156,13 +157,6 @@ fn run(world: usize, cfg: &ResolvedConfig, how: How, steps: usize) -> (Vec<Vec<U
     (all.swap_remove(0).0, largest)
 }
 
-/// A fresh directory for swap files.
-fn tmp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("zero-source-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
 /// `config` for `world` ranks at `stage` in bf16 with the optimizer state
 /// on `opt` and (stage 3) the parameters on `param`, swap files under
 /// `dir`.
@@ -199,7 +193,7 @@ fn cfg(
 /// parameters are sharded too: this rank's half of it, plus padding).
 #[test]
 fn sources_give_the_state_of_values_at_every_stage_and_offload() {
-    let dir = tmp_dir("exact");
+    let dir = TempDir::new("source-exact");
     let world = 2;
     let none = OffloadDevice::None;
     let mut variants = Vec::new();
@@ -246,7 +240,7 @@ fn sources_give_the_state_of_values_at_every_stage_and_offload() {
 /// offload (the tiles of the optimizer's swap file, the parameter shards).
 #[test]
 fn a_failing_source_fails_the_build_on_every_rank() {
-    let dir = tmp_dir("fail");
+    let dir = TempDir::new("source-fail");
     let none = OffloadDevice::None;
     for (stage, opt, param) in [
         (0, none, none),

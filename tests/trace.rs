@@ -4,7 +4,7 @@
 //! tracer that records nothing and changes nothing.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use zero::comm::{Communicator, ThreadGroup};
@@ -14,6 +14,7 @@ use zero::trace::{gather_events, write_chrome_trace, Event, SpanGuard, Tracer};
 use zero::{Engine, UnitState};
 use zero_testkit::mlp::{batch, Mlp};
 use zero_testkit::runs::*;
+use zero_testkit::temp::TempDir;
 
 static_assertions::assert_impl_all!(Tracer: Clone, Send, Sync, Default);
 static_assertions::assert_impl_all!(SpanGuard: Send, Sync);
@@ -25,14 +26,6 @@ fn now_us() -> f64 {
         .unwrap()
         .as_secs_f64()
         * 1e6
-}
-
-/// A fresh directory for swap files and traces.
-fn tmp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("zero-trace-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 /// 2 ranks, `stage`, bf16, optimizer offload to the CPU.
@@ -183,7 +176,7 @@ fn shared_tracer_records_every_phase_of_every_rank() {
 /// the parameter fetches and write-backs show as offload spans.
 #[test]
 fn nvme_offload_spans() {
-    let dir = tmp_dir("nvme");
+    let dir = TempDir::new("trace-nvme");
     let cfg = nvme_config(&dir);
     let tracer = Tracer::new();
     let start = now_us();
@@ -204,7 +197,6 @@ fn nvme_offload_spans() {
             );
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The default tracer records nothing.
@@ -236,7 +228,7 @@ fn disabled_tracer_records_nothing() {
 /// track nest properly (what a viewer needs to draw them).
 #[test]
 fn chrome_trace_file_parses() {
-    let dir = tmp_dir("file");
+    let dir = TempDir::new("trace-file");
     let tracer = Tracer::new();
     run(&cpu_offload_config(3), 2, |_| tracer.clone());
     let events = tracer.events();
@@ -304,7 +296,6 @@ fn chrome_trace_file_parses() {
             open.push(b);
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// One tracer per rank (as with MPI): `gather_events` gives rank 0 every

@@ -28,6 +28,8 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
+use zero_comm::agree::first_failure;
+use zero_comm::Communicator;
 use zero_core::config::ResolvedConfig;
 use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
 use zero_core::partition::PartitionPlan;
@@ -289,6 +291,27 @@ impl GradSwap {
         match self.failed.take() {
             Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+
+    /// Before the step: every rank learns whether every rank stored (and,
+    /// accumulating, read back) its gradients ([`GradSwap::check`]). On
+    /// an error anywhere the step fails on every rank (`rank` is this
+    /// one) with nothing updated; `zero_grad` drops the micro-batch and
+    /// training can go on.
+    pub(crate) fn verdict<C: Communicator>(&mut self, comm: &C, rank: usize) -> Result<()> {
+        let r = self.check();
+        let failed = first_failure(comm, r.as_ref().err())?;
+        r?;
+        match failed {
+            None => Ok(()),
+            Some((bad, why)) => Err(Error::Usage {
+                rank,
+                what: format!(
+                    "the gradient swap file of rank {bad} failed in this micro-batch ({why}); \
+                     nothing was updated: call zero_grad() and run the micro-batch again"
+                ),
+            }),
         }
     }
 

@@ -19,6 +19,43 @@
 //!
 //! A failed collective may still hold the engine's buffers, so after it
 //! every call fails, whatever else happened before.
+//!
+//! # Swap-file errors, as the trainer sees them
+//!
+//! The optimizer swap file (`offload_optimizer.device = "nvme"`):
+//!
+//! A swap-file error (truncated, corrupted, deleted or foreign file, a
+//! failed write) fails the step on every rank: the rank whose file failed
+//! reports the file, the others name that rank. From then on
+//! `Engine::step` and the gradient calls return an error saying so,
+//! while `Engine::gather` and reading the parameters of its
+//! `UnitGuard` keep working. What the state is then depends on the error:
+//!
+//! - A failed *write* (disk full, an I/O error) loses nothing: the tiles
+//!   whose write failed are kept in host memory and the step completes
+//!   on every rank (parameters, step count, parameter all-gather), then
+//!   returns the error. The state after that step stays readable in full:
+//!   `Engine::unit_state`, `Engine::save_checkpoint` (to another
+//!   disk) and `Engine::export_safetensors` work, and a run resumed from
+//!   that checkpoint continues bit-identically.
+//! - Any other error (a failed read; the file truncated, corrupted,
+//!   deleted or foreign) loses the optimizer state: no rank's parameters
+//!   change in that step (updated parameters are committed only once every
+//!   rank's tiles were read, updated and written, or kept), gather/params
+//!   give the parameters of the last completed step, and
+//!   `Engine::unit_state` and the checkpoint calls return an error.
+//!
+//! The parameter swap file (`offload_param.device = "nvme"`):
+//!
+//! A parameter swap-file error (a failed read in a micro-batch, a
+//! truncated or deleted file, a failed write-back) fails the next
+//! `Engine::step` on every rank (the rank whose file failed names it);
+//! the micro-batch that saw a failed read ran on zeros for that shard and
+//! nothing of it is applied. The shards live only in the files, so from
+//! then on `Engine::gather` refuses as well ("the parameters are lost").
+//! With `offload_param` `"cpu"` and an optimizer swap-file error, the
+//! shards are written home only after every rank's optimizer step
+//! succeeded: the parameters of the last completed step stay readable.
 
 use zero_comm::agree::first_failure;
 use zero_comm::Communicator;

@@ -38,71 +38,34 @@
 //! order, so all stages give bit-identical parameters and optimizer state
 //! at the same world size.
 //!
-//! # Optimizer offload (ZeRO-Offload)
+//! # Offload
 //! With `zero_optimization.offload_optimizer.device` `"cpu"` or `"nvme"`
 //! (any stage; the JSON parser asks for stage 1–3, as DeepSpeed), the
-//! rank's fp32 master, `m` and `v` leave the device tier: they live in
-//! page-aligned, pre-faulted host buffers (`pin_memory` locks them) or in
-//! a per-rank swap file under `nvme_path`, and the accumulated gradient
-//! shard is host memory. AdamW runs tile by tile (`sub_group_size`
-//! elements of the rank's flat state, across units), pipelined with the
-//! reads and writes of the swap file (`buffer_count` host buffers). The
-//! results are bit-identical to those without offload. See
-//! `src/engine/offload.rs` for the layout and the pipeline. With
-//! `offload_optimizer.swap_gradients` (nvme) the accumulated gradient
-//! shard goes to its own swap file as buckets are reduced, and the step
-//! streams unit by unit, so host memory does not grow with the model
-//! (`src/engine/grad_swap.rs`).
+//! rank's fp32 master, `m` and `v` live in pre-faulted host buffers
+//! (`pin_memory` locks them) or in a per-rank swap file under
+//! `nvme_path`, the accumulated gradient shard is host memory, and AdamW
+//! runs tile by tile (`sub_group_size` elements), pipelined with the swap
+//! reads and writes (`src/engine/offload.rs`); with
+//! `offload_optimizer.swap_gradients` the gradient shard has its own swap
+//! file and the step streams unit by unit (`src/engine/grad_swap.rs`).
+//! With `offload_param.device` `"cpu"` or `"nvme"` (stage 3 only; other
+//! stages refuse it naming the key) the parameter shards live in a host
+//! pool or the rank's parameter swap file, read ahead of the gathers and
+//! cached up to `offload_param.max_in_cpu` elements
+//! ([`EngineStats::param_swap_reads`], [`EngineStats::param_cache_hits`];
+//! `src/engine/param_offload.rs`). Results are bit-identical to those
+//! without offload, in every combination.
 //!
-//! A swap-file error (truncated, corrupted, deleted or foreign file, a
-//! failed write) fails the step on every rank: the rank whose file failed
-//! reports the file, the others name that rank. From then on
-//! [`Engine::step`] and the gradient calls return an error saying so,
-//! while [`Engine::gather`] and reading the parameters of its
-//! [`UnitGuard`] keep working. What the state is then depends on the error:
-//!
-//! - A failed *write* (disk full, an I/O error) loses nothing: the tiles
-//!   whose write failed are kept in host memory and the step completes
-//!   on every rank (parameters, step count, parameter all-gather), then
-//!   returns the error. The state after that step stays readable in full:
-//!   [`Engine::unit_state`], [`Engine::save_checkpoint`] (to another
-//!   disk) and [`Engine::export_safetensors`] work, and a run resumed from
-//!   that checkpoint continues bit-identically.
-//! - Any other error (a failed read; the file truncated, corrupted,
-//!   deleted or foreign) loses the optimizer state: no rank's parameters
-//!   change in that step (updated parameters are committed only once every
-//!   rank's tiles were read, updated and written, or kept), gather/params
-//!   give the parameters of the last completed step, and
-//!   [`Engine::unit_state`] and the checkpoint calls return an error.
-
-//!
-//! # Parameter offload (ZeRO-Infinity, stage 3)
-//! With `zero_optimization.offload_param.device` `"cpu"` or `"nvme"`
-//! (stage 3 only; other stages refuse it with an error naming the key),
-//! the rank's shard of every unit, in the parameter dtype, lives in a
-//! host pool (`cpu`, `pin_memory` honoured) or in the rank's parameter
-//! swap file under `offload_param.nvme_path` (`nvme`), never on the device
-//! tier. A gather copies the shard into the gathered unit (with `nvme`
-//! from a read issued further ahead along the recorded order than the
-//! all-gather prefetch, through `buffer_count` staging buffers of
-//! `buffer_size` elements), and the optimizer step writes the updated
-//! shard back home. With `nvme`, `offload_param.max_in_cpu` elements
-//! (DeepSpeed's default 1e9) of shards are also cached in host memory
-//! (filled at build, LRU, write-through): a cached shard is gathered
-//! without a swap read ([`EngineStats::param_swap_reads`],
-//! [`EngineStats::param_cache_hits`]); `max_in_cpu = 0` caches nothing.
-//! Results are bit-identical to those without offload, with any optimizer
-//! offload and any `max_in_cpu`. See `src/engine/param_offload.rs`.
-//!
-//! A parameter swap-file error (a failed read in a micro-batch, a
-//! truncated or deleted file, a failed write-back) fails the next
-//! [`Engine::step`] on every rank (the rank whose file failed names it);
-//! the micro-batch that saw a failed read ran on zeros for that shard and
-//! nothing of it is applied. The shards live only in the files, so from
-//! then on [`Engine::gather`] refuses as well ("the parameters are lost").
-//! With `offload_param` `"cpu"` and an optimizer swap-file error, the
-//! shards are written home only after every rank's optimizer step
-//! succeeded: the parameters of the last completed step stay readable.
+//! A swap-file error fails the step on every rank (the rank whose file
+//! failed names it, the others that rank); then [`Engine::step`] and the
+//! gradient calls refuse. A failed optimizer swap *write* loses nothing:
+//! the step completes, and [`Engine::unit_state`],
+//! [`Engine::save_checkpoint`] (to another disk) and
+//! [`Engine::export_safetensors`] still read the state after it. Any other
+//! optimizer swap error loses the optimizer state (no rank's parameters
+//! change in that step; [`Engine::gather`] reads the last completed
+//! step's). A parameter swap error loses the parameters too, and
+//! [`Engine::gather`] refuses. `src/engine/health.rs` spells out each case.
 //!
 //! # Where things are
 //! This file is the coordinator, and the only file that names `Engine`'s
@@ -148,12 +111,11 @@ use std::time::Instant;
 use serde_json::Value;
 
 use grad_swap::GradSwap;
-use zero_comm::agree::exchange_u64;
 use zero_comm::Communicator;
 use zero_core::backend::{CpuBackend, Stream};
 use zero_core::config::{FrozenParams, ResolvedConfig};
 use zero_core::memory::{MemoryReport, MemoryTracker};
-use zero_core::optim::{clip_coefficient, LossScaler};
+use zero_core::optim::LossScaler;
 use zero_core::partition::{PartitionPlan, UnitLayout};
 use zero_core::{DType, Element};
 
@@ -187,7 +149,7 @@ pub use stats::{EngineStats, SwapTraffic};
 pub use step::StepOutcome;
 use step::{OptimizerStep, StepIo};
 pub use unit::UnitId;
-use unit::{shards, AllGatherIo, Units};
+use unit::{AllGatherIo, Units};
 
 /// The sharded data-parallel engine of one rank.
 pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
@@ -525,16 +487,12 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     /// The stage-3 gatherer, and what it needs from the engine for a call.
     fn s3_parts(&mut self) -> (&mut ParamGatherer<B>, GatherIo<'_, C, B>) {
-        let io = GatherIo {
-            backend: &self.backend,
-            after: self.gather_after,
-            comm: &self.comm,
-            tracker: &self.tracker,
-            tracer: &self.tracer,
-            pdt: self.pdt,
-            shards: shards(self.poff.as_mut(), &self.units),
-            stats: &mut self.stats,
-        };
+        let io = unit::gather_io(
+            (&self.comm, &self.backend, self.gather_after),
+            (&self.tracker, &self.tracer, self.pdt),
+            (self.poff.as_mut(), &self.units),
+            &mut self.stats,
+        );
         (&mut self.s3, io)
     }
 
@@ -676,18 +634,11 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             }
             r?;
             self.stats.gather_time += t.elapsed();
-        } else if self.units[i].is_stale() {
+        } else {
             // Stages 1–2 with overlap_comm: the all-gather of this unit's
-            // updated parameters started in step(); wait for it (and keep
-            // launching the next ones).
-            let _span = self.tracer.span(self.rank, "gather", "comm");
-            let t = Instant::now();
+            // updated parameters may still be in flight.
             let (units, mut io) = self.gather_parts();
-            units.advance(Some(i), &mut io)?;
-            self.stats.gather_time += t.elapsed();
-        } else if self.units.has_queued() {
-            let (units, mut io) = self.gather_parts();
-            units.advance(None, &mut io)?;
+            units.wait_for(i, &mut io)?;
         }
         let params = if self.stage == 3 {
             self.s3.params(i)
@@ -766,10 +717,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     }
 
     fn switch_mode(&mut self, training: bool, call: &str) -> Result<()> {
-        if let Some(u) = self.units.iter().find(|u| u.gathers > 0) {
+        if let Some(name) = self.units.gathered() {
             return Err(self.usage(format!(
-                "{call}() while unit `{}` is gathered; drop its UnitGuard first",
-                u.layout.name
+                "{call}() while unit `{name}` is gathered; drop its UnitGuard first"
             )));
         }
         if let Some(i) = self.reducer.find(GradState::Lent) {
@@ -963,27 +913,11 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let i = self.check(unit, "grad_buffer")?;
         self.check_training("grad_buffer")?;
         self.check_swap("grad_buffer")?;
-        if T::DTYPE != self.pdt {
-            return Err(zero_core::Error::DTypeMismatch {
-                op: "Engine::grad_buffer",
-                expected: self.pdt,
-                got: T::DTYPE,
-            }
-            .into());
-        }
-        let name = self.name(i);
-        let lend = self.reducer.state(i).check_lend(name);
-        lend.map_err(|w| self.usage(w))?;
-        let buf = self
+        let (unit, add) = ((i, self.units[i].layout.name.as_str()), self.micro > 0);
+        let (comm, tracker, tracer) = (&self.comm, &self.tracker, &self.tracer);
+        let typed = self
             .reducer
-            .lend(&self.comm, &self.tracker, &self.tracer, i, self.micro > 0)?;
-        let typed = buf
-            .into_lent::<T>()
-            .map_err(|_| zero_core::Error::DTypeMismatch {
-                op: "Engine::grad_buffer",
-                expected: self.pdt,
-                got: T::DTYPE,
-            })?;
+            .lend_as::<T, C>(comm, tracker, tracer, unit, add)?;
         Ok(GradBuffer::new(
             typed,
             (i, self.units[i].layout.clone(), self.rank),
@@ -1025,23 +959,16 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             )));
         }
         let buf = DynBuf::from_lent::<T>(grad.into_inner());
-        let add = self.micro > 0;
-        self.reducer
-            .set_last_micro(self.micro + 1 >= self.cfg.gradient_accumulation_steps);
-        if self.stage == 1 {
-            // Reduced after the backward pass, in step().
-            self.reducer
-                .hand_back(&self.comm, &self.tracer, i, buf, add)?;
-            return Ok(());
-        }
-        let _span = self.tracer.span(self.rank, "reduce", "comm");
-        let t = Instant::now();
-        let r = self
-            .reducer
-            .hand_back(&self.comm, &self.tracer, i, buf, add);
-        self.stats.reduce_time += t.elapsed();
-        self.stats.reduce_bytes += r?;
-        Ok(())
+        let position = self.micro_position();
+        let io = (&self.comm, &self.tracer, &mut self.stats);
+        self.reducer.hand_back(io, i, buf, position)
+    }
+
+    /// Where the current micro-batch is in its step: not the first (its
+    /// gradients accumulate), the last.
+    fn micro_position(&self) -> (bool, bool) {
+        let ga = self.cfg.gradient_accumulation_steps;
+        (self.micro > 0, self.micro + 1 >= ga)
     }
 
     // ------------------------------------------------------------------
@@ -1065,33 +992,27 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     fn step_counted(&mut self) -> Result<StepOutcome> {
         self.check_training("step")?;
         self.check_swap("step")?;
-        for u in self.units.iter() {
-            if u.gathers > 0 {
-                return Err(self.usage(format!(
-                    "step() while unit `{}` is still gathered; drop its UnitGuard first",
-                    u.layout.name
-                )));
-            }
+        if let Some(name) = self.units.gathered() {
+            return Err(self.usage(format!(
+                "step() while unit `{name}` is still gathered; drop its UnitGuard first"
+            )));
         }
         let complete = self.reducer.check_complete(|j| self.name(j));
         complete.map_err(|w| self.usage(w))?;
         self.finish_param_gathers()?;
-        let span = self.tracer.span(self.rank, "reduce", "comm");
-        let t = Instant::now();
-        self.reducer
-            .set_last_micro(self.micro + 1 >= self.cfg.gradient_accumulation_steps);
-        let r = self
-            .reducer
-            .finish(&self.comm, &self.tracer, self.micro > 0);
-        self.stats.reduce_time += t.elapsed();
-        self.stats.reduce_bytes += r?;
-        drop(span);
+        let position = self.micro_position();
+        let io = (&self.comm, &self.tracer, &mut self.stats);
+        self.reducer.finish(io, position)?;
         if self.stage == 3 {
             let (s3, io) = self.s3_parts();
             s3.end_micro_batch(io)?;
         }
-        self.param_swap_check()?;
-        self.grad_swap_check()?;
+        if let Some(po) = self.poff.as_mut() {
+            po.micro_batch_verdict(&self.comm, &mut self.health, self.steps + 1)?;
+        }
+        if let Some(gs) = self.reducer.grad_swap_mut() {
+            gs.verdict(&self.comm, self.rank)?;
+        }
         self.micro += 1;
         self.micro_batches += 1;
         if self.micro < self.cfg.gradient_accumulation_steps {
@@ -1135,70 +1056,28 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         Ok(outcome)
     }
 
-    /// nvme parameter offload, at the end of every micro-batch: every rank
-    /// learns whether every rank could read its parameter shards in it
-    /// (a failed read fed zeros to the gather so that no rank left the
-    /// collectives) and whether its swap file is intact. On an error
-    /// anywhere nothing is updated, the engine is failed and the
-    /// parameters are lost.
-    fn param_swap_check(&mut self) -> Result<()> {
-        let Some(po) = self.poff.as_mut().filter(|p| p.is_nvme()) else {
-            return Ok(());
-        };
-        let step = self.steps + 1;
-        self.health
-            .params_verdict(&self.comm, po.check(), |bad, why| {
-                format!(
-                "the parameter swap file of rank {bad} could not be read in step {step} ({why}); \
-                 nothing was updated and the parameters are lost"
-            )
-            })
-    }
-
-    /// `swap_gradients`, before the step: every rank learns whether every
-    /// rank stored (and, accumulating, read back) its gradients. On an
-    /// error anywhere the step fails on every rank with nothing updated;
-    /// `zero_grad` drops the micro-batch and training can go on.
-    fn grad_swap_check(&mut self) -> Result<()> {
-        let Some(gs) = self.reducer.grad_swap_mut() else {
-            return Ok(());
-        };
-        let r = gs.check();
-        let failed = zero_comm::agree::first_failure(&self.comm, r.as_ref().err())?;
-        r?;
-        if let Some((bad, why)) = failed {
-            return Err(self.usage(format!(
-                "the gradient swap file of rank {bad} failed in this micro-batch ({why}); \
-                 nothing was updated: call zero_grad() and run the micro-batch again"
-            )));
-        }
-        Ok(())
-    }
-
     fn optimizer_step(&mut self) -> Result<StepOutcome> {
-        let local = step::local_sum_squares(&self.opt, &self.backend, &self.reducer)?;
-        let parts = exchange_u64(&self.comm, &[local.to_bits(), self.micro_batches])?;
-        step::check_in_step(&parts, self.rank, self.global_steps + 1)?;
-        let sumsq = parts.iter().fold(0f64, |a, w| a + f64::from_bits(w[0]));
-        let loss_scale = self.loss_scale();
-        let ga = self.cfg.gradient_accumulation_steps;
-        let base = 1.0 / (f64::from(loss_scale) * self.world as f64 * ga as f64);
-        let norm = sumsq.sqrt() * base;
-        let overflow = !sumsq.is_finite();
+        let (opt, reducer, number) = (&self.opt, &self.reducer, self.global_steps + 1);
+        let sumsq = step::global_sum_squares(
+            &self.comm,
+            &self.backend,
+            opt,
+            reducer,
+            number,
+            self.micro_batches,
+        )?;
         let lr = self.cfg.scheduler.lr_at(self.steps);
-        let skipped = match self.scaler.as_mut() {
-            Some(s) => s.update(overflow),
-            None => overflow,
-        };
-        if overflow && self.scaler.is_none() {
+        let (ranks, ga) = (self.world, self.cfg.gradient_accumulation_steps);
+        let clip = self.cfg.gradient_clipping;
+        let norm = step::GlobalNorm::unscale(sumsq, (self.scaler.as_mut(), ranks, ga), clip);
+        if norm.overflow && self.scaler.is_none() {
             self.warn(format!(
                 "step {}: the gradient norm is not finite; the update was skipped",
                 self.steps + 1
             ));
         }
-        if !skipped {
-            let clip = clip_coefficient(norm, self.cfg.gradient_clipping);
-            let grad_scale = (base * clip) as f32;
+        let skipped = norm.grad_scale.is_none();
+        if let Some(grad_scale) = norm.grad_scale {
             let ks = self
                 .opt
                 .steps(&self.cfg.optimizer, lr, self.steps + 1, grad_scale);
@@ -1228,19 +1107,15 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         Ok(StepOutcome {
             boundary: true,
             skipped,
-            grad_norm: Some(norm),
+            grad_norm: Some(norm.norm),
             lr,
             loss_scale: self.loss_scale(),
             steps: self.steps,
         })
     }
 
-    /// Stages 1 and 2: every rank updated its shard of the full parameters;
-    /// all-gather them in place, unit by unit, with up to
-    /// `allgather_bucket_size` elements in flight. With `overlap_comm` this
-    /// only starts them: the next forward pass waits for each unit in
-    /// `gather` (as FSDP's forward all-gather), so the transfer hides
-    /// behind the compute of the units before it. Stage 3 refreshes its
+    /// After a step every rank applied: stages 1–2 all-gather the updated
+    /// parameters ([`Units::gather_all`]), stage 3 refreshes its
     /// persistent units.
     fn gather_updated_params(&mut self) -> Result<()> {
         match self.stage {
@@ -1250,18 +1125,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 s3.gather_persistent(io)
             }
             _ => {
-                // (With overlap_comm and the optimizer state on the device
-                // tier, AdamW queued each unit as it finished it.)
                 let overlap = self.cfg.zero.overlap_comm;
                 let (units, mut io) = self.gather_parts();
-                for i in 0..units.len() {
-                    units.queue_gather(i);
-                }
-                if overlap {
-                    units.advance(None, &mut io)
-                } else {
-                    units.finish(&mut io)
-                }
+                units.gather_all(overlap, &mut io)
             }
         }
     }

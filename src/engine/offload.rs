@@ -505,80 +505,119 @@ impl Offload {
                 None => Error::Unsupported { what: msg },
             });
         }
+        let Some(NvmeStep {
+            mut pipe, staging, ..
+        }) = self.nvme_step::<P>(true)?
+        else {
+            return self.step_host(adam, k, grads, params);
+        };
+        let done = pipe.run(adam, k, &mut Resident(grads), &mut Flat(staging));
+        match (done, pipe.write_failed.take()) {
+            (Ok(()), None) => Ok(()),
+            (Ok(()), Some(e)) => Err(rescued_error(e, pipe.kept, pipe.tiles)),
+            (Err(e), _) => {
+                // The state is lost: drop what was kept of it.
+                pipe.kept.iter_mut().for_each(|k| *k = None);
+                Err(e)
+            }
+        }
+    }
+
+    /// [`Offload::step`] with `cpu`: the state is resident and the
+    /// gradient shard already in host memory, so each tile is updated in
+    /// place and its parameters copied out behind the next tile's update.
+    fn step_host<G: Element, P: Element>(
+        &mut self,
+        adam: &CpuAdamW,
+        k: &GroupedStep<'_>,
+        grads: &[&[G]],
+        params: &mut [&mut [P]],
+    ) -> Result<()> {
+        let Offload {
+            units,
+            unit_off,
+            tiles,
+            store: Store::Host(bufs),
+            staging,
+            trace,
+            ..
+        } = self
+        else {
+            return Err(Error::Unsupported {
+                what: "internal: the cpu optimizer step without the state in host memory".into(),
+            });
+        };
+        let staging = staging.as_mut_slice_of::<P>()?;
+        let mut behind: Option<usize> = None;
+        for (t, tile) in tiles.iter().enumerate() {
+            // Copy-in: nothing to move, the state is resident and the
+            // gradient shard is already in host memory.
+            let span = trace.span("adam tile", "optimizer");
+            let low = &mut staging[tile.flat.clone()];
+            update_tile(
+                adam,
+                k,
+                tile,
+                bufs[t].as_mut_slice_of()?,
+                &Resident(grads),
+                low,
+            )?;
+            drop(span);
+            if let Some(done) = behind.replace(t) {
+                if !params.is_empty() {
+                    let _span = trace.span("param copy-out", "offload");
+                    copy_out(&tiles[done], units, unit_off, staging, params);
+                }
+            }
+        }
+        if let Some(done) = behind {
+            if !params.is_empty() {
+                let _span = trace.span("param copy-out", "offload");
+                copy_out(&tiles[done], units, unit_off, staging, params);
+            }
+        }
+        Ok(())
+    }
+
+    /// What both nvme steps set up (`None` with `cpu`): the swap file
+    /// verified, the tile pipeline over it (`keep`: see
+    /// [`Pipeline::keep`]), the staging buffer as `P` and the units'
+    /// ranges.
+    fn nvme_step<P: Element>(&mut self, keep: bool) -> Result<Option<NvmeStep<'_, P>>> {
         let Offload {
             units,
             unit_off,
             tiles,
             pool,
-            store,
+            store: Store::Nvme { swap, regions },
             staging,
             schedule,
             kept,
             tracker,
             trace,
             ..
-        } = self;
-        let staging = staging.as_mut_slice_of::<P>()?;
-        match store {
-            Store::Host(bufs) => {
-                let mut behind: Option<usize> = None;
-                for (t, tile) in tiles.iter().enumerate() {
-                    // Copy-in: nothing to move, the state is resident and
-                    // the gradient shard is already in host memory.
-                    let span = trace.span("adam tile", "optimizer");
-                    let low = &mut staging[tile.flat.clone()];
-                    update_tile(
-                        adam,
-                        k,
-                        tile,
-                        bufs[t].as_mut_slice_of()?,
-                        &Resident(grads),
-                        low,
-                    )?;
-                    drop(span);
-                    if let Some(done) = behind.replace(t) {
-                        if !params.is_empty() {
-                            let _span = trace.span("param copy-out", "offload");
-                            copy_out(&tiles[done], units, unit_off, staging, params);
-                        }
-                    }
-                }
-                if let Some(done) = behind {
-                    if !params.is_empty() {
-                        let _span = trace.span("param copy-out", "offload");
-                        copy_out(&tiles[done], units, unit_off, staging, params);
-                    }
-                }
-                Ok(())
-            }
-            Store::Nvme { swap, regions } => {
-                swap.verify()?;
-                let mut pipe = Pipeline {
-                    tiles,
-                    pool,
-                    swap,
-                    regions,
-                    schedule: *schedule,
-                    trace,
-                    kept,
-                    tracker,
-                    keep: true,
-                    write_failed: None,
-                };
-                let mut out = Flat(staging);
-                let done = pipe.run(adam, k, &mut Resident(grads), &mut out);
-                let write_failed = pipe.write_failed.take();
-                match (done, write_failed) {
-                    (Ok(()), None) => Ok(()),
-                    (Ok(()), Some(e)) => Err(rescued_error(e, kept, tiles)),
-                    (Err(e), _) => {
-                        // The state is lost: drop what was kept of it.
-                        kept.iter_mut().for_each(|k| *k = None);
-                        Err(e)
-                    }
-                }
-            }
-        }
+        } = self
+        else {
+            return Ok(None);
+        };
+        swap.verify()?;
+        Ok(Some(NvmeStep {
+            pipe: Pipeline {
+                tiles,
+                pool,
+                swap,
+                regions,
+                schedule: *schedule,
+                trace,
+                kept,
+                tracker,
+                keep,
+                write_failed: None,
+            },
+            staging: staging.as_mut_slice_of::<P>()?,
+            units,
+            unit_off,
+        }))
     }
 
     /// Streamed (`swap_gradients`): one AdamW step over every tile, unit by
@@ -600,28 +639,19 @@ impl Offload {
         params: &mut [&mut [P]],
         emit: &mut Emit<'_, P>,
     ) -> Result<()> {
-        let Offload {
+        let Some(NvmeStep {
+            mut pipe,
+            staging,
             units,
             unit_off,
-            tiles,
-            pool,
-            store,
-            staging,
-            schedule,
-            kept,
-            tracker,
-            trace,
-            ..
-        } = self;
-        let Store::Nvme { swap, regions } = store else {
+        }) = self.nvme_step::<P>(false)?
+        else {
             return Err(Error::Unsupported {
                 what: "swap_gradients without the optimizer state on nvme".into(),
             });
         };
-        swap.verify()?;
         // Reads a dropped micro-batch issued ahead hold buffers: gone.
         grads.drain_reads();
-        let staging = staging.as_mut_slice_of::<P>()?;
         let mut to_params = |u: usize, staged: &[P]| -> Result<()> {
             if params.is_empty() {
                 return emit(u, staged);
@@ -635,18 +665,6 @@ impl Offload {
             unit_off,
             units,
             emit: &mut to_params,
-        };
-        let mut pipe = Pipeline {
-            tiles,
-            pool,
-            swap,
-            regions,
-            schedule: *schedule,
-            trace,
-            kept,
-            tracker,
-            keep: false,
-            write_failed: None,
         };
         let mut feed = Swapped {
             swap: grads,
@@ -1009,6 +1027,15 @@ impl<P: Element> ParamOut<P> for PerUnit<'_, '_, P> {
         let n = self.units[u].state_len;
         (self.emit)(u, &self.staging[..n])
     }
+}
+
+/// What both nvme steps run on ([`Offload::nvme_step`]).
+struct NvmeStep<'a, P> {
+    pipe: Pipeline<'a>,
+    /// The updated parameters, over the flat state (streamed: one unit).
+    staging: &'a mut [P],
+    units: &'a [UnitRanges],
+    unit_off: &'a [usize],
 }
 
 /// The nvme step over the tiles (see the module docs): reads run

@@ -67,6 +67,7 @@
 
 use std::collections::VecDeque;
 
+use zero_comm::Communicator;
 use zero_core::config::{OffloadDevice, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
 use zero_core::{DType, Element};
@@ -76,6 +77,7 @@ use zero_offload::{
 };
 
 use super::faults::{set_faults, FaultPlan};
+use super::health::Health;
 use crate::trace::{Io, RankTracer, SwapTraffic, Tracer};
 use crate::{Error, Result};
 
@@ -445,6 +447,29 @@ impl ParamOffload {
             }
         }
         self.pending = 0;
+    }
+    /// nvme, at the end of every micro-batch (`step`): every rank learns
+    /// whether every rank could read its shards in it (a failed read fed
+    /// zeros to the gather so that no rank left the collectives) and
+    /// whether its swap file is intact ([`ParamOffload::check`]). On an
+    /// error anywhere nothing is updated, `health` is failed and the
+    /// parameters are lost. `step` is the number of the step under way.
+    /// Nothing to agree on with `cpu`.
+    pub(crate) fn micro_batch_verdict<C: Communicator>(
+        &mut self,
+        comm: &C,
+        health: &mut Health,
+        step: u64,
+    ) -> Result<()> {
+        if !self.is_nvme() {
+            return Ok(());
+        }
+        health.params_verdict(comm, self.check(), |bad, why| {
+            format!(
+                "the parameter swap file of rank {bad} could not be read in step {step} ({why}); \
+                 nothing was updated and the parameters are lost"
+            )
+        })
     }
 
     /// Checks the swap file (deleted, truncated, foreign header) and the

@@ -58,6 +58,7 @@
 //! proves each access ordered.
 
 use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
 
 use zero_comm::ReduceOp;
 use zero_core::backend::{HostAccess, PackPiece, Stream, UnpackPiece};
@@ -70,6 +71,7 @@ use super::backend::EngineComm;
 use super::devbuf::{map_dev, with_dev, DevBuf, DynHost, DynLoan, DynWork};
 use super::dynbuf::{ring_bytes, DynBuf};
 use super::grad_swap::GradSwap;
+use super::stats::EngineStats;
 use crate::plan::{bucket_plan, overlaps};
 use crate::trace::Tracer;
 use crate::{Error, Result};
@@ -580,7 +582,7 @@ impl<B: HostAccess> GradReducer<B> {
     }
 
     /// Whether the micro-batch being reduced is the last of its step.
-    pub(crate) fn set_last_micro(&mut self, last: bool) {
+    fn set_last_micro(&mut self, last: bool) {
         self.last_micro = last;
     }
 
@@ -675,6 +677,32 @@ impl<B: HostAccess> GradReducer<B> {
         Ok(mem)
     }
 
+    /// [`GradReducer::lend`], typed as the trainer asked (`T`): refused
+    /// unless `T` is the parameter dtype and unit `i` (named `name`) may
+    /// lend its buffer now ([`GradState::check_lend`]).
+    pub(crate) fn lend_as<T: Element, C: EngineComm<B>>(
+        &mut self,
+        comm: &C,
+        tracker: &MemoryTracker,
+        tracer: &Tracer,
+        (i, name): (usize, &str),
+        add: bool,
+    ) -> Result<B::Lent<T>> {
+        let mismatch = zero_core::Error::DTypeMismatch {
+            op: "Engine::grad_buffer",
+            expected: self.pdt,
+            got: T::DTYPE,
+        };
+        if T::DTYPE != self.pdt {
+            return Err(mismatch.into());
+        }
+        let rank = self.rank;
+        let lend = self.state(i).check_lend(name);
+        lend.map_err(|what| Error::Usage { rank, what })?;
+        let buf = self.lend(comm, tracker, tracer, i, add)?;
+        buf.into_lent::<T>().map_err(|_| mismatch.into())
+    }
+
     fn internal(&self, what: &str) -> Error {
         Error::Usage {
             rank: self.rank,
@@ -692,11 +720,44 @@ impl<B: HostAccess> GradReducer<B> {
         loan.give_back(&self.backend, mem, self.rank)
     }
 
-    /// Takes unit `i`'s gradient buffer back from the trainer: it joins
-    /// the current bucket, which is reduced as soon as it is full (stages
-    /// 0, 2, 3 while backward goes on; stage 1 after backward, in
-    /// [`GradReducer::finish`]). Returns the bytes sent.
+    /// Takes unit `i`'s gradient buffer back from the trainer (`mem`), in
+    /// a micro-batch that is not the step's first (`add`: it accumulates
+    /// into the homes) or is its last (`last`): it joins the current
+    /// bucket, which is reduced as soon as it is full (stages 0, 2, 3
+    /// while backward goes on, under a `reduce` span, counted in `stats`;
+    /// stage 1 after backward, in [`GradReducer::finish`]).
     pub(crate) fn hand_back<C: EngineComm<B>>(
+        &mut self,
+        (comm, tracer, stats): (&C, &Tracer, &mut EngineStats),
+        i: usize,
+        mem: DynBuf<B>,
+        (add, last): (bool, bool),
+    ) -> Result<()> {
+        self.set_last_micro(last);
+        if self.stage == 1 {
+            return self.take_grad(comm, tracer, i, mem, add).map(|_| ());
+        }
+        self.timed(tracer, stats, |r| r.take_grad(comm, tracer, i, mem, add))
+    }
+
+    /// Runs `f` (a reduction; it returns the bytes sent) under a `reduce`
+    /// span, its time and bytes counted in `stats`.
+    fn timed(
+        &mut self,
+        tracer: &Tracer,
+        stats: &mut EngineStats,
+        f: impl FnOnce(&mut Self) -> Result<u64>,
+    ) -> Result<()> {
+        let _span = tracer.span(self.rank, "reduce", "comm");
+        let t = Instant::now();
+        let r = f(self);
+        stats.reduce_time += t.elapsed();
+        stats.reduce_bytes += r?;
+        Ok(())
+    }
+
+    /// [`GradReducer::hand_back`]'s work; the bytes sent.
+    fn take_grad<C: EngineComm<B>>(
         &mut self,
         comm: &C,
         tracer: &Tracer,
@@ -1013,8 +1074,20 @@ impl<B: HostAccess> GradReducer<B> {
     /// the open bucket), waits for everything and makes the compute stream
     /// wait for the last unpack into the homes (the optimizer's kernels
     /// read them there; the host reads them only after the norm's sync).
-    /// Every unit must have been handed back. Returns the bytes sent.
+    /// Every unit must have been handed back. `add` and `last` as in
+    /// [`GradReducer::hand_back`]; timed into `stats` under a `reduce`
+    /// span.
     pub(crate) fn finish<C: EngineComm<B>>(
+        &mut self,
+        (comm, tracer, stats): (&C, &Tracer, &mut EngineStats),
+        (add, last): (bool, bool),
+    ) -> Result<()> {
+        self.set_last_micro(last);
+        self.timed(tracer, stats, |r| r.finish_micro(comm, tracer, add))
+    }
+
+    /// [`GradReducer::finish`]'s work; the bytes sent.
+    fn finish_micro<C: EngineComm<B>>(
         &mut self,
         comm: &C,
         tracer: &Tracer,

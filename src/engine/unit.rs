@@ -12,15 +12,17 @@
 use std::collections::VecDeque;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
+use std::time::Instant;
 
 use zero_core::backend::{HostAccess, Stream};
-use zero_core::memory::Allocation;
+use zero_core::memory::{Allocation, MemoryTracker};
 use zero_core::partition::UnitLayout;
+use zero_core::DType;
 
 use super::backend::{EngineBackend, EngineComm};
 use super::devbuf::{DevBuf, DynWork};
 use super::dynbuf::ring_bytes;
-use super::gatherer::{HomeShards, Shards};
+use super::gatherer::{GatherIo, HomeShards, Shards};
 use super::lease::exclusive;
 use super::param_offload::ParamOffload;
 use super::stats::EngineStats;
@@ -177,6 +179,12 @@ impl<B: EngineBackend> Units<B> {
         }
     }
 
+    /// The name of the first unit whose parameters a guard still holds.
+    pub(super) fn gathered(&self) -> Option<&str> {
+        let u = self.units.iter().find(|u| u.gathers > 0)?;
+        Some(&u.layout.name)
+    }
+
     /// Whether an all-gather is queued and not launched yet.
     pub(super) fn has_queued(&self) -> bool {
         !self.queue.is_empty()
@@ -188,6 +196,49 @@ impl<B: EngineBackend> Units<B> {
         if self.units[i].mark_queued() {
             self.queue.push_back(i);
         }
+    }
+
+    /// Stages 1–2, after a step that every rank applied: all-gathers every
+    /// unit's updated shard in place, with up to `allgather_bucket_size`
+    /// elements in flight. With `overlap_comm` (`overlap`) this only
+    /// starts them: the next forward pass waits for each unit in
+    /// [`Units::wait_for`] (as FSDP's forward all-gather), so the transfer
+    /// hides behind the compute of the units before it.
+    pub(super) fn gather_all<C: EngineComm<B>>(
+        &mut self,
+        overlap: bool,
+        io: &mut AllGatherIo<'_, C, B>,
+    ) -> Result<()> {
+        // (With overlap_comm and the optimizer state on the device tier,
+        // AdamW queued each unit as it finished it.)
+        for i in 0..self.len() {
+            self.queue_gather(i);
+        }
+        if overlap {
+            self.advance(None, io)
+        } else {
+            self.finish(io)
+        }
+    }
+
+    /// Before unit `i`'s parameters are read (a gather): with
+    /// `overlap_comm` the all-gather of its updated parameters started in
+    /// the step, so waits for it (a `gather` span, counted in
+    /// `gather_time`), and keeps launching the queued ones.
+    pub(super) fn wait_for<C: EngineComm<B>>(
+        &mut self,
+        i: usize,
+        io: &mut AllGatherIo<'_, C, B>,
+    ) -> Result<()> {
+        if self.units[i].is_stale() {
+            let _span = io.tracer.span(io.comm.rank(), "gather", "comm");
+            let t = Instant::now();
+            self.advance(Some(i), io)?;
+            io.stats.gather_time += t.elapsed();
+        } else if self.has_queued() {
+            self.advance(None, io)?;
+        }
+        Ok(())
     }
 
     /// Launches queued parameter all-gathers while they fit in
@@ -265,14 +316,30 @@ impl<B: EngineBackend> Units<B> {
     }
 }
 
-/// Where stage 3 gathers the rank's shards from: the parameter offload
-/// (`poff`) or the units' own parameters.
-pub(super) fn shards<'a, B: EngineBackend>(
-    poff: Option<&'a mut ParamOffload>,
-    units: &'a Units<B>,
-) -> Shards<'a, B> {
-    match poff {
+/// What stage 3's gatherer needs from the engine for one call, made in
+/// this one place for the coordinator's calls and the optimizer step's
+/// prefetch alike: the communicator, the device and the stream the
+/// all-gathers start after, the tracker, tracer and parameter dtype, the
+/// shards (from the parameter offload `poff`, else the units' own
+/// parameters) and the counters.
+pub(super) fn gather_io<'a, C: EngineComm<B>, B: EngineBackend>(
+    (comm, backend, after): (&'a C, &'a B, Stream),
+    (tracker, tracer, pdt): (&'a MemoryTracker, &'a Tracer, DType),
+    (poff, units): (Option<&'a mut ParamOffload>, &'a Units<B>),
+    stats: &'a mut EngineStats,
+) -> GatherIo<'a, C, B> {
+    let shards = match poff {
         Some(po) => Shards::Offloaded(po),
         None => Shards::Home(units),
+    };
+    GatherIo {
+        backend,
+        after,
+        comm,
+        tracker,
+        tracer,
+        pdt,
+        shards,
+        stats,
     }
 }

@@ -2,7 +2,8 @@
 //! the file-writing tests (exports, checkpoints, streamed weights) write
 //! into.
 
-use std::path::PathBuf;
+use std::ops::Deref;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A directory `zero-<tag>-<pid>-<n>` under the temp dir, created empty
@@ -27,5 +28,19 @@ impl TempDir {
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The directory's path, so that a `TempDir` goes where a `&Path` does.
+impl Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TempDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
     }
 }

@@ -14,6 +14,7 @@
 
 use std::path::{Path, PathBuf};
 use zero_testkit::backend::assert_same_bits;
+use zero_testkit::temp::TempDir;
 
 use zero::comm::{Communicator, ThreadComm, ThreadGroup};
 use zero::core::config::{OffloadDevice, Precision, ResolvedConfig};
@@ -428,13 +429,6 @@ fn assert_steady_gathers(runs: &[RankRun], what: &str) {
     }
 }
 
-/// A fresh directory for swap files.
-fn tmp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("zero-llama-sft-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
 /// Files left under `dir` (none once the engines are gone).
 fn files_left(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
@@ -624,7 +618,7 @@ fn loss_and_gradients_match_the_model_core() {
 /// and moments of stage 0 bit for bit; stage 3 keeps its gather order.
 #[test]
 fn stages_and_offload_are_bit_identical() {
-    let dir = tmp_dir("exact");
+    let dir = TempDir::new("llama-sft-exact");
     let model_cfg = model_config();
     let world = 2;
     let opts = Opts::steps(3);
@@ -680,7 +674,6 @@ fn stages_and_offload_are_bit_identical() {
     }
     let left = files_left(&dir);
     assert!(left.is_empty(), "swap files left behind: {left:?}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Qwen2's shape (q/k/v biases, tied embeddings: the embedding unit is
@@ -926,7 +919,7 @@ fn tiny_model_learns() {
 /// master and moment bytes for the adapters only.
 #[test]
 fn lora_is_bit_identical_across_stages_and_the_base_stays_frozen() {
-    let dir = tmp_dir("lora");
+    let dir = TempDir::new("llama-sft-lora");
     let model_cfg = model_config();
     let lc = lora_setup().cfg;
     let adapter_numel: usize = (0..model_cfg.n_layers)
@@ -1026,7 +1019,6 @@ fn lora_is_bit_identical_across_stages_and_the_base_stays_frozen() {
     }
     let left = files_left(&dir);
     assert!(left.is_empty(), "swap files left behind: {left:?}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// With LoRA, training through the engine gives the adapter gradients of

@@ -15,18 +15,21 @@
 //! is chosen once, at build, from the config; every tier gives the same
 //! bits (AdamW is elementwise). A step borrows the engine's parts it needs
 //! through [`StepIo`] (never the engine itself); before it, the
-//! coordinator takes the global norm ([`local_sum_squares`], summed over
-//! ranks in rank order) and checks that every rank is at the same
-//! micro-batch ([`check_in_step`]).
+//! coordinator takes the global norm ([`global_sum_squares`]: each rank's
+//! [`local_sum_squares`], summed over ranks in rank order, once
+//! [`check_in_step`] found every rank at the same micro-batch) and
+//! unscales and clips it ([`GlobalNorm::unscale`]), which also decides
+//! whether the update is skipped.
 
 mod device;
 mod param;
 mod streamed;
 mod tiles;
 
+use zero_comm::agree::exchange_u64;
 use zero_core::backend::{HostAccess, Stream};
 use zero_core::memory::MemoryTracker;
-use zero_core::optim::AdamWStep;
+use zero_core::optim::{clip_coefficient, AdamWStep, LossScaler};
 use zero_core::{bf16, f16, DType, Element};
 
 pub(super) use device::DeviceStep;
@@ -35,7 +38,7 @@ pub(super) use streamed::StreamedStep;
 pub(super) use tiles::TilesStep;
 
 use super::backend::{EngineBackend, EngineComm};
-use super::gatherer::{GatherIo, ParamGatherer};
+use super::gatherer::ParamGatherer;
 use super::grad_swap::GradSwap;
 use super::health::Health;
 use super::optimizer::OptimizerShard;
@@ -43,7 +46,7 @@ use super::param_offload::ParamOffload;
 use super::reducer::GradReducer;
 use super::staging::{OffloadStage, ParamStepStage};
 use super::stats::EngineStats;
-use super::unit::{shards, AllGatherIo, Units};
+use super::unit::{gather_io, AllGatherIo, Units};
 use crate::trace::Tracer;
 use crate::{Error, Result};
 
@@ -133,16 +136,12 @@ impl<C: EngineComm<B>, B: EngineBackend> StepIo<'_, C, B> {
 
     /// Stage 3: prefetches the head of the recorded gather order.
     fn prefetch_next(&mut self) -> Result<()> {
-        let io = GatherIo {
-            backend: self.backend,
-            after: self.gather_after,
-            comm: self.comm,
-            tracker: self.tracker,
-            tracer: self.tracer,
-            pdt: self.pdt,
-            shards: shards(self.poff.as_deref_mut(), self.units),
-            stats: self.stats,
-        };
+        let io = gather_io(
+            (self.comm, self.backend, self.gather_after),
+            (self.tracker, self.tracer, self.pdt),
+            (self.poff.as_deref_mut(), self.units),
+            self.stats,
+        );
         self.s3.prefetch_next(io)
     }
 
@@ -164,10 +163,69 @@ impl<C: EngineComm<B>, B: EngineBackend> StepIo<'_, C, B> {
     }
 }
 
+/// The global gradient norm of a step, unscaled, and what the step does
+/// with it.
+pub(super) struct GlobalNorm {
+    /// After unscaling, before clipping.
+    pub(super) norm: f64,
+    /// The sum of squares was not finite.
+    pub(super) overflow: bool,
+    /// The factor AdamW multiplies the summed gradient by: `clip /
+    /// (loss_scale · N · GA)`; `None` when the update is skipped (an fp16
+    /// overflow, or a non-finite norm in any precision).
+    pub(super) grad_scale: Option<f32>,
+}
+
+impl GlobalNorm {
+    /// Unscales the summed squares `sumsq` of a step over the gradients
+    /// of `ranks` ranks times `ga` micro-batches, scaled by the loss
+    /// scaler's scale (1 without one), clipped to `clip`
+    /// (`gradient_clipping`); the scaler (fp16) learns whether the step
+    /// overflowed.
+    pub(super) fn unscale(
+        sumsq: f64,
+        (scaler, ranks, ga): (Option<&mut LossScaler>, usize, usize),
+        clip: f64,
+    ) -> Self {
+        let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
+        let base = 1.0 / (f64::from(loss_scale) * ranks as f64 * ga as f64);
+        let norm = sumsq.sqrt() * base;
+        let overflow = !sumsq.is_finite();
+        let skipped = match scaler {
+            Some(s) => s.update(overflow),
+            None => overflow,
+        };
+        let grad_scale = (!skipped).then(|| (base * clip_coefficient(norm, clip)) as f32);
+        Self {
+            norm,
+            overflow,
+            grad_scale,
+        }
+    }
+}
+
+/// The squared global gradient norm of step `number` (1 for the first,
+/// skipped steps counted): every rank's [`local_sum_squares`], summed in
+/// rank order, exchanged with each rank's count of micro-batches
+/// (`micro_batches`), which [`check_in_step`] finds equal first.
+pub(super) fn global_sum_squares<B: EngineBackend, C: EngineComm<B>>(
+    comm: &C,
+    backend: &B,
+    opt: &OptimizerShard<B>,
+    reducer: &GradReducer<B>,
+    number: u64,
+    micro_batches: u64,
+) -> Result<f64> {
+    let local = local_sum_squares(opt, backend, reducer)?;
+    let parts = exchange_u64(comm, &[local.to_bits(), micro_batches])?;
+    check_in_step(&parts, comm.rank(), number)?;
+    Ok(parts.iter().fold(0f64, |a, w| a + f64::from_bits(w[0])))
+}
+
 /// This rank's part of the squared gradient norm: its shard of every
 /// unit, in unit order (stage 0 too, so that every stage adds the same
 /// terms); 0 without trainable tensors.
-pub(super) fn local_sum_squares<B: EngineBackend>(
+fn local_sum_squares<B: EngineBackend>(
     opt: &OptimizerShard<B>,
     backend: &B,
     reducer: &GradReducer<B>,
@@ -190,7 +248,7 @@ pub(super) fn local_sum_squares<B: EngineBackend>(
 /// rank refuses the update with the same error, naming the first rank
 /// off the majority (ties: rank 0's count) and both counts; the counts
 /// stay apart, so every later step is refused too.
-pub(super) fn check_in_step(parts: &[Vec<u64>], rank: usize, step: u64) -> Result<()> {
+fn check_in_step(parts: &[Vec<u64>], rank: usize, step: u64) -> Result<()> {
     let count = |v: u64| parts.iter().filter(|w| w[1] == v).count();
     let mut common = parts[0][1];
     for w in parts {
