@@ -30,6 +30,7 @@ use super::offload::{self, Offload, UnitRanges};
 use super::optimizer::{Moments, OptimizerShard};
 use super::param_offload::{self, ParamOffload};
 use super::reducer::{GradReducer, SkipWait};
+use super::saving::SaveHow;
 use super::staging::{OffloadStage, ParamStepStage};
 use super::state::store_as;
 use super::step::OptimizerStep;
@@ -58,10 +59,9 @@ pub(super) struct Built<C, B: EngineBackend> {
     pub(super) optimizer: OptimizerStep<B>,
     pub(super) poff: Option<ParamOffload>,
     pub(super) tracer: Tracer,
-    pub(super) seed: u64,
-    pub(super) keep_last: usize,
+    /// What checkpoints record and keep besides the state.
+    pub(super) saving: SaveHow,
     pub(super) frozen_policy: FrozenParams,
-    pub(super) save_frozen: bool,
     /// The config's own warnings (from its JSON, `config: ` first) and the
     /// components', in that order; the engine gives each once.
     pub(super) warnings: Vec<String>,
@@ -875,6 +875,12 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
                 .map(GradSwap::warnings)
                 .unwrap_or_default(),
         );
+        let saving = SaveHow {
+            model: cfg.zero.gather_16bit_weights_on_model_save,
+            frozen: save_frozen,
+            keep_last,
+            seed,
+        };
         Ok(Built {
             warnings,
             id,
@@ -894,10 +900,8 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             optimizer,
             poff,
             tracer,
-            seed,
-            keep_last,
+            saving,
             frozen_policy,
-            save_frozen,
         })
     }
 }

@@ -67,6 +67,7 @@ use super::optimizer::{commit_moments, Moments, OptimizerShard};
 use super::param_offload::ParamOffload;
 use super::reducer::GradReducer;
 use super::reducer::GradState;
+use super::saving::SaveHow;
 use super::state::StateIo;
 use super::unit::Unit;
 use crate::agree::agree_on_setup;
@@ -81,17 +82,6 @@ use crate::{Error, Result};
 /// Elements of the master outside the state range converted at once on
 /// load before the cast to the parameter dtype.
 const CAST_CHUNK: usize = 1 << 16;
-
-/// How [`save`] saves, besides the state.
-pub(super) struct SaveHow {
-    /// `stage3_gather_16bit_weights_on_model_save`: the consolidated
-    /// weights too.
-    pub(super) model: bool,
-    /// `EngineBuilder::checkpoint_frozen`: the frozen tensors too.
-    pub(super) frozen: bool,
-    /// Checkpoints kept (0: all).
-    pub(super) keep_last: usize,
-}
 
 /// Whether a checkpoint may be saved now: at an optimizer-step boundary
 /// (`micro` micro-batches of `ga` done), no gradient buffer out, no

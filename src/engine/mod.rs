@@ -98,7 +98,9 @@ mod lease;
 mod offload;
 mod optimizer;
 mod param_offload;
+mod progress;
 mod reducer;
+mod saving;
 mod staging;
 mod state;
 mod stats;
@@ -115,7 +117,6 @@ use zero_comm::Communicator;
 use zero_core::backend::{CpuBackend, Stream};
 use zero_core::config::{FrozenParams, ResolvedConfig};
 use zero_core::memory::{MemoryReport, MemoryTracker};
-use zero_core::optim::LossScaler;
 use zero_core::partition::{PartitionPlan, UnitLayout};
 use zero_core::{DType, Element};
 
@@ -127,7 +128,6 @@ use crate::{Error, Result};
 pub use backend::{EngineBackend, EngineComm};
 use builder::Built;
 pub use builder::EngineBuilder;
-use checkpoint::SaveHow;
 use dynbuf::DynBuf;
 pub use export::export_checkpoint;
 use gatherer::{GatherIo, ParamGatherer};
@@ -139,10 +139,12 @@ use lease::{Releases, Returns};
 use offload::Offload;
 use optimizer::OptimizerShard;
 use param_offload::ParamOffload;
+use progress::Progress;
 #[cfg(feature = "testing")]
 #[doc(hidden)]
 pub use reducer::SkipWait;
 use reducer::{GradReducer, GradState};
+use saving::SaveHow;
 pub use state::UnitState;
 use state::{StateIo, StateRead};
 pub use stats::{EngineStats, SwapTraffic};
@@ -178,18 +180,8 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     releases: Releases,
     /// Training (the default) or evaluation mode.
     training: bool,
-    // Steps.
-    micro: usize,
-    steps: u64,
-    /// Optimizer-step boundaries, skipped steps included.
-    global_steps: u64,
-    /// Micro-batches ended by `step` or dropped by `zero_grad`: the same
-    /// on every rank unless one went on alone after a failed micro-batch.
-    /// It travels with the step's norm exchange (see
-    /// `step::check_in_step`).
-    micro_batches: u64,
-    scaler: Option<LossScaler>,
-    last: StepOutcome,
+    /// The micro-batch and step counts, the loss scaler, the last step.
+    progress: Progress,
     /// Stage 3: the gathered parameters and their schedule.
     s3: ParamGatherer<B>,
     stats: EngineStats,
@@ -214,12 +206,9 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     /// Spans of this rank's phases (disabled unless
     /// [`EngineBuilder::tracer`]).
     tracer: Tracer,
-    /// The seed of the initialisers (recorded in checkpoints).
-    seed: u64,
-    /// Checkpoints kept by [`Engine::save_checkpoint`] (0: all).
-    keep_last: usize,
-    /// Checkpoints hold the frozen tensors too.
-    save_frozen: bool,
+    /// What [`Engine::save_checkpoint`] records and keeps besides the
+    /// state.
+    saving: SaveHow,
     /// Stage 3: where the frozen segments live (never `Auto`).
     frozen_policy: FrozenParams,
 }
@@ -246,12 +235,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// The coordinator over the components `b` built: its counters start
     /// at zero, and stage 3 gathers its persistent units.
     fn assemble(b: Built<C, B>) -> Result<Self> {
-        let (scaler, warnings) = (b.scaler, b.warnings);
-        let last = StepOutcome::between(
-            b.cfg.scheduler.lr_at(0),
-            scaler.as_ref().map_or(1.0, |s| s.scale()),
-            0,
-        );
+        let ga = b.cfg.gradient_accumulation_steps;
+        let progress = Progress::new(ga, b.scaler, b.cfg.scheduler.lr_at(0));
+        let warnings = b.warnings;
         let mut engine = Engine {
             id: b.id,
             rank: b.comm.rank(),
@@ -269,12 +255,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             returns: Returns::default(),
             releases: Releases::default(),
             training: true,
-            micro: 0,
-            steps: 0,
-            global_steps: 0,
-            micro_batches: 0,
-            scaler,
-            last,
+            progress,
             s3: b.s3,
             stats: EngineStats::default(),
             swap_base: Default::default(),
@@ -285,9 +266,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             optimizer: b.optimizer,
             poff: b.poff,
             tracer: b.tracer,
-            seed: b.seed,
-            keep_last: b.keep_last,
-            save_frozen: b.save_frozen,
+            saving: b.saving,
             frozen_policy: b.frozen_policy,
         };
         for w in warnings {
@@ -452,29 +431,29 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     /// The loss scale the trainer multiplies its loss by (1 unless fp16).
     pub fn loss_scale(&self) -> f32 {
-        self.scaler.as_ref().map_or(1.0, |s| s.scale())
+        self.progress.loss_scale()
     }
 
     /// The learning rate of the next optimizer step.
     pub fn lr(&self) -> f64 {
-        self.cfg.scheduler.lr_at(self.steps)
+        self.cfg.scheduler.lr_at(self.progress.steps())
     }
 
     /// Optimizer steps applied so far (skipped steps not counted).
     pub fn steps(&self) -> u64 {
-        self.steps
+        self.progress.steps()
     }
 
     /// Optimizer-step boundaries so far, skipped steps included
     /// (DeepSpeed's `global_steps`): [`Engine::save_checkpoint`] names
     /// its directory after it.
     pub fn global_steps(&self) -> u64 {
-        self.global_steps
+        self.progress.global_steps()
     }
 
     /// What the last [`Engine::step`] did.
     pub fn last_step(&self) -> StepOutcome {
-        self.last
+        self.progress.last()
     }
 
     /// Warnings given so far (each once; rank 0 also prints them), e.g.
@@ -571,7 +550,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// the whole state after a rescued write failure (see [`health`]).
     fn check_swap(&self, call: &str) -> Result<()> {
         self.health
-            .check_swap(call, self.steps)
+            .check_swap(call, self.progress.steps())
             .map_err(|what| self.usage(what))
     }
 
@@ -800,24 +779,20 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     pub fn save_checkpoint(&mut self, root: &Path, client_state: Value) -> Result<PathBuf> {
         self.guard(|e| {
             e.check_swap("save_checkpoint")?;
-            let ga = e.cfg.gradient_accumulation_steps;
-            checkpoint::at_boundary(e.micro, ga, &e.reducer, &e.units).map_err(|w| e.usage(w))?;
+            let (micro, ga) = (e.progress.micro(), e.cfg.gradient_accumulation_steps);
+            checkpoint::at_boundary(micro, ga, &e.reducer, &e.units).map_err(|w| e.usage(w))?;
             let run = SavedRun {
                 world_size: e.world,
                 stage: e.stage,
                 param_dtype: e.pdt,
-                steps: e.steps,
-                global_steps: e.global_steps,
-                loss_scaler: e.scaler.clone(),
-                seed: e.seed,
+                steps: e.progress.steps(),
+                global_steps: e.progress.global_steps(),
+                loss_scaler: e.progress.scaler().cloned(),
+                seed: e.saving.seed,
                 config: serde_json::to_value(&e.cfg).unwrap_or(Value::Null),
                 client_state,
             };
-            let how = SaveHow {
-                model: e.cfg.zero.gather_16bit_weights_on_model_save,
-                frozen: e.save_frozen,
-                keep_last: e.keep_last,
-            };
+            let how = e.saving;
             let (dest, warnings) = checkpoint::save(&mut e.state_io(), root, run, how)?;
             for w in warnings {
                 e.warn(w);
@@ -856,13 +831,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         // The step counts and the loss scaler; every rank resumes at the
         // same point.
         let m = &opened.manifest;
-        engine.steps = m.steps;
-        engine.global_steps = m.global_steps;
-        engine.micro_batches = 0;
-        if let (Some(_), Some(s)) = (&engine.scaler, &m.loss_scaler) {
-            engine.scaler = Some(s.clone());
-        }
-        engine.last = StepOutcome::between(engine.lr(), engine.loss_scale(), engine.steps);
+        let lr = engine.cfg.scheduler.lr_at(m.steps);
+        let counts = (m.steps, m.global_steps);
+        engine.progress.resume(counts, m.loss_scaler.as_ref(), lr);
         // Collectives only once every rank has its part: stages 1–2
         // all-gather the parameters each rank cast from its master range,
         // stage 3 gathers its persistent units.
@@ -913,7 +884,10 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let i = self.check(unit, "grad_buffer")?;
         self.check_training("grad_buffer")?;
         self.check_swap("grad_buffer")?;
-        let (unit, add) = ((i, self.units[i].layout.name.as_str()), self.micro > 0);
+        let (unit, add) = (
+            (i, self.units[i].layout.name.as_str()),
+            self.progress.micro() > 0,
+        );
         let (comm, tracker, tracer) = (&self.comm, &self.tracker, &self.tracer);
         let typed = self
             .reducer
@@ -959,16 +933,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             )));
         }
         let buf = DynBuf::from_lent::<T>(grad.into_inner());
-        let position = self.micro_position();
+        let position = self.progress.position();
         let io = (&self.comm, &self.tracer, &mut self.stats);
         self.reducer.hand_back(io, i, buf, position)
-    }
-
-    /// Where the current micro-batch is in its step: not the first (its
-    /// gradients accumulate), the last.
-    fn micro_position(&self) -> (bool, bool) {
-        let ga = self.cfg.gradient_accumulation_steps;
-        (self.micro > 0, self.micro + 1 >= ga)
     }
 
     // ------------------------------------------------------------------
@@ -1000,7 +967,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let complete = self.reducer.check_complete(|j| self.name(j));
         complete.map_err(|w| self.usage(w))?;
         self.finish_param_gathers()?;
-        let position = self.micro_position();
+        let position = self.progress.position();
         let io = (&self.comm, &self.tracer, &mut self.stats);
         self.reducer.finish(io, position)?;
         if self.stage == 3 {
@@ -1008,26 +975,22 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             s3.end_micro_batch(io)?;
         }
         if let Some(po) = self.poff.as_mut() {
-            po.micro_batch_verdict(&self.comm, &mut self.health, self.steps + 1)?;
+            let number = self.progress.steps() + 1;
+            po.micro_batch_verdict(&self.comm, &mut self.health, number)?;
         }
         if let Some(gs) = self.reducer.grad_swap_mut() {
             gs.verdict(&self.comm, self.rank)?;
         }
-        self.micro += 1;
-        self.micro_batches += 1;
-        if self.micro < self.cfg.gradient_accumulation_steps {
+        if !self.progress.end_micro_batch() {
             if self.stage == 3 {
                 let (s3, io) = self.s3_parts();
                 s3.prefetch_next(io)?;
             }
-            self.last = StepOutcome::between(self.lr(), self.loss_scale(), self.steps);
-            return Ok(self.last);
+            return Ok(self.progress.between(self.lr()));
         }
-        self.micro = 0;
         let span = self.tracer.span(self.rank, "optimizer", "optimizer");
         let t = Instant::now();
         let outcome = self.optimizer_step()?;
-        self.global_steps += 1;
         self.stats.optimizer_time += t.elapsed();
         drop(span);
         if !outcome.skipped {
@@ -1047,7 +1010,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             let (s3, io) = self.s3_parts();
             s3.prefetch_next(io)?;
         }
-        self.last = outcome;
+        self.progress.finish(outcome);
         // A failed swap write that every rank rescued: the step is done,
         // and it still fails.
         if let Some(e) = self.rescued_error.take() {
@@ -1057,30 +1020,20 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     }
 
     fn optimizer_step(&mut self) -> Result<StepOutcome> {
-        let (opt, reducer, number) = (&self.opt, &self.reducer, self.global_steps + 1);
-        let sumsq = step::global_sum_squares(
-            &self.comm,
-            &self.backend,
-            opt,
-            reducer,
-            number,
-            self.micro_batches,
-        )?;
-        let lr = self.cfg.scheduler.lr_at(self.steps);
-        let (ranks, ga) = (self.world, self.cfg.gradient_accumulation_steps);
+        let (p, number) = (&self.progress, self.progress.global_steps() + 1);
+        let (opt, reducer, counted) = (&self.opt, &self.reducer, p.micro_batches());
+        let sumsq =
+            step::global_sum_squares(&self.comm, &self.backend, opt, reducer, number, counted)?;
+        let (lr, next) = (self.lr(), self.progress.steps() + 1);
         let clip = self.cfg.gradient_clipping;
-        let norm = step::GlobalNorm::unscale(sumsq, (self.scaler.as_mut(), ranks, ga), clip);
-        if norm.overflow && self.scaler.is_none() {
+        let norm = self.progress.unscale(sumsq, self.world, clip);
+        if norm.overflow && self.progress.scaler().is_none() {
             self.warn(format!(
-                "step {}: the gradient norm is not finite; the update was skipped",
-                self.steps + 1
+                "step {next}: the gradient norm is not finite; the update was skipped"
             ));
         }
-        let skipped = norm.grad_scale.is_none();
         if let Some(grad_scale) = norm.grad_scale {
-            let ks = self
-                .opt
-                .steps(&self.cfg.optimizer, lr, self.steps + 1, grad_scale);
+            let ks = self.opt.steps(&self.cfg.optimizer, lr, next, grad_scale);
             let mut io = StepIo {
                 comm: &self.comm,
                 backend: &self.backend,
@@ -1090,7 +1043,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 poff: self.poff.as_mut(),
                 health: &mut self.health,
                 rescued: &mut self.rescued_error,
-                number: self.steps + 1,
+                number: next,
                 stage: self.stage,
                 pdt: self.pdt,
                 overlap_comm: self.cfg.zero.overlap_comm,
@@ -1102,16 +1055,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 stats: &mut self.stats,
             };
             self.optimizer.run(&mut io, &ks)?;
-            self.steps += 1;
+            self.progress.applied();
         }
-        Ok(StepOutcome {
-            boundary: true,
-            skipped,
-            grad_norm: Some(norm.norm),
-            lr,
-            loss_scale: self.loss_scale(),
-            steps: self.steps,
-        })
+        Ok(self.progress.boundary(&norm, lr))
     }
 
     /// After a step every rank applied: stages 1–2 all-gather the updated
@@ -1161,8 +1107,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 self.name(i)
             )));
         }
-        self.micro = 0;
-        self.micro_batches += 1;
+        self.progress.drop_micro_batch();
         self.reducer.abort(&self.tracer)
     }
 }
@@ -1175,7 +1120,7 @@ impl<C: EngineComm<B>, B: EngineBackend> std::fmt::Debug for Engine<C, B> {
             .field("stage", &self.stage)
             .field("units", &self.units.len())
             .field("param_dtype", &self.pdt)
-            .field("steps", &self.steps)
+            .field("steps", &self.progress.steps())
             .finish()
     }
 }
