@@ -69,9 +69,12 @@
 //!
 //! # Where things are
 //! This file is the coordinator, and the only file that names `Engine`'s
-//! fields: the micro-batch and step bookkeeping, the live guards, and the
-//! calls into the components, each handed the parts it needs borrowed
-//! (`GatherIo`, `AllGatherIo`, `StepIo`, `StateIo`). `builder.rs` builds
+//! fields: the live guards, and the calls into the components, each
+//! handed the parts it needs borrowed (`GatherIo`, `AllGatherIo`,
+//! `StepIo`, `StateIo`). `progress.rs` keeps the micro-batch and step
+//! bookkeeping (counts, loss scaler, last outcome), `stats.rs` the
+//! counters, `warnings.rs` the warnings given, `saving.rs` what
+//! checkpoints record and keep. `builder.rs` builds
 //! the components ([`EngineBuilder`]), which the coordinator takes over;
 //! `unit.rs` holds the units and the stage 1–2 all-gathers of updated
 //! parameters; `step/` the optimizer step, one type per tier (device,
@@ -106,6 +109,7 @@ mod state;
 mod stats;
 mod step;
 mod unit;
+mod warnings;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -147,11 +151,13 @@ use reducer::{GradReducer, GradState};
 use saving::SaveHow;
 pub use state::UnitState;
 use state::{StateIo, StateRead};
+use stats::Meter;
 pub use stats::{EngineStats, SwapTraffic};
 pub use step::StepOutcome;
 use step::{OptimizerStep, StepIo};
 pub use unit::UnitId;
 use unit::{AllGatherIo, Units};
+use warnings::Warnings;
 
 /// The sharded data-parallel engine of one rank.
 pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
@@ -184,11 +190,9 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     progress: Progress,
     /// Stage 3: the gathered parameters and their schedule.
     s3: ParamGatherer<B>,
-    stats: EngineStats,
-    /// The swap traffic at the last `reset_stats` (optimizer, parameter,
-    /// gradient files).
-    swap_base: [SwapTraffic; 3],
-    warned: Vec<String>,
+    /// [`Engine::stats`], and the swap traffic at the last reset.
+    meter: Meter,
+    warnings: Warnings,
     /// What still works after a failure (see [`health`]).
     health: Health,
     /// fp32 master, m, v, the AdamW and norm kernels, and the optimizer
@@ -237,7 +241,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     fn assemble(b: Built<C, B>) -> Result<Self> {
         let ga = b.cfg.gradient_accumulation_steps;
         let progress = Progress::new(ga, b.scaler, b.cfg.scheduler.lr_at(0));
-        let warnings = b.warnings;
+        let warnings = Warnings::new(b.comm.rank(), b.warnings);
         let mut engine = Engine {
             id: b.id,
             rank: b.comm.rank(),
@@ -257,9 +261,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             training: true,
             progress,
             s3: b.s3,
-            stats: EngineStats::default(),
-            swap_base: Default::default(),
-            warned: Vec::new(),
+            meter: Meter::default(),
+            warnings,
             health: Health::Ok,
             opt: b.opt,
             rescued_error: None,
@@ -269,9 +272,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             saving: b.saving,
             frozen_policy: b.frozen_policy,
         };
-        for w in warnings {
-            engine.warn(w);
-        }
         if engine.stage == 3 {
             let (s3, io) = engine.s3_parts();
             s3.gather_persistent(io)?;
@@ -394,7 +394,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     /// Time and traffic counters since the start (or the last reset).
     pub fn stats(&self) -> &EngineStats {
-        &self.stats
+        &self.meter.stats
     }
 
     /// The swap traffic of the optimizer, parameter and gradient swap
@@ -413,20 +413,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         ]
     }
 
-    /// Brings the swap traffic of [`Engine::stats`] up to date.
-    fn refresh_swap_stats(&mut self) {
-        let [o, p, g] = self.swap_traffic();
-        let [bo, bp, bg] = self.swap_base;
-        self.stats.optimizer_swap = o - bo;
-        self.stats.param_swap = p - bp;
-        self.stats.grad_swap = g - bg;
-    }
-
     /// Resets [`Engine::stats`] (the live-parameter peak included).
     pub fn reset_stats(&mut self) {
-        self.swap_base = self.swap_traffic();
-        self.stats = EngineStats::default();
-        self.stats.peak_live_elems = self.s3.live();
+        self.meter.reset(self.swap_traffic(), self.s3.live());
     }
 
     /// The loss scale the trainer multiplies its loss by (1 unless fp16).
@@ -461,7 +450,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// its JSON, prefixed `config: `) or a stage-3 gather order that
     /// differs from the recorded one.
     pub fn warnings(&self) -> &[String] {
-        &self.warned
+        self.warnings.given()
     }
 
     /// The stage-3 gatherer, and what it needs from the engine for a call.
@@ -470,7 +459,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             (&self.comm, &self.backend, self.gather_after),
             (&self.tracker, &self.tracer, self.pdt),
             (self.poff.as_mut(), &self.units),
-            &mut self.stats,
+            &mut self.meter.stats,
         );
         (&mut self.s3, io)
     }
@@ -482,7 +471,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             comm: &self.comm,
             after: self.gather_after,
             tracer: &self.tracer,
-            stats: &mut self.stats,
+            stats: &mut self.meter.stats,
             limit: self.cfg.zero.allgather_bucket_size,
         };
         (&mut self.units, io)
@@ -503,15 +492,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             tracer: &self.tracer,
             stage: self.stage,
             pdt: self.pdt,
-        }
-    }
-
-    fn warn(&mut self, msg: String) {
-        if !self.warned.contains(&msg) {
-            if self.rank == 0 {
-                eprintln!("zero: warning: {msg}");
-            }
-            self.warned.push(msg);
         }
     }
 
@@ -609,38 +589,25 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 s3.gather_eval(i, io)
             };
             if let Some(w) = self.s3.take_warning() {
-                self.warn(w);
+                self.warnings.give(w);
             }
             r?;
-            self.stats.gather_time += t.elapsed();
+            self.meter.stats.gather_time += t.elapsed();
         } else {
             // Stages 1–2 with overlap_comm: the all-gather of this unit's
             // updated parameters may still be in flight.
             let (units, mut io) = self.gather_parts();
             units.wait_for(i, &mut io)?;
         }
-        let params = if self.stage == 3 {
-            self.s3.params(i)
-        } else {
-            self.units[i].home()
+        let s3 = (self.stage == 3).then_some(&self.s3);
+        let Some(params) = self.units.lend(i, s3) else {
+            return Err(self.usage(format!(
+                "internal: gather(`{}`): the parameters are not home after the gather",
+                self.name(i)
+            )));
         };
-        let params = params
-            .ok_or_else(|| {
-                self.usage(format!(
-                    "internal: gather(`{}`): the parameters are not home after the gather",
-                    self.name(i)
-                ))
-            })?
-            .clone();
-        // Stage 3 with frozen_params shard or offload: the frozen segment,
-        // where its gather landed.
-        let frozen = match self.stage {
-            3 => self.s3.frozen_params(i).cloned(),
-            _ => None,
-        };
-        self.units[i].gathers += 1;
         Ok(UnitGuard::new(
-            (params, frozen),
+            params,
             self.backend.clone(),
             self.units[i].layout.clone(),
             i,
@@ -795,7 +762,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             let how = e.saving;
             let (dest, warnings) = checkpoint::save(&mut e.state_io(), root, run, how)?;
             for w in warnings {
-                e.warn(w);
+                e.warnings.give(w);
             }
             Ok(dest)
         })
@@ -827,7 +794,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let built = builder.build();
         tracer.record(rank, "checkpoint build", "checkpoint", t0, Instant::now());
         let mut engine = built?;
-        engine.stats.checkpoint_read_bytes = checkpoint::load(&mut engine.state_io(), &opened)?;
+        engine.meter.stats.checkpoint_read_bytes =
+            checkpoint::load(&mut engine.state_io(), &opened)?;
         // The step counts and the loss scaler; every rank resumes at the
         // same point.
         let m = &opened.manifest;
@@ -934,7 +902,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         }
         let buf = DynBuf::from_lent::<T>(grad.into_inner());
         let position = self.progress.position();
-        let io = (&self.comm, &self.tracer, &mut self.stats);
+        let io = (&self.comm, &self.tracer, &mut self.meter.stats);
         self.reducer.hand_back(io, i, buf, position)
     }
 
@@ -952,7 +920,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     fn step_inner(&mut self) -> Result<StepOutcome> {
         let r = self.step_counted();
-        self.refresh_swap_stats();
+        self.meter.refresh(self.swap_traffic());
         r
     }
 
@@ -968,7 +936,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         complete.map_err(|w| self.usage(w))?;
         self.finish_param_gathers()?;
         let position = self.progress.position();
-        let io = (&self.comm, &self.tracer, &mut self.stats);
+        let io = (&self.comm, &self.tracer, &mut self.meter.stats);
         self.reducer.finish(io, position)?;
         if self.stage == 3 {
             let (s3, io) = self.s3_parts();
@@ -991,7 +959,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let span = self.tracer.span(self.rank, "optimizer", "optimizer");
         let t = Instant::now();
         let outcome = self.optimizer_step()?;
-        self.stats.optimizer_time += t.elapsed();
+        self.meter.stats.optimizer_time += t.elapsed();
         drop(span);
         if !outcome.skipped {
             let _span = self.tracer.span(self.rank, "gather", "comm");
@@ -1004,7 +972,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             // ordered after it here.
             let updated = self.backend.record(Stream::Compute)?;
             self.backend.sync(&updated)?;
-            self.stats.gather_time += t.elapsed();
+            self.meter.stats.gather_time += t.elapsed();
         }
         if self.stage == 3 {
             let (s3, io) = self.s3_parts();
@@ -1028,7 +996,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let clip = self.cfg.gradient_clipping;
         let norm = self.progress.unscale(sumsq, self.world, clip);
         if norm.overflow && self.progress.scaler().is_none() {
-            self.warn(format!(
+            self.warnings.give(format!(
                 "step {next}: the gradient norm is not finite; the update was skipped"
             ));
         }
@@ -1052,7 +1020,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 s3: &mut self.s3,
                 tracker: &self.tracker,
                 tracer: &self.tracer,
-                stats: &mut self.stats,
+                stats: &mut self.meter.stats,
             };
             self.optimizer.run(&mut io, &ks)?;
             self.progress.applied();

@@ -22,7 +22,7 @@ use zero_core::DType;
 use super::backend::{EngineBackend, EngineComm};
 use super::devbuf::{DevBuf, DynWork};
 use super::dynbuf::ring_bytes;
-use super::gatherer::{GatherIo, HomeShards, Shards};
+use super::gatherer::{GatherIo, HomeShards, ParamGatherer, Shards};
 use super::lease::exclusive;
 use super::param_offload::ParamOffload;
 use super::stats::EngineStats;
@@ -64,6 +64,10 @@ pub(super) enum Params<B: HostAccess> {
     /// offload.
     Offloaded,
 }
+
+/// A unit's full parameters as a `UnitGuard` holds them, and its frozen
+/// segment where stage 3 gathered it apart ([`Units::lend`]).
+pub(super) type LentParams<B> = (Arc<DevBuf<B>>, Option<Arc<DevBuf<B>>>);
 
 /// The per-unit state.
 pub(super) struct Unit<B: HostAccess> {
@@ -169,6 +173,23 @@ impl<B: EngineBackend> HomeShards<B> for Units<B> {
 }
 
 impl<B: EngineBackend> Units<B> {
+    /// Lends unit `i`'s full parameters to one more `UnitGuard`: stage 3's
+    /// gathered buffers from `s3` (the frozen segment too where it was
+    /// gathered apart), else the unit's home; `None` where they are not
+    /// there (the gather did not complete).
+    pub(super) fn lend(
+        &mut self,
+        i: usize,
+        s3: Option<&ParamGatherer<B>>,
+    ) -> Option<LentParams<B>> {
+        let params = match s3 {
+            Some(s3) => (s3.params(i)?.clone(), s3.frozen_params(i).cloned()),
+            None => (self.units[i].home()?.clone(), None),
+        };
+        self.units[i].gathers += 1;
+        Some(params)
+    }
+
     /// The built units, every parameter home.
     pub(super) fn new(units: Vec<Unit<B>>) -> Self {
         Self {
