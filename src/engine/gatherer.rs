@@ -271,43 +271,37 @@ impl<B: HostAccess> ParamGatherer<B> {
         self.warning.take()
     }
 
-    /// Gathers unit `i` (see [`Stage3Schedule::gather`]); its parameters
-    /// are readable when this returns.
+    /// Gathers unit `i` in training (see [`Stage3Schedule::gather`]) or,
+    /// not `training`, for an evaluation (see
+    /// [`Stage3Schedule::gather_eval`]); its parameters are readable when
+    /// this returns.
     pub(crate) fn gather<C: EngineComm<B>>(
         &mut self,
         i: usize,
+        training: bool,
         io: GatherIo<'_, C, B>,
     ) -> Result<()> {
-        self.decide_and_run(io, |s, out| s.gather(i, out))
+        if training {
+            self.decide_and_run(io, |s, out| s.gather(i, out))
+        } else {
+            self.decide_and_run(io, |s, out| s.gather_eval(i, out))
+        }
     }
 
-    /// Ends one use of unit `i` (see [`Stage3Schedule::release`]).
+    /// Ends one use of unit `i`, in training (see
+    /// [`Stage3Schedule::release`]) or an evaluation (see
+    /// [`Stage3Schedule::release_eval`]).
     pub(crate) fn release<C: EngineComm<B>>(
         &mut self,
         i: usize,
+        training: bool,
         io: GatherIo<'_, C, B>,
     ) -> Result<()> {
-        self.decide_and_run(io, |s, out| s.release(i, out))
-    }
-
-    /// An evaluation gather of unit `i` (see
-    /// [`Stage3Schedule::gather_eval`]).
-    pub(crate) fn gather_eval<C: EngineComm<B>>(
-        &mut self,
-        i: usize,
-        io: GatherIo<'_, C, B>,
-    ) -> Result<()> {
-        self.decide_and_run(io, |s, out| s.gather_eval(i, out))
-    }
-
-    /// Ends one evaluation use of unit `i` (see
-    /// [`Stage3Schedule::release_eval`]).
-    pub(crate) fn release_eval<C: EngineComm<B>>(
-        &mut self,
-        i: usize,
-        io: GatherIo<'_, C, B>,
-    ) -> Result<()> {
-        self.decide_and_run(io, |s, out| s.release_eval(i, out))
+        if training {
+            self.decide_and_run(io, |s, out| s.release(i, out))
+        } else {
+            self.decide_and_run(io, |s, out| s.release_eval(i, out))
+        }
     }
 
     /// The end of a micro-batch: waits for the shard reads issued ahead,

@@ -124,7 +124,6 @@ use zero_core::memory::{MemoryReport, MemoryTracker};
 use zero_core::partition::{PartitionPlan, UnitLayout};
 use zero_core::{DType, Element};
 
-use crate::format::checkpoint::SavedRun;
 pub use crate::format::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
 pub use crate::format::safetensors::{ExportDtype, SafetensorsWriter};
 use crate::trace::Tracer;
@@ -583,11 +582,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             let t = Instant::now();
             let training = self.training;
             let (s3, io) = self.s3_parts();
-            let r = if training {
-                s3.gather(i, io)
-            } else {
-                s3.gather_eval(i, io)
-            };
+            let r = s3.gather(i, training, io);
             if let Some(w) = self.s3.take_warning() {
                 self.warnings.give(w);
             }
@@ -630,11 +625,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             // frees or keeps the unit.)
             let training = self.training;
             let (s3, io) = self.s3_parts();
-            if training {
-                s3.release(i, io)?;
-            } else {
-                s3.release_eval(i, io)?;
-            }
+            s3.release(i, training, io)?;
         }
         Ok(())
     }
@@ -748,18 +739,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             e.check_swap("save_checkpoint")?;
             let (micro, ga) = (e.progress.micro(), e.cfg.gradient_accumulation_steps);
             checkpoint::at_boundary(micro, ga, &e.reducer, &e.units).map_err(|w| e.usage(w))?;
-            let run = SavedRun {
-                world_size: e.world,
-                stage: e.stage,
-                param_dtype: e.pdt,
-                steps: e.progress.steps(),
-                global_steps: e.progress.global_steps(),
-                loss_scaler: e.progress.scaler().cloned(),
-                seed: e.saving.seed,
-                config: serde_json::to_value(&e.cfg).unwrap_or(Value::Null),
-                client_state,
-            };
             let how = e.saving;
+            let run = how.run(&e.progress, &e.cfg, (e.world, e.stage, e.pdt), client_state);
             let (dest, warnings) = checkpoint::save(&mut e.state_io(), root, run, how)?;
             for w in warnings {
                 e.warnings.give(w);

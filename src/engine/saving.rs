@@ -5,6 +5,13 @@
 //! [`Engine::save_checkpoint`](super::Engine::save_checkpoint)
 //! (`checkpoint.rs`).
 
+use serde_json::Value;
+use zero_core::config::ResolvedConfig;
+use zero_core::DType;
+
+use super::progress::Progress;
+use crate::format::checkpoint::SavedRun;
+
 /// How `checkpoint::save` saves, besides the state, fixed at build.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct SaveHow {
@@ -17,4 +24,29 @@ pub(super) struct SaveHow {
     pub(super) keep_last: usize,
     /// The seed of the initialisers (recorded in the manifest).
     pub(super) seed: u64,
+}
+
+impl SaveHow {
+    /// What a checkpoint records of the run at `progress`: the config
+    /// `cfg`, the world size, stage and parameter dtype, the seed, the step
+    /// counts and the loss scaler, and the trainer's `client_state`.
+    pub(super) fn run(
+        &self,
+        progress: &Progress,
+        cfg: &ResolvedConfig,
+        (world_size, stage, param_dtype): (usize, u8, DType),
+        client_state: Value,
+    ) -> SavedRun {
+        SavedRun {
+            world_size,
+            stage,
+            param_dtype,
+            steps: progress.steps(),
+            global_steps: progress.global_steps(),
+            loss_scaler: progress.scaler().cloned(),
+            seed: self.seed,
+            config: serde_json::to_value(cfg).unwrap_or(Value::Null),
+            client_state,
+        }
+    }
 }
