@@ -238,6 +238,11 @@ impl LlamaDims {
     }
 }
 
+/// The pinned host slots a device trainer's LoRA dropout masks go up
+/// through, each one block's masks (`zero_llama::device::MASK_SLOTS` is
+/// this number; the estimate counts them).
+pub const LORA_MASK_SLOTS: usize = 2;
+
 /// The projections of a Llama/Qwen2 block that LoRA can target, with
 /// PEFT's module names.
 pub const LORA_TARGETS: [&str; 7] = [
@@ -488,11 +493,10 @@ impl Model {
     }
 
     /// The pinned host slots a device trainer's LoRA dropout masks go up
-    /// through (`zero_llama::device::MASK_SLOTS`, two), each one block's
+    /// through ([`LORA_MASK_SLOTS`]), each one block's
     /// masks for `micro` sequences of `seq` tokens: per adapter 1 bit per
     /// input element, in whole 32-bit words. 0 without LoRA dropout.
     fn lora_mask_slots_bytes(&self, micro: usize, seq: usize) -> u64 {
-        const MASK_SLOTS: u64 = 2;
         let (Some((lora, true)), Script::Llama(d)) = (&self.lora, &self.script) else {
             return 0;
         };
@@ -506,7 +510,7 @@ impl Model {
                 (micro * seq * d_in).div_ceil(32)
             })
             .sum();
-        MASK_SLOTS * 4 * words as u64
+        LORA_MASK_SLOTS as u64 * 4 * words as u64
     }
 
     /// The number of trainable parameters.

@@ -109,7 +109,7 @@ impl<B: LlamaDevice, T: Element> LoraActs<B, T> {
 /// block `l`'s copy out of the other may still be queued on the compute
 /// stream; rewriting a slot waits (on the host) for the copy out of it
 /// enqueued two blocks before, an event per slot.
-pub const MASK_SLOTS: usize = 2;
+pub const MASK_SLOTS: usize = zero::estimate::LORA_MASK_SLOTS;
 
 /// The 32-bit words of a block's dropout masks for `rows` rows of input
 /// to each target of `lc` in a block of `cfg` ([`lora::dropout_bits`] of
