@@ -18,6 +18,7 @@ use zero_core::{DType, Device, HostBuffer};
 use zero_offload::{check_free_space, DiskNeed};
 
 use super::backend::{EngineBackend, EngineComm};
+use super::ctx::Ctx;
 use super::devbuf::DevBuf;
 use super::faults::FaultPlan;
 use super::gatherer::{FrozenHome, ParamGatherer};
@@ -42,26 +43,16 @@ use crate::{Error, Result};
 /// What [`EngineBuilder::build`] makes: the engine's components, built and
 /// initialised, that the coordinator takes over (`Engine::assemble`).
 pub(super) struct Built<C, B: EngineBackend> {
-    pub(super) id: u64,
-    pub(super) comm: C,
-    pub(super) cfg: ResolvedConfig,
-    pub(super) plan: PartitionPlan,
-    pub(super) tracker: MemoryTracker,
-    pub(super) stage: u8,
-    pub(super) pdt: DType,
+    pub(super) cx: Ctx<C, B>,
     pub(super) units: Units<B>,
-    pub(super) backend: B,
-    pub(super) gather_after: Stream,
     pub(super) reducer: GradReducer<B>,
     pub(super) scaler: Option<LossScaler>,
     pub(super) s3: ParamGatherer<B>,
     pub(super) opt: OptimizerShard<B>,
     pub(super) optimizer: OptimizerStep<B>,
     pub(super) poff: Option<ParamOffload>,
-    pub(super) tracer: Tracer,
     /// What checkpoints record and keep besides the state.
     pub(super) saving: SaveHow,
-    pub(super) frozen_policy: FrozenParams,
     /// The config's own warnings (from its JSON, `config: ` first) and the
     /// components', in that order; the engine gives each once.
     pub(super) warnings: Vec<String>,
@@ -881,27 +872,33 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
             keep_last,
             seed,
         };
-        Ok(Built {
-            warnings,
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let cx = Ctx {
             id,
             comm,
+            backend,
             cfg,
             plan,
             tracker,
+            tracer,
+            rank,
+            world,
             stage,
             pdt,
-            units: Units::new(units),
-            backend,
             gather_after,
+            frozen_policy,
+        };
+        Ok(Built {
+            cx,
+            warnings,
+            units: Units::new(units),
             reducer,
             scaler,
             s3,
             opt,
             optimizer,
             poff,
-            tracer,
             saving,
-            frozen_policy,
         })
     }
 }

@@ -128,7 +128,7 @@ pub(super) fn save<C: EngineComm<B>, B: EngineBackend>(
     run: SavedRun,
     how: SaveHow,
 ) -> Result<(PathBuf, Vec<String>)> {
-    let (rank, world) = (io.comm.rank(), io.comm.world_size());
+    let (rank, world) = (io.cx.comm.rank(), io.cx.comm.world_size());
     let usage = |what: String| Error::Usage { rank, what };
     let name = step_dir_name(run.global_steps);
     let dest = root.join(&name);
@@ -139,9 +139,9 @@ pub(super) fn save<C: EngineComm<B>, B: EngineBackend>(
         Ok(0)
     };
     let id = *prep.as_ref().unwrap_or(&0);
-    let words = exchange_u64(io.comm, &[u64::from(prep.is_err()), id])?;
+    let words = exchange_u64(&io.cx.comm, &[u64::from(prep.is_err()), id])?;
     if words[0][0] != 0 {
-        let why = first_failure(io.comm, prep.as_ref().err())?;
+        let why = first_failure(&io.cx.comm, prep.as_ref().err())?;
         prep?;
         return Err(usage(format!(
             "save_checkpoint: rank 0 could not create the checkpoint directory under {}: {}",
@@ -152,26 +152,33 @@ pub(super) fn save<C: EngineComm<B>, B: EngineBackend>(
     let tmp = tmp_dir(root, &name, words[0][1]);
     // Round 2: every rank writes its file; rank 0 learns the CRCs.
     let written = {
-        let _span = io.tracer.span(rank, "checkpoint write", "checkpoint");
+        let _span = io.cx.tracer.span(rank, "checkpoint write", "checkpoint");
         let path = tmp.join(rank_file(rank));
-        let bases = state_bases(io.units, io.stage, rank);
-        write_rank_file(&path, io.plan.units(), rank, &bases, io.opt, io.backend)
+        let bases = state_bases(io.units, io.cx.stage, rank);
+        write_rank_file(
+            &path,
+            io.cx.plan.units(),
+            rank,
+            &bases,
+            io.opt,
+            &io.cx.backend,
+        )
     };
     let (bytes, crcs) = match &written {
         Ok((b, c)) => (*b, c.clone()),
         Err(_) => (0, Vec::new()),
     };
     let head = exchange_u64(
-        io.comm,
+        &io.cx.comm,
         &[u64::from(written.is_err()), bytes, crcs.len() as u64],
     )?;
     let max = head.iter().map(|w| w[2] as usize).max().unwrap_or(0).max(1);
     let mut mine: Vec<u64> = crcs.iter().map(|&c| u64::from(c)).collect();
     mine.resize(max, 0);
-    let all = exchange_u64(io.comm, &mine)?;
+    let all = exchange_u64(&io.cx.comm, &mine)?;
     if head.iter().any(|w| w[0] != 0) {
         // Every rank knows: share the first failure's text.
-        let failed = first_failure(io.comm, written.as_ref().err())?;
+        let failed = first_failure(&io.cx.comm, written.as_ref().err())?;
         if rank == 0 {
             let _ = fs::remove_dir_all(&tmp);
         }
@@ -194,7 +201,7 @@ pub(super) fn save<C: EngineComm<B>, B: EngineBackend>(
     // weights in the parameter dtype, inside the temporary directory so
     // that the rename publishes them with the rest (a collective).
     let model = if how.model {
-        let dtype = ExportDtype::of(io.pdt);
+        let dtype = ExportDtype::of(io.cx.pdt);
         let written = export_live(io, &tmp.join(MODEL_FILE), dtype);
         or_clean(written.map(|w| w.map(|(bytes, crc32)| ModelFileEntry::new(dtype, bytes, crc32))))?
     } else {
@@ -202,7 +209,7 @@ pub(super) fn save<C: EngineComm<B>, B: EngineBackend>(
     };
     // `EngineBuilder::checkpoint_frozen`: the frozen tensors too (a
     // collective: sharded frozen segments are gathered unit by unit).
-    let frozen = if how.frozen && io.plan.frozen_numel() > 0 {
+    let frozen = if how.frozen && io.cx.plan.frozen_numel() > 0 {
         or_clean(write_frozen(io, &tmp.join(FROZEN_FILE)))?
     } else {
         None
@@ -215,7 +222,7 @@ pub(super) fn save<C: EngineComm<B>, B: EngineBackend>(
                 FileEntry::rank(r, head[r][1], crcs.collect())
             })
             .collect();
-        let mut manifest = Manifest::new(run, io.plan.units(), files, model);
+        let mut manifest = Manifest::new(run, io.cx.plan.units(), files, model);
         manifest.frozen = frozen;
         let r = publish(root, &tmp, &dest, &name, &manifest, how.keep_last);
         if r.is_err() {
@@ -225,7 +232,7 @@ pub(super) fn save<C: EngineComm<B>, B: EngineBackend>(
     } else {
         Ok(Vec::new())
     };
-    let failed = first_failure(io.comm, done.as_ref().err())?;
+    let failed = first_failure(&io.cx.comm, done.as_ref().err())?;
     let warnings = done?;
     if let Some((_, why)) = failed {
         return Err(usage(format!(
@@ -242,8 +249,8 @@ fn write_frozen<C: EngineComm<B>, B: EngineBackend>(
     io: &mut StateIo<'_, C, B>,
     path: &Path,
 ) -> Result<Option<ModelFileEntry>> {
-    let layouts = frozen_layouts(io.plan)?;
-    let dtype = ExportDtype::of(io.pdt);
+    let layouts = frozen_layouts(&io.cx.plan)?;
+    let dtype = ExportDtype::of(io.cx.pdt);
     let done = write_safetensors(
         io,
         path,
@@ -320,22 +327,22 @@ pub(super) fn load<C: EngineComm<B>, B: EngineBackend>(
     io: &mut StateIo<'_, C, B>,
     o: &Opened,
 ) -> Result<u64> {
-    let rank = io.comm.rank();
+    let rank = io.cx.comm.rank();
     let loaded = {
-        let _span = io.tracer.span(rank, "checkpoint load", "checkpoint");
+        let _span = io.cx.tracer.span(rank, "checkpoint load", "checkpoint");
         let mut reader = Reader::new(&o.dir, &o.manifest, &o.saved);
-        let bases = state_bases(io.units, io.stage, rank);
+        let bases = state_bases(io.units, io.cx.stage, rank);
         read_state(
             &mut reader,
             &o.saved,
             (&mut io.units[..], &mut *io.opt, io.poff.as_deref_mut()),
-            io.backend,
-            (io.stage, rank, io.pdt),
+            &io.cx.backend,
+            (io.cx.stage, rank, io.cx.pdt),
             &bases,
         )
         .map(|()| reader.bytes_read())
     };
-    let failed = first_failure(io.comm, loaded.as_ref().err())?;
+    let failed = first_failure(&io.cx.comm, loaded.as_ref().err())?;
     let bytes = loaded?;
     if let Some((bad, why)) = failed {
         return Err(Error::Usage {
@@ -348,7 +355,7 @@ pub(super) fn load<C: EngineComm<B>, B: EngineBackend>(
     }
     if let Some(entry) = &o.manifest.frozen {
         let read = read_frozen(io, &o.dir, entry);
-        let failed = first_failure(io.comm, read.as_ref().err())?;
+        let failed = first_failure(&io.cx.comm, read.as_ref().err())?;
         read?;
         if let Some((bad, why)) = failed {
             return Err(Error::Usage {
@@ -370,7 +377,7 @@ fn read_frozen<C: EngineComm<B>, B: EngineBackend>(
     dir: &Path,
     entry: &ModelFileEntry,
 ) -> Result<()> {
-    let plan = io.plan.clone();
+    let plan = io.cx.plan.clone();
     // An engine error inside the walk, kept as it is.
     let mut failed = None;
     let read = read_frozen_file(dir, entry, &plan, |i, v| {
@@ -384,7 +391,7 @@ fn read_frozen<C: EngineComm<B>, B: EngineBackend>(
         return Err(e);
     }
     read.map_err(|what| Error::Usage {
-        rank: io.comm.rank(),
+        rank: io.cx.comm.rank(),
         what: format!("load_checkpoint: {what}"),
     })
 }

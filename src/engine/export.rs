@@ -144,7 +144,7 @@ pub(super) fn export_live<C: EngineComm<B>, B: EngineBackend>(
     path: &Path,
     dtype: ExportDtype,
 ) -> Result<Option<(u64, u32)>> {
-    let layouts = io.plan.units().to_vec();
+    let layouts = io.cx.plan.units().to_vec();
     write_safetensors(
         io,
         path,
@@ -174,7 +174,7 @@ pub(super) fn write_safetensors<C: EngineComm<B>, B: EngineBackend>(
     call: &str,
     mut values: impl FnMut(&mut StateIo<'_, C, B>, usize, &mut Vec<f32>) -> Result<()>,
 ) -> Result<Option<(u64, u32)>> {
-    let rank = io.comm.rank();
+    let rank = io.cx.comm.rank();
     let usage = |what: String| Error::Usage { rank, what };
     // Round 1: rank 0 creates the file.
     let created = if rank == 0 {
@@ -182,7 +182,7 @@ pub(super) fn write_safetensors<C: EngineComm<B>, B: EngineBackend>(
     } else {
         Ok(None)
     };
-    let failed = first_failure(io.comm, created.as_ref().err())?;
+    let failed = first_failure(&io.cx.comm, created.as_ref().err())?;
     let mut writer = created?;
     if let Some((_, why)) = failed {
         return Err(usage(format!(
@@ -204,7 +204,7 @@ pub(super) fn write_safetensors<C: EngineComm<B>, B: EngineBackend>(
         (Some(w), None) => w.finish().map(Some),
         (None, _) => Ok(None),
     };
-    let failed = first_failure(io.comm, done.as_ref().err())?;
+    let failed = first_failure(&io.cx.comm, done.as_ref().err())?;
     let done = done?;
     if let Some((_, why)) = failed {
         return Err(usage(format!(

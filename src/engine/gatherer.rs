@@ -28,6 +28,7 @@ use zero_core::partition::PartitionPlan;
 use zero_core::DType;
 
 use super::backend::EngineComm;
+use super::ctx::Ctx;
 use super::devbuf::{DevBuf, DynHost, DynWork};
 use super::dynbuf::ring_bytes;
 use super::lease::exclusive;
@@ -72,19 +73,12 @@ pub(crate) enum Shards<'a, B: HostAccess> {
 
 /// What the gatherer needs from the engine for one call.
 pub(crate) struct GatherIo<'a, C: EngineComm<B>, B: HostAccess> {
-    /// The device the gathered buffers and the shards live on.
-    pub(crate) backend: &'a B,
-    /// The stream whose work an all-gather starts after (compute: the
-    /// copy of the shard into the gathered buffer).
-    pub(crate) after: Stream,
-    /// The communicator the all-gathers run on (and buffers come from).
-    pub(crate) comm: &'a C,
-    /// Accounts new gathered buffers (`GatheredParams`, device tier).
-    pub(crate) tracker: &'a MemoryTracker,
-    /// Records the waited all-gathers.
-    pub(crate) tracer: &'a Tracer,
-    /// The parameter dtype.
-    pub(crate) pdt: DType,
+    /// The device the gathered buffers and the shards live on, the stream
+    /// an all-gather starts after, the communicator the all-gathers run on
+    /// (and buffers come from), the tracker of new gathered buffers
+    /// (`GatheredParams`, device tier), the tracer of the waited
+    /// all-gathers and the parameter dtype.
+    pub(crate) cx: &'a Ctx<C, B>,
     /// Where the shards are.
     pub(crate) shards: Shards<'a, B>,
     /// Counts gathers, prefetches, hits, order changes, swap reads and the
@@ -352,15 +346,20 @@ impl<B: HostAccess> ParamGatherer<B> {
 
     fn run<C: EngineComm<B>>(&mut self, actions: &Actions, io: GatherIo<'_, C, B>) -> Result<()> {
         let GatherIo {
+            cx,
+            mut shards,
+            stats,
+        } = io;
+        let Ctx {
             backend,
-            after,
+            gather_after: after,
             comm,
             tracker,
             tracer,
             pdt,
-            mut shards,
-            stats,
-        } = io;
+            ..
+        } = cx;
+        let (after, pdt) = (*after, *pdt);
         stats.prefetches += actions.prefetches;
         stats.prefetch_hits += actions.prefetch_hits;
         stats.gather_order_changes += actions.order_changes;

@@ -71,7 +71,8 @@
 //! This file is the coordinator, and the only file that names `Engine`'s
 //! fields: the live guards, and the calls into the components, each
 //! handed the parts it needs borrowed (`GatherIo`, `AllGatherIo`,
-//! `StepIo`, `StateIo`). `progress.rs` keeps the micro-batch and step
+//! `StepIo`, `StateIo`), with what none of them changes in one `Ctx`
+//! (`ctx.rs`: communicator, device, config, plan, tracker, tracer). `progress.rs` keeps the micro-batch and step
 //! bookkeeping (counts, loss scaler, last outcome), `stats.rs` the
 //! counters, `warnings.rs` the warnings given, `saving.rs` what
 //! checkpoints record and keep. `builder.rs` builds
@@ -88,6 +89,7 @@
 mod backend;
 mod builder;
 mod checkpoint;
+mod ctx;
 mod devbuf;
 mod dynbuf;
 mod export;
@@ -131,6 +133,7 @@ use crate::{Error, Result};
 pub use backend::{EngineBackend, EngineComm};
 use builder::Built;
 pub use builder::EngineBuilder;
+use ctx::Ctx;
 use dynbuf::DynBuf;
 pub use export::export_checkpoint;
 use gatherer::{GatherIo, ParamGatherer};
@@ -160,23 +163,11 @@ use warnings::Warnings;
 
 /// The sharded data-parallel engine of one rank.
 pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
-    id: u64,
-    comm: C,
-    cfg: ResolvedConfig,
-    plan: PartitionPlan,
-    tracker: MemoryTracker,
-    rank: usize,
-    world: usize,
-    stage: u8,
-    pdt: DType,
+    /// The communicator, device, config, plan, tracker, tracer and the
+    /// run's fixed facts, which every component borrows.
+    cx: Ctx<C, B>,
     /// Every unit, its parameters, and the all-gathers of stages 1–2.
     units: Units<B>,
-    /// The device every buffer of the engine lives on: parameters,
-    /// gradients, optimizer state (unless offloaded), buckets.
-    backend: B,
-    /// The stream whose work the parameter all-gathers start after:
-    /// compute (a test may remove that wait, see [`SkipWait`]).
-    gather_after: Stream,
     /// Gradient buckets, reductions and homes.
     reducer: GradReducer<B>,
     /// Gradient buffers the trainer dropped instead of handing back.
@@ -197,23 +188,15 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     /// fp32 master, m, v, the AdamW and norm kernels, and the optimizer
     /// offload tiers.
     opt: OptimizerShard<B>,
-    /// The error of a rescued step, returned by `step()` once the step is
-    /// finished (parameter all-gather included).
-    rescued_error: Option<Error>,
     /// The optimizer step of this engine's tier, with its buffers (see
     /// [`step`]).
     optimizer: OptimizerStep<B>,
     /// Stage 3 parameter offload (`offload_param.device` cpu or nvme): the
     /// home of every unit's shard.
     poff: Option<ParamOffload>,
-    /// Spans of this rank's phases (disabled unless
-    /// [`EngineBuilder::tracer`]).
-    tracer: Tracer,
     /// What [`Engine::save_checkpoint`] records and keeps besides the
     /// state.
     saving: SaveHow,
-    /// Stage 3: where the frozen segments live (never `Auto`).
-    frozen_policy: FrozenParams,
 }
 
 impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
@@ -238,22 +221,12 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// The coordinator over the components `b` built: its counters start
     /// at zero, and stage 3 gathers its persistent units.
     fn assemble(b: Built<C, B>) -> Result<Self> {
-        let ga = b.cfg.gradient_accumulation_steps;
-        let progress = Progress::new(ga, b.scaler, b.cfg.scheduler.lr_at(0));
-        let warnings = Warnings::new(b.comm.rank(), b.warnings);
+        let ga = b.cx.cfg.gradient_accumulation_steps;
+        let progress = Progress::new(ga, b.scaler, b.cx.cfg.scheduler.lr_at(0));
+        let warnings = Warnings::new(b.cx.rank, b.warnings);
         let mut engine = Engine {
-            id: b.id,
-            rank: b.comm.rank(),
-            world: b.comm.world_size(),
-            comm: b.comm,
-            cfg: b.cfg,
-            plan: b.plan,
-            tracker: b.tracker,
-            stage: b.stage,
-            pdt: b.pdt,
+            cx: b.cx,
             units: b.units,
-            backend: b.backend,
-            gather_after: b.gather_after,
             reducer: b.reducer,
             returns: Returns::default(),
             releases: Releases::default(),
@@ -264,14 +237,11 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             warnings,
             health: Health::Ok,
             opt: b.opt,
-            rescued_error: None,
             optimizer: b.optimizer,
             poff: b.poff,
-            tracer: b.tracer,
             saving: b.saving,
-            frozen_policy: b.frozen_policy,
         };
-        if engine.stage == 3 {
+        if engine.cx.stage == 3 {
             let (s3, io) = engine.s3_parts();
             s3.gather_persistent(io)?;
         }
@@ -283,60 +253,60 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     /// This rank.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.cx.rank
     }
 
     /// The device backend the engine runs on: a trainer enqueues its own
     /// work (forward and backward) on its compute stream, where the
     /// engine's gathers and reductions are ordered with it.
     pub fn device_backend(&self) -> &B {
-        &self.backend
+        &self.cx.backend
     }
 
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
-        self.world
+        self.cx.world
     }
 
     /// The communicator (for the trainer's own collectives, e.g. averaging
     /// the loss for logging).
     pub fn comm(&self) -> &C {
-        &self.comm
+        &self.cx.comm
     }
 
     /// The tracer this engine records its spans into
     /// ([`EngineBuilder::tracer`]; disabled by default). A trainer can
     /// record its own spans (forward, backward) into it too.
     pub fn tracer(&self) -> &Tracer {
-        &self.tracer
+        &self.cx.tracer
     }
 
     /// The resolved config.
     pub fn config(&self) -> &ResolvedConfig {
-        &self.cfg
+        &self.cx.cfg
     }
 
     /// The partition plan.
     pub fn plan(&self) -> &PartitionPlan {
-        &self.plan
+        &self.cx.plan
     }
 
     /// Where stage 3 keeps the frozen tensors: the `frozen_params` policy
     /// in effect (`auto` resolved; `resident` at stages 0–2 and without
     /// frozen tensors, where every rank holds them anyway).
     pub fn frozen_params(&self) -> FrozenParams {
-        self.frozen_policy
+        self.cx.frozen_policy
     }
 
     /// The dtype of parameters and of the gradients the trainer writes.
     pub fn param_dtype(&self) -> DType {
-        self.pdt
+        self.cx.pdt
     }
 
     /// The unit registered as `name`.
     pub fn unit_id(&self, name: &str) -> Option<UnitId> {
-        self.plan.find(name).map(|index| UnitId {
-            engine: self.id,
+        self.cx.plan.find(name).map(|index| UnitId {
+            engine: self.cx.id,
             index,
         })
     }
@@ -345,7 +315,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     pub fn unit_ids(&self) -> Vec<UnitId> {
         (0..self.units.len())
             .map(|index| UnitId {
-                engine: self.id,
+                engine: self.cx.id,
                 index,
             })
             .collect()
@@ -383,12 +353,12 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     /// The memory tracker (the trainer reports activations through it).
     pub fn tracker(&self) -> &MemoryTracker {
-        &self.tracker
+        &self.cx.tracker
     }
 
     /// The memory report of this rank.
     pub fn memory_report(&self) -> MemoryReport {
-        self.tracker.report()
+        self.cx.tracker.report()
     }
 
     /// Time and traffic counters since the start (or the last reset).
@@ -424,7 +394,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     /// The learning rate of the next optimizer step.
     pub fn lr(&self) -> f64 {
-        self.cfg.scheduler.lr_at(self.progress.steps())
+        self.cx.cfg.scheduler.lr_at(self.progress.steps())
     }
 
     /// Optimizer steps applied so far (skipped steps not counted).
@@ -454,43 +424,27 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     /// The stage-3 gatherer, and what it needs from the engine for a call.
     fn s3_parts(&mut self) -> (&mut ParamGatherer<B>, GatherIo<'_, C, B>) {
-        let io = unit::gather_io(
-            (&self.comm, &self.backend, self.gather_after),
-            (&self.tracker, &self.tracer, self.pdt),
-            (self.poff.as_mut(), &self.units),
-            &mut self.meter.stats,
-        );
+        let homes = (self.poff.as_mut(), &self.units);
+        let io = unit::gather_io(&self.cx, homes, &mut self.meter.stats);
         (&mut self.s3, io)
     }
 
     /// The units, and what their stage 1–2 all-gathers need.
     fn gather_parts(&mut self) -> (&mut Units<B>, AllGatherIo<'_, C, B>) {
-        let io = AllGatherIo {
-            backend: &self.backend,
-            comm: &self.comm,
-            after: self.gather_after,
-            tracer: &self.tracer,
-            stats: &mut self.meter.stats,
-            limit: self.cfg.zero.allgather_bucket_size,
-        };
-        (&mut self.units, io)
+        let (cx, stats) = (&self.cx, &mut self.meter.stats);
+        (&mut self.units, AllGatherIo { cx, stats })
     }
 
     /// What reading the units' state needs (every stage 1–2 all-gather
     /// complete: [`Engine::finish_param_gathers`]).
     fn state_io(&mut self) -> StateIo<'_, C, B> {
         StateIo {
-            comm: &self.comm,
-            backend: &self.backend,
-            plan: &self.plan,
+            cx: &self.cx,
             units: &mut self.units,
             s3: &mut self.s3,
             opt: &mut self.opt,
             poff: self.poff.as_mut(),
             health: &mut self.health,
-            tracer: &self.tracer,
-            stage: self.stage,
-            pdt: self.pdt,
         }
     }
 
@@ -534,14 +488,11 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     }
 
     fn usage(&self, what: String) -> Error {
-        Error::Usage {
-            rank: self.rank,
-            what,
-        }
+        self.cx.usage(what)
     }
 
     fn check(&self, unit: UnitId, call: &str) -> Result<usize> {
-        if unit.engine != self.id || unit.index >= self.units.len() {
+        if unit.engine != self.cx.id || unit.index >= self.units.len() {
             return Err(self.usage(format!(
                 "{call}: unknown unit #{} (it was not registered with this engine)",
                 unit.index
@@ -577,8 +528,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 self.name(i)
             )));
         }
-        if self.stage == 3 {
-            let _span = self.tracer.span(self.rank, "gather", "comm");
+        if self.cx.stage == 3 {
+            let _span = self.cx.tracer.span(self.cx.rank, "gather", "comm");
             let t = Instant::now();
             let training = self.training;
             let (s3, io) = self.s3_parts();
@@ -594,7 +545,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             let (units, mut io) = self.gather_parts();
             units.wait_for(i, &mut io)?;
         }
-        let s3 = (self.stage == 3).then_some(&self.s3);
+        let s3 = (self.cx.stage == 3).then_some(&self.s3);
         let Some(params) = self.units.lend(i, s3) else {
             return Err(self.usage(format!(
                 "internal: gather(`{}`): the parameters are not home after the gather",
@@ -603,10 +554,10 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         };
         Ok(UnitGuard::new(
             params,
-            self.backend.clone(),
+            self.cx.backend.clone(),
             self.units[i].layout.clone(),
             i,
-            self.rank,
+            self.cx.rank,
             self.releases.clone(),
         ))
     }
@@ -620,7 +571,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             )));
         }
         self.units[i].gathers -= 1;
-        if self.stage == 3 {
+        if self.cx.stage == 3 {
             // (The schedule counts the gathers too: the last release
             // frees or keeps the unit.)
             let training = self.training;
@@ -737,10 +688,15 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     pub fn save_checkpoint(&mut self, root: &Path, client_state: Value) -> Result<PathBuf> {
         self.guard(|e| {
             e.check_swap("save_checkpoint")?;
-            let (micro, ga) = (e.progress.micro(), e.cfg.gradient_accumulation_steps);
+            let (micro, ga) = (e.progress.micro(), e.cx.cfg.gradient_accumulation_steps);
             checkpoint::at_boundary(micro, ga, &e.reducer, &e.units).map_err(|w| e.usage(w))?;
             let how = e.saving;
-            let run = how.run(&e.progress, &e.cfg, (e.world, e.stage, e.pdt), client_state);
+            let run = how.run(
+                &e.progress,
+                &e.cx.cfg,
+                (e.cx.world, e.cx.stage, e.cx.pdt),
+                client_state,
+            );
             let (dest, warnings) = checkpoint::save(&mut e.state_io(), root, run, how)?;
             for w in warnings {
                 e.warnings.give(w);
@@ -780,7 +736,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         // The step counts and the loss scaler; every rank resumes at the
         // same point.
         let m = &opened.manifest;
-        let lr = engine.cfg.scheduler.lr_at(m.steps);
+        let lr = engine.cx.cfg.scheduler.lr_at(m.steps);
         let counts = (m.steps, m.global_steps);
         engine.progress.resume(counts, m.loss_scaler.as_ref(), lr);
         // Collectives only once every rank has its part: stages 1–2
@@ -837,15 +793,15 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             (i, self.units[i].layout.name.as_str()),
             self.progress.micro() > 0,
         );
-        let (comm, tracker, tracer) = (&self.comm, &self.tracker, &self.tracer);
+        let (comm, tracker, tracer) = (&self.cx.comm, &self.cx.tracker, &self.cx.tracer);
         let typed = self
             .reducer
             .lend_as::<T, C>(comm, tracker, tracer, unit, add)?;
         Ok(GradBuffer::new(
             typed,
-            (i, self.units[i].layout.clone(), self.rank),
+            (i, self.units[i].layout.clone(), self.cx.rank),
             self.returns.clone(),
-            self.backend.clone(),
+            self.cx.backend.clone(),
         ))
     }
 
@@ -871,19 +827,19 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let back = self.reducer.state(i).check_hand_back(self.name(i));
         back.map_err(|w| self.usage(w))?;
         let u = &self.units[i];
-        if grad.len() != u.layout.padded_numel || T::DTYPE != self.pdt {
+        if grad.len() != u.layout.padded_numel || T::DTYPE != self.cx.pdt {
             return Err(self.usage(format!(
                 "grad_ready(`{}`): expected the {}-element {} buffer from grad_buffer, got {} elements of {}",
                 u.layout.name,
                 u.layout.padded_numel,
-                self.pdt,
+                self.cx.pdt,
                 grad.len(),
                 T::DTYPE
             )));
         }
         let buf = DynBuf::from_lent::<T>(grad.into_inner());
         let position = self.progress.position();
-        let io = (&self.comm, &self.tracer, &mut self.meter.stats);
+        let io = (&self.cx.comm, &self.cx.tracer, &mut self.meter.stats);
         self.reducer.hand_back(io, i, buf, position)
     }
 
@@ -917,33 +873,33 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         complete.map_err(|w| self.usage(w))?;
         self.finish_param_gathers()?;
         let position = self.progress.position();
-        let io = (&self.comm, &self.tracer, &mut self.meter.stats);
+        let io = (&self.cx.comm, &self.cx.tracer, &mut self.meter.stats);
         self.reducer.finish(io, position)?;
-        if self.stage == 3 {
+        if self.cx.stage == 3 {
             let (s3, io) = self.s3_parts();
             s3.end_micro_batch(io)?;
         }
         if let Some(po) = self.poff.as_mut() {
             let number = self.progress.steps() + 1;
-            po.micro_batch_verdict(&self.comm, &mut self.health, number)?;
+            po.micro_batch_verdict(&self.cx.comm, &mut self.health, number)?;
         }
         if let Some(gs) = self.reducer.grad_swap_mut() {
-            gs.verdict(&self.comm, self.rank)?;
+            gs.verdict(&self.cx.comm, self.cx.rank)?;
         }
         if !self.progress.end_micro_batch() {
-            if self.stage == 3 {
+            if self.cx.stage == 3 {
                 let (s3, io) = self.s3_parts();
                 s3.prefetch_next(io)?;
             }
             return Ok(self.progress.between(self.lr()));
         }
-        let span = self.tracer.span(self.rank, "optimizer", "optimizer");
+        let span = self.cx.tracer.span(self.cx.rank, "optimizer", "optimizer");
         let t = Instant::now();
-        let outcome = self.optimizer_step()?;
+        let (outcome, rescued) = self.optimizer_step()?;
         self.meter.stats.optimizer_time += t.elapsed();
         drop(span);
         if !outcome.skipped {
-            let _span = self.tracer.span(self.rank, "gather", "comm");
+            let _span = self.cx.tracer.span(self.cx.rank, "gather", "comm");
             let t = Instant::now();
             // The all-gathers of stages 1–2 start after AdamW on the
             // communication stream (see `Units::advance`) …
@@ -951,76 +907,78 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             // … and what reads the updated parameters or state from the
             // host (the trainer through its guards, offload, saving) is
             // ordered after it here.
-            let updated = self.backend.record(Stream::Compute)?;
-            self.backend.sync(&updated)?;
+            let updated = self.cx.backend.record(Stream::Compute)?;
+            self.cx.backend.sync(&updated)?;
             self.meter.stats.gather_time += t.elapsed();
         }
-        if self.stage == 3 {
+        if self.cx.stage == 3 {
             let (s3, io) = self.s3_parts();
             s3.prefetch_next(io)?;
         }
         self.progress.finish(outcome);
         // A failed swap write that every rank rescued: the step is done,
         // and it still fails.
-        if let Some(e) = self.rescued_error.take() {
-            return Err(e);
+        match rescued {
+            Some(e) => Err(e),
+            None => Ok(outcome),
         }
-        Ok(outcome)
     }
 
-    fn optimizer_step(&mut self) -> Result<StepOutcome> {
+    /// The optimizer step at a boundary, and the error of a failed swap
+    /// write that every rank rescued (returned once the step is finished,
+    /// parameter all-gather included).
+    fn optimizer_step(&mut self) -> Result<(StepOutcome, Option<Error>)> {
         let (p, number) = (&self.progress, self.progress.global_steps() + 1);
         let (opt, reducer, counted) = (&self.opt, &self.reducer, p.micro_batches());
-        let sumsq =
-            step::global_sum_squares(&self.comm, &self.backend, opt, reducer, number, counted)?;
+        let sumsq = step::global_sum_squares(
+            &self.cx.comm,
+            &self.cx.backend,
+            opt,
+            reducer,
+            number,
+            counted,
+        )?;
         let (lr, next) = (self.lr(), self.progress.steps() + 1);
-        let clip = self.cfg.gradient_clipping;
-        let norm = self.progress.unscale(sumsq, self.world, clip);
+        let clip = self.cx.cfg.gradient_clipping;
+        let norm = self.progress.unscale(sumsq, self.cx.world, clip);
         if norm.overflow && self.progress.scaler().is_none() {
             self.warnings.give(format!(
                 "step {next}: the gradient norm is not finite; the update was skipped"
             ));
         }
+        let mut rescued = None;
         if let Some(grad_scale) = norm.grad_scale {
-            let ks = self.opt.steps(&self.cfg.optimizer, lr, next, grad_scale);
+            let ks = self.opt.steps(&self.cx.cfg.optimizer, lr, next, grad_scale);
             let mut io = StepIo {
-                comm: &self.comm,
-                backend: &self.backend,
+                cx: &self.cx,
                 units: &mut self.units,
                 opt: &mut self.opt,
                 reducer: &mut self.reducer,
                 poff: self.poff.as_mut(),
                 health: &mut self.health,
-                rescued: &mut self.rescued_error,
+                rescued: &mut rescued,
                 number: next,
-                stage: self.stage,
-                pdt: self.pdt,
-                overlap_comm: self.cfg.zero.overlap_comm,
-                gather_limit: self.cfg.zero.allgather_bucket_size,
-                gather_after: self.gather_after,
                 s3: &mut self.s3,
-                tracker: &self.tracker,
-                tracer: &self.tracer,
                 stats: &mut self.meter.stats,
             };
             self.optimizer.run(&mut io, &ks)?;
             self.progress.applied();
         }
-        Ok(self.progress.boundary(&norm, lr))
+        Ok((self.progress.boundary(&norm, lr), rescued))
     }
 
     /// After a step every rank applied: stages 1–2 all-gather the updated
     /// parameters ([`Units::gather_all`]), stage 3 refreshes its
     /// persistent units.
     fn gather_updated_params(&mut self) -> Result<()> {
-        match self.stage {
+        match self.cx.stage {
             0 => Ok(()),
             3 => {
                 let (s3, io) = self.s3_parts();
                 s3.gather_persistent(io)
             }
             _ => {
-                let overlap = self.cfg.zero.overlap_comm;
+                let overlap = self.cx.cfg.zero.overlap_comm;
                 let (units, mut io) = self.gather_parts();
                 units.gather_all(overlap, &mut io)
             }
@@ -1057,18 +1015,18 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             )));
         }
         self.progress.drop_micro_batch();
-        self.reducer.abort(&self.tracer)
+        self.reducer.abort(&self.cx.tracer)
     }
 }
 
 impl<C: EngineComm<B>, B: EngineBackend> std::fmt::Debug for Engine<C, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
-            .field("rank", &self.rank)
-            .field("world_size", &self.world)
-            .field("stage", &self.stage)
+            .field("rank", &self.cx.rank)
+            .field("world_size", &self.cx.world)
+            .field("stage", &self.cx.stage)
             .field("units", &self.units.len())
-            .field("param_dtype", &self.pdt)
+            .field("param_dtype", &self.cx.pdt)
             .field("steps", &self.progress.steps())
             .finish()
     }

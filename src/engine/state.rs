@@ -10,17 +10,16 @@
 //!        ──all_gather (stages 1–3)──▶ the unit's real elements
 //! ```
 
-use zero_core::partition::PartitionPlan;
 use zero_core::{bf16, f16, DType, HostBuffer};
 
 use super::backend::{EngineBackend, EngineComm};
+use super::ctx::Ctx;
 use super::gatherer::{FrozenHome, ParamGatherer};
 use super::health::Health;
 use super::optimizer::OptimizerShard;
 use super::param_offload::ParamOffload;
 use super::unit::Units;
 use crate::format::bytes_as_f32;
-use crate::trace::Tracer;
 use crate::{Error, Result};
 
 /// The full (unsharded) state of one unit, read out for evaluation and
@@ -63,38 +62,27 @@ impl StateRead {
 
 /// What reading the state needs from the engine, borrowed.
 pub(super) struct StateIo<'a, C, B: EngineBackend> {
-    pub(super) comm: &'a C,
-    pub(super) backend: &'a B,
-    pub(super) plan: &'a PartitionPlan,
+    pub(super) cx: &'a Ctx<C, B>,
     pub(super) units: &'a mut Units<B>,
     /// Stage 3: where the frozen segments and the resident units are.
     pub(super) s3: &'a mut ParamGatherer<B>,
     pub(super) opt: &'a mut OptimizerShard<B>,
     pub(super) poff: Option<&'a mut ParamOffload>,
     pub(super) health: &'a mut Health,
-    pub(super) tracer: &'a Tracer,
-    pub(super) stage: u8,
-    pub(super) pdt: DType,
 }
 
 impl<C: EngineComm<B>, B: EngineBackend> StateIo<'_, C, B> {
-    fn usage(&self, what: String) -> Error {
-        Error::Usage {
-            rank: self.comm.rank(),
-            what,
-        }
-    }
-
     /// The real elements (`numel`) of a unit whose rank parts are `local`
     /// (`shard` elements each): an all-gather in stages 1–3.
     fn gather_f32(&self, local: &[f32], shard: usize, numel: usize) -> Result<Vec<f32>> {
-        if self.stage == 0 || shard == 0 {
+        if self.cx.stage == 0 || shard == 0 {
             return Ok(local[..numel].to_vec());
         }
-        let world = self.comm.world_size();
+        let world = self.cx.comm.world_size();
         let send = HostBuffer::from_slice(local)?;
         let recv = HostBuffer::<f32>::zeros(shard * world)?;
         let (_, recv) = self
+            .cx
             .comm
             .all_gather(send, recv, &vec![shard; world])
             .wait()?;
@@ -122,24 +110,24 @@ impl<C: EngineComm<B>, B: EngineBackend> StateIo<'_, C, B> {
         let (master, m, v) = match self.opt.offload() {
             _ if what == StateRead::Params => (Vec::new(), Vec::new(), Vec::new()),
             None => {
-                let (master, m, v) = self.opt.moments(i).host(self.backend)?;
+                let (master, m, v) = self.opt.moments(i).host(&self.cx.backend)?;
                 gather3(self, &master, &m, &v)?
             }
             Some(off) => {
                 let local = off.read_unit(i);
                 if off.is_nvme() {
                     self.health
-                        .read_verdict(self.comm, local.as_ref().err(), "optimizer")?;
+                        .read_verdict(&self.cx.comm, local.as_ref().err(), "optimizer")?;
                 }
                 let (master, m, v) = local?;
                 gather3(self, &master, &m, &v)?
             }
         };
         let mut params = if let Some(po) = self.poff.as_deref() {
-            let local = po.shard_f32(i, self.pdt);
+            let local = po.shard_f32(i, self.cx.pdt);
             if po.is_nvme() {
                 self.health
-                    .read_verdict(self.comm, local.as_ref().err(), "parameter")?;
+                    .read_verdict(&self.cx.comm, local.as_ref().err(), "parameter")?;
             }
             self.gather_f32(&local?, shard, numel)?
         } else {
@@ -147,12 +135,12 @@ impl<C: EngineComm<B>, B: EngineBackend> StateIo<'_, C, B> {
                 .home()
                 .expect("params are home outside collectives");
             let mut params = Vec::with_capacity(numel);
-            if self.stage == 3 {
+            if self.cx.stage == 3 {
                 let mut local = Vec::with_capacity(shard);
-                p.extend_f32(self.backend, 0..shard, &mut local)?;
+                p.extend_f32(&self.cx.backend, 0..shard, &mut local)?;
                 params = self.gather_f32(&local, shard, numel)?;
             } else {
-                p.extend_f32(self.backend, 0..numel, &mut params)?;
+                p.extend_f32(&self.cx.backend, 0..numel, &mut params)?;
             }
             params
         };
@@ -172,7 +160,7 @@ impl<C: EngineComm<B>, B: EngineBackend> StateIo<'_, C, B> {
             None => (
                 self.opt
                     .moments(i)
-                    .host(self.backend)
+                    .host(&self.cx.backend)
                     .and_then(|(master, _, _)| Ok(HostBuffer::from_slice(&master)?)),
                 false,
             ),
@@ -184,16 +172,17 @@ impl<C: EngineComm<B>, B: EngineBackend> StateIo<'_, C, B> {
         };
         if nvme {
             self.health
-                .read_verdict(self.comm, local.as_ref().err(), "optimizer")?;
+                .read_verdict(&self.cx.comm, local.as_ref().err(), "optimizer")?;
         }
         let local = local?;
-        if self.stage == 0 {
+        if self.cx.stage == 0 {
             return Ok(local);
         }
-        let world = self.comm.world_size();
+        let world = self.cx.comm.world_size();
         let shard = self.units[i].layout.shard_len;
         let recv = HostBuffer::<f32>::zeros(shard * world)?;
         let (_, recv) = self
+            .cx
             .comm
             .all_gather(local, recv, &vec![shard; world])
             .wait()?;
@@ -204,19 +193,19 @@ impl<C: EngineComm<B>, B: EngineBackend> StateIo<'_, C, B> {
     /// [`StateIo::extend_frozen`] gives them) where this rank keeps them.
     pub(super) fn set_frozen(&mut self, i: usize, values: &[f32]) -> Result<()> {
         let l = self.units[i].layout.clone();
-        let (rank, pdt) = (self.comm.rank(), self.pdt);
+        let (rank, pdt) = (self.cx.comm.rank(), self.cx.pdt);
         if let Some(b) = self.s3.resident_mut(i, rank)? {
-            return b.store_slice(self.backend, l.frozen_offset(), values);
+            return b.store_slice(&self.cx.backend, l.frozen_offset(), values);
         }
         let fs = l.frozen_shard_len();
         let own = (rank * fs).min(values.len())..((rank + 1) * fs).min(values.len());
         match self.s3.frozen_mut(i) {
-            Some(FrozenHome::Resident(_)) => Err(self.usage(format!(
+            Some(FrozenHome::Resident(_)) => Err(self.cx.usage(format!(
                 "internal: the resident parameters of unit `{}` are in flight while its frozen \
                  tensors are set",
                 l.name
             ))),
-            Some(FrozenHome::Shard(f)) => f.store_slice(self.backend, 0, &values[own]),
+            Some(FrozenHome::Shard(f)) => f.store_slice(&self.cx.backend, 0, &values[own]),
             Some(FrozenHome::Host(bytes)) => {
                 let n = own.len() * pdt.size_in_bytes();
                 store_as(pdt, &values[own], &mut bytes[..n]);
@@ -226,17 +215,17 @@ impl<C: EngineComm<B>, B: EngineBackend> StateIo<'_, C, B> {
                 let at = l.frozen_offset();
                 self.units[i]
                     .params_mut()
-                    .store_slice(self.backend, at, values)
+                    .store_slice(&self.cx.backend, at, values)
             }
         }
     }
 
     /// Appends unit `i`'s frozen real elements (as f32) to `out`.
     pub(super) fn extend_frozen(&mut self, i: usize, out: &mut Vec<f32>) -> Result<()> {
-        let (world, rank) = (self.comm.world_size(), self.comm.rank());
-        if self.stage == 3 {
+        let (world, rank) = (self.cx.comm.world_size(), self.cx.comm.rank());
+        if self.cx.stage == 3 {
             // A resident unit's gather into its own buffer completes first.
-            self.s3.settle(i, self.backend, self.tracer, rank)?;
+            self.s3.settle(i, &self.cx.backend, &self.cx.tracer, rank)?;
         }
         let l = &self.units[i].layout;
         if l.frozen_numel == 0 {
@@ -247,32 +236,36 @@ impl<C: EngineComm<B>, B: EngineBackend> StateIo<'_, C, B> {
             let fs = local.len();
             let send = HostBuffer::from_slice(&local)?;
             let recv = HostBuffer::<f32>::zeros(fs * world)?;
-            let (_, recv) = self.comm.all_gather(send, recv, &vec![fs; world]).wait()?;
+            let (_, recv) = self
+                .cx
+                .comm
+                .all_gather(send, recv, &vec![fs; world])
+                .wait()?;
             Ok(recv[..l.frozen_numel].to_vec())
         };
         if let Some(b) = self.s3.resident(i) {
-            return b.extend_f32(self.backend, frozen, out);
+            return b.extend_f32(&self.cx.backend, frozen, out);
         }
         match self.s3.frozen(i) {
-            Some(FrozenHome::Resident(_)) => Err(self.usage(format!(
+            Some(FrozenHome::Resident(_)) => Err(self.cx.usage(format!(
                 "internal: the resident parameters of unit `{}` are neither kept nor gathered",
                 l.name
             ))),
             Some(FrozenHome::Shard(f)) => {
                 let mut local = Vec::with_capacity(f.len());
-                f.extend_f32(self.backend, 0..f.len(), &mut local)?;
+                f.extend_f32(&self.cx.backend, 0..f.len(), &mut local)?;
                 out.extend(shard(local)?);
                 Ok(())
             }
             Some(FrozenHome::Host(bytes)) => {
-                out.extend(shard(bytes_as_f32(self.pdt, bytes))?);
+                out.extend(shard(bytes_as_f32(self.cx.pdt, bytes))?);
                 Ok(())
             }
             None => {
                 let p = self.units[i]
                     .home()
                     .expect("params are home outside collectives");
-                p.extend_f32(self.backend, frozen, out)
+                p.extend_f32(&self.cx.backend, frozen, out)
             }
         }
     }

@@ -14,19 +14,18 @@ use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::time::Instant;
 
-use zero_core::backend::{HostAccess, Stream};
-use zero_core::memory::{Allocation, MemoryTracker};
+use zero_core::backend::HostAccess;
+use zero_core::memory::Allocation;
 use zero_core::partition::UnitLayout;
-use zero_core::DType;
 
 use super::backend::{EngineBackend, EngineComm};
+use super::ctx::Ctx;
 use super::devbuf::{DevBuf, DynWork};
 use super::dynbuf::ring_bytes;
 use super::gatherer::{GatherIo, HomeShards, ParamGatherer, Shards};
 use super::lease::exclusive;
 use super::param_offload::ParamOffload;
 use super::stats::EngineStats;
-use crate::trace::Tracer;
 use crate::Result;
 
 /// A registered unit of one engine.
@@ -129,15 +128,10 @@ impl<B: HostAccess> Unit<B> {
 
 /// What an all-gather of updated parameters needs from the engine.
 pub(super) struct AllGatherIo<'a, C, B: HostAccess> {
-    pub(super) backend: &'a B,
-    pub(super) comm: &'a C,
-    /// The stream whose work the all-gathers start after.
-    pub(super) after: Stream,
-    pub(super) tracer: &'a Tracer,
+    /// The device, the communicator, the stream the all-gathers start
+    /// after, the tracer and `allgather_bucket_size`.
+    pub(super) cx: &'a Ctx<C, B>,
     pub(super) stats: &'a mut EngineStats,
-    /// `allgather_bucket_size`: elements in flight at most (at least one
-    /// unit).
-    pub(super) limit: usize,
 }
 
 /// Every unit of an engine (a slice of [`Unit`]s, in registration order)
@@ -252,7 +246,7 @@ impl<B: EngineBackend> Units<B> {
         io: &mut AllGatherIo<'_, C, B>,
     ) -> Result<()> {
         if self.units[i].is_stale() {
-            let _span = io.tracer.span(io.comm.rank(), "gather", "comm");
+            let _span = io.cx.tracer.span(io.cx.comm.rank(), "gather", "comm");
             let t = Instant::now();
             self.advance(Some(i), io)?;
             io.stats.gather_time += t.elapsed();
@@ -271,12 +265,12 @@ impl<B: EngineBackend> Units<B> {
         until: Option<usize>,
         io: &mut AllGatherIo<'_, C, B>,
     ) -> Result<()> {
-        let (rank, world) = (io.comm.rank(), io.comm.world_size());
+        let (rank, world) = (io.cx.comm.rank(), io.cx.comm.world_size());
         loop {
             while let Some(&j) = self.queue.front() {
                 let l = &self.units[j].layout;
                 let (n, s) = (l.padded_numel, l.shard_len);
-                if !self.in_flight.is_empty() && self.in_flight_elems + n > io.limit {
+                if !self.in_flight.is_empty() && self.in_flight_elems + n > io.cx.gather_limit() {
                     break;
                 }
                 self.queue.pop_front();
@@ -286,8 +280,8 @@ impl<B: EngineBackend> Units<B> {
                 };
                 io.stats.gather_bytes += ring_bytes(n, world, p.dtype());
                 // After AdamW wrote the unit (or a checkpoint load filled it).
-                let updated = io.backend.record(io.after)?;
-                let work = p.all_gather(io.backend, io.comm, &vec![s; world], &updated);
+                let updated = io.cx.backend.record(io.cx.gather_after)?;
+                let work = p.all_gather(&io.cx.backend, &io.cx.comm, &vec![s; world], &updated);
                 self.in_flight.push_back((j, work));
                 self.in_flight_elems += n;
             }
@@ -312,8 +306,8 @@ impl<B: EngineBackend> Units<B> {
         io: &AllGatherIo<'_, C, B>,
     ) -> Result<()> {
         self.in_flight_elems -= self.units[j].layout.padded_numel;
-        let (p, done) = w.wait(io.tracer, io.comm.rank())?;
-        io.backend.sync(&done)?;
+        let (p, done) = w.wait(&io.cx.tracer, io.cx.comm.rank())?;
+        io.cx.backend.sync(&done)?;
         self.units[j].params = Params::Home(Arc::new(p));
         Ok(())
     }
@@ -339,13 +333,10 @@ impl<B: EngineBackend> Units<B> {
 
 /// What stage 3's gatherer needs from the engine for one call, made in
 /// this one place for the coordinator's calls and the optimizer step's
-/// prefetch alike: the communicator, the device and the stream the
-/// all-gathers start after, the tracker, tracer and parameter dtype, the
-/// shards (from the parameter offload `poff`, else the units' own
-/// parameters) and the counters.
+/// prefetch alike: the context, the shards (from the parameter offload
+/// `poff`, else the units' own parameters) and the counters.
 pub(super) fn gather_io<'a, C: EngineComm<B>, B: EngineBackend>(
-    (comm, backend, after): (&'a C, &'a B, Stream),
-    (tracker, tracer, pdt): (&'a MemoryTracker, &'a Tracer, DType),
+    cx: &'a Ctx<C, B>,
     (poff, units): (Option<&'a mut ParamOffload>, &'a Units<B>),
     stats: &'a mut EngineStats,
 ) -> GatherIo<'a, C, B> {
@@ -353,14 +344,5 @@ pub(super) fn gather_io<'a, C: EngineComm<B>, B: EngineBackend>(
         Some(po) => Shards::Offloaded(po),
         None => Shards::Home(units),
     };
-    GatherIo {
-        backend,
-        after,
-        comm,
-        tracker,
-        tracer,
-        pdt,
-        shards,
-        stats,
-    }
+    GatherIo { cx, shards, stats }
 }

@@ -29,13 +29,15 @@ impl<B: EngineBackend> TierStep<B> for DeviceStep {
         io: &mut StepIo<'_, C, B>,
         k: &[AdamWStep],
     ) -> Result<()> {
-        if !io.overlap_comm || io.stage == 0 {
+        if !io.cx.cfg.zero.overlap_comm || io.cx.stage == 0 {
             let params = io
                 .units
                 .iter_mut()
                 .enumerate()
                 .map(|(i, u)| (i, u.params_mut()));
-            return io.opt.step_units::<G, P>(io.backend, k, io.reducer, params);
+            return io
+                .opt
+                .step_units::<G, P>(&io.cx.backend, k, io.reducer, params);
         }
         // overlap_comm: unit by unit, so that the all-gathers of updated
         // parameters start while AdamW runs on the next units — every
@@ -46,8 +48,8 @@ impl<B: EngineBackend> TierStep<B> for DeviceStep {
         for i in 0..io.units.len() {
             let low = io.units[i].params_mut();
             io.opt
-                .step_units::<G, P>(io.backend, k, io.reducer, std::iter::once((i, low)))?;
-            if io.stage < 3 {
+                .step_units::<G, P>(&io.cx.backend, k, io.reducer, std::iter::once((i, low)))?;
+            if io.cx.stage < 3 {
                 io.gather_updated(i)?;
             } else if head == Some(i + 1) {
                 io.prefetch_next()?;

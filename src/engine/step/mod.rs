@@ -27,8 +27,7 @@ mod streamed;
 mod tiles;
 
 use zero_comm::agree::exchange_u64;
-use zero_core::backend::{HostAccess, Stream};
-use zero_core::memory::MemoryTracker;
+use zero_core::backend::HostAccess;
 use zero_core::optim::{clip_coefficient, AdamWStep, LossScaler};
 use zero_core::{bf16, f16, DType, Element};
 
@@ -38,6 +37,7 @@ pub(super) use streamed::StreamedStep;
 pub(super) use tiles::TilesStep;
 
 use super::backend::{EngineBackend, EngineComm};
+use super::ctx::Ctx;
 use super::gatherer::ParamGatherer;
 use super::grad_swap::GradSwap;
 use super::health::Health;
@@ -47,7 +47,6 @@ use super::reducer::GradReducer;
 use super::staging::{OffloadStage, ParamStepStage};
 use super::stats::EngineStats;
 use super::unit::{gather_io, AllGatherIo, Units};
-use crate::trace::Tracer;
 use crate::{Error, Result};
 
 /// What [`Engine::step`](super::Engine::step) did.
@@ -90,8 +89,10 @@ impl StepOutcome {
 /// offload it writes home, the health its verdicts change, and what the
 /// all-gathers it starts need.
 pub(super) struct StepIo<'a, C, B: EngineBackend> {
-    pub(super) comm: &'a C,
-    pub(super) backend: &'a B,
+    /// The communicator, the device, the stage, the parameter dtype,
+    /// `overlap_comm` (start the all-gathers while AdamW runs), what the
+    /// all-gathers need, the tracker and the tracer.
+    pub(super) cx: &'a Ctx<C, B>,
     pub(super) units: &'a mut Units<B>,
     pub(super) opt: &'a mut OptimizerShard<B>,
     pub(super) reducer: &'a mut GradReducer<B>,
@@ -103,18 +104,8 @@ pub(super) struct StepIo<'a, C, B: EngineBackend> {
     pub(super) rescued: &'a mut Option<Error>,
     /// The number of this step (1 for the first), for errors.
     pub(super) number: u64,
-    pub(super) stage: u8,
-    pub(super) pdt: DType,
-    /// `overlap_comm`: start the all-gathers while AdamW runs.
-    pub(super) overlap_comm: bool,
-    /// `allgather_bucket_size`.
-    pub(super) gather_limit: usize,
-    /// The stream the all-gathers start after.
-    pub(super) gather_after: Stream,
     /// Stage 3: the gatherer whose prefetch starts during the step.
     pub(super) s3: &'a mut ParamGatherer<B>,
-    pub(super) tracker: &'a MemoryTracker,
-    pub(super) tracer: &'a Tracer,
     pub(super) stats: &'a mut EngineStats,
 }
 
@@ -124,24 +115,15 @@ impl<C: EngineComm<B>, B: EngineBackend> StepIo<'_, C, B> {
     fn gather_updated(&mut self, i: usize) -> Result<()> {
         self.units.queue_gather(i);
         let mut io = AllGatherIo {
-            backend: self.backend,
-            comm: self.comm,
-            after: self.gather_after,
-            tracer: self.tracer,
+            cx: self.cx,
             stats: self.stats,
-            limit: self.gather_limit,
         };
         self.units.advance(None, &mut io)
     }
 
     /// Stage 3: prefetches the head of the recorded gather order.
     fn prefetch_next(&mut self) -> Result<()> {
-        let io = gather_io(
-            (self.comm, self.backend, self.gather_after),
-            (self.tracker, self.tracer, self.pdt),
-            (self.poff.as_deref_mut(), self.units),
-            self.stats,
-        );
+        let io = gather_io(self.cx, (self.poff.as_deref_mut(), self.units), self.stats);
         self.s3.prefetch_next(io)
     }
 
@@ -154,7 +136,7 @@ impl<C: EngineComm<B>, B: EngineBackend> StepIo<'_, C, B> {
             return r;
         }
         let number = self.number;
-        self.health.params_verdict(self.comm, r, |bad, why| {
+        self.health.params_verdict(&self.cx.comm, r, |bad, why| {
             format!(
                 "the parameter swap file of rank {bad} failed in step {number} ({why}); the \
                  parameters are lost"
@@ -368,7 +350,7 @@ fn for_params<B: EngineBackend, C: EngineComm<B>, T: TierStep<B>, G: Element>(
     e: &mut StepIo<'_, C, B>,
     k: &[AdamWStep],
 ) -> Result<()> {
-    match e.pdt {
+    match e.cx.pdt {
         DType::F32 => t.run::<C, G, f32>(e, k),
         DType::BF16 => t.run::<C, G, bf16>(e, k),
         DType::F16 => t.run::<C, G, f16>(e, k),

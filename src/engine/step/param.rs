@@ -33,9 +33,10 @@ impl<B: EngineBackend> TierStep<B> for ParamHostStep {
             poff,
             opt,
             reducer,
-            backend,
+            cx,
             ..
         } = io;
+        let backend = &cx.backend;
         let Some(po) = poff.as_deref_mut() else {
             return Ok(());
         };
@@ -82,9 +83,10 @@ impl<B: EngineBackend> TierStep<B> for ParamDeviceStep<B> {
             poff,
             opt,
             reducer,
-            backend,
+            cx,
             ..
         } = io;
+        let backend = &cx.backend;
         let st = &mut self.stage;
         let Some(po) = poff.as_deref_mut() else {
             return Ok(());

@@ -31,12 +31,13 @@ impl<B: EngineBackend> TierStep<B> for StreamedStep {
     ) -> Result<()> {
         let StepIo {
             units,
-            backend,
+            cx,
             opt,
             reducer,
             poff,
             ..
         } = eng;
+        let backend = &cx.backend;
         let mut views = Vec::new();
         if poff.is_none() {
             for u in units.iter_mut() {
@@ -60,14 +61,14 @@ impl<B: EngineBackend> TierStep<B> for StreamedStep {
         };
         let r = opt.step_streamed::<G, P>(k, gs, &mut params, &mut emit);
         drop(params);
-        let r = r.and(commit_all(*backend, views));
+        let r = r.and(commit_all(backend, views));
         let flushed = match poff.as_mut() {
             Some(po) => po.flush(),
             None => Ok(()),
         };
         let r = r.and(flushed);
         let number = eng.number;
-        eng.health.params_verdict(eng.comm, r, |bad, why| {
+        eng.health.params_verdict(&eng.cx.comm, r, |bad, why| {
             format!(
                 "the offloaded optimizer step of rank {bad} failed in step {number} ({why}); with \
                  swap_gradients the units are updated one after another, so the optimizer state \

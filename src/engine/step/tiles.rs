@@ -56,7 +56,7 @@ impl<B: EngineBackend> TierStep<B> for TilesStep<B> {
         let (homes, mut params): (Vec<&[G]>, Vec<&mut [P]>) = match self.stage.as_mut() {
             Some(stage) => (
                 eng.reducer.staged_homes::<G>()?,
-                stage.params_mut::<P>(eng.backend)?,
+                stage.params_mut::<P>(&eng.cx.backend)?,
             ),
             None => {
                 for i in 0..eng.units.len() {
@@ -66,7 +66,7 @@ impl<B: EngineBackend> TierStep<B> for TilesStep<B> {
                     for u in eng.units.iter_mut() {
                         views.push(
                             u.params_mut()
-                                .host_typed_mut::<P>(eng.backend)?
+                                .host_typed_mut::<P>(&eng.cx.backend)?
                                 .expect("the parameter dtype"),
                         );
                     }
@@ -84,7 +84,7 @@ impl<B: EngineBackend> TierStep<B> for TilesStep<B> {
         if !off.is_nvme() {
             drop((homes, params));
             drop(grad_views);
-            commit_all(eng.backend, views)?;
+            commit_all(&eng.cx.backend, views)?;
             self.params_up::<C, P>(eng)?;
             r?;
             return param_write_back::<B, C, P>(eng);
@@ -96,11 +96,11 @@ impl<B: EngineBackend> TierStep<B> for TilesStep<B> {
             Err(_) if off.rescued() => 1,
             Err(_) => 2,
         };
-        let verdict = exchange_u64(eng.comm, &[word])?;
-        let rank = eng.comm.rank();
+        let verdict = exchange_u64(&eng.cx.comm, &[word])?;
+        let rank = eng.cx.comm.rank();
         let usage = |what: String| Error::Usage { rank, what };
         if verdict.iter().any(|w| w[0] == 2) {
-            let lost = first_failure(eng.comm, r.as_ref().err().filter(|_| word == 2))?;
+            let lost = first_failure(&eng.cx.comm, r.as_ref().err().filter(|_| word == 2))?;
             let (lost, why) = lost.expect("a rank lost its state");
             let msg = format!(
                 "the optimizer swap file of rank {lost} failed in step {} ({why}); no rank's \
@@ -116,7 +116,7 @@ impl<B: EngineBackend> TierStep<B> for TilesStep<B> {
             return Err(e);
         }
         if verdict.iter().any(|w| w[0] == 1) {
-            let failed = first_failure(eng.comm, r.as_ref().err())?;
+            let failed = first_failure(&eng.cx.comm, r.as_ref().err())?;
             let (bad, why) = failed.expect("a rank's write failed");
             let e = match r {
                 Err(e) => e,
@@ -133,7 +133,7 @@ impl<B: EngineBackend> TierStep<B> for TilesStep<B> {
         let committed = off.commit(&mut params);
         drop((homes, params));
         drop(grad_views);
-        commit_all(eng.backend, views)?;
+        commit_all(&eng.cx.backend, views)?;
         self.params_up::<C, P>(eng)?;
         committed?;
         param_write_back::<B, C, P>(eng)
@@ -144,12 +144,7 @@ impl<B: EngineBackend> TilesStep<B> {
     /// With the offloaded optimizer staged: the updated range of every
     /// unit's parameters up to the device (see `src/engine/staging.rs`).
     fn params_up<C: EngineComm<B>, P: Element>(&self, eng: &mut StepIo<'_, C, B>) -> Result<()> {
-        let StepIo {
-            units,
-            backend,
-            opt,
-            ..
-        } = eng;
+        let StepIo { units, cx, opt, .. } = eng;
         let (Some(stage), Some(off)) = (self.stage.as_ref(), opt.offload()) else {
             return Ok(());
         };
@@ -157,7 +152,7 @@ impl<B: EngineBackend> TilesStep<B> {
             .iter_mut()
             .enumerate()
             .map(|(i, u)| (u.params_mut(), off.param_range(i)));
-        stage.params_up::<P>(backend, dsts)
+        stage.params_up::<P>(&cx.backend, dsts)
     }
 }
 
