@@ -138,6 +138,31 @@ impl Health {
         }
     }
 
+    /// Whether unit `name` may be gathered (`Err`: the refusal): not once
+    /// the parameters are lost.
+    pub(crate) fn check_gather(&self, name: &str) -> std::result::Result<(), String> {
+        match self.params_lost() {
+            Some(first) => Err(format!(
+                "gather(`{name}`): the parameters are lost with the parameter swap file \
+                 (offload_param.device \"nvme\"): {first}"
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// After a call that may run collectives returned `r`: a
+    /// communication error fails the engine, and so does an access of the
+    /// gradient path not ordered after the one before it (an ordering bug,
+    /// caught by a checked backend: a bucket may be lost with its
+    /// collective, and the peers failed).
+    pub(crate) fn after<R>(&mut self, r: &Result<R>) {
+        match r {
+            Err(Error::Comm(e)) => self.comm_failed(e.to_string()),
+            Err(Error::Core(e @ zero_core::Error::Hazard(_))) => self.comm_failed(e.to_string()),
+            _ => {}
+        }
+    }
+
     /// A communication error: every later call fails.
     pub(crate) fn comm_failed(&mut self, why: String) {
         *self = Health::CommFailed { why };

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use zero_core::backend::{CpuBackend, HostAccess};
 use zero_core::partition::UnitLayout;
-use zero_core::Element;
+use zero_core::{DType, Element};
 
 use super::devbuf::DevBuf;
 use super::dynbuf::DynBuf;
@@ -143,9 +143,31 @@ impl<T: Element, B: HostAccess> GradBuffer<T, B> {
         self.write_host(|g| f(&mut g[r]))
     }
 
-    /// The index of the unit it belongs to.
-    pub(crate) fn unit(&self) -> usize {
-        self.unit
+    /// Whether it may be handed back as unit `i` (`name`) of an engine
+    /// training in `pdt`: `Err` says what is wrong, naming the unit it
+    /// belongs to when that is another.
+    pub(crate) fn check_for(
+        &self,
+        (i, name): (usize, &str),
+        pdt: DType,
+    ) -> std::result::Result<(), String> {
+        let own = &self.layout.name;
+        if self.unit != i {
+            return Err(format!(
+                "grad_ready(`{name}`): the buffer is unit `{own}`'s; hand it back with \
+                 grad_ready(`{own}`, ..)"
+            ));
+        }
+        if self.len != self.layout.padded_numel || T::DTYPE != pdt {
+            return Err(format!(
+                "grad_ready(`{name}`): expected the {}-element {pdt} buffer from grad_buffer, got \
+                 {} elements of {}",
+                self.layout.padded_numel,
+                self.len,
+                T::DTYPE
+            ));
+        }
+        Ok(())
     }
 
     /// The number of elements (the unit's padded length).

@@ -56,16 +56,11 @@
 //! `src/engine/param_offload.rs`). Results are bit-identical to those
 //! without offload, in every combination.
 //!
-//! A swap-file error fails the step on every rank (the rank whose file
-//! failed names it, the others that rank); then [`Engine::step`] and the
-//! gradient calls refuse. A failed optimizer swap *write* loses nothing:
-//! the step completes, and [`Engine::unit_state`],
-//! [`Engine::save_checkpoint`] (to another disk) and
-//! [`Engine::export_safetensors`] still read the state after it. Any other
-//! optimizer swap error loses the optimizer state (no rank's parameters
-//! change in that step; [`Engine::gather`] reads the last completed
-//! step's). A parameter swap error loses the parameters too, and
-//! [`Engine::gather`] refuses. `src/engine/health.rs` spells out each case.
+//! A swap-file error fails the step on every rank, naming the file, and
+//! training stops: a failed optimizer swap *write* loses nothing (the
+//! step completes and the state after it stays readable), any other
+//! error loses the optimizer state, or the parameters too
+//! (`src/engine/health.rs` says what each case still allows).
 //!
 //! # Where things are
 //! This file is the coordinator, and the only file that names `Engine`'s
@@ -241,10 +236,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             poff: b.poff,
             saving: b.saving,
         };
-        if engine.cx.stage == 3 {
-            let (s3, io) = engine.s3_parts();
-            s3.gather_persistent(io)?;
-        }
+        engine.at_stage3(|s3, io| s3.gather_persistent(io))?;
         Ok(engine)
     }
 
@@ -422,11 +414,20 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         self.warnings.given()
     }
 
-    /// The stage-3 gatherer, and what it needs from the engine for a call.
-    fn s3_parts(&mut self) -> (&mut ParamGatherer<B>, GatherIo<'_, C, B>) {
+    /// Stage 3: `f` on the gatherer with what it needs from the engine for
+    /// a call (nothing at stages 0–2).
+    fn at_stage3(
+        &mut self,
+        f: impl FnOnce(&mut ParamGatherer<B>, GatherIo<'_, C, B>) -> Result<()>,
+    ) -> Result<()> {
+        if self.cx.stage != 3 {
+            return Ok(());
+        }
         let homes = (self.poff.as_mut(), &self.units);
-        let io = unit::gather_io(&self.cx, homes, &mut self.meter.stats);
-        (&mut self.s3, io)
+        f(
+            &mut self.s3,
+            unit::gather_io(&self.cx, homes, &mut self.meter.stats),
+        )
     }
 
     /// The units, and what their stage 1–2 all-gathers need.
@@ -454,16 +455,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     fn guard<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
         self.health.check_comm().map_err(|what| self.usage(what))?;
         let r = self.take_back_dropped().and_then(|()| f(self));
-        match &r {
-            Err(Error::Comm(e)) => self.health.comm_failed(e.to_string()),
-            // An access of the gradient path not ordered after the one
-            // before it (an ordering bug, caught by a checked backend): a
-            // bucket may be lost with its collective, and the peers failed.
-            Err(Error::Core(e @ zero_core::Error::Hazard(_))) => {
-                self.health.comm_failed(e.to_string())
-            }
-            _ => {}
-        }
+        self.health.after(&r);
         r
     }
 
@@ -521,19 +513,13 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     fn gather_inner(&mut self, unit: UnitId) -> Result<UnitGuard<B>> {
         let i = self.check(unit, "gather")?;
-        if let Some(first) = self.health.params_lost() {
-            return Err(self.usage(format!(
-                "gather(`{}`): the parameters are lost with the parameter swap file \
-                 (offload_param.device \"nvme\"): {first}",
-                self.name(i)
-            )));
-        }
+        let usable = self.health.check_gather(self.name(i));
+        usable.map_err(|w| self.usage(w))?;
         if self.cx.stage == 3 {
             let _span = self.cx.tracer.span(self.cx.rank, "gather", "comm");
             let t = Instant::now();
             let training = self.training;
-            let (s3, io) = self.s3_parts();
-            let r = s3.gather(i, training, io);
+            let r = self.at_stage3(|s3, io| s3.gather(i, training, io));
             if let Some(w) = self.s3.take_warning() {
                 self.warnings.give(w);
             }
@@ -546,39 +532,23 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             units.wait_for(i, &mut io)?;
         }
         let s3 = (self.cx.stage == 3).then_some(&self.s3);
-        let Some(params) = self.units.lend(i, s3) else {
-            return Err(self.usage(format!(
+        let on = (&self.cx.backend, self.cx.rank);
+        match self.units.lend(i, s3, on, &self.releases) {
+            Some(guard) => Ok(guard),
+            None => Err(self.usage(format!(
                 "internal: gather(`{}`): the parameters are not home after the gather",
                 self.name(i)
-            )));
-        };
-        Ok(UnitGuard::new(
-            params,
-            self.cx.backend.clone(),
-            self.units[i].layout.clone(),
-            i,
-            self.cx.rank,
-            self.releases.clone(),
-        ))
+            ))),
+        }
     }
 
-    /// Ends one use of unit `i`'s parameters (its guard dropped).
+    /// Ends one use of unit `i`'s parameters (its guard dropped). (The
+    /// stage-3 schedule counts the gathers too: the last release frees or
+    /// keeps the unit.)
     fn release(&mut self, i: usize) -> Result<()> {
-        if self.units[i].gathers == 0 {
-            return Err(self.usage(format!(
-                "internal: release(`{}`): the unit is not gathered",
-                self.name(i)
-            )));
-        }
-        self.units[i].gathers -= 1;
-        if self.cx.stage == 3 {
-            // (The schedule counts the gathers too: the last release
-            // frees or keeps the unit.)
-            let training = self.training;
-            let (s3, io) = self.s3_parts();
-            s3.release(i, training, io)?;
-        }
-        Ok(())
+        self.units.unlend(i).map_err(|w| self.usage(w))?;
+        let training = self.training;
+        self.at_stage3(|s3, io| s3.release(i, training, io))
     }
 
     /// Whether the engine is in training mode (the default; see
@@ -789,20 +759,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let i = self.check(unit, "grad_buffer")?;
         self.check_training("grad_buffer")?;
         self.check_swap("grad_buffer")?;
-        let (unit, add) = (
-            (i, self.units[i].layout.name.as_str()),
-            self.progress.micro() > 0,
-        );
-        let (comm, tracker, tracer) = (&self.cx.comm, &self.cx.tracker, &self.cx.tracer);
-        let typed = self
-            .reducer
-            .lend_as::<T, C>(comm, tracker, tracer, unit, add)?;
-        Ok(GradBuffer::new(
-            typed,
-            (i, self.units[i].layout.clone(), self.cx.rank),
-            self.returns.clone(),
-            self.cx.backend.clone(),
-        ))
+        let (unit, add) = ((i, &self.units[i].layout), self.progress.micro() > 0);
+        self.reducer.lend_as(&self.cx, unit, add, &self.returns)
     }
 
     /// Hands a unit's gradient back: it joins the current bucket, which is
@@ -815,28 +773,11 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     fn grad_ready_inner<T: Element>(&mut self, unit: UnitId, grad: GradBuffer<T, B>) -> Result<()> {
         let i = self.check(unit, "grad_ready")?;
         self.check_training("grad_ready")?;
-        if grad.unit() != i {
-            return Err(self.usage(format!(
-                "grad_ready(`{}`): the buffer is unit `{}`'s; hand it back with grad_ready(`{}`, ..)",
-                self.name(i),
-                self.name(grad.unit()),
-                self.name(grad.unit())
-            )));
-        }
+        let fits = grad.check_for((i, self.name(i)), self.cx.pdt);
+        fits.map_err(|w| self.usage(w))?;
         self.check_swap("grad_ready")?;
         let back = self.reducer.state(i).check_hand_back(self.name(i));
         back.map_err(|w| self.usage(w))?;
-        let u = &self.units[i];
-        if grad.len() != u.layout.padded_numel || T::DTYPE != self.cx.pdt {
-            return Err(self.usage(format!(
-                "grad_ready(`{}`): expected the {}-element {} buffer from grad_buffer, got {} elements of {}",
-                u.layout.name,
-                u.layout.padded_numel,
-                self.cx.pdt,
-                grad.len(),
-                T::DTYPE
-            )));
-        }
         let buf = DynBuf::from_lent::<T>(grad.into_inner());
         let position = self.progress.position();
         let io = (&self.cx.comm, &self.cx.tracer, &mut self.meter.stats);
@@ -875,10 +816,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let position = self.progress.position();
         let io = (&self.cx.comm, &self.cx.tracer, &mut self.meter.stats);
         self.reducer.finish(io, position)?;
-        if self.cx.stage == 3 {
-            let (s3, io) = self.s3_parts();
-            s3.end_micro_batch(io)?;
-        }
+        self.at_stage3(|s3, io| s3.end_micro_batch(io))?;
         if let Some(po) = self.poff.as_mut() {
             let number = self.progress.steps() + 1;
             po.micro_batch_verdict(&self.cx.comm, &mut self.health, number)?;
@@ -887,10 +825,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             gs.verdict(&self.cx.comm, self.cx.rank)?;
         }
         if !self.progress.end_micro_batch() {
-            if self.cx.stage == 3 {
-                let (s3, io) = self.s3_parts();
-                s3.prefetch_next(io)?;
-            }
+            self.at_stage3(|s3, io| s3.prefetch_next(io))?;
             return Ok(self.progress.between(self.lr()));
         }
         let span = self.cx.tracer.span(self.cx.rank, "optimizer", "optimizer");
@@ -911,10 +846,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             self.cx.backend.sync(&updated)?;
             self.meter.stats.gather_time += t.elapsed();
         }
-        if self.cx.stage == 3 {
-            let (s3, io) = self.s3_parts();
-            s3.prefetch_next(io)?;
-        }
+        self.at_stage3(|s3, io| s3.prefetch_next(io))?;
         self.progress.finish(outcome);
         // A failed swap write that every rank rescued: the step is done,
         // and it still fails.
@@ -973,10 +905,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     fn gather_updated_params(&mut self) -> Result<()> {
         match self.cx.stage {
             0 => Ok(()),
-            3 => {
-                let (s3, io) = self.s3_parts();
-                s3.gather_persistent(io)
-            }
+            3 => self.at_stage3(|s3, io| s3.gather_persistent(io)),
             _ => {
                 let overlap = self.cx.cfg.zero.overlap_comm;
                 let (units, mut io) = self.gather_parts();

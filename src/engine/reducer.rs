@@ -58,19 +58,22 @@
 //! proves each access ordered.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Instant;
 
 use zero_comm::ReduceOp;
 use zero_core::backend::{HostAccess, PackPiece, Stream, UnpackPiece};
 use zero_core::config::{OffloadDevice, Precision, ResolvedConfig};
 use zero_core::memory::{Allocation, Category, MemoryTracker, Tier};
-use zero_core::partition::PartitionPlan;
+use zero_core::partition::{PartitionPlan, UnitLayout};
 use zero_core::{DType, Element};
 
 use super::backend::EngineComm;
+use super::ctx::Ctx;
 use super::devbuf::{map_dev, with_dev, DevBuf, DynHost, DynLoan, DynWork};
 use super::dynbuf::{ring_bytes, DynBuf};
 use super::grad_swap::GradSwap;
+use super::lease::{GradBuffer, Returns};
 use super::stats::EngineStats;
 use crate::plan::{bucket_plan, overlaps};
 use crate::trace::Tracer;
@@ -677,17 +680,17 @@ impl<B: HostAccess> GradReducer<B> {
         Ok(mem)
     }
 
-    /// [`GradReducer::lend`], typed as the trainer asked (`T`): refused
-    /// unless `T` is the parameter dtype and unit `i` (named `name`) may
-    /// lend its buffer now ([`GradState::check_lend`]).
+    /// [`GradReducer::lend`], typed as the trainer asked (`T`) and handed
+    /// out as a [`GradBuffer`] (which goes back to `returns` if dropped):
+    /// refused unless `T` is the parameter dtype and unit `i` (of `layout`)
+    /// may lend its buffer now ([`GradState::check_lend`]).
     pub(crate) fn lend_as<T: Element, C: EngineComm<B>>(
         &mut self,
-        comm: &C,
-        tracker: &MemoryTracker,
-        tracer: &Tracer,
-        (i, name): (usize, &str),
+        cx: &Ctx<C, B>,
+        (i, layout): (usize, &Arc<UnitLayout>),
         add: bool,
-    ) -> Result<B::Lent<T>> {
+        returns: &Returns<B>,
+    ) -> Result<GradBuffer<T, B>> {
         let mismatch = zero_core::Error::DTypeMismatch {
             op: "Engine::grad_buffer",
             expected: self.pdt,
@@ -697,10 +700,12 @@ impl<B: HostAccess> GradReducer<B> {
             return Err(mismatch.into());
         }
         let rank = self.rank;
-        let lend = self.state(i).check_lend(name);
+        let lend = self.state(i).check_lend(&layout.name);
         lend.map_err(|what| Error::Usage { rank, what })?;
-        let buf = self.lend(comm, tracker, tracer, i, add)?;
-        buf.into_lent::<T>().map_err(|_| mismatch.into())
+        let buf = self.lend(&cx.comm, &cx.tracker, &cx.tracer, i, add)?;
+        let typed = buf.into_lent::<T>().map_err(|_| mismatch)?;
+        let (owner, backend) = ((i, layout.clone(), rank), self.backend.clone());
+        Ok(GradBuffer::new(typed, owner, returns.clone(), backend))
     }
 
     fn internal(&self, what: &str) -> Error {

@@ -23,7 +23,7 @@ use super::ctx::Ctx;
 use super::devbuf::{DevBuf, DynWork};
 use super::dynbuf::ring_bytes;
 use super::gatherer::{GatherIo, HomeShards, ParamGatherer, Shards};
-use super::lease::exclusive;
+use super::lease::{exclusive, Releases, UnitGuard};
 use super::param_offload::ParamOffload;
 use super::stats::EngineStats;
 use crate::Result;
@@ -63,10 +63,6 @@ pub(super) enum Params<B: HostAccess> {
     /// offload.
     Offloaded,
 }
-
-/// A unit's full parameters as a `UnitGuard` holds them, and its frozen
-/// segment where stage 3 gathered it apart ([`Units::lend`]).
-pub(super) type LentParams<B> = (Arc<DevBuf<B>>, Option<Arc<DevBuf<B>>>);
 
 /// The per-unit state.
 pub(super) struct Unit<B: HostAccess> {
@@ -167,7 +163,8 @@ impl<B: EngineBackend> HomeShards<B> for Units<B> {
 }
 
 impl<B: EngineBackend> Units<B> {
-    /// Lends unit `i`'s full parameters to one more `UnitGuard`: stage 3's
+    /// Lends unit `i`'s full parameters to one more [`UnitGuard`] (of
+    /// `rank`, on `backend`, reporting its drop to `releases`): stage 3's
     /// gathered buffers from `s3` (the frozen segment too where it was
     /// gathered apart), else the unit's home; `None` where they are not
     /// there (the gather did not complete).
@@ -175,13 +172,38 @@ impl<B: EngineBackend> Units<B> {
         &mut self,
         i: usize,
         s3: Option<&ParamGatherer<B>>,
-    ) -> Option<LentParams<B>> {
+        (backend, rank): (&B, usize),
+        releases: &Releases,
+    ) -> Option<UnitGuard<B>> {
         let params = match s3 {
             Some(s3) => (s3.params(i)?.clone(), s3.frozen_params(i).cloned()),
             None => (self.units[i].home()?.clone(), None),
         };
-        self.units[i].gathers += 1;
-        Some(params)
+        let u = &mut self.units[i];
+        u.gathers += 1;
+        let (layout, releases) = (u.layout.clone(), releases.clone());
+        Some(UnitGuard::new(
+            params,
+            backend.clone(),
+            layout,
+            i,
+            rank,
+            releases,
+        ))
+    }
+
+    /// Ends one use of unit `i`'s parameters (its guard dropped); `Err`
+    /// when it is not lent.
+    pub(super) fn unlend(&mut self, i: usize) -> std::result::Result<(), String> {
+        let u = &mut self.units[i];
+        if u.gathers == 0 {
+            let name = &u.layout.name;
+            return Err(format!(
+                "internal: release(`{name}`): the unit is not gathered"
+            ));
+        }
+        u.gathers -= 1;
+        Ok(())
     }
 
     /// The built units, every parameter home.
