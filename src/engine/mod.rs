@@ -297,25 +297,17 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     /// The unit registered as `name`.
     pub fn unit_id(&self, name: &str) -> Option<UnitId> {
-        self.cx.plan.find(name).map(|index| UnitId {
-            engine: self.cx.id,
-            index,
-        })
+        self.cx.plan.find(name).map(|i| self.cx.unit_id(i))
     }
 
     /// Every unit, in registration order.
     pub fn unit_ids(&self) -> Vec<UnitId> {
-        (0..self.units.len())
-            .map(|index| UnitId {
-                engine: self.cx.id,
-                index,
-            })
-            .collect()
+        (0..self.units.len()).map(|i| self.cx.unit_id(i)).collect()
     }
 
     /// The layout of a unit (its tensors' names, shapes and offsets).
     pub fn layout(&self, unit: UnitId) -> Result<&UnitLayout> {
-        let i = self.check(unit, "layout")?;
+        let i = self.cx.index_of(unit, "layout")?;
         Ok(&self.units[i].layout)
     }
 
@@ -424,10 +416,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             return Ok(());
         }
         let homes = (self.poff.as_mut(), &self.units);
-        f(
-            &mut self.s3,
-            unit::gather_io(&self.cx, homes, &mut self.meter.stats),
-        )
+        let io = unit::gather_io(&self.cx, homes, &mut self.meter.stats);
+        f(&mut self.s3, io)
     }
 
     /// The units, and what their stage 1–2 all-gathers need.
@@ -483,16 +473,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         self.cx.usage(what)
     }
 
-    fn check(&self, unit: UnitId, call: &str) -> Result<usize> {
-        if unit.engine != self.cx.id || unit.index >= self.units.len() {
-            return Err(self.usage(format!(
-                "{call}: unknown unit #{} (it was not registered with this engine)",
-                unit.index
-            )));
-        }
-        Ok(unit.index)
-    }
-
     fn name(&self, i: usize) -> &str {
         &self.units[i].layout.name
     }
@@ -512,7 +492,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     }
 
     fn gather_inner(&mut self, unit: UnitId) -> Result<UnitGuard<B>> {
-        let i = self.check(unit, "gather")?;
+        let i = self.cx.index_of(unit, "gather")?;
         let usable = self.health.check_gather(self.name(i));
         usable.map_err(|w| self.usage(w))?;
         if self.cx.stage == 3 {
@@ -635,7 +615,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// [`Engine::unit_state`], reading what `what` says (the fields not
     /// read are empty).
     fn unit_state_inner(&mut self, unit: UnitId, what: StateRead) -> Result<UnitState> {
-        let i = self.check(unit, what.call())?;
+        let i = self.cx.index_of(unit, what.call())?;
         self.check_swap(what.call())?;
         self.finish_param_gathers()?;
         self.state_io().read(i, what)
@@ -756,7 +736,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     }
 
     fn grad_buffer_inner<T: Element>(&mut self, unit: UnitId) -> Result<GradBuffer<T, B>> {
-        let i = self.check(unit, "grad_buffer")?;
+        let i = self.cx.index_of(unit, "grad_buffer")?;
         self.check_training("grad_buffer")?;
         self.check_swap("grad_buffer")?;
         let (unit, add) = ((i, &self.units[i].layout), self.progress.micro() > 0);
@@ -771,7 +751,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     }
 
     fn grad_ready_inner<T: Element>(&mut self, unit: UnitId, grad: GradBuffer<T, B>) -> Result<()> {
-        let i = self.check(unit, "grad_ready")?;
+        let i = self.cx.index_of(unit, "grad_ready")?;
         self.check_training("grad_ready")?;
         let fits = grad.check_for((i, self.name(i)), self.cx.pdt);
         fits.map_err(|w| self.usage(w))?;
