@@ -12,9 +12,8 @@ use zero_core::memory::MemoryTracker;
 use zero_core::partition::PartitionPlan;
 use zero_core::DType;
 
-use super::unit::UnitId;
 use crate::trace::Tracer;
-use crate::{Error, Result};
+use crate::Error;
 
 /// The rank's fixed context (see the module docs).
 pub(super) struct Ctx<C, B> {
@@ -49,26 +48,6 @@ impl<C, B> Ctx<C, B> {
             rank: self.rank,
             what,
         }
-    }
-
-    /// The id of this engine's unit `index`.
-    pub(super) fn unit_id(&self, index: usize) -> UnitId {
-        UnitId {
-            engine: self.id,
-            index,
-        }
-    }
-
-    /// The index of `unit` (refused, naming `call`, unless it is one of
-    /// this engine's units).
-    pub(super) fn index_of(&self, unit: UnitId, call: &str) -> Result<usize> {
-        if unit.engine != self.id || unit.index >= self.plan.units().len() {
-            return Err(self.usage(format!(
-                "{call}: unknown unit #{} (it was not registered with this engine)",
-                unit.index
-            )));
-        }
-        Ok(unit.index)
     }
 
     /// `allgather_bucket_size`: the elements of stage 1–2 all-gathers in

@@ -297,17 +297,18 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     /// The unit registered as `name`.
     pub fn unit_id(&self, name: &str) -> Option<UnitId> {
-        self.cx.plan.find(name).map(|i| self.cx.unit_id(i))
+        self.cx.plan.find(name).map(|i| UnitId::new(self.cx.id, i))
     }
 
     /// Every unit, in registration order.
     pub fn unit_ids(&self) -> Vec<UnitId> {
-        (0..self.units.len()).map(|i| self.cx.unit_id(i)).collect()
+        let id = self.cx.id;
+        (0..self.units.len()).map(|i| UnitId::new(id, i)).collect()
     }
 
     /// The layout of a unit (its tensors' names, shapes and offsets).
     pub fn layout(&self, unit: UnitId) -> Result<&UnitLayout> {
-        let i = self.cx.index_of(unit, "layout")?;
+        let i = self.check(unit, "layout")?;
         Ok(&self.units[i].layout)
     }
 
@@ -473,6 +474,11 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         self.cx.usage(what)
     }
 
+    fn check(&self, unit: UnitId, call: &str) -> Result<usize> {
+        let (id, n) = (self.cx.id, self.units.len());
+        unit.index_in(id, n, call).map_err(|w| self.usage(w))
+    }
+
     fn name(&self, i: usize) -> &str {
         &self.units[i].layout.name
     }
@@ -492,7 +498,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     }
 
     fn gather_inner(&mut self, unit: UnitId) -> Result<UnitGuard<B>> {
-        let i = self.cx.index_of(unit, "gather")?;
+        let i = self.check(unit, "gather")?;
         let usable = self.health.check_gather(self.name(i));
         usable.map_err(|w| self.usage(w))?;
         if self.cx.stage == 3 {
@@ -615,7 +621,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// [`Engine::unit_state`], reading what `what` says (the fields not
     /// read are empty).
     fn unit_state_inner(&mut self, unit: UnitId, what: StateRead) -> Result<UnitState> {
-        let i = self.cx.index_of(unit, what.call())?;
+        let i = self.check(unit, what.call())?;
         self.check_swap(what.call())?;
         self.finish_param_gathers()?;
         self.state_io().read(i, what)
@@ -736,7 +742,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     }
 
     fn grad_buffer_inner<T: Element>(&mut self, unit: UnitId) -> Result<GradBuffer<T, B>> {
-        let i = self.cx.index_of(unit, "grad_buffer")?;
+        let i = self.check(unit, "grad_buffer")?;
         self.check_training("grad_buffer")?;
         self.check_swap("grad_buffer")?;
         let (unit, add) = ((i, &self.units[i].layout), self.progress.micro() > 0);
@@ -751,7 +757,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     }
 
     fn grad_ready_inner<T: Element>(&mut self, unit: UnitId, grad: GradBuffer<T, B>) -> Result<()> {
-        let i = self.cx.index_of(unit, "grad_ready")?;
+        let i = self.check(unit, "grad_ready")?;
         self.check_training("grad_ready")?;
         let fits = grad.check_for((i, self.name(i)), self.cx.pdt);
         fits.map_err(|w| self.usage(w))?;

@@ -40,6 +40,28 @@ impl UnitId {
     pub fn index(self) -> usize {
         self.index
     }
+
+    /// Unit `index` of the engine whose id is `engine`.
+    pub(super) fn new(engine: u64, index: usize) -> Self {
+        Self { engine, index }
+    }
+
+    /// Its index, if it is one of the `n` units of engine `engine` (`Err`:
+    /// the refusal of `call`).
+    pub(super) fn index_in(
+        self,
+        engine: u64,
+        n: usize,
+        call: &str,
+    ) -> std::result::Result<usize, String> {
+        if self.engine != engine || self.index >= n {
+            return Err(format!(
+                "{call}: unknown unit #{} (it was not registered with this engine)",
+                self.index
+            ));
+        }
+        Ok(self.index)
+    }
 }
 
 /// Where a unit's own parameters are (stages 0–2: the full padded unit;
