@@ -95,6 +95,7 @@ mod groups;
 mod health;
 mod init;
 mod lease;
+mod meter;
 mod offload;
 mod optimizer;
 mod param_offload;
@@ -137,7 +138,7 @@ use health::Health;
 pub use init::{Init, TensorSource};
 pub use lease::{GradBuffer, UnitGuard};
 use lease::{Releases, Returns};
-use offload::Offload;
+use meter::Meter;
 use optimizer::OptimizerShard;
 use param_offload::ParamOffload;
 use progress::Progress;
@@ -148,7 +149,6 @@ use reducer::{GradReducer, GradState};
 use saving::SaveHow;
 pub use state::UnitState;
 use state::{StateIo, StateRead};
-use stats::Meter;
 pub use stats::{EngineStats, SwapTraffic};
 pub use step::StepOutcome;
 use step::{OptimizerStep, StepIo};
@@ -351,25 +351,10 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         &self.meter.stats
     }
 
-    /// The swap traffic of the optimizer, parameter and gradient swap
-    /// files since the build.
-    fn swap_traffic(&self) -> [SwapTraffic; 3] {
-        [
-            self.opt.offload().map(Offload::traffic).unwrap_or_default(),
-            self.poff
-                .as_ref()
-                .map(ParamOffload::traffic)
-                .unwrap_or_default(),
-            self.reducer
-                .grad_swap()
-                .map(GradSwap::traffic)
-                .unwrap_or_default(),
-        ]
-    }
-
     /// Resets [`Engine::stats`] (the live-parameter peak included).
     pub fn reset_stats(&mut self) {
-        self.meter.reset(self.swap_traffic(), self.s3.live());
+        let files = (&self.opt, self.poff.as_ref(), &self.reducer);
+        self.meter.reset(files, self.s3.live());
     }
 
     /// The loss scale the trainer multiplies its loss by (1 unless fp16).
@@ -654,9 +639,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
                 client_state,
             );
             let (dest, warnings) = checkpoint::save(&mut e.state_io(), root, run, how)?;
-            for w in warnings {
-                e.warnings.give(w);
-            }
+            warnings.into_iter().for_each(|w| e.warnings.give(w));
             Ok(dest)
         })
     }
@@ -784,7 +767,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     fn step_inner(&mut self) -> Result<StepOutcome> {
         let r = self.step_counted();
-        self.meter.refresh(self.swap_traffic());
+        self.meter
+            .refresh((&self.opt, self.poff.as_ref(), &self.reducer));
         r
     }
 

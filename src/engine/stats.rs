@@ -66,33 +66,3 @@ pub struct EngineStats {
     /// traffic.
     pub grad_swap: SwapTraffic,
 }
-
-/// The counters [`Engine::stats`](super::Engine::stats) shows: the swap
-/// files' traffic counted from the last reset.
-#[derive(Default)]
-pub(super) struct Meter {
-    /// The counters (the swap traffic as of the last [`Meter::refresh`]).
-    pub(super) stats: EngineStats,
-    /// The swap traffic of the optimizer, parameter and gradient files at
-    /// the last reset.
-    base: [SwapTraffic; 3],
-}
-
-impl Meter {
-    /// Brings the swap counters up to `now`, the files' traffic since the
-    /// build.
-    pub(super) fn refresh(&mut self, now: [SwapTraffic; 3]) {
-        let ([o, p, g], [bo, bp, bg]) = (now, self.base);
-        self.stats.optimizer_swap = o - bo;
-        self.stats.param_swap = p - bp;
-        self.stats.grad_swap = g - bg;
-    }
-
-    /// Starts counting again at `now`, the files' traffic since the build,
-    /// with `live` elements gathered (the live-parameter peak so far).
-    pub(super) fn reset(&mut self, now: [SwapTraffic; 3], live: usize) {
-        self.base = now;
-        self.stats = EngineStats::default();
-        self.stats.peak_live_elems = live;
-    }
-}
