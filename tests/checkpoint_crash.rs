@@ -56,6 +56,7 @@ use zero::core::optim::LrSchedule;
 use zero::{Engine, UnitState};
 use zero_testkit::mlp::{batch, Mlp};
 use zero_testkit::runs::{assert_bits_eq, MB};
+use zero_testkit::temp::TempDir;
 
 /// Selects the child role: `<variant>:<root>:<swap dir>`.
 const CHILD_ENV: &str = "ZERO_CKPT_CRASH_CHILD";
@@ -463,9 +464,7 @@ fn phase(said: &Said, killed: bool, found: &Found) -> &'static str {
 #[test]
 fn sigkill_during_save_never_leaves_a_torn_checkpoint() {
     let started = Instant::now();
-    let base = std::env::temp_dir().join(format!("zero-ckpt-crash-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
-    std::fs::create_dir_all(&base).expect("temp dir");
+    let base = TempDir::new("ckpt-crash");
     let swap = base.join("swap");
     let load_swap = base.join("load-swap");
     let seed = std::env::var(SEED_ENV)
@@ -590,7 +589,6 @@ fn sigkill_during_save_never_leaves_a_torn_checkpoint() {
         // A killed child leaves its swap files behind.
         let _ = std::fs::remove_dir_all(&swap);
     }
-    let _ = std::fs::remove_dir_all(&base);
 
     println!(
         "{trials} trials (seed {seed:#x}), {in_save} kills inside a save, in {:.1?}:",
