@@ -67,19 +67,21 @@
 //! fields: the live guards, and the calls into the components, each
 //! handed the parts it needs borrowed (`GatherIo`, `AllGatherIo`,
 //! `StepIo`, `StateIo`), with what none of them changes in one `Ctx`
-//! (`ctx.rs`: communicator, device, config, plan, tracker, tracer). `progress.rs` keeps the micro-batch and step
-//! bookkeeping (counts, loss scaler, last outcome), `stats.rs` the
-//! counters, `warnings.rs` the warnings given, `saving.rs` what
-//! checkpoints record and keep. `builder.rs` builds
-//! the components ([`EngineBuilder`]), which the coordinator takes over;
-//! `unit.rs` holds the units and the stage 1–2 all-gathers of updated
-//! parameters; `step/` the optimizer step, one type per tier (device,
-//! parameter offload on the host or a device, host or nvme tiles,
-//! `swap_gradients`), called once per step; `state.rs` reads a unit's
-//! state out of the shards, for [`Engine::unit_state`], `checkpoint.rs`
-//! (save, load) and `export.rs`; `reducer.rs`, `gatherer.rs`,
-//! `optimizer.rs`, `offload.rs`, `param_offload.rs`, `grad_swap.rs`,
-//! `staging.rs` and `health.rs` are the components they drive.
+//! (`ctx.rs`: communicator, device, config, plan, tracker, tracer).
+//! `progress.rs` keeps the micro-batch and step bookkeeping (counts, loss
+//! scaler, last outcome), `stats.rs` and `meter.rs` the counters and the
+//! swap traffic since the last reset, `warnings.rs` the warnings given,
+//! `saving.rs` what checkpoints record and keep. `builder.rs` builds the
+//! components ([`EngineBuilder`]), which the coordinator takes over;
+//! `unit.rs` holds the units, lends their guards and runs the stage 1–2
+//! all-gathers of updated parameters; `step/` the optimizer step, one
+//! type per tier (device, parameter offload on the host or a device, host
+//! or nvme tiles, `swap_gradients`), called once per step; `state.rs`
+//! reads a unit's state out of the shards, for [`Engine::unit_state`],
+//! `checkpoint.rs` (save, load) and `export.rs`; `reducer.rs` (which
+//! lends the gradient buffers), `gatherer.rs`, `optimizer.rs`,
+//! `offload.rs`, `param_offload.rs`, `grad_swap.rs`, `staging.rs` and
+//! `health.rs` are the components they drive.
 
 mod backend;
 mod builder;
