@@ -368,6 +368,34 @@ fn grad_ready_with_another_units_buffer_is_an_error() {
 }
 
 #[test]
+fn grad_ready_with_another_engines_buffer_is_an_error() {
+    let msgs = misuse(1, |e, m| {
+        // Unit #0 of another engine, of another size.
+        let foreign = ThreadGroup::run(1, |comm| {
+            let mut b = Engine::builder(config(1, 3, 1, Precision::Fp32), comm);
+            let x = b
+                .register(
+                    UnitSpec::new("x", vec![TensorSpec::new("w", &[3])]),
+                    vec![Init::Zeros],
+                )
+                .unwrap();
+            let mut other = b.build().unwrap();
+            other.grad_buffer::<f32>(x).unwrap()
+        })
+        .unwrap()
+        .pop()
+        .unwrap();
+        e.grad_ready(m.units[0], foreign).unwrap_err()
+    });
+    assert!(
+        msgs[0].contains("grad_ready(`layer0`): expected the 192-element f32 buffer")
+            && msgs[0].contains("got 32 elements"),
+        "{}",
+        msgs[0]
+    );
+}
+
+#[test]
 fn unknown_unit_is_an_error() {
     let msgs = misuse(1, |e, _| {
         // A unit of another engine.

@@ -143,26 +143,26 @@ impl<T: Element, B: HostAccess> GradBuffer<T, B> {
         self.write_host(|g| f(&mut g[r]))
     }
 
-    /// Whether it may be handed back as unit `i` (`name`) of an engine
-    /// training in `pdt`: `Err` says what is wrong, naming the unit it
-    /// belongs to when that is another.
+    /// Whether it may be handed back as unit `i` (of `layout`, this
+    /// engine's) of an engine training in `pdt`: `Err` says what is wrong,
+    /// naming the unit it belongs to when that is another.
     pub(crate) fn check_for(
         &self,
-        (i, name): (usize, &str),
+        (i, layout): (usize, &UnitLayout),
         pdt: DType,
     ) -> std::result::Result<(), String> {
-        let own = &self.layout.name;
+        let (name, own) = (&layout.name, &self.layout.name);
         if self.unit != i {
             return Err(format!(
                 "grad_ready(`{name}`): the buffer is unit `{own}`'s; hand it back with \
                  grad_ready(`{own}`, ..)"
             ));
         }
-        if self.len != self.layout.padded_numel || T::DTYPE != pdt {
+        if self.len != layout.padded_numel || T::DTYPE != pdt {
             return Err(format!(
                 "grad_ready(`{name}`): expected the {}-element {pdt} buffer from grad_buffer, got \
                  {} elements of {}",
-                self.layout.padded_numel,
+                layout.padded_numel,
                 self.len,
                 T::DTYPE
             ));

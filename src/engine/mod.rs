@@ -744,7 +744,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     fn grad_ready_inner<T: Element>(&mut self, unit: UnitId, grad: GradBuffer<T, B>) -> Result<()> {
         let i = self.check(unit, "grad_ready")?;
         self.check_training("grad_ready")?;
-        let fits = grad.check_for((i, self.name(i)), self.cx.pdt);
+        let fits = grad.check_for((i, &self.units[i].layout), self.cx.pdt);
         fits.map_err(|w| self.usage(w))?;
         self.check_swap("grad_ready")?;
         let back = self.reducer.state(i).check_hand_back(self.name(i));
