@@ -530,7 +530,7 @@ fn evaluation_mode_leaves_training_alone() {
                 .contains("evaluation mode"));
             let p = e.gather(model.units[0]).unwrap();
             let err = e.train().unwrap_err().to_string();
-            assert!(err.contains("unit `layer0` is gathered"), "{err}");
+            assert!(err.contains("unit `layer0` is still gathered"), "{err}");
             drop(p);
             e.train().unwrap();
         }

@@ -383,9 +383,7 @@ impl<C: EngineComm<B>, B: EngineBackend> EngineBuilder<C, B> {
         })
     }
 
-    /// [`EngineBuilder::build`]: checks that every rank registered the
-    /// same units with the same config (a collective), allocates every
-    /// buffer of the memory plan and initialises this rank's parameters.
+    /// The components [`EngineBuilder::build`] hands the coordinator.
     pub(super) fn into_parts(self) -> Result<Built<C, B>> {
         let EngineBuilder {
             comm,

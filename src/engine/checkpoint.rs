@@ -65,6 +65,7 @@ use super::export::{export_live, write_safetensors};
 use super::init::Init;
 use super::optimizer::{commit_moments, Moments, OptimizerShard};
 use super::param_offload::ParamOffload;
+use super::progress::Progress;
 use super::reducer::GradReducer;
 use super::reducer::GradState;
 use super::saving::SaveHow;
@@ -84,14 +85,14 @@ use crate::{Error, Result};
 const CAST_CHUNK: usize = 1 << 16;
 
 /// Whether a checkpoint may be saved now: at an optimizer-step boundary
-/// (`micro` micro-batches of `ga` done), no gradient buffer out, no
-/// reduction in flight (`Err`: why not).
+/// (no micro-batch of `progress`'s window done), no gradient buffer out,
+/// no reduction in flight (`Err`: why not).
 pub(super) fn at_boundary<B: HostAccess>(
-    micro: usize,
-    ga: usize,
+    progress: &Progress,
     reducer: &GradReducer<B>,
     units: &[Unit<B>],
 ) -> std::result::Result<(), String> {
+    let (micro, ga) = (progress.micro(), progress.ga());
     if micro != 0 {
         return Err(format!(
             "save_checkpoint: in the middle of gradient accumulation ({micro} of {ga} \

@@ -13,7 +13,7 @@ use zero_core::partition::PartitionPlan;
 use zero_core::DType;
 
 use crate::trace::Tracer;
-use crate::Error;
+use crate::{Error, Result};
 
 /// The rank's fixed context (see the module docs).
 pub(super) struct Ctx<C, B> {
@@ -48,6 +48,11 @@ impl<C, B> Ctx<C, B> {
             rank: self.rank,
             what,
         }
+    }
+
+    /// A component's refusal (`Err(why)`) as a usage error of this rank.
+    pub(super) fn checked<T>(&self, r: std::result::Result<T, String>) -> Result<T> {
+        r.map_err(|what| self.usage(what))
     }
 
     /// `allgather_bucket_size`: the elements of stage 1–2 all-gathers in

@@ -39,22 +39,17 @@
 //! at the same world size.
 //!
 //! # Offload
-//! With `zero_optimization.offload_optimizer.device` `"cpu"` or `"nvme"`
-//! (any stage; the JSON parser asks for stage 1–3, as DeepSpeed), the
-//! rank's fp32 master, `m` and `v` live in pre-faulted host buffers
-//! (`pin_memory` locks them) or in a per-rank swap file under
-//! `nvme_path`, the accumulated gradient shard is host memory, and AdamW
-//! runs tile by tile (`sub_group_size` elements), pipelined with the swap
-//! reads and writes (`src/engine/offload.rs`); with
-//! `offload_optimizer.swap_gradients` the gradient shard has its own swap
-//! file and the step streams unit by unit (`src/engine/grad_swap.rs`).
-//! With `offload_param.device` `"cpu"` or `"nvme"` (stage 3 only; other
-//! stages refuse it naming the key) the parameter shards live in a host
-//! pool or the rank's parameter swap file, read ahead of the gathers and
-//! cached up to `offload_param.max_in_cpu` elements
-//! ([`EngineStats::param_swap_reads`], [`EngineStats::param_cache_hits`];
-//! `src/engine/param_offload.rs`). Results are bit-identical to those
-//! without offload, in every combination.
+//! `offload_optimizer.device` `"cpu"` or `"nvme"` (any stage; the JSON
+//! parser asks for stage 1–3, as DeepSpeed) keeps the rank's fp32 master,
+//! `m` and `v` in pre-faulted host buffers (`pin_memory` locks them) or a
+//! per-rank swap file under `nvme_path`, and its accumulated gradient
+//! shard in host memory (with `swap_gradients`, in a swap file of its
+//! own); AdamW runs in tiles of `sub_group_size` elements, pipelined with
+//! the swap traffic. `offload_param.device` `"cpu"` or `"nvme"` (stage 3
+//! only; other stages refuse it naming the key) keeps the parameter
+//! shards in a host pool or a swap file, read ahead of the gathers and
+//! cached up to `max_in_cpu` elements ([`EngineStats::param_cache_hits`]).
+//! Every combination gives the bits of no offload.
 //!
 //! A swap-file error fails the step on every rank, naming the file, and
 //! training stops: a failed optimizer swap *write* loses nothing (the
@@ -64,24 +59,18 @@
 //!
 //! # Where things are
 //! This file is the coordinator, and the only file that names `Engine`'s
-//! fields: the live guards, and the calls into the components, each
-//! handed the parts it needs borrowed (`GatherIo`, `AllGatherIo`,
-//! `StepIo`, `StateIo`), with what none of them changes in one `Ctx`
-//! (`ctx.rs`: communicator, device, config, plan, tracker, tracer).
-//! `progress.rs` keeps the micro-batch and step bookkeeping (counts, loss
-//! scaler, last outcome), `stats.rs` and `meter.rs` the counters and the
-//! swap traffic since the last reset, `warnings.rs` the warnings given,
-//! `saving.rs` what checkpoints record and keep. `builder.rs` builds the
-//! components ([`EngineBuilder`]), which the coordinator takes over;
-//! `unit.rs` holds the units, lends their guards and runs the stage 1–2
-//! all-gathers of updated parameters; `step/` the optimizer step, one
-//! type per tier (device, parameter offload on the host or a device, host
-//! or nvme tiles, `swap_gradients`), called once per step; `state.rs`
-//! reads a unit's state out of the shards, for [`Engine::unit_state`],
-//! `checkpoint.rs` (save, load) and `export.rs`; `reducer.rs` (which
-//! lends the gradient buffers), `gatherer.rs`, `optimizer.rs`,
-//! `offload.rs`, `param_offload.rs`, `grad_swap.rs`, `staging.rs` and
-//! `health.rs` are the components they drive.
+//! fields: each call hands the components the parts they need, borrowed
+//! (`GatherIo`, `AllGatherIo`, `StepIo`, `StateIo`), beside one `Ctx`
+//! (`ctx.rs`: what none of them changes). `builder.rs` builds the
+//! components ([`EngineBuilder`]); `unit.rs` holds the units and runs the
+//! stage 1–2 all-gathers; `lease.rs` the guards and gradient buffers
+//! lent; `step/` the optimizer step, one type per tier; `state.rs` reads
+//! a unit's state for [`Engine::unit_state`], `checkpoint.rs` and
+//! `export.rs`; `progress.rs`, `stats.rs`, `meter.rs`, `warnings.rs` and
+//! `saving.rs` keep the bookkeeping (steps, mode, counters, swap traffic,
+//! warnings, what checkpoints keep); `reducer.rs`, `gatherer.rs`,
+//! `optimizer.rs`, `offload.rs`, `param_offload.rs`, `grad_swap.rs`,
+//! `staging.rs` and `health.rs` are the components they drive.
 
 mod backend;
 mod builder;
@@ -127,7 +116,7 @@ use zero_core::{DType, Element};
 pub use crate::format::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
 pub use crate::format::safetensors::{ExportDtype, SafetensorsWriter};
 use crate::trace::Tracer;
-use crate::{Error, Result};
+use crate::Result;
 pub use backend::{EngineBackend, EngineComm};
 use builder::Built;
 pub use builder::EngineBuilder;
@@ -144,15 +133,15 @@ use meter::Meter;
 use optimizer::OptimizerShard;
 use param_offload::ParamOffload;
 use progress::Progress;
+pub use progress::StepOutcome;
+use reducer::GradReducer;
 #[cfg(feature = "testing")]
 #[doc(hidden)]
 pub use reducer::SkipWait;
-use reducer::{GradReducer, GradState};
 use saving::SaveHow;
 pub use state::UnitState;
 use state::{StateIo, StateRead};
 pub use stats::{EngineStats, SwapTraffic};
-pub use step::StepOutcome;
 use step::{OptimizerStep, StepIo};
 pub use unit::UnitId;
 use unit::{AllGatherIo, Units};
@@ -171,8 +160,6 @@ pub struct Engine<C: Communicator, B: EngineBackend = CpuBackend> {
     returns: Returns<B>,
     /// Units whose guards dropped.
     releases: Releases,
-    /// Training (the default) or evaluation mode.
-    training: bool,
     /// The micro-batch and step counts, the loss scaler, the last step.
     progress: Progress,
     /// Stage 3: the gathered parameters and their schedule.
@@ -227,7 +214,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             reducer: b.reducer,
             returns: Returns::default(),
             releases: Releases::default(),
-            training: true,
             progress,
             s3: b.s3,
             meter: Meter::default(),
@@ -395,7 +381,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     }
 
     /// Stage 3: `f` on the gatherer with what it needs from the engine for
-    /// a call (nothing at stages 0–2).
+    /// a call, and the warning it gave (nothing at stages 0–2).
     fn at_stage3(
         &mut self,
         f: impl FnOnce(&mut ParamGatherer<B>, GatherIo<'_, C, B>) -> Result<()>,
@@ -405,7 +391,11 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         }
         let homes = (self.poff.as_mut(), &self.units);
         let io = unit::gather_io(&self.cx, homes, &mut self.meter.stats);
-        f(&mut self.s3, io)
+        let r = f(&mut self.s3, io);
+        if let Some(w) = self.s3.take_warning() {
+            self.warnings.give(w);
+        }
+        r
     }
 
     /// The units, and what their stage 1–2 all-gathers need.
@@ -431,7 +421,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// the engine's buffers may still be held by the failed collective, so
     /// every later call fails with that error instead of touching them.
     fn guard<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
-        self.health.check_comm().map_err(|what| self.usage(what))?;
+        self.checked(self.health.check_comm())?;
         let r = self.take_back_dropped().and_then(|()| f(self));
         self.health.after(&r);
         r
@@ -452,18 +442,17 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// After a swap-file error only reading parameters works, and reading
     /// the whole state after a rescued write failure (see [`health`]).
     fn check_swap(&self, call: &str) -> Result<()> {
-        self.health
-            .check_swap(call, self.progress.steps())
-            .map_err(|what| self.usage(what))
+        self.checked(self.health.check_swap(call, self.progress.steps()))
     }
 
-    fn usage(&self, what: String) -> Error {
-        self.cx.usage(what)
+    /// A component's refusal (`Err(why)`) as a usage error of this rank.
+    fn checked<T>(&self, r: std::result::Result<T, String>) -> Result<T> {
+        self.cx.checked(r)
     }
 
     fn check(&self, unit: UnitId, call: &str) -> Result<usize> {
         let (id, n) = (self.cx.id, self.units.len());
-        unit.index_in(id, n, call).map_err(|w| self.usage(w))
+        self.checked(unit.index_in(id, n, call))
     }
 
     fn name(&self, i: usize) -> &str {
@@ -486,17 +475,12 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     fn gather_inner(&mut self, unit: UnitId) -> Result<UnitGuard<B>> {
         let i = self.check(unit, "gather")?;
-        let usable = self.health.check_gather(self.name(i));
-        usable.map_err(|w| self.usage(w))?;
+        self.checked(self.health.check_gather(self.name(i)))?;
         if self.cx.stage == 3 {
             let _span = self.cx.tracer.span(self.cx.rank, "gather", "comm");
             let t = Instant::now();
-            let training = self.training;
-            let r = self.at_stage3(|s3, io| s3.gather(i, training, io));
-            if let Some(w) = self.s3.take_warning() {
-                self.warnings.give(w);
-            }
-            r?;
+            let training = self.progress.training();
+            self.at_stage3(|s3, io| s3.gather(i, training, io))?;
             self.meter.stats.gather_time += t.elapsed();
         } else {
             // Stages 1–2 with overlap_comm: the all-gather of this unit's
@@ -506,28 +490,22 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         }
         let s3 = (self.cx.stage == 3).then_some(&self.s3);
         let on = (&self.cx.backend, self.cx.rank);
-        match self.units.lend(i, s3, on, &self.releases) {
-            Some(guard) => Ok(guard),
-            None => Err(self.usage(format!(
-                "internal: gather(`{}`): the parameters are not home after the gather",
-                self.name(i)
-            ))),
-        }
+        self.cx.checked(self.units.lend(i, s3, on, &self.releases))
     }
 
     /// Ends one use of unit `i`'s parameters (its guard dropped). (The
     /// stage-3 schedule counts the gathers too: the last release frees or
     /// keeps the unit.)
     fn release(&mut self, i: usize) -> Result<()> {
-        self.units.unlend(i).map_err(|w| self.usage(w))?;
-        let training = self.training;
+        self.cx.checked(self.units.unlend(i))?;
+        let training = self.progress.training();
         self.at_stage3(|s3, io| s3.release(i, training, io))
     }
 
     /// Whether the engine is in training mode (the default; see
     /// [`Engine::eval`]).
     pub fn is_training(&self) -> bool {
-        self.training
+        self.progress.training()
     }
 
     /// Switches to evaluation: forward passes only. Gathers work as in
@@ -548,29 +526,17 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     }
 
     fn switch_mode(&mut self, training: bool, call: &str) -> Result<()> {
-        if let Some(name) = self.units.gathered() {
-            return Err(self.usage(format!(
-                "{call}() while unit `{name}` is gathered; drop its UnitGuard first"
-            )));
-        }
-        if let Some(i) = self.reducer.find(GradState::Lent) {
-            return Err(self.usage(format!(
-                "{call}() while the gradient buffer of unit `{}` is out; hand it back first",
-                self.name(i)
-            )));
-        }
-        self.training = training;
+        self.checked(self.units.check_none_gathered(call))?;
+        self.checked(self.reducer.check_none_lent(call, |j| self.name(j)))?;
+        self.progress.set_training(training);
         Ok(())
     }
 
-    /// Training calls are refused in evaluation mode.
+    /// A training call: refused in evaluation mode, and after a swap-file
+    /// error.
     fn check_training(&self, call: &str) -> Result<()> {
-        if self.training {
-            return Ok(());
-        }
-        Err(self.usage(format!(
-            "{call}: the engine is in evaluation mode (Engine::eval); call Engine::train() first"
-        )))
+        self.checked(self.progress.check_training(call))?;
+        self.check_swap(call)
     }
 
     /// The full state of a unit (parameters, fp32 master, m, v), real
@@ -631,15 +597,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     pub fn save_checkpoint(&mut self, root: &Path, client_state: Value) -> Result<PathBuf> {
         self.guard(|e| {
             e.check_swap("save_checkpoint")?;
-            let (micro, ga) = (e.progress.micro(), e.cx.cfg.gradient_accumulation_steps);
-            checkpoint::at_boundary(micro, ga, &e.reducer, &e.units).map_err(|w| e.usage(w))?;
-            let how = e.saving;
-            let run = how.run(
-                &e.progress,
-                &e.cx.cfg,
-                (e.cx.world, e.cx.stage, e.cx.pdt),
-                client_state,
-            );
+            e.checked(checkpoint::at_boundary(&e.progress, &e.reducer, &e.units))?;
+            let (how, run) = (e.saving, e.saving.run(&e.progress, &e.cx, client_state));
             let (dest, warnings) = checkpoint::save(&mut e.state_io(), root, run, how)?;
             warnings.into_iter().for_each(|w| e.warnings.give(w));
             Ok(dest)
@@ -674,12 +633,9 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         let mut engine = built?;
         engine.meter.stats.checkpoint_read_bytes =
             checkpoint::load(&mut engine.state_io(), &opened)?;
-        // The step counts and the loss scaler; every rank resumes at the
-        // same point.
-        let m = &opened.manifest;
-        let lr = engine.cx.cfg.scheduler.lr_at(m.steps);
-        let counts = (m.steps, m.global_steps);
-        engine.progress.resume(counts, m.loss_scaler.as_ref(), lr);
+        // Every rank resumes at the same step, with the same loss scale.
+        let schedule = &engine.cx.cfg.scheduler;
+        engine.progress.resume(&opened.manifest, schedule);
         // Collectives only once every rank has its part: stages 1–2
         // all-gather the parameters each rank cast from its master range,
         // stage 3 gathers its persistent units.
@@ -729,7 +685,6 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     fn grad_buffer_inner<T: Element>(&mut self, unit: UnitId) -> Result<GradBuffer<T, B>> {
         let i = self.check(unit, "grad_buffer")?;
         self.check_training("grad_buffer")?;
-        self.check_swap("grad_buffer")?;
         let (unit, add) = ((i, &self.units[i].layout), self.progress.micro() > 0);
         self.reducer.lend_as(&self.cx, unit, add, &self.returns)
     }
@@ -744,11 +699,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     fn grad_ready_inner<T: Element>(&mut self, unit: UnitId, grad: GradBuffer<T, B>) -> Result<()> {
         let i = self.check(unit, "grad_ready")?;
         self.check_training("grad_ready")?;
-        let fits = grad.check_for((i, &self.units[i].layout), self.cx.pdt);
-        fits.map_err(|w| self.usage(w))?;
-        self.check_swap("grad_ready")?;
-        let back = self.reducer.state(i).check_hand_back(self.name(i));
-        back.map_err(|w| self.usage(w))?;
+        self.checked(grad.check_for((i, &self.units[i].layout), self.cx.pdt))?;
+        self.checked(self.reducer.state(i).check_hand_back(self.name(i)))?;
         let buf = DynBuf::from_lent::<T>(grad.into_inner());
         let position = self.progress.position();
         let io = (&self.cx.comm, &self.cx.tracer, &mut self.meter.stats);
@@ -776,14 +728,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     fn step_counted(&mut self) -> Result<StepOutcome> {
         self.check_training("step")?;
-        self.check_swap("step")?;
-        if let Some(name) = self.units.gathered() {
-            return Err(self.usage(format!(
-                "step() while unit `{name}` is still gathered; drop its UnitGuard first"
-            )));
-        }
-        let complete = self.reducer.check_complete(|j| self.name(j));
-        complete.map_err(|w| self.usage(w))?;
+        self.checked(self.units.check_none_gathered("step"))?;
+        self.checked(self.reducer.check_complete(|j| self.name(j)))?;
         self.finish_param_gathers()?;
         let position = self.progress.position();
         let io = (&self.cx.comm, &self.cx.tracer, &mut self.meter.stats);
@@ -802,7 +748,23 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         }
         let span = self.cx.tracer.span(self.cx.rank, "optimizer", "optimizer");
         let t = Instant::now();
-        let (outcome, rescued) = self.optimizer_step()?;
+        let mut io = StepIo {
+            cx: &self.cx,
+            units: &mut self.units,
+            opt: &mut self.opt,
+            reducer: &mut self.reducer,
+            poff: self.poff.as_mut(),
+            health: &mut self.health,
+            rescued: None,
+            number: self.progress.steps() + 1,
+            s3: &mut self.s3,
+            stats: &mut self.meter.stats,
+        };
+        let (progress, warnings) = (&mut self.progress, &mut self.warnings);
+        let outcome = self.optimizer.at_boundary(&mut io, progress, warnings);
+        // A failed swap write that every rank rescued: the step finishes
+        // (parameter all-gather included), and then it fails.
+        let (outcome, rescued) = (outcome?, io.rescued);
         self.meter.stats.optimizer_time += t.elapsed();
         drop(span);
         if !outcome.skipped {
@@ -820,55 +782,10 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         }
         self.at_stage3(|s3, io| s3.prefetch_next(io))?;
         self.progress.finish(outcome);
-        // A failed swap write that every rank rescued: the step is done,
-        // and it still fails.
         match rescued {
             Some(e) => Err(e),
             None => Ok(outcome),
         }
-    }
-
-    /// The optimizer step at a boundary, and the error of a failed swap
-    /// write that every rank rescued (returned once the step is finished,
-    /// parameter all-gather included).
-    fn optimizer_step(&mut self) -> Result<(StepOutcome, Option<Error>)> {
-        let (p, number) = (&self.progress, self.progress.global_steps() + 1);
-        let (opt, reducer, counted) = (&self.opt, &self.reducer, p.micro_batches());
-        let sumsq = step::global_sum_squares(
-            &self.cx.comm,
-            &self.cx.backend,
-            opt,
-            reducer,
-            number,
-            counted,
-        )?;
-        let (lr, next) = (self.lr(), self.progress.steps() + 1);
-        let clip = self.cx.cfg.gradient_clipping;
-        let norm = self.progress.unscale(sumsq, self.cx.world, clip);
-        if norm.overflow && self.progress.scaler().is_none() {
-            self.warnings.give(format!(
-                "step {next}: the gradient norm is not finite; the update was skipped"
-            ));
-        }
-        let mut rescued = None;
-        if let Some(grad_scale) = norm.grad_scale {
-            let ks = self.opt.steps(&self.cx.cfg.optimizer, lr, next, grad_scale);
-            let mut io = StepIo {
-                cx: &self.cx,
-                units: &mut self.units,
-                opt: &mut self.opt,
-                reducer: &mut self.reducer,
-                poff: self.poff.as_mut(),
-                health: &mut self.health,
-                rescued: &mut rescued,
-                number: next,
-                s3: &mut self.s3,
-                stats: &mut self.meter.stats,
-            };
-            self.optimizer.run(&mut io, &ks)?;
-            self.progress.applied();
-        }
-        Ok((self.progress.boundary(&norm, lr), rescued))
     }
 
     /// After a step every rank applied: stages 1–2 all-gather the updated
@@ -896,10 +813,11 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
     /// Drops the gradients accumulated since the last optimizer step,
     /// those of the current micro-batch included (all ranks must call it
     /// at the same point: it counts as a micro-batch, and a rank that
-    /// calls it alone is refused at the next optimizer step on every rank). After an error in a micro-batch (a gradient
-    /// buffer dropped on the way out, `step` refusing a missing gradient)
-    /// this starts over: the reductions already in flight are waited for
-    /// and discarded. Every gradient buffer must be back (handed back or
+    /// calls it alone is refused at the next optimizer step on every
+    /// rank). After an error in a micro-batch (a gradient buffer dropped
+    /// on the way out, `step` refusing a missing gradient) this starts
+    /// over: the reductions already in flight are waited for and
+    /// discarded. Every gradient buffer must be back (handed back or
     /// dropped).
     pub fn zero_grad(&mut self) -> Result<()> {
         self.guard(Self::zero_grad_inner)
@@ -907,14 +825,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
 
     fn zero_grad_inner(&mut self) -> Result<()> {
         self.check_training("zero_grad")?;
-        self.check_swap("zero_grad")?;
-        if let Some(i) = self.reducer.find(GradState::Lent) {
-            return Err(self.usage(format!(
-                "zero_grad() while the gradient buffer of unit `{}` is still out; hand it back \
-                 with grad_ready or drop it",
-                self.name(i)
-            )));
-        }
+        self.checked(self.reducer.check_none_lent("zero_grad", |j| self.name(j)))?;
         self.progress.drop_micro_batch();
         self.reducer.abort(&self.cx.tracer)
     }

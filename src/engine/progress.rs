@@ -1,8 +1,10 @@
 //! Where an engine is in training: the micro-batch in its accumulation
 //! window, the optimizer steps applied and the step boundaries passed,
 //! the micro-batches ended (checked across ranks at every step), the fp16
-//! loss scaler, and what the last [`Engine::step`](super::Engine::step)
-//! did.
+//! loss scaler, what the last [`Engine::step`](super::Engine::step)
+//! did ([`StepOutcome`]), and whether the engine trains at all (or
+//! evaluates). [`GlobalNorm::unscale`] turns a step's summed squares
+//! into its norm and the factor AdamW scales the gradients by.
 //!
 //! ```text
 //!  end_micro_batch ─▶ window open:  between(lr) ─▶ last
@@ -11,9 +13,9 @@
 //!  drop_micro_batch (zero_grad): window restarts, the count goes on
 //! ```
 
-use zero_core::optim::LossScaler;
+use zero_core::optim::{clip_coefficient, LossScaler, LrSchedule};
 
-use super::step::{GlobalNorm, StepOutcome};
+use crate::format::checkpoint::Manifest;
 
 /// The step bookkeeping of one rank's engine.
 pub(super) struct Progress {
@@ -34,6 +36,8 @@ pub(super) struct Progress {
     scaler: Option<LossScaler>,
     /// What the last step did.
     last: StepOutcome,
+    /// Training (the default) or evaluation mode.
+    training: bool,
 }
 
 impl Progress {
@@ -49,7 +53,28 @@ impl Progress {
             micro_batches: 0,
             scaler,
             last: StepOutcome::between(lr, loss_scale, 0),
+            training: true,
         }
+    }
+
+    /// Whether the engine is in training mode.
+    pub(super) fn training(&self) -> bool {
+        self.training
+    }
+
+    /// Switches to training (`true`) or evaluation mode.
+    pub(super) fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
+
+    /// Training call `call` is refused in evaluation mode.
+    pub(super) fn check_training(&self, call: &str) -> Result<(), String> {
+        if self.training {
+            return Ok(());
+        }
+        Err(format!(
+            "{call}: the engine is in evaluation mode (Engine::eval); call Engine::train() first"
+        ))
     }
 
     /// The loss scale the trainer multiplies its loss by (1 unless fp16).
@@ -80,6 +105,11 @@ impl Progress {
     /// Micro-batches of the current window ended so far.
     pub(super) fn micro(&self) -> usize {
         self.micro
+    }
+
+    /// Micro-batches per window (`gradient_accumulation_steps`).
+    pub(super) fn ga(&self) -> usize {
+        self.ga
     }
 
     /// What the last step did.
@@ -149,22 +179,93 @@ impl Progress {
         self.last = outcome;
     }
 
-    /// Resumes from a checkpoint at `steps` applied of `global_steps`
-    /// boundaries, its loss scaler (kept only where this run scales the
-    /// loss), the next step at learning rate `lr`.
-    pub(super) fn resume(
-        &mut self,
-        (steps, global_steps): (u64, u64),
-        scaler: Option<&LossScaler>,
-        lr: f64,
-    ) {
-        self.steps = steps;
-        self.global_steps = global_steps;
+    /// Resumes from the checkpoint whose manifest is `m`: its step counts
+    /// and loss scaler (kept only where this run scales the loss), the
+    /// next step at learning rate `schedule.lr_at(m.steps)`.
+    pub(super) fn resume(&mut self, m: &Manifest, schedule: &LrSchedule) {
+        self.steps = m.steps;
+        self.global_steps = m.global_steps;
         self.micro_batches = 0;
-        if let (Some(_), Some(s)) = (&self.scaler, scaler) {
+        if let (Some(_), Some(s)) = (&self.scaler, &m.loss_scaler) {
             self.scaler = Some(s.clone());
         }
-        self.between(lr);
+        self.between(schedule.lr_at(m.steps));
+    }
+}
+
+/// What [`Engine::step`](super::Engine::step) did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    /// Whether this call ended a gradient-accumulation window (the
+    /// optimizer ran or was skipped); `false` for the other micro-batches.
+    pub boundary: bool,
+    /// Whether the update was skipped (fp16 overflow, or a non-finite
+    /// gradient norm in any precision): parameters are unchanged.
+    pub skipped: bool,
+    /// The global gradient norm (after unscaling, before clipping), at a
+    /// boundary.
+    pub grad_norm: Option<f64>,
+    /// The learning rate the update used (or would have used).
+    pub lr: f64,
+    /// The loss scale for the next micro-batch.
+    pub loss_scale: f32,
+    /// Optimizer steps applied so far.
+    pub steps: u64,
+}
+
+impl StepOutcome {
+    /// A call that ended no accumulation window, with the learning rate
+    /// and loss scale for the next step and `steps` applied.
+    pub(super) fn between(lr: f64, loss_scale: f32, steps: u64) -> Self {
+        Self {
+            boundary: false,
+            skipped: false,
+            grad_norm: None,
+            lr,
+            loss_scale,
+            steps,
+        }
+    }
+}
+
+/// The global gradient norm of a step, unscaled, and what the step does
+/// with it.
+pub(super) struct GlobalNorm {
+    /// After unscaling, before clipping.
+    pub(super) norm: f64,
+    /// The sum of squares was not finite.
+    pub(super) overflow: bool,
+    /// The factor AdamW multiplies the summed gradient by: `clip /
+    /// (loss_scale · N · GA)`; `None` when the update is skipped (an fp16
+    /// overflow, or a non-finite norm in any precision).
+    pub(super) grad_scale: Option<f32>,
+}
+
+impl GlobalNorm {
+    /// Unscales the summed squares `sumsq` of a step over the gradients
+    /// of `ranks` ranks times `ga` micro-batches, scaled by the loss
+    /// scaler's scale (1 without one), clipped to `clip`
+    /// (`gradient_clipping`); the scaler (fp16) learns whether the step
+    /// overflowed.
+    pub(super) fn unscale(
+        sumsq: f64,
+        (scaler, ranks, ga): (Option<&mut LossScaler>, usize, usize),
+        clip: f64,
+    ) -> Self {
+        let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
+        let base = 1.0 / (f64::from(loss_scale) * ranks as f64 * ga as f64);
+        let norm = sumsq.sqrt() * base;
+        let overflow = !sumsq.is_finite();
+        let skipped = match scaler {
+            Some(s) => s.update(overflow),
+            None => overflow,
+        };
+        let grad_scale = (!skipped).then(|| (base * clip_coefficient(norm, clip)) as f32);
+        Self {
+            norm,
+            overflow,
+            grad_scale,
+        }
     }
 }
 

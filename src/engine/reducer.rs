@@ -499,19 +499,30 @@ impl<B: HostAccess> GradReducer<B> {
         self.state.iter().position(|&s| s == state)
     }
 
+    /// Call `call` is refused while the gradient buffer of a unit is out
+    /// (`name(i)` names unit `i`).
+    pub(crate) fn check_none_lent<'a>(
+        &self,
+        call: &str,
+        name: impl Fn(usize) -> &'a str,
+    ) -> std::result::Result<(), String> {
+        match self.find(GradState::Lent) {
+            Some(i) => Err(format!(
+                "{call}() while the gradient buffer of unit `{}` is still out; hand it back \
+                 with grad_ready or drop it",
+                name(i)
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Whether the micro-batch has every unit's gradient back for
     /// `step()` (`Err`: why not; `name(i)` names unit `i`).
     pub(crate) fn check_complete<'a>(
         &self,
         name: impl Fn(usize) -> &'a str,
     ) -> std::result::Result<(), String> {
-        if let Some(i) = self.find(GradState::Lent) {
-            return Err(format!(
-                "step() while the gradient buffer of unit `{}` is still out; hand it back with \
-                 grad_ready",
-                name(i)
-            ));
-        }
+        self.check_none_lent("step", &name)?;
         let missing: Vec<&str> = (0..self.state.len())
             .filter(|&j| self.state(j) == GradState::Empty)
             .map(&name)

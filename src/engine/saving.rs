@@ -6,9 +6,8 @@
 //! (`checkpoint.rs`).
 
 use serde_json::Value;
-use zero_core::config::ResolvedConfig;
-use zero_core::DType;
 
+use super::ctx::Ctx;
 use super::progress::Progress;
 use crate::format::checkpoint::SavedRun;
 
@@ -27,25 +26,24 @@ pub(super) struct SaveHow {
 }
 
 impl SaveHow {
-    /// What a checkpoint records of the run at `progress`: the config
-    /// `cfg`, the world size, stage and parameter dtype, the seed, the step
-    /// counts and the loss scaler, and the trainer's `client_state`.
-    pub(super) fn run(
+    /// What a checkpoint records of the run at `progress` on `cx`: the
+    /// config, the world size, stage and parameter dtype, the seed, the
+    /// step counts and the loss scaler, and the trainer's `client_state`.
+    pub(super) fn run<C, B>(
         &self,
         progress: &Progress,
-        cfg: &ResolvedConfig,
-        (world_size, stage, param_dtype): (usize, u8, DType),
+        cx: &Ctx<C, B>,
         client_state: Value,
     ) -> SavedRun {
         SavedRun {
-            world_size,
-            stage,
-            param_dtype,
+            world_size: cx.world,
+            stage: cx.stage,
+            param_dtype: cx.pdt,
             steps: progress.steps(),
             global_steps: progress.global_steps(),
             loss_scaler: progress.scaler().cloned(),
             seed: self.seed,
-            config: serde_json::to_value(cfg).unwrap_or(Value::Null),
+            config: serde_json::to_value(&cx.cfg).unwrap_or(Value::Null),
             client_state,
         }
     }

@@ -188,23 +188,31 @@ impl<B: EngineBackend> Units<B> {
     /// Lends unit `i`'s full parameters to one more [`UnitGuard`] (of
     /// `rank`, on `backend`, reporting its drop to `releases`): stage 3's
     /// gathered buffers from `s3` (the frozen segment too where it was
-    /// gathered apart), else the unit's home; `None` where they are not
-    /// there (the gather did not complete).
+    /// gathered apart), else the unit's home; `Err` where they are not
+    /// there (the gather did not complete: an internal error).
     pub(super) fn lend(
         &mut self,
         i: usize,
         s3: Option<&ParamGatherer<B>>,
         (backend, rank): (&B, usize),
         releases: &Releases,
-    ) -> Option<UnitGuard<B>> {
+    ) -> Result<UnitGuard<B>, String> {
         let params = match s3 {
-            Some(s3) => (s3.params(i)?.clone(), s3.frozen_params(i).cloned()),
-            None => (self.units[i].home()?.clone(), None),
+            Some(s3) => s3
+                .params(i)
+                .map(|p| (p.clone(), s3.frozen_params(i).cloned())),
+            None => self.units[i].home().map(|p| (p.clone(), None)),
         };
         let u = &mut self.units[i];
+        let Some(params) = params else {
+            return Err(format!(
+                "internal: gather(`{}`): the parameters are not home after the gather",
+                u.layout.name
+            ));
+        };
         u.gathers += 1;
         let (layout, releases) = (u.layout.clone(), releases.clone());
-        Some(UnitGuard::new(
+        Ok(UnitGuard::new(
             params,
             backend.clone(),
             layout,
@@ -238,10 +246,16 @@ impl<B: EngineBackend> Units<B> {
         }
     }
 
-    /// The name of the first unit whose parameters a guard still holds.
-    pub(super) fn gathered(&self) -> Option<&str> {
-        let u = self.units.iter().find(|u| u.gathers > 0)?;
-        Some(&u.layout.name)
+    /// Call `call` is refused while a guard still holds the parameters
+    /// of a unit (the error names the first).
+    pub(super) fn check_none_gathered(&self, call: &str) -> Result<(), String> {
+        match self.units.iter().find(|u| u.gathers > 0) {
+            Some(u) => Err(format!(
+                "{call}() while unit `{}` is still gathered; drop its UnitGuard first",
+                u.layout.name
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Whether an all-gather is queued and not launched yet.

@@ -14,11 +14,11 @@
 //! and its overlap schedule; its doc draws what overlaps what. The tier
 //! is chosen once, at build, from the config; every tier gives the same
 //! bits (AdamW is elementwise). A step borrows the engine's parts it needs
-//! through [`StepIo`] (never the engine itself); before it, the
-//! coordinator takes the global norm ([`global_sum_squares`]: each rank's
+//! through [`StepIo`] (never the engine itself). [`OptimizerStep::at_boundary`]
+//! takes the global norm first ([`global_sum_squares`]: each rank's
 //! [`local_sum_squares`], summed over ranks in rank order, once
 //! [`check_in_step`] found every rank at the same micro-batch) and
-//! unscales and clips it ([`GlobalNorm::unscale`]), which also decides
+//! unscales and clips it ([`Progress::unscale`]), which also decides
 //! whether the update is skipped.
 
 mod device;
@@ -28,7 +28,7 @@ mod tiles;
 
 use zero_comm::agree::exchange_u64;
 use zero_core::backend::HostAccess;
-use zero_core::optim::{clip_coefficient, AdamWStep, LossScaler};
+use zero_core::optim::AdamWStep;
 use zero_core::{bf16, f16, DType, Element};
 
 pub(super) use device::DeviceStep;
@@ -43,46 +43,13 @@ use super::grad_swap::GradSwap;
 use super::health::Health;
 use super::optimizer::OptimizerShard;
 use super::param_offload::ParamOffload;
+use super::progress::{Progress, StepOutcome};
 use super::reducer::GradReducer;
 use super::staging::{OffloadStage, ParamStepStage};
 use super::stats::EngineStats;
 use super::unit::{gather_io, AllGatherIo, Units};
+use super::warnings::Warnings;
 use crate::{Error, Result};
-
-/// What [`Engine::step`](super::Engine::step) did.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepOutcome {
-    /// Whether this call ended a gradient-accumulation window (the
-    /// optimizer ran or was skipped); `false` for the other micro-batches.
-    pub boundary: bool,
-    /// Whether the update was skipped (fp16 overflow, or a non-finite
-    /// gradient norm in any precision): parameters are unchanged.
-    pub skipped: bool,
-    /// The global gradient norm (after unscaling, before clipping), at a
-    /// boundary.
-    pub grad_norm: Option<f64>,
-    /// The learning rate the update used (or would have used).
-    pub lr: f64,
-    /// The loss scale for the next micro-batch.
-    pub loss_scale: f32,
-    /// Optimizer steps applied so far.
-    pub steps: u64,
-}
-
-impl StepOutcome {
-    /// A call that ended no accumulation window, with the learning rate
-    /// and loss scale for the next step and `steps` applied.
-    pub(super) fn between(lr: f64, loss_scale: f32, steps: u64) -> Self {
-        Self {
-            boundary: false,
-            skipped: false,
-            grad_norm: None,
-            lr,
-            loss_scale,
-            steps,
-        }
-    }
-}
 
 /// What an optimizer step needs from the engine, borrowed for one step:
 /// the rank's state and the units' parameters it updates, the parameter
@@ -101,7 +68,7 @@ pub(super) struct StepIo<'a, C, B: EngineBackend> {
     pub(super) health: &'a mut Health,
     /// The error of a failed swap write every rank rescued: the step
     /// completes and `step()` returns it afterwards.
-    pub(super) rescued: &'a mut Option<Error>,
+    pub(super) rescued: Option<Error>,
     /// The number of this step (1 for the first), for errors.
     pub(super) number: u64,
     /// Stage 3: the gatherer whose prefetch starts during the step.
@@ -145,52 +112,11 @@ impl<C: EngineComm<B>, B: EngineBackend> StepIo<'_, C, B> {
     }
 }
 
-/// The global gradient norm of a step, unscaled, and what the step does
-/// with it.
-pub(super) struct GlobalNorm {
-    /// After unscaling, before clipping.
-    pub(super) norm: f64,
-    /// The sum of squares was not finite.
-    pub(super) overflow: bool,
-    /// The factor AdamW multiplies the summed gradient by: `clip /
-    /// (loss_scale · N · GA)`; `None` when the update is skipped (an fp16
-    /// overflow, or a non-finite norm in any precision).
-    pub(super) grad_scale: Option<f32>,
-}
-
-impl GlobalNorm {
-    /// Unscales the summed squares `sumsq` of a step over the gradients
-    /// of `ranks` ranks times `ga` micro-batches, scaled by the loss
-    /// scaler's scale (1 without one), clipped to `clip`
-    /// (`gradient_clipping`); the scaler (fp16) learns whether the step
-    /// overflowed.
-    pub(super) fn unscale(
-        sumsq: f64,
-        (scaler, ranks, ga): (Option<&mut LossScaler>, usize, usize),
-        clip: f64,
-    ) -> Self {
-        let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
-        let base = 1.0 / (f64::from(loss_scale) * ranks as f64 * ga as f64);
-        let norm = sumsq.sqrt() * base;
-        let overflow = !sumsq.is_finite();
-        let skipped = match scaler {
-            Some(s) => s.update(overflow),
-            None => overflow,
-        };
-        let grad_scale = (!skipped).then(|| (base * clip_coefficient(norm, clip)) as f32);
-        Self {
-            norm,
-            overflow,
-            grad_scale,
-        }
-    }
-}
-
 /// The squared global gradient norm of step `number` (1 for the first,
 /// skipped steps counted): every rank's [`local_sum_squares`], summed in
 /// rank order, exchanged with each rank's count of micro-batches
 /// (`micro_batches`), which [`check_in_step`] finds equal first.
-pub(super) fn global_sum_squares<B: EngineBackend, C: EngineComm<B>>(
+fn global_sum_squares<B: EngineBackend, C: EngineComm<B>>(
     comm: &C,
     backend: &B,
     opt: &OptimizerShard<B>,
@@ -310,14 +236,41 @@ impl<B: EngineBackend> OptimizerStep<B> {
         Self::Device(DeviceStep)
     }
 
+    /// The optimizer step that ends `progress`'s window (update number
+    /// `io.number` if applied): the global norm ([`global_sum_squares`]) unscaled and
+    /// clipped ([`Progress::unscale`]), then AdamW at this step's learning
+    /// rate unless the update is skipped (with a warning when no fp16
+    /// scaler skipped it). Returns what the step did; a failed swap write
+    /// that every rank rescued is left in `io.rescued`.
+    pub(super) fn at_boundary<C: EngineComm<B>>(
+        &mut self,
+        io: &mut StepIo<'_, C, B>,
+        progress: &mut Progress,
+        warnings: &mut Warnings,
+    ) -> Result<StepOutcome> {
+        let (number, counted) = (progress.global_steps() + 1, progress.micro_batches());
+        let (cx, next) = (io.cx, io.number);
+        let (comm, backend) = (&cx.comm, &cx.backend);
+        let sumsq = global_sum_squares(comm, backend, io.opt, io.reducer, number, counted)?;
+        let lr = cx.cfg.scheduler.lr_at(progress.steps());
+        let norm = progress.unscale(sumsq, cx.world, cx.cfg.gradient_clipping);
+        if norm.overflow && progress.scaler().is_none() {
+            warnings.give(format!(
+                "step {next}: the gradient norm is not finite; the update was skipped"
+            ));
+        }
+        if let Some(grad_scale) = norm.grad_scale {
+            let ks = io.opt.steps(&cx.cfg.optimizer, lr, next, grad_scale);
+            self.run(io, &ks)?;
+            progress.applied();
+        }
+        Ok(progress.boundary(&norm, lr))
+    }
+
     /// AdamW on this rank's part of every unit, writing the updated
     /// parameters in the parameter dtype (nothing without trainable
     /// tensors).
-    pub(super) fn run<C: EngineComm<B>>(
-        &mut self,
-        e: &mut StepIo<'_, C, B>,
-        k: &[AdamWStep],
-    ) -> Result<()> {
+    fn run<C: EngineComm<B>>(&mut self, e: &mut StepIo<'_, C, B>, k: &[AdamWStep]) -> Result<()> {
         let Some(gdt) = e.reducer.home_dtype() else {
             return Ok(());
         };

@@ -128,7 +128,7 @@ impl<B: EngineBackend> TierStep<B> for TilesStep<B> {
                 )),
             };
             eng.health.rescued(e.to_string());
-            *eng.rescued = Some(e);
+            eng.rescued = Some(e);
         }
         let committed = off.commit(&mut params);
         drop((homes, params));
