@@ -14,12 +14,12 @@
 //! and its overlap schedule; its doc draws what overlaps what. The tier
 //! is chosen once, at build, from the config; every tier gives the same
 //! bits (AdamW is elementwise). A step borrows the engine's parts it needs
-//! through [`StepIo`] (never the engine itself). [`OptimizerStep::at_boundary`]
-//! takes the global norm first ([`global_sum_squares`]: each rank's
-//! [`local_sum_squares`], summed over ranks in rank order, once
-//! [`check_in_step`] found every rank at the same micro-batch) and
-//! unscales and clips it ([`Progress::unscale`]), which also decides
-//! whether the update is skipped.
+//! through [`StepIo`] (never the engine itself).
+//! [`OptimizerStep::at_boundary`] takes the global norm first
+//! ([`global_sum_squares`]: each rank's [`local_sum_squares`], summed over
+//! ranks in rank order, once [`check_in_step`] found every rank at the
+//! same micro-batch) and unscales and clips it ([`Progress::unscale`]),
+//! which also decides whether the update is skipped.
 
 mod device;
 mod param;
@@ -237,11 +237,11 @@ impl<B: EngineBackend> OptimizerStep<B> {
     }
 
     /// The optimizer step that ends `progress`'s window (update number
-    /// `io.number` if applied): the global norm ([`global_sum_squares`]) unscaled and
-    /// clipped ([`Progress::unscale`]), then AdamW at this step's learning
-    /// rate unless the update is skipped (with a warning when no fp16
-    /// scaler skipped it). Returns what the step did; a failed swap write
-    /// that every rank rescued is left in `io.rescued`.
+    /// `io.number` if applied): the global norm ([`global_sum_squares`]),
+    /// unscaled and clipped ([`Progress::unscale`]), then AdamW at this
+    /// step's learning rate unless the update is skipped (with a warning
+    /// when no fp16 scaler skipped it). Returns what the step did; a
+    /// failed swap write that every rank rescued is left in `io.rescued`.
     pub(super) fn at_boundary<C: EngineComm<B>>(
         &mut self,
         io: &mut StepIo<'_, C, B>,
