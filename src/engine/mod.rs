@@ -599,6 +599,7 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
             e.check_swap("save_checkpoint")?;
             e.checked(checkpoint::at_boundary(&e.progress, &e.reducer, &e.units))?;
             let (how, run) = (e.saving, e.saving.run(&e.progress, &e.cx, client_state));
+            let run = e.checked(run)?;
             let (dest, warnings) = checkpoint::save(&mut e.state_io(), root, run, how)?;
             warnings.into_iter().for_each(|w| e.warnings.give(w));
             Ok(dest)

@@ -28,14 +28,18 @@ pub(super) struct SaveHow {
 impl SaveHow {
     /// What a checkpoint records of the run at `progress` on `cx`: the
     /// config, the world size, stage and parameter dtype, the seed, the
-    /// step counts and the loss scaler, and the trainer's `client_state`.
+    /// step counts and the loss scaler, and the trainer's `client_state`;
+    /// `Err` (why) where the config cannot be written as JSON.
     pub(super) fn run<C, B>(
         &self,
         progress: &Progress,
         cx: &Ctx<C, B>,
         client_state: Value,
-    ) -> SavedRun {
-        SavedRun {
+    ) -> Result<SavedRun, String> {
+        let config = serde_json::to_value(&cx.cfg).map_err(|e| {
+            format!("save_checkpoint: the resolved config cannot be written as JSON ({e})")
+        })?;
+        Ok(SavedRun {
             world_size: cx.world,
             stage: cx.stage,
             param_dtype: cx.pdt,
@@ -43,8 +47,8 @@ impl SaveHow {
             global_steps: progress.global_steps(),
             loss_scaler: progress.scaler().cloned(),
             seed: self.seed,
-            config: serde_json::to_value(&cx.cfg).unwrap_or(Value::Null),
+            config,
             client_state,
-        }
+        })
     }
 }
