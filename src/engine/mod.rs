@@ -598,8 +598,8 @@ impl<C: EngineComm<B>, B: EngineBackend> Engine<C, B> {
         self.guard(|e| {
             e.check_swap("save_checkpoint")?;
             e.checked(checkpoint::at_boundary(&e.progress, &e.reducer, &e.units))?;
-            let (how, run) = (e.saving, e.saving.run(&e.progress, &e.cx, client_state));
-            let run = e.checked(run)?;
+            let how = e.saving;
+            let run = e.checked(how.run(&e.progress, &e.cx, client_state))?;
             let (dest, warnings) = checkpoint::save(&mut e.state_io(), root, run, how)?;
             warnings.into_iter().for_each(|w| e.warnings.give(w));
             Ok(dest)
